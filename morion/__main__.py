@@ -1,0 +1,5 @@
+import sys
+
+from morion.cli import main
+
+sys.exit(main())

@@ -1,0 +1,387 @@
+"""The device-tier radix tree: a page-aligned prefix cache over token ids with optional state snapshots.
+
+Tree invariants (checked by `check_integrity`):
+
+- A non-root node holds a run of whole pages: `len(token_ids) == len(pages) * page_size`, at least one
+  page. A parent keys its children by their first page of token ids, so siblings differ in it.
+- `ref_count` of a node = its own locks + the sum of its children's `ref_count`: a lock counts on the
+  whole path to the root. A node with `ref_count > 0` is never evicted; one with `ref_count == 0` has an
+  unlocked subtree, so all its pages are evictable (leaf first).
+- `snapshot_slot` holds the state after the node's *last* token. Splitting a node keeps the snapshot on
+  the lower half (same end position) and gives the upper half none: state is never copied or guessed.
+  The lower half stays the same object, so handles to it (and its locks) survive a split.
+- A node without a snapshot in a state spec is a "tombstone" (or was inserted without one): its pages
+  serve deeper snapshots but a match never ends there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from morion.cache.page_pool import PagePool
+from morion.cache.prefix_cache import CacheIntegrityError, InsertResult, PrefixCache, PrefixMatch
+from morion.cache.state_slots import StateSlots
+
+
+class RadixNode:
+    """One edge of the tree: a run of whole pages of token ids, the pages that hold them, and at most one
+    state snapshot (valid after its last token)."""
+
+    __slots__ = (
+        "children",
+        "last_access",
+        "node_id",
+        "own_locks",
+        "pages",
+        "parent",
+        "ref_count",
+        "snapshot_slot",
+        "token_ids",
+    )
+
+    def __init__(self, token_ids: tuple[int, ...], pages: list[int], parent: RadixNode | None, node_id: int):
+        self.token_ids = token_ids
+        self.pages = pages
+        self.parent = parent  # None for the root, and for a node after it was evicted
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.ref_count = 0
+        self.own_locks = 0
+        self.snapshot_slot: int | None = None
+        self.last_access = 0
+        self.node_id = node_id  # tie-break for equal access times: deterministic eviction order
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(id={self.node_id}, pages={self.pages}, ref={self.ref_count}, "
+            f"snapshot={self.snapshot_slot})"
+        )
+
+
+def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    if isinstance(token_ids, torch.Tensor):
+        return tuple(token_ids.tolist())
+    return tuple(token_ids)
+
+
+class RadixCache(PrefixCache):
+    """The radix tree over `page_pool`'s pages; snapshots live in `state_slots` (required exactly when the
+    spec has state components). Eviction frees pages and slots straight into those pools."""
+
+    def __init__(self, page_pool: PagePool, state_slots: StateSlots | None = None) -> None:
+        spec = page_pool.spec
+        if spec.has_state and state_slots is None:
+            raise ValueError("the spec has state components: the radix cache needs its StateSlots")
+        if state_slots is not None and state_slots.spec != spec:
+            raise ValueError("page_pool and state_slots were built for different CacheSpecs")
+        self.page_pool = page_pool
+        self.state_slots = state_slots
+        self.spec = spec
+        self.page_size = spec.page_size
+        self._node_ids = itertools.count()
+        self._clock = 0  # logical time for LRU: bumped once per match/insert
+        self.root = RadixNode((), [], None, next(self._node_ids))
+        self._cached_pages = 0
+        self._evictable_pages = 0
+        self._cached_snapshots = 0
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached_pages
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable_pages
+
+    @property
+    def cached_snapshots(self) -> int:
+        return self._cached_snapshots
+
+    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
+        tokens = _as_tokens(token_ids)
+        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        node, partial_child, partial_pages = self._walk(tokens)
+        if self.spec.has_state:
+            # Only a node with a snapshot is a valid end; a snapshot is always at a node's end, so no split.
+            while node is not self.root and node.snapshot_slot is None:
+                node = node.parent
+        elif partial_child is not None:
+            node = self._split(partial_child, partial_pages)
+        path = self._path(node)
+        self._clock += 1
+        for n in path:
+            n.last_access = self._clock
+        pages = [page for n in path for page in n.pages]
+        return PrefixMatch(node, len(pages) * self.page_size, pages, node.snapshot_slot)
+
+    # -- locks --------------------------------------------------------------------------------------------
+
+    def lock(self, node: object) -> None:
+        path = self._path(node)
+        for n in path:
+            if n.ref_count == 0:
+                self._evictable_pages -= n.num_pages
+            n.ref_count += 1
+        if path:
+            path[-1].own_locks += 1
+
+    def unlock(self, node: object) -> None:
+        path = self._path(node)
+        if not path:
+            return
+        if path[-1].own_locks == 0:
+            raise RuntimeError(f"unlock of {path[-1]!r}, which holds no lock")
+        path[-1].own_locks -= 1
+        for n in path:
+            n.ref_count -= 1
+            if n.ref_count == 0:
+                self._evictable_pages += n.num_pages
+
+    # -- insert -------------------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        pages: Sequence[int],
+        snapshot_slot: int | None = None,
+    ) -> InsertResult:
+        ps = self.page_size
+        tokens = _as_tokens(token_ids)
+        n = len(tokens) // ps * ps
+        if len(pages) < n // ps:
+            raise ValueError(f"{len(tokens)} tokens need {n // ps} full pages, got {len(pages)} pages")
+        if snapshot_slot is not None:
+            if self.state_slots is None:
+                raise ValueError("a snapshot was given but the spec has no state components")
+            if n == 0 or len(tokens) != n:
+                raise ValueError(
+                    f"a snapshot needs a positive page-aligned length, got {len(tokens)} tokens (page {ps})"
+                )
+            if self.state_slots.is_free(snapshot_slot):
+                raise RuntimeError(f"snapshot slot {snapshot_slot} is free: the caller does not own it")
+        tokens = tokens[:n]
+        self._clock += 1
+        node, pos, duplicate_pages = self.root, 0, []
+        while pos < n:
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                break
+            num_matched = self._matched_pages(child, tokens, pos)
+            if num_matched < child.num_pages:
+                # Diverges inside child, or ends there: either way a node must end at this position.
+                child = self._split(child, num_matched)
+            # The caller's pages where the cache already has (other) pages: still the caller's to free.
+            mine = pages[pos // ps : pos // ps + num_matched]
+            duplicate_pages += [p for p, cached in zip(mine, child.pages, strict=True) if p != cached]
+            child.last_access = self._clock
+            node, pos = child, pos + num_matched * ps
+        num_cached_tokens = pos
+        if pos < n:
+            node = self._add_leaf(node, tokens[pos:], list(pages[pos // ps : n // ps]))
+        unused_snapshot_slot = snapshot_slot
+        if snapshot_slot is not None and node.snapshot_slot is None:
+            node.snapshot_slot = snapshot_slot
+            self._cached_snapshots += 1
+            unused_snapshot_slot = None
+        return InsertResult(num_cached_tokens, unused_snapshot_slot, duplicate_pages, node)
+
+    # -- eviction -----------------------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        if num_pages <= 0:
+            return 0
+        heap = [
+            self._eviction_key(n)
+            for n in self._nodes()
+            if n is not self.root and not n.children and n.ref_count == 0
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)[-1]
+            parent = leaf.parent
+            freed += self._remove_leaf(leaf)
+            if parent is not self.root and not parent.children and parent.ref_count == 0:
+                heapq.heappush(heap, self._eviction_key(parent))
+        return freed
+
+    def evict_snapshots(self, num_slots: int) -> int:
+        if self.state_slots is None or num_slots <= 0:
+            return 0
+        # Only the locking request reads a node's snapshot (to restore its state); ancestors on a locked
+        # path keep their pages but their snapshots are free to go.
+        candidates = [n for n in self._nodes() if n.snapshot_slot is not None and n.own_locks == 0]
+        victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.node_id))
+        for node in victims:
+            self.state_slots.free(node.snapshot_slot)
+            node.snapshot_slot = None
+        self._cached_snapshots -= len(victims)
+        return len(victims)
+
+    # -- integrity ----------------------------------------------------------------------------------------
+
+    def check_integrity(
+        self, pages_held_by_requests: Iterable[int] = (), slots_held_by_requests: Iterable[int] = ()
+    ) -> None:
+        ps = self.page_size
+        if self.root.pages or self.root.token_ids or self.root.snapshot_slot is not None:
+            raise CacheIntegrityError("the root must hold no tokens, pages or snapshot")
+        page_places: dict[int, list[str]] = defaultdict(list)
+        slot_places: dict[int, list[str]] = defaultdict(list)
+        evictable = 0
+        for node in self._nodes():
+            for key, child in node.children.items():
+                if child.parent is not node or child.token_ids[:ps] != key:
+                    raise CacheIntegrityError(f"{child!r} is linked wrongly under {node!r}")
+            if node is self.root:
+                continue
+            if node.num_pages == 0 or len(node.token_ids) != node.num_pages * ps:
+                raise CacheIntegrityError(
+                    f"{node!r} holds {len(node.token_ids)} tokens in {node.num_pages} pages of {ps}"
+                )
+            expected_refs = node.own_locks + sum(c.ref_count for c in node.children.values())
+            if node.own_locks < 0 or node.ref_count != expected_refs:
+                raise CacheIntegrityError(
+                    f"{node!r}: ref_count {node.ref_count} != own locks {node.own_locks} + children's refs"
+                )
+            if node.ref_count == 0:
+                evictable += node.num_pages
+            for page in node.pages:
+                page_places[page].append(f"cache node {node.node_id}")
+            if node.snapshot_slot is not None:
+                slot_places[node.snapshot_slot].append(f"snapshot of cache node {node.node_id}")
+        cached = len(page_places)
+        snapshots = len(slot_places)
+        for page in self.page_pool.free_pages():
+            page_places[page].append("the free list")
+        for page in pages_held_by_requests:
+            page_places[page].append("a request")
+        _check_places("page", page_places, self.page_pool.num_pages)
+        if self.state_slots is not None:
+            for slot in self.state_slots.free_slots():
+                slot_places[slot].append("the free list")
+            for slot in slots_held_by_requests:
+                slot_places[slot].append("a request")
+            _check_places("state slot", slot_places, self.state_slots.num_slots)
+        elif slot_places:
+            raise CacheIntegrityError("snapshots in a cache whose spec has no state")
+        counters = (self._cached_pages, self._evictable_pages, self._cached_snapshots)
+        if counters != (cached, evictable, snapshots):
+            raise CacheIntegrityError(
+                f"counters (cached, evictable, snapshots) {counters} != tree {(cached, evictable, snapshots)}"
+            )
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _walk(self, tokens: tuple[int, ...]) -> tuple[RadixNode, RadixNode | None, int]:
+        """Follow whole pages of `tokens` down the tree. Returns the deepest fully matched node, and the
+        child where the match goes on for some but not all pages (with how many), or (None, 0)."""
+        ps = self.page_size
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                break
+            num_matched = self._matched_pages(child, tokens, pos)
+            if num_matched < child.num_pages:
+                return node, child, num_matched
+            node, pos = child, pos + num_matched * ps
+        return node, None, 0
+
+    def _matched_pages(self, node: RadixNode, tokens: tuple[int, ...], pos: int) -> int:
+        """How many leading pages of `node` equal `tokens[pos:]`; at least 1 (its key page matched)."""
+        ps = self.page_size
+        limit = min(node.num_pages, (len(tokens) - pos) // ps)
+        if node.token_ids[: limit * ps] == tokens[pos : pos + limit * ps]:
+            return limit
+        # The fast path failed, so some page before `limit` differs and this loop stops there.
+        start = ps
+        while node.token_ids[start : start + ps] == tokens[pos + start : pos + start + ps]:
+            start += ps
+        return start // ps
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Split `node` after `num_pages` pages and return the new upper half. `node` keeps the lower half
+        with its snapshot, own locks and identity; the upper half carries the same path locks."""
+        ps, cut = self.page_size, num_pages * self.page_size
+        parent = node.parent
+        upper = RadixNode(node.token_ids[:cut], node.pages[:num_pages], parent, next(self._node_ids))
+        upper.ref_count = node.ref_count
+        upper.last_access = node.last_access
+        parent.children[upper.token_ids[:ps]] = upper
+        node.token_ids, node.pages, node.parent = node.token_ids[cut:], node.pages[num_pages:], upper
+        upper.children[node.token_ids[:ps]] = node
+        return upper
+
+    def _add_leaf(self, parent: RadixNode, tokens: tuple[int, ...], pages: list[int]) -> RadixNode:
+        for page in pages:
+            if self.page_pool.is_free(page):
+                raise RuntimeError(f"insert of page {page}, which is free: the caller does not own it")
+        leaf = RadixNode(tokens, pages, parent, next(self._node_ids))
+        leaf.last_access = self._clock
+        parent.children[tokens[: self.page_size]] = leaf
+        self._cached_pages += len(pages)
+        self._evictable_pages += len(pages)
+        return leaf
+
+    def _remove_leaf(self, leaf: RadixNode) -> int:
+        del leaf.parent.children[leaf.token_ids[: self.page_size]]
+        leaf.parent = None  # marks the handle dead: lock/unlock on it raise
+        self.page_pool.free(leaf.pages)
+        if leaf.snapshot_slot is not None:
+            self.state_slots.free(leaf.snapshot_slot)
+            leaf.snapshot_slot = None
+            self._cached_snapshots -= 1
+        self._cached_pages -= leaf.num_pages
+        self._evictable_pages -= leaf.num_pages
+        return leaf.num_pages
+
+    def _eviction_key(self, leaf: RadixNode) -> tuple[bool, int, int, RadixNode]:
+        # In a state spec a leaf without a snapshot can never end a match and leads to none: dead weight,
+        # so it goes first. Then least recently used; node_id makes the order total (nodes never compare).
+        has_value = leaf.snapshot_slot is not None or not self.spec.has_state
+        return (has_value, leaf.last_access, leaf.node_id, leaf)
+
+    def _path(self, node: object) -> list[RadixNode]:
+        """Nodes from below the root down to `node`; raises if `node` is not in this tree (any more)."""
+        if not isinstance(node, RadixNode):
+            raise TypeError(f"expected a RadixNode handle, got {type(node).__name__}")
+        path = []
+        while node is not self.root:
+            if node.parent is None:
+                raise RuntimeError(f"{node!r} is not in the cache: it was evicted or belongs to another tree")
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def _nodes(self) -> list[RadixNode]:
+        nodes, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+
+def _check_places(kind: str, places: dict[int, list[str]], total: int) -> None:
+    for index, where in places.items():
+        if not 0 <= index < total:
+            raise CacheIntegrityError(f"{kind} {index} is out of range (pool of {total}), found in {where}")
+        if len(where) > 1:
+            raise CacheIntegrityError(f"{kind} {index} is in several places: {', '.join(where)}")
+    if len(places) != total:
+        leaked = sorted(set(range(total)) - places.keys())
+        raise CacheIntegrityError(
+            f"{len(leaked)} {kind}s are in no place (not free, not cached, not held): {leaked[:10]}"
+        )

@@ -1,0 +1,78 @@
+"""The `morion` command as a user runs it: a real subprocess, real files, the real default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_morion(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "morion", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_generate_answers_paris(smollm2_gguf):
+    result = run_morion(
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France? Answer in one word.",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "loading" in result.stderr  # progress is shown while loading
+
+
+def test_pull_prints_the_stored_path(smollm2_gguf):
+    result = run_morion("pull")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(smollm2_gguf)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_negative_max_tokens():
+    _assert_one_line_error(
+        run_morion("generate", "--prompt", "x", "--max-tokens", "-5"), "--max-tokens", "-5"
+    )
+
+
+def test_negative_temperature():
+    _assert_one_line_error(run_morion("generate", "--prompt", "x", "--temperature", "-1"), "--temperature")
+
+
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "missing"
+    _assert_one_line_error(run_morion("generate", "--prompt", "x", "--model", str(missing)), str(missing))
+
+
+def test_directory_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _assert_one_line_error(run_morion("generate", "--prompt", "x", "--model", str(tmp_path)), "safetensors")
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bloom"}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    _assert_one_line_error(run_morion("generate", "--prompt", "x", "--model", str(tmp_path)), "'bloom'")
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\xff" * 64)
+    _assert_one_line_error(run_morion("generate", "--prompt", "x", "--model", str(path)), "not a valid GGUF")
