@@ -50,7 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     _add_model_arguments(generate)
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=_bounded(int, 0, "--max-tokens"), default=256)
+    generate.add_argument("--max-tokens", type=_bounded(int, 1, "--max-tokens"), default=256)
     generate.add_argument("--temperature", type=_bounded(float, 0.0, "--temperature"), default=0.0)
     generate.add_argument("--top-p", type=_bounded(float, 0.0, "--top-p"), default=1.0)
     generate.add_argument("--top-k", type=_bounded(int, 0, "--top-k"), default=0)
