@@ -73,17 +73,13 @@ def _run_pull(args: argparse.Namespace) -> None:
     print(pull(args.name or DEFAULT_MODEL))
 
 
-def _load(args: argparse.Namespace):
-    from morion.config import EngineConfig
-    from morion.loader import load_model
-
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
-    return load_model(config.model, config.torch_dtype, config.torch_device)
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {"dtype": args.dtype, "device": args.device}
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from morion.engine.generate import generate_text
     from morion.engine.sampling_params import SamplingParams
+    from morion.llm import LLM
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -92,22 +88,22 @@ def _run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
     )
-    loaded = _load(args)
-    tokenizer = loaded.tokenizer
+    llm = LLM(model=args.model, **_engine_options(args))
+    tokenizer = llm.tokenizer
     if tokenizer is None:
-        raise MorionError(f"{loaded.path} has no tokenizer (tokenizer.json), so it cannot take a text prompt")
+        raise MorionError(
+            f"{llm.engine.model_path} has no tokenizer (tokenizer.json), so it cannot take a text prompt"
+        )
     use_chat = tokenizer.chat_template is not None if args.chat is None else args.chat
-    if use_chat and tokenizer.chat_template is None:
-        raise MorionError(f"--chat given but {loaded.path} has no chat template")
     if use_chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        prompt_ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     started = time.perf_counter()
     num_tokens = 0
-    for delta in generate_text(loaded.model, tokenizer, prompt_ids, params):
-        num_tokens += delta.token_id is not None
-        sys.stdout.write(delta.text)
+    for step in llm.stream(prompt_ids, params):
+        num_tokens += len(step.new_token_ids)
+        sys.stdout.write(step.new_text)
         sys.stdout.flush()
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
@@ -119,7 +115,11 @@ def _run_generate(args: argparse.Namespace) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> None:
-    loaded = _load(args)
+    from morion.config import EngineConfig
+    from morion.loader import load_model
+
+    config = EngineConfig(model=args.model, **_engine_options(args))
+    loaded = load_model(config.model, config.torch_dtype, config.torch_device)
     parameters = sum(p.numel() for p in loaded.model.parameters())
     print(f"path: {loaded.path}")
     print(f"model_type: {loaded.hf_config['model_type']}")

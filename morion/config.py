@@ -16,10 +16,32 @@ class EngineConfig:
     model: str | None = None  # a path, a known model name, or None for the default model
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
+    page_size: int = 16  # tokens per K/V page
+    kv_cache_tokens: int | None = None  # pool capacity in tokens; None: sized from kv_cache_gb
+    kv_cache_gb: float | None = None  # None: 1 GiB on CPU, mem_fraction of free memory on CUDA
+    mem_fraction: float = 0.85  # share of free device memory the pool may take (CUDA)
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    chunk_size: int = 4096  # token budget of one engine step (chunked prefill)
+    max_running_requests: int = 64
+    enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise MorionError(f"unsupported dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise MorionError(f"page_size must be a power of two, got {self.page_size}")
+        positive = {
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "kv_cache_gb": self.kv_cache_gb,
+            "max_model_len": self.max_model_len,
+            "chunk_size": self.chunk_size,
+            "max_running_requests": self.max_running_requests,
+        }
+        for name, value in positive.items():
+            if value is not None and value <= 0:
+                raise MorionError(f"{name} must be positive, got {value}")
+        if not 0 < self.mem_fraction <= 1:
+            raise MorionError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
 
     @property
     def torch_device(self) -> torch.device:

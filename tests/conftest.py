@@ -6,8 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from morion.cache.sequence_kv_cache import SequenceKVCache
+from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.sampling_params import SamplingParams
+from morion.loader import LoadedModel
 from morion.loader.model_store import DEFAULT_MODEL, pull
+from morion.ops.attention import causal_attention_reference
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,22 +29,38 @@ def smollm2_gguf() -> Path:
     return pull(DEFAULT_MODEL, verify_existing=False)
 
 
+class OneSequenceBackend:
+    """The simplest attention backend: one sequence, all of it in one forward, no cache."""
+
+    def attend(self, layer_index: int, q, k, v, scale: float) -> torch.Tensor:
+        return causal_attention_reference(q, k, v, 0, scale)
+
+
 def full_prefill_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits for every position of one sequence through morion's own single-sequence path."""
-    config = model.config
-    cache = SequenceKVCache(
-        config.num_layers,
-        len(token_ids),
-        config.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
-    cache.begin(len(token_ids))
+    """Logits for every position of one sequence, straight through the model's layers."""
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), cache)
-    cache.commit()
+        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), OneSequenceBackend())
     return model.compute_logits(hidden)
+
+
+def make_engine(loaded: LoadedModel, **options) -> Engine:
+    options.setdefault("kv_cache_tokens", 8192)
+    return Engine(EngineConfig(device="cpu", **options), loaded)
+
+
+def run_engine(
+    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+):
+    """Submits all prompts at once and steps until done; returns the final outputs in prompt order."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    finals = {}
+    while engine.has_unfinished():
+        for step in engine.step():
+            if step.final is not None:
+                finals[step.request_id] = step.final
+    return [finals[i] for i in ids]
 
 
 def assert_same_greedy(
@@ -66,6 +86,16 @@ def assert_same_greedy(
 @pytest.fixture
 def greedy_checker() -> Callable[..., None]:
     return assert_same_greedy
+
+
+@pytest.fixture
+def engine_factory() -> Callable[..., Engine]:
+    return make_engine
+
+
+@pytest.fixture
+def engine_runner() -> Callable[..., list]:
+    return run_engine
 
 
 @pytest.fixture

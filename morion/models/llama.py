@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from morion.cache.spec import CacheSpec, TokenComponent
 from morion.errors import ModelLoadError
 from morion.layers.attention import AttentionBackend, SelfAttention
 from morion.layers.mlp import SwiGLU
@@ -128,6 +129,13 @@ class DenseForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; `compute_logits` turns the ones needed into logits."""
         return self.model(input_ids, positions, backend)
+
+    def cache_spec(self, page_size: int, kv_dtype: torch.dtype) -> CacheSpec:
+        """Per token: K and V of every layer. No per-request state."""
+        kv = TokenComponent(
+            "kv", self.config.num_layers, (2, self.config.num_kv_heads, self.config.head_dim), kv_dtype
+        )
+        return CacheSpec(page_size, (kv,))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

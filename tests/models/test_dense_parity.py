@@ -8,9 +8,8 @@ import pytest
 import torch
 import transformers
 
-from morion.engine.generate import generate_token_ids
 from morion.engine.sampling_params import SamplingParams
-from morion.loader import load_model
+from morion.loader import LoadedModel, load_model
 
 # fp32 on tiny random models: only summation order differs from transformers.
 LOGIT_TOLERANCE = 1e-4
@@ -47,7 +46,7 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny_pair(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module]:
+def tiny_pair(request, tmp_path_factory) -> tuple[LoadedModel, torch.nn.Module]:
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
     reference.generation_config.eos_token_id = None  # random models: generate all 32 tokens, as ours do
@@ -58,8 +57,7 @@ def tiny_pair(request, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Modu
                 param.add_(torch.randn_like(param) * 0.1)
     directory: Path = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(directory)
-    ours = load_model(str(directory), torch.float32, torch.device("cpu")).model
-    return ours, reference
+    return load_model(str(directory), torch.float32, torch.device("cpu")), reference
 
 
 def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -68,7 +66,8 @@ def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_prefill_logits_match_transformers(tiny_pair, prefill_logits, length):
-    ours, reference = tiny_pair
+    loaded, reference = tiny_pair
+    ours = loaded.model
     prompt = _prompt(length, ours.config.vocab_size, seed=length)
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
@@ -76,11 +75,15 @@ def test_prefill_logits_match_transformers(tiny_pair, prefill_logits, length):
     assert (actual - expected).abs().max().item() < LOGIT_TOLERANCE
 
 
-def test_greedy_continuation_matches_transformers(tiny_pair, greedy_checker):
-    ours, reference = tiny_pair
+def test_greedy_continuation_matches_transformers(tiny_pair, greedy_checker, engine_factory, engine_runner):
+    loaded, reference = tiny_pair
+    engine = engine_factory(loaded)
     for seed in range(5):
-        prompt = _prompt(3 + 4 * seed, ours.config.vocab_size, seed=100 + seed)
-        ids = list(generate_token_ids(ours, prompt, SamplingParams(max_tokens=32, temperature=0.0), ()))
+        prompt = _prompt(3 + 4 * seed, loaded.model.config.vocab_size, seed=100 + seed)
+        [output] = engine_runner(
+            engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        )
+        ids = output.token_ids
         with torch.no_grad():
             out = reference.generate(
                 torch.tensor([prompt]),

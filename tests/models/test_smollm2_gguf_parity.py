@@ -6,7 +6,6 @@ import pytest
 import torch
 import transformers
 
-from morion.engine.generate import generate_token_ids
 from morion.engine.sampling_params import SamplingParams
 from morion.loader import load_model
 
@@ -45,11 +44,15 @@ def test_prefill_logits_match_transformers(models, prefill_logits):
 
 
 @pytest.mark.slow
-def test_greedy_continuations_match_transformers(models, greedy_checker):
+def test_greedy_continuations_match_transformers(models, greedy_checker, engine_factory, engine_runner):
     loaded, reference = models
+    engine = engine_factory(loaded)
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
-        ours = list(generate_token_ids(loaded.model, ids, SamplingParams(max_tokens=32, temperature=0.0), ()))
+        [output] = engine_runner(
+            engine, [ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        )
+        ours = output.token_ids
         with torch.no_grad():
             out = reference.generate(
                 torch.tensor([ids]),

@@ -1,0 +1,204 @@
+"""The engine: requests in, one batched forward per step, tokens out. Single-threaded and synchronous;
+`morion.LLM` drives it in-process, the server from its own process."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from morion.cache.page_pool import PagePool
+from morion.cache.radix_cache import RadixCache
+from morion.config import EngineConfig
+from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
+from morion.engine.outputs import RequestOutput, StepOutput, Usage
+from morion.engine.request import Request
+from morion.engine.sampler import RequestSampler, SampleResult, sample
+from morion.engine.sampling_params import SamplingParams
+from morion.engine.scheduler import Scheduler
+from morion.engine.stop import StopStringMatcher
+from morion.errors import InvalidRequestError
+from morion.loader import LoadedModel, load_model
+from morion.text.detokenizer import IncrementalDetokenizer
+
+_CPU_DEFAULT_KV_GB = 1.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = config.torch_device
+        loaded = loaded or load_model(config.model, config.torch_dtype, self.device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        kv_dtype = next(self.model.parameters()).dtype
+        spec = self.model.cache_spec(config.page_size, kv_dtype)
+        self.pool = PagePool(spec, self._num_pages(spec.bytes_per_page), self.device)
+        self.prefix_cache = RadixCache(self.pool)
+        self.scheduler = Scheduler(
+            self.prefix_cache,
+            config.page_size,
+            config.chunk_size,
+            config.max_running_requests,
+            config.enable_prefix_cache,
+        )
+        pool_tokens = self.pool.num_pages * config.page_size
+        context = self.model.config.max_position_embeddings
+        self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._report_startup(spec.bytes_per_token)
+
+    def _num_pages(self, bytes_per_page: int) -> int:
+        config = self.config
+        if config.kv_cache_tokens is not None:
+            return -(-config.kv_cache_tokens // config.page_size)
+        if config.kv_cache_gb is not None:
+            budget = config.kv_cache_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * config.mem_fraction
+        else:
+            budget = _CPU_DEFAULT_KV_GB * 2**30
+        return max(1, int(budget // bytes_per_page))
+
+    def _report_startup(self, bytes_per_token: int) -> None:
+        config, pool = self.config, self.pool
+        prefix_cache = "on" if config.enable_prefix_cache else "off"
+        print(
+            f"morion: {self.model.config.model_type} on {self.device}; KV pool {pool.num_pages} pages x "
+            f"{config.page_size} = {pool.num_pages * config.page_size} tokens at {bytes_per_token} B/token "
+            f"({pool.num_bytes / 2**30:.2f} GiB); max model len {self.max_model_len}; "
+            f"chunk {config.chunk_size}; max running {config.max_running_requests}; prefix cache {prefix_cache}",
+            file=sys.stderr,
+        )
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queues a request; raises InvalidRequestError (nothing queued) if it can never run."""
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab_size = self.model.config.vocab_size
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens, but at most {self.max_model_len - 1} fit "
+                f"(max model len {self.max_model_len}, limited by the context and the KV pool)"
+            )
+        arrival = next(self._arrivals)
+        request_id = request_id or f"req-{arrival}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        tokenizer = self.tokenizer
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            sampler=RequestSampler(params, prompt),
+            max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
+            arrival=arrival,
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt) if tokenizer else None,
+            stop_matcher=StopStringMatcher(params.stop) if tokenizer else None,
+        )
+        if params.stop and tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        return _final_output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.waiting:
+                raise RuntimeError(
+                    "waiting requests but nothing schedulable: the pool cannot hold one request"
+                )
+            self.check_integrity()
+            return []
+        batch = build_forward_batch(
+            [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
+            self.config.page_size,
+            self.device,
+        )
+        hidden = self.model(batch.input_ids, batch.positions, PagedAttentionBackend(self.pool, batch))
+        sampling: list[tuple[Request, int]] = []
+        for chunk, last_row in zip(chunks, batch.last_rows, strict=True):
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            if chunk.num_tokens > 1:
+                self.scheduler.cache_prefix(request)  # shareable as soon as computed
+            if request.num_uncomputed == 0:
+                sampling.append((request, last_row))
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
+        result = sample(logits, [request.sampler for request, _ in sampling])
+        return [self._append_token(request, i, result) for i, (request, _) in enumerate(sampling)]
+
+    def _append_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
+        token_id = result.token_ids[index]
+        request.output_token_ids.append(token_id)
+        request.sampler.append(token_id)
+        if request.params.logprobs is not None and result.logprobs is not None:
+            request.output_logprobs.append(result.logprobs[index])
+            request.output_top_logprobs.append(result.top_logprobs[index])
+        params = request.params
+        reason = None
+        new_text = ""
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            reason = "stop"
+        elif request.detokenizer is not None and request.stop_matcher is not None:
+            check = request.stop_matcher.feed(request.detokenizer.add(token_id))
+            new_text = check.emit
+            if check.stopped:
+                reason = "stop"
+        if reason is None and len(request.output_token_ids) >= request.max_new_tokens:
+            reason = "length"
+        if reason is not None and request.stop_matcher is not None and not request.stop_matcher.stopped:
+            # Text held back as a possible stop-string start is final now.
+            new_text += request.stop_matcher.flush()
+        request.text += new_text
+        if reason is None:
+            return StepOutput(request.request_id, [token_id], new_text, False, None)
+        self.scheduler.finish(request, reason)
+        del self._requests[request.request_id]
+        return StepOutput(request.request_id, [token_id], new_text, True, _final_output(request))
+
+    # ------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Every page is free, cached, or held by exactly one running request (raises otherwise)."""
+        self.prefix_cache.check_integrity(pages_held_by_requests=self.scheduler.pages_held_by_requests())
+
+
+def _final_output(request: Request) -> RequestOutput:
+    wants_logprobs = request.params.logprobs is not None
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=list(request.output_token_ids),
+        text=request.text,
+        finish_reason=request.finish_reason,
+        usage=Usage(len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens),
+        logprobs=list(request.output_logprobs) if wants_logprobs else None,
+        top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
+    )

@@ -1,0 +1,31 @@
+"""What the engine reports: per-step deltas for streaming, and the finished request."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
+class RequestOutput(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop", "length", "abort", or "error"
+    usage: Usage
+    logprobs: list[float] | None = None  # per generated token, when requested
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # set with finish_reason "error"
+
+
+class StepOutput(NamedTuple):
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    final: RequestOutput | None  # set once finished

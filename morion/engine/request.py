@@ -1,0 +1,65 @@
+"""A request as the engine tracks it: tokens, sampling state, and the cache resources it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from morion.engine.sampler import RequestSampler
+from morion.engine.sampling_params import SamplingParams
+from morion.engine.stop import StopStringMatcher
+from morion.text.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariants while RUNNING:
+    - `pages[i]` holds the K/V of tokens [i * page_size, (i + 1) * page_size) of `token_ids`; pages cover
+      at least the first `num_computed` tokens, and every remaining prompt token (reserved at admission).
+    - `owned_pages` are the pages this request must free; the rest of `pages` belong to the prefix cache
+      and stay alive because `prefix_node` is locked.
+    - The K/V of `token_ids[:num_computed]` is in the pages; the last sampled token is never computed yet.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampler: RequestSampler
+    max_new_tokens: int
+    arrival: int
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    pages: list[int] = field(default_factory=list)
+    owned_pages: set[int] = field(default_factory=set)
+    prefix_node: object | None = None
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    text: str = ""
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

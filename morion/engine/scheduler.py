@@ -1,0 +1,204 @@
+"""Which tokens run in the next step, and the page bookkeeping that makes them fit.
+
+Policy, per step, under a token budget (`chunk_size`):
+1. Running requests that decode (one uncomputed token) go first, oldest first, so a long prefill never
+   stalls generation. A decode that needs a page and finds none evicts from the prefix cache, then
+   retracts the newest running request (its pages go back; it re-queues and recomputes later).
+2. Running requests still in prefill continue with what budget is left (chunked prefill).
+3. Waiting requests are admitted first-come first-served while budget, `max_running_requests` and pages
+   allow. Admission matches the prefix cache and reserves pages for the whole remaining prompt, so a
+   chunked prefill never stalls half-way. A head that finds no pages blocks the ones behind it (no
+   starvation). A request whose prefix another request is computing right now waits until those pages
+   are cached (one step per prefill chunk) instead of computing them a second time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+from typing import NamedTuple
+
+from morion.cache.radix_cache import RadixCache
+from morion.engine.request import Request, RequestStatus
+
+
+class ScheduledChunk(NamedTuple):
+    """`num_tokens` tokens of `request`, from its first uncomputed one, run in this step."""
+
+    request: Request
+    num_tokens: int
+
+
+class _Admission(Enum):
+    ADMITTED = "admitted"
+    NO_MEMORY = "no memory"  # blocks the queue: first come, first served
+    WAITS_FOR_SHARED_PREFIX = "waits for a shared prefix"  # skipped for one step, keeps its place
+
+
+class Scheduler:
+    def __init__(
+        self,
+        prefix_cache: RadixCache,
+        page_size: int,
+        chunk_size: int,
+        max_running_requests: int,
+        enable_prefix_cache: bool = True,
+    ) -> None:
+        self.cache = prefix_cache
+        self.pool = prefix_cache.page_pool
+        self.page_size = page_size
+        self.chunk_size = chunk_size
+        self.max_running_requests = max_running_requests
+        self.enable_prefix_cache = enable_prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.num_retractions = 0
+
+    # ----------------------------------------------------------------- queues
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Ends a request wherever it is and returns its pages (its computed prefix goes to the cache)."""
+        if request.status is RequestStatus.RUNNING:
+            self._release(request)
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.chunk_size
+        scheduled: list[ScheduledChunk] = []
+        for request in [r for r in self.running if r.num_uncomputed == 1]:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # retracted to make room for an older request in this loop
+            if self._grow(request, 1):
+                scheduled.append(ScheduledChunk(request, 1))
+                budget -= 1
+        for request in self.running:
+            if budget == 0:
+                break
+            if request.num_uncomputed > 1:
+                chunk = min(request.num_uncomputed, budget)
+                scheduled.append(ScheduledChunk(request, chunk))
+                budget -= chunk
+        deferred: list[Request] = []
+        while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+            request = self.waiting.popleft()
+            admission = self._admit(request)
+            if admission is _Admission.WAITS_FOR_SHARED_PREFIX:
+                deferred.append(request)
+                continue
+            if admission is _Admission.NO_MEMORY:
+                self.waiting.appendleft(request)
+                break
+            chunk = min(request.num_uncomputed, budget)
+            scheduled.append(ScheduledChunk(request, chunk))
+            budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
+        return scheduled
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _alloc(self, num_pages: int) -> list[int] | None:
+        if self.pool.num_free < num_pages:
+            self.cache.evict(num_pages - self.pool.num_free)
+        return self.pool.alloc(num_pages)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Makes room for `num_tokens` more computed tokens, retracting newer requests if it must."""
+        missing = self._pages_for(request.num_computed + num_tokens) - len(request.pages)
+        while missing > 0:
+            pages = self._alloc(missing)
+            if pages is not None:
+                request.pages.extend(pages)
+                request.owned_pages.update(pages)
+                return True
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request) -> _Admission:
+        match_node, matched_tokens, matched_pages = self.cache.root, 0, []
+        if self.enable_prefix_cache:
+            # At least one token must run: its logits give the next token.
+            match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1])
+            match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
+            if self._shares_prefix_in_prefill(request, matched_tokens):
+                return _Admission.WAITS_FOR_SHARED_PREFIX
+        self.cache.lock(match_node)
+        new_pages = self._alloc(self._pages_for(request.num_tokens) - len(matched_pages))
+        if new_pages is None:
+            self.cache.unlock(match_node)
+            return _Admission.NO_MEMORY
+        request.prefix_node = match_node
+        request.pages = list(matched_pages) + new_pages
+        request.owned_pages = set(new_pages)
+        request.num_computed = matched_tokens
+        if not request.admitted_once:
+            request.num_cached_tokens = matched_tokens
+            request.admitted_once = True
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return _Admission.ADMITTED
+
+    def _shares_prefix_in_prefill(self, request: Request, matched_tokens: int) -> bool:
+        """True while a running request's prefill is computing full pages this one could reuse: admitting
+        now would compute them twice, one step later they are in the prefix cache."""
+        tokens = request.token_ids
+        for other in self.running:
+            prompt = other.prompt_token_ids
+            if other.num_computed >= len(prompt):
+                continue  # its prompt pages are cached already
+            reach = min(len(tokens) - 1, len(prompt))
+            common = next((i for i in range(reach) if tokens[i] != prompt[i]), reach)
+            if common // self.page_size * self.page_size > matched_tokens:
+                return True
+        return False
+
+    # ------------------------------------------------------ cache hand-over
+    def cache_prefix(self, request: Request) -> None:
+        """Hands the request's computed full pages to the prefix cache; it keeps using them, locked."""
+        if not self.enable_prefix_cache:
+            return
+        num_full = request.num_computed // self.page_size
+        result = self.cache.insert(request.token_ids[: num_full * self.page_size], request.pages[:num_full])
+        taken = request.pages[result.num_cached_tokens // self.page_size : num_full]
+        request.owned_pages.difference_update(taken)
+        self.cache.lock(result.node)
+        self.cache.unlock(request.prefix_node)
+        request.prefix_node = result.node
+
+    def retract(self, request: Request) -> None:
+        """Takes a running request back to the waiting queue; it recomputes its K/V when readmitted."""
+        self._release(request)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed = 0
+        # Back in arrival order, ahead of requests that came after it.
+        position = next(
+            (i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting)
+        )
+        self.waiting.insert(position, request)
+        self.num_retractions += 1
+
+    def _release(self, request: Request) -> None:
+        # Whatever the request computed stays reusable: full pages go to the cache, the rest is freed.
+        self.cache_prefix(request)
+        self.pool.free(sorted(request.owned_pages))
+        self.cache.unlock(request.prefix_node)
+        request.pages, request.owned_pages, request.prefix_node = [], set(), None
+
+    def pages_held_by_requests(self) -> list[int]:
+        return [page for request in self.running for page in request.owned_pages]

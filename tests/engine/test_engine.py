@@ -1,0 +1,191 @@
+"""Engine core on CPU: batching, chunked prefill, prefix cache, pool pressure, cancellation, limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from morion.engine.sampling_params import SamplingParams
+from morion.errors import InvalidRequestError
+from morion.loader import load_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# Batched and single forwards run the same fp32 math in different matrix shapes; 1e-4 covers the
+# reordered sums on the tiny model (logits of order 1).
+TIE_GAP = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return load_model(str(directory), torch.float32, torch.device("cpu"))
+
+
+def _prompts(count: int, seed: int, lengths: tuple[int, int] = (1, 70)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(128) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def _assert_outputs_agree(model, prompts, outputs, references, prefill_logits, greedy_checker):
+    for prompt, output, reference in zip(prompts, outputs, references, strict=True):
+        greedy_checker(
+            output.token_ids,
+            reference.token_ids,
+            lambda step, p=prompt, r=reference: prefill_logits(model, p + r.token_ids[:step])[-1],
+            TIE_GAP,
+        )
+
+
+def _single(engine, engine_runner, prompts, params=GREEDY):
+    return [engine_runner(engine, [prompt], params)[0] for prompt in prompts]
+
+
+def test_batched_greedy_equals_one_at_a_time(
+    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
+):
+    prompts = _prompts(8, seed=0)
+    alone = _single(engine_factory(tiny, enable_prefix_cache=False), engine_runner, prompts)
+    batched = engine_runner(engine_factory(tiny), prompts, GREEDY)
+    _assert_outputs_agree(tiny.model, prompts, batched, alone, prefill_logits, greedy_checker)
+
+
+def test_chunked_prefill_equals_unchunked(
+    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
+):
+    prompts = _prompts(6, seed=1, lengths=(20, 90))
+    whole = engine_runner(engine_factory(tiny), prompts, GREEDY)
+    chunked_engine = engine_factory(tiny, chunk_size=16)
+    chunked = engine_runner(chunked_engine, prompts, GREEDY)
+    _assert_outputs_agree(tiny.model, prompts, chunked, whole, prefill_logits, greedy_checker)
+    chunked_engine.check_integrity()
+
+
+def test_prefix_hit_equals_cold_and_reports_cached_tokens(tiny, engine_factory, engine_runner):
+    engine = engine_factory(tiny, page_size=8)
+    prompt = _prompts(1, seed=2, lengths=(45, 45))[0]
+    cold = engine_runner(engine, [prompt], GREEDY)[0]
+    warm = engine_runner(engine, [prompt], GREEDY)[0]
+    assert cold.usage.cached_tokens == 0
+    # 45 prompt tokens + 23 computed outputs were cached at finish; the hit is page aligned and leaves
+    # at least one prompt token to run: 40 of 45.
+    assert warm.usage.cached_tokens == 40
+    assert warm.token_ids == cold.token_ids
+
+
+def test_shared_prefix_batch_reuses_pages(tiny, engine_factory, engine_runner):
+    engine = engine_factory(tiny, page_size=8)
+    shared = _prompts(1, seed=3, lengths=(64, 64))[0]
+    tails = [
+        tail[:length]
+        for tail, length in zip(_prompts(4, seed=4, lengths=(12, 12)), (3, 9, 12, 5), strict=True)
+    ]
+    prompts = [shared + tail for tail in tails]
+    free_before = engine.pool.num_free
+    outputs = engine_runner(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0))
+    # The first request computes the 64 shared tokens; the other three reuse all 8 shared pages.
+    assert [o.usage.cached_tokens for o in outputs] == [0, 64, 64, 64]
+    used = free_before - engine.pool.num_free
+    assert used == engine.prefix_cache.cached_pages
+    # The shared pages once, plus each prompt's own full page past them, if it has one.
+    assert engine.prefix_cache.cached_pages == 8 + sum(len(tail) // 8 for tail in tails)
+    engine.check_integrity()
+
+
+def test_pool_pressure_finishes_everything_and_leaks_nothing(
+    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
+):
+    rng = random.Random(5)
+    prompts = _prompts(50, seed=6, lengths=(1, 60))
+    params = [
+        SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True) for _ in prompts
+    ]
+    relaxed = engine_runner(engine_factory(tiny), prompts, params)
+    tight = engine_factory(tiny, page_size=8, kv_cache_tokens=96, max_running_requests=16)
+    pressured = engine_runner(tight, prompts, params)
+    assert tight.scheduler.num_retractions > 0, "the pool was meant to be too small for all at once"
+    _assert_outputs_agree(tiny.model, prompts, pressured, relaxed, prefill_logits, greedy_checker)
+    tight.check_integrity()
+    tight.prefix_cache.evict(tight.pool.num_pages)
+    assert tight.pool.num_free == tight.pool.num_pages
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny, engine_factory, engine_runner):
+    prompt = _prompts(1, seed=7)[0]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    engine = engine_factory(tiny)
+    alone = engine_runner(engine, [prompt], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+    in_batch = engine_runner(engine, [*_prompts(3, seed=8), prompt], [*others, seeded])[-1].token_ids
+    assert alone == in_batch
+
+
+def test_requests_that_can_never_fit_are_rejected(tiny, engine_factory, engine_runner):
+    engine = engine_factory(tiny, kv_cache_tokens=64, page_size=8)
+    with pytest.raises(InvalidRequestError, match="at most 63 fit"):
+        engine.add_request(list(range(64)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.add_request([1, 2, 999], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    # The engine is undisturbed, and a generation that reaches the pool's end stops with "length".
+    [output] = engine_runner(
+        engine, [list(range(50))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    )
+    assert output.finish_reason == "length" and len(output.token_ids) == 14
+    engine.check_integrity()
+
+
+def test_abort_releases_pages(tiny, engine_factory):
+    engine = engine_factory(tiny, page_size=8, enable_prefix_cache=False)
+    keep = engine.add_request(list(range(30)), GREEDY)
+    drop = engine.add_request(list(range(40)), GREEDY)
+    engine.step()
+    engine.step()
+    aborted = engine.abort(drop)
+    assert aborted is not None and aborted.finish_reason == "abort" and len(aborted.token_ids) == 2
+    engine.check_integrity()
+    finals = []
+    while engine.has_unfinished():
+        finals += [s.final for s in engine.step() if s.final is not None]
+    assert [f.request_id for f in finals] == [keep]
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_stop_token_ids_and_max_tokens(tiny, engine_factory, engine_runner):
+    engine = engine_factory(tiny)
+    prompt = _prompts(1, seed=9)[0]
+    free_run = engine_runner(engine, [prompt], GREEDY)[0].token_ids
+    stop_at = free_run[5]
+    stopped = engine_runner(
+        engine, [prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run[: free_run.index(stop_at) + 1]
+    short = engine_runner(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert short.finish_reason == "length" and short.token_ids == free_run[:3]
+
+
+def test_logprobs_are_reported_per_token(tiny, engine_factory, engine_runner, prefill_logits):
+    engine = engine_factory(tiny)
+    prompt = _prompts(1, seed=10)[0]
+    output = engine_runner(
+        engine, [prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    )[0]
+    assert len(output.logprobs) == len(output.top_logprobs) == 4
+    expected = torch.log_softmax(prefill_logits(tiny.model, prompt)[-1], dim=-1)
+    assert output.logprobs[0] == pytest.approx(expected.max().item(), abs=1e-4)
+    assert [t for t, _ in output.top_logprobs[0]] == expected.topk(3).indices.tolist()
