@@ -39,10 +39,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     path = resolve_model_path(model)
     if path.is_dir():
         source = read_hf_directory(path)
-    elif path.suffix == ".gguf" or path.is_file():
-        source = read_gguf(path)
+    elif path.is_file():
+        source = read_gguf(path)  # checks the GGUF magic: any other file is reported as not a GGUF
     else:
-        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+        raise ModelLoadError(f"{path} is neither a model directory nor a file")
     module = build_model(source.hf_config, dtype, device)
     progress = Progress(f"loading {path.name}", source.num_tensors, " tensors")
 
