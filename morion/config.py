@@ -23,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     chunk_size: int = 4096  # token budget of one engine step (chunked prefill)
     max_running_requests: int = 64
+    state_slots: int | None = None  # per-request state slots (hybrid models); None: 4 per running request
     enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -36,6 +37,7 @@ class EngineConfig:
             "max_model_len": self.max_model_len,
             "chunk_size": self.chunk_size,
             "max_running_requests": self.max_running_requests,
+            "state_slots": self.state_slots,
         }
         for name, value in positive.items():
             if value is not None and value <= 0:

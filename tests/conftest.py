@@ -83,21 +83,21 @@ def assert_same_greedy(
     assert len(ours) == len(reference), f"lengths differ: {len(ours)} vs {len(reference)}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def greedy_checker() -> Callable[..., None]:
     return assert_same_greedy
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def engine_factory() -> Callable[..., Engine]:
     return make_engine
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def engine_runner() -> Callable[..., list]:
     return run_engine
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def prefill_logits() -> Callable[..., torch.Tensor]:
     return full_prefill_logits

@@ -11,6 +11,7 @@ import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
+from morion.cache.state_slots import StateSlots
 from morion.config import EngineConfig
 from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
@@ -36,14 +37,16 @@ class Engine:
         self.model_path = loaded.path
         kv_dtype = next(self.model.parameters()).dtype
         spec = self.model.cache_spec(config.page_size, kv_dtype)
-        self.pool = PagePool(spec, self._num_pages(spec.bytes_per_page), self.device)
-        self.prefix_cache = RadixCache(self.pool)
+        self.state_slots = None
+        if spec.has_state:
+            # Each running request holds a working slot and a page-boundary copy; the rest are snapshots.
+            num_slots = config.state_slots or 4 * config.max_running_requests
+            self.state_slots = StateSlots(spec, num_slots, self.device)
+        state_bytes = self.state_slots.num_bytes if self.state_slots else 0
+        self.pool = PagePool(spec, self._num_pages(spec.bytes_per_page, state_bytes), self.device)
+        self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self.scheduler = Scheduler(
-            self.prefix_cache,
-            config.page_size,
-            config.chunk_size,
-            config.max_running_requests,
-            config.enable_prefix_cache,
+            self.prefix_cache, config.chunk_size, config.max_running_requests, config.enable_prefix_cache
         )
         pool_tokens = self.pool.num_pages * config.page_size
         context = self.model.config.max_position_embeddings
@@ -53,27 +56,34 @@ class Engine:
         self._arrivals = itertools.count()
         self._report_startup(spec.bytes_per_token)
 
-    def _num_pages(self, bytes_per_page: int) -> int:
+    def _num_pages(self, bytes_per_page: int, state_bytes: int) -> int:
+        """Pages for the K/V pool: an explicit token count, or what the memory budget leaves after the
+        (already allocated) state slots."""
         config = self.config
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // config.page_size)
         if config.kv_cache_gb is not None:
-            budget = config.kv_cache_gb * 2**30
+            budget = config.kv_cache_gb * 2**30 - state_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * config.mem_fraction
         else:
-            budget = _CPU_DEFAULT_KV_GB * 2**30
+            budget = _CPU_DEFAULT_KV_GB * 2**30 - state_bytes
         return max(1, int(budget // bytes_per_page))
 
     def _report_startup(self, bytes_per_token: int) -> None:
-        config, pool = self.config, self.pool
+        config, pool, slots = self.config, self.pool, self.state_slots
         prefix_cache = "on" if config.enable_prefix_cache else "off"
+        state = ""
+        if slots is not None:
+            per_slot = pool.spec.bytes_per_slot
+            state = f"; state slots {slots.num_slots} x {per_slot} B ({slots.num_bytes / 2**30:.2f} GiB)"
         print(
             f"morion: {self.model.config.model_type} on {self.device}; KV pool {pool.num_pages} pages x "
             f"{config.page_size} = {pool.num_pages * config.page_size} tokens at {bytes_per_token} B/token "
             f"({pool.num_bytes / 2**30:.2f} GiB); max model len {self.max_model_len}; "
-            f"chunk {config.chunk_size}; max running {config.max_running_requests}; prefix cache {prefix_cache}",
+            f"chunk {config.chunk_size}; max running {config.max_running_requests}; "
+            f"prefix cache {prefix_cache}{state}",
             file=sys.stderr,
         )
 
@@ -137,18 +147,17 @@ class Engine:
             return []
         batch = build_forward_batch(
             [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
+            [c.request.state_slot for c in chunks],
             self.config.page_size,
             self.device,
         )
-        hidden = self.model(batch.input_ids, batch.positions, PagedAttentionBackend(self.pool, batch))
+        backend = PagedAttentionBackend(self.pool, batch, self.state_slots)
+        hidden = self.model(batch.input_ids, batch.positions, backend)
         sampling: list[tuple[Request, int]] = []
         for chunk, last_row in zip(chunks, batch.last_rows, strict=True):
-            request = chunk.request
-            request.num_computed += chunk.num_tokens
-            if chunk.num_tokens > 1:
-                self.scheduler.cache_prefix(request)  # shareable as soon as computed
-            if request.num_uncomputed == 0:
-                sampling.append((request, last_row))
+            self.scheduler.after_forward(chunk.request, chunk.num_tokens)
+            if chunk.request.num_uncomputed == 0:
+                sampling.append((chunk.request, last_row))
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
@@ -186,8 +195,11 @@ class Engine:
 
     # ------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Every page is free, cached, or held by exactly one running request (raises otherwise)."""
-        self.prefix_cache.check_integrity(pages_held_by_requests=self.scheduler.pages_held_by_requests())
+        """Every page and state slot is free, cached, or held by exactly one running request."""
+        self.prefix_cache.check_integrity(
+            pages_held_by_requests=self.scheduler.pages_held_by_requests(),
+            slots_held_by_requests=self.scheduler.slots_held_by_requests(),
+        )
 
 
 def _final_output(request: Request) -> RequestOutput:

@@ -25,6 +25,7 @@ class Request:
     - `owned_pages` are the pages this request must free; the rest of `pages` belong to the prefix cache
       and stay alive because `prefix_node` is locked.
     - The K/V of `token_ids[:num_computed]` is in the pages; the last sampled token is never computed yet.
+    - `state_slot` holds the model's per-request state after exactly `num_computed` tokens.
     """
 
     request_id: str
@@ -41,6 +42,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     owned_pages: set[int] = field(default_factory=set)
     prefix_node: object | None = None
+    state_slot: int | None = None  # working per-request state (models with state components)
+    boundary_slot: int | None = None  # copy of the state at `boundary_position`, the last page boundary
+    boundary_position: int = 0
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False

@@ -1,4 +1,4 @@
-"""Which tokens run in the next step, and the page bookkeeping that makes them fit.
+"""Which tokens run in the next step, and the page and state-slot bookkeeping that makes them fit.
 
 Policy, per step, under a token budget (`chunk_size`):
 1. Running requests that decode (one uncomputed token) go first, oldest first, so a long prefill never
@@ -10,6 +10,13 @@ Policy, per step, under a token budget (`chunk_size`):
    chunked prefill never stalls half-way. A head that finds no pages blocks the ones behind it (no
    starvation). A request whose prefix another request is computing right now waits until those pages
    are cached (one step per prefill chunk) instead of computing them a second time.
+
+Models with per-request state (Gated DeltaNet) also hold a working state slot while running. A state is
+valid at exactly one position, so a cached prefix is usable only up to a node that carries a snapshot
+(design §3). Snapshots are taken where a prefill chunk ends on a page boundary (chunks for state models
+are cut at the prompt's last page boundary, so every prompt leaves one), and at the end of a request:
+its working state if it ended on a page boundary, else the copy kept at the last page boundary it
+crossed while decoding (`boundary_slot`).
 """
 
 from __future__ import annotations
@@ -39,14 +46,14 @@ class Scheduler:
     def __init__(
         self,
         prefix_cache: RadixCache,
-        page_size: int,
         chunk_size: int,
         max_running_requests: int,
         enable_prefix_cache: bool = True,
     ) -> None:
         self.cache = prefix_cache
         self.pool = prefix_cache.page_pool
-        self.page_size = page_size
+        self.slots = prefix_cache.state_slots  # None for models without per-request state
+        self.page_size = prefix_cache.page_size
         self.chunk_size = chunk_size
         self.max_running_requests = max_running_requests
         self.enable_prefix_cache = enable_prefix_cache
@@ -87,7 +94,7 @@ class Scheduler:
             if budget == 0:
                 break
             if request.num_uncomputed > 1:
-                chunk = min(request.num_uncomputed, budget)
+                chunk = self._chunk(request, budget)
                 scheduled.append(ScheduledChunk(request, chunk))
                 budget -= chunk
         deferred: list[Request] = []
@@ -100,11 +107,20 @@ class Scheduler:
             if admission is _Admission.NO_MEMORY:
                 self.waiting.appendleft(request)
                 break
-            chunk = min(request.num_uncomputed, budget)
+            chunk = self._chunk(request, budget)
             scheduled.append(ScheduledChunk(request, chunk))
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         return scheduled
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        chunk = min(request.num_uncomputed, budget)
+        if self.slots is not None:
+            # Stop at the prompt's last page boundary so a snapshot can be taken there.
+            boundary = len(request.prompt_token_ids) // self.page_size * self.page_size
+            if request.num_computed < boundary < request.num_computed + chunk:
+                chunk = boundary - request.num_computed
+        return chunk
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -113,6 +129,12 @@ class Scheduler:
         if self.pool.num_free < num_pages:
             self.cache.evict(num_pages - self.pool.num_free)
         return self.pool.alloc(num_pages)
+
+    def _alloc_slot(self) -> int | None:
+        assert self.slots is not None
+        if self.slots.num_free == 0:
+            self.cache.evict_snapshots(1)
+        return self.slots.alloc()
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Makes room for `num_tokens` more computed tokens, retracting newer requests if it must."""
@@ -130,18 +152,34 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request) -> _Admission:
-        match_node, matched_tokens, matched_pages = self.cache.root, 0, []
+        match_node, matched_tokens, matched_pages, snapshot = self.cache.root, 0, [], None
         if self.enable_prefix_cache:
             # At least one token must run: its logits give the next token.
             match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1])
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
+            snapshot = match.snapshot_slot
             if self._shares_prefix_in_prefill(request, matched_tokens):
                 return _Admission.WAITS_FOR_SHARED_PREFIX
-        self.cache.lock(match_node)
+        self.cache.lock(match_node)  # from here on, eviction cannot take the matched pages or snapshot
+        state_slot = None
+        if self.slots is not None:
+            state_slot = self._alloc_slot()
+            if state_slot is None:
+                self.cache.unlock(match_node)
+                return _Admission.NO_MEMORY
         new_pages = self._alloc(self._pages_for(request.num_tokens) - len(matched_pages))
         if new_pages is None:
+            if state_slot is not None:
+                self.slots.free(state_slot)
             self.cache.unlock(match_node)
             return _Admission.NO_MEMORY
+        if state_slot is not None:
+            # The state after exactly `matched_tokens` tokens: the snapshot, or zeros at the start.
+            if snapshot is not None:
+                self.slots.copy(snapshot, state_slot)
+            else:
+                self.slots.zero(state_slot)
+        request.state_slot = state_slot
         request.prefix_node = match_node
         request.pages = list(matched_pages) + new_pages
         request.owned_pages = set(new_pages)
@@ -168,14 +206,55 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------ cache hand-over
-    def cache_prefix(self, request: Request) -> None:
-        """Hands the request's computed full pages to the prefix cache; it keeps using them, locked."""
+    def after_forward(self, request: Request, num_tokens: int) -> None:
+        """Bookkeeping once `num_tokens` more tokens of `request` are computed."""
+        request.num_computed += num_tokens
+        is_decode = num_tokens == 1 and request.num_uncomputed == 0
+        if self.slots is None:
+            if not is_decode:
+                self._cache_computed(request)  # a prefill chunk: its pages are shareable at once
+        elif request.num_computed % self.page_size == 0 and self.enable_prefix_cache:
+            if is_decode:
+                self._keep_boundary_state(request)
+            else:
+                self._cache_computed(request, snapshot_working_state=True)
+
+    def _keep_boundary_state(self, request: Request) -> None:
+        if request.boundary_slot is None:
+            request.boundary_slot = self._alloc_slot()
+            if request.boundary_slot is None:
+                return  # no slot to spare: this request's end will not be resumable past its prompt
+        self.slots.copy(request.state_slot, request.boundary_slot)
+        request.boundary_position = request.num_computed
+
+    def _cache_computed(
+        self, request: Request, snapshot_working_state: bool = False, donate: bool = False
+    ) -> None:
+        """Hands the request's computed full pages to the prefix cache; a running request keeps using
+        them, locked. With `snapshot_working_state`, the node at `num_computed` gets the current state
+        (a copy, or the working slot itself when `donate`)."""
         if not self.enable_prefix_cache:
             return
-        num_full = request.num_computed // self.page_size
-        result = self.cache.insert(request.token_ids[: num_full * self.page_size], request.pages[:num_full])
-        taken = request.pages[result.num_cached_tokens // self.page_size : num_full]
-        request.owned_pages.difference_update(taken)
+        num_tokens = request.num_computed // self.page_size * self.page_size
+        snapshot = None
+        if self.slots is not None:
+            if snapshot_working_state and num_tokens == request.num_computed:
+                snapshot = request.state_slot if donate else self._alloc_slot()
+                if snapshot is not None and not donate:
+                    self.slots.copy(request.state_slot, snapshot)
+            elif request.boundary_slot is not None:
+                # Only pages with a snapshot at their end can ever be matched: stop at the boundary.
+                num_tokens, snapshot = request.boundary_position, request.boundary_slot
+                request.boundary_slot = None
+            else:
+                return  # pages without a snapshot at their end could never be matched
+        pages = request.pages[: num_tokens // self.page_size]
+        result = self.cache.insert(request.token_ids[:num_tokens], pages, snapshot)
+        if snapshot is not None and snapshot == request.state_slot:
+            request.state_slot = None  # donated: the cache owns it now (or frees it just below)
+        if result.unused_snapshot_slot is not None:
+            self.slots.free(result.unused_snapshot_slot)
+        request.owned_pages.difference_update(pages[result.num_cached_tokens // self.page_size :])
         self.cache.lock(result.node)
         self.cache.unlock(request.prefix_node)
         request.prefix_node = result.node
@@ -194,11 +273,20 @@ class Scheduler:
         self.num_retractions += 1
 
     def _release(self, request: Request) -> None:
-        # Whatever the request computed stays reusable: full pages go to the cache, the rest is freed.
-        self.cache_prefix(request)
+        # Whatever the request computed stays reusable: full pages (and the latest usable snapshot) go
+        # to the cache, the rest is freed.
+        self._cache_computed(request, snapshot_working_state=True, donate=True)
         self.pool.free(sorted(request.owned_pages))
+        for slot in (request.state_slot, request.boundary_slot):
+            if slot is not None:
+                self.slots.free(slot)
         self.cache.unlock(request.prefix_node)
         request.pages, request.owned_pages, request.prefix_node = [], set(), None
+        request.state_slot, request.boundary_slot, request.boundary_position = None, None, 0
 
     def pages_held_by_requests(self) -> list[int]:
         return [page for request in self.running for page in request.owned_pages]
+
+    def slots_held_by_requests(self) -> list[int]:
+        held = [(r.state_slot, r.boundary_slot) for r in self.running]
+        return [slot for pair in held for slot in pair if slot is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,19 +10,28 @@ from torch import nn
 
 from morion.errors import ModelLoadError
 from morion.models.llama import DenseConfig, DenseForCausalLM
+from morion.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# model_type -> (config parser, model class)
+_ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]]] = {
+    "llama": (DenseConfig.from_hf, DenseForCausalLM),
+    "qwen2": (DenseConfig.from_hf, DenseForCausalLM),
+    "qwen3": (DenseConfig.from_hf, DenseForCausalLM),
+    "qwen3_next": (Qwen3NextConfig.from_hf, Qwen3NextForCausalLM),
+}
+SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
 
 
 def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Constructs the architecture with uninitialised parameters; the loader fills them."""
     model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in _ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    config = DenseConfig.from_hf(hf_config)
+    parse_config, architecture = _ARCHITECTURES[model_type]
+    config = parse_config(hf_config)
     # Building on the meta device skips random initialisation, which costs more than loading.
     with torch.device("meta"):
-        model = DenseForCausalLM(config).to(dtype)
+        model = architecture(config).to(dtype)
     return model.to_empty(device=device).requires_grad_(False).eval()

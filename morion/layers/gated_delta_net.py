@@ -1,0 +1,159 @@
+"""Gated DeltaNet (linear attention) as Qwen3-Next uses it.
+
+Per token: project to q, k (H key heads), v, z (HV = r*H value heads), b, a (per value head); run q, k, v
+through a causal depthwise conv (window W) + SiLU; beta = sigmoid(b), g = -exp(A_log) * softplus(a +
+dt_bias); apply the gated delta rule (q, k L2-normalised, head h of q/k serving value heads h*r ..
+h*r+r-1); normalise each value head and gate it by silu(z); out_proj.
+
+Each sequence carries two states between forwards (design.md §3): the conv window (its last W-1
+pre-conv q|k|v vectors) and the recurrent state (HV x Dk x Dv). Both come from and go back to the
+backend, so a chunk of any length continues exactly where the previous one stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from morion.layers.hybrid_backend import HybridBackend
+from morion.layers.norm_variants import GatedRMSNorm
+from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
+from morion.ops.gated_delta_rule import (
+    chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule_reference,
+)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        linear_ordinal: int,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int,
+        rms_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"{num_v_heads} value heads do not group over {num_k_heads} key heads")
+        self.linear_ordinal = linear_ordinal
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        # Only its weight [conv_dim, 1, W] is used (the checkpoint's layout); the conv runs in ops/.
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Splits the group-first projections: mixed_qkv [T, conv_dim] (q | k | v, each head-major),
+        z [T, HV, Dv], b and a [T, HV].
+
+        The checkpoint orders in_proj_qkvz by key-head group: for group h, [q_h | k_h | v for its r
+        value heads | z for its r value heads]; in_proj_ba likewise [b for its r heads | a for its r heads].
+        Value head index = h * r + j.
+        """
+        tokens = x.shape[0]
+        r = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split(
+            [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1
+        )
+        b, a = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed_qkv = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        return mixed_qkv, z, b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads)
+
+    def forward(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
+        """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`. Returns [T, hidden]."""
+        tokens = x.shape[0]
+        ranges = list(backend.query_ranges)
+        cu_seqlens = _cu_seqlens(ranges, tokens)
+        decode_only = all(length == 1 for _, length in ranges)
+        mixed_qkv, z, b, a = self.project(x)
+
+        mixed_qkv = self._conv(mixed_qkv, ranges, decode_only, backend)
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # fp32: in bf16, exp(A_log) * softplus(...) loses the decay's precision (and fp16 overflows).
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        state = backend.read_state("recurrent", self.linear_ordinal)
+        if decode_only:
+            # One token per sequence: a batch of N one-token sequences, each with its own state.
+            out, new_state = recurrent_gated_delta_rule_reference(
+                q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            out = out[:, 0]
+        else:
+            out, new_state = chunk_gated_delta_rule_reference(
+                q[None], k[None], v[None], g[None], beta[None],
+                initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
+                use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            out = out[0]
+        backend.write_state("recurrent", self.linear_ordinal, new_state.to(state.dtype))
+
+        out = self.norm(out, z).reshape(tokens, self.value_dim)
+        return self.out_proj(out)
+
+    def _conv(
+        self,
+        mixed_qkv: torch.Tensor,
+        ranges: Sequence[tuple[int, int]],
+        decode_only: bool,
+        backend: HybridBackend,
+    ) -> torch.Tensor:
+        weight = self.conv1d.weight[:, 0, :]
+        # The state is stored token-major [N, W-1, conv_dim]; the ops take [N, conv_dim, W-1] views.
+        conv_state = backend.read_state("conv", self.linear_ordinal)
+        channels_first = conv_state.transpose(1, 2)
+        if decode_only:
+            out = causal_conv1d_update_reference(mixed_qkv, channels_first, weight, activation="silu")
+        else:
+            out = torch.empty_like(mixed_qkv)
+            for n, (start, length) in enumerate(ranges):
+                if length == 0:
+                    continue  # no new tokens: the window stays as it is
+                span = slice(start, start + length)
+                result = causal_conv1d_reference(
+                    mixed_qkv[span].T[None],
+                    weight,
+                    initial_states=channels_first[n : n + 1],
+                    activation="silu",
+                )
+                out[span] = result.out[0].T
+                channels_first[n] = result.final_states[0]
+        backend.write_state("conv", self.linear_ordinal, conv_state)
+        return out
+
+
+def _cu_seqlens(ranges: Sequence[tuple[int, int]], tokens: int) -> torch.Tensor:
+    bounds = [0]
+    for start, length in ranges:
+        if start != bounds[-1] or length < 0:
+            raise ValueError(f"query ranges {list(ranges)} do not tile the {tokens} tokens in order")
+        bounds.append(start + length)
+    if bounds[-1] != tokens:
+        raise ValueError(f"query ranges {list(ranges)} do not tile the {tokens} tokens in order")
+    return torch.tensor(bounds, dtype=torch.long)

@@ -1,0 +1,39 @@
+"""What a hybrid (attention + Gated DeltaNet) model needs from whoever holds its cache.
+
+Full-attention layers use `attend` exactly as dense models do (`AttentionBackend`), addressed by their
+*attention ordinal* (0 .. number of full-attention layers - 1), not their layer index. Linear-attention
+layers keep per-sequence state instead of per-token K/V: they read it at the start of the step and
+write it back at the end, addressed by component name ("conv", "recurrent") and *linear ordinal*.
+
+The batch of one forward is several sequences' new tokens concatenated in order: `query_ranges[n]` is
+(start, length) of sequence n in the flat token axis, the ranges tile 0..T without gaps, and the state
+tensors are stacked in the same sequence order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from morion.layers.attention import AttentionBackend
+
+
+class HybridBackend(AttentionBackend, Protocol):
+    @property
+    def query_ranges(self) -> Sequence[tuple[int, int]]:
+        """(start, length) of each sequence's new tokens in the flat batch, in batch order."""
+        ...
+
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        """[num_sequences, *component shape]: each sequence's state before this step's tokens.
+
+        A new sequence's state is all zeros. The result is the layer's to consume; changing it in
+        place does not update the cache: `write_state` does.
+        """
+        ...
+
+    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
+        """Stores [num_sequences, *component shape]: each sequence's state after this step's tokens."""
+        ...

@@ -1,0 +1,42 @@
+"""The RMSNorm variants of the Qwen3-Next family.
+
+- `ZeroCentredRMSNorm`: the weight is stored as an offset from one and applied as (1 + w), all in fp32,
+  cast once at the end (Gemma-style). Every norm of the decoder trunk, q/k norms and the MTP norms.
+- `GatedRMSNorm`: the Gated DeltaNet output norm, rmsnorm(x) * w * silu(z); *not* zero-centred.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rms_normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Unlike Llama's RMSNorm, the product with the weight is taken in fp32 and rounded once.
+        return (_rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Normalises over the last dim (one value head), then scales by w and gates by silu(z)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # Rounding points follow transformers' Qwen3NextRMSNormGated (and fla's fused kernel): the
+        # normalised x is cast to the input dtype before the weight, the gate is applied in fp32.
+        normed = self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
+        return (normed * F.silu(z.float())).to(x.dtype)

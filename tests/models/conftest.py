@@ -1,0 +1,221 @@
+"""Fixtures for hybrid models: a reference cache backend and a registry-like builder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from morion.cache.spec import CacheSpec
+from morion.loader import load_model
+from morion.models.qwen3_next import Qwen3NextForCausalLM
+from morion.ops.attention import causal_attention_reference
+
+
+class ReferenceHybridBackend:
+    """The simplest implementation of `HybridBackend`: contiguous K/V per sequence and attention
+    layer, and a zero-initialised state tensor per (component, linear layer) for every sequence.
+
+    `run(model, {sequence: new token ids, ...})` is one forward over the named sequences (in that
+    order, concatenated); it returns each one's logits for its new tokens. Sequences not named keep
+    their cache untouched.
+    """
+
+    def __init__(self, spec: CacheSpec, num_sequences: int = 1, device: str = "cpu") -> None:
+        (kv,) = spec.token_components
+        self.num_attention_layers = kv.num_layers
+        self.kv_dtype = kv.dtype
+        self.keys = [[None] * kv.num_layers for _ in range(num_sequences)]
+        self.values = [[None] * kv.num_layers for _ in range(num_sequences)]
+        self.num_cached = [0] * num_sequences
+        self.states = {
+            c.name: torch.zeros(c.num_layers, num_sequences, *c.shape, dtype=c.dtype, device=device)
+            for c in spec.state_components
+        }
+        self._active: list[int] = []
+        self._ranges: list[tuple[int, int]] = []
+
+    # -- HybridBackend --------------------------------------------------------------------------
+
+    @property
+    def query_ranges(self) -> Sequence[tuple[int, int]]:
+        return self._ranges
+
+    def attend(self, layer_index: int, q, k, v, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for seq, (start, length) in zip(self._active, self._ranges, strict=True):
+            span = slice(start, start + length)
+            keys, values = self.keys[seq][layer_index], self.values[seq][layer_index]
+            new_k, new_v = k[span].to(self.kv_dtype), v[span].to(self.kv_dtype)
+            keys = new_k if keys is None else torch.cat((keys, new_k))
+            values = new_v if values is None else torch.cat((values, new_v))
+            self.keys[seq][layer_index], self.values[seq][layer_index] = keys, values
+            out[span] = causal_attention_reference(
+                q[span], keys.to(q.dtype), values.to(q.dtype), self.num_cached[seq], scale
+            )
+        return out
+
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        return self.states[component][linear_ordinal, self._active].clone()
+
+    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
+        stored = self.states[component]
+        expected = (len(self._active), *stored.shape[2:])
+        assert tuple(value.shape) == expected, f"{component} state {tuple(value.shape)}, expected {expected}"
+        stored[linear_ordinal, self._active] = value.to(stored.dtype)
+
+    # -- driving it -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, model: torch.nn.Module, new_tokens: dict[int, Sequence[int]]) -> dict[int, torch.Tensor]:
+        self._active = list(new_tokens)
+        self._ranges, ids, positions = [], [], []
+        for seq, tokens in new_tokens.items():
+            self._ranges.append((len(ids), len(tokens)))
+            ids.extend(tokens)
+            positions.extend(range(self.num_cached[seq], self.num_cached[seq] + len(tokens)))
+        hidden = model(torch.tensor(ids), torch.tensor(positions), self)
+        logits = model.compute_logits(hidden)
+        for seq, tokens in new_tokens.items():
+            self.num_cached[seq] += len(tokens)
+        return {
+            seq: logits[start : start + length]
+            for seq, (start, length) in zip(new_tokens, self._ranges, strict=True)
+        }
+
+    def prefill(
+        self, model: torch.nn.Module, tokens: Sequence[int], chunk: int | None = None
+    ) -> torch.Tensor:
+        """Sequence 0's logits for every token, fed `chunk` tokens per forward (all at once if None)."""
+        chunk = chunk or len(tokens)
+        pieces = [self.run(model, {0: tokens[i : i + chunk]})[0] for i in range(0, len(tokens), chunk)]
+        return torch.cat(pieces)
+
+
+@pytest.fixture
+def hybrid_backend() -> Callable[..., ReferenceHybridBackend]:
+    """`hybrid_backend(model, num_sequences=1)`: a fresh reference backend for the model's cache spec."""
+
+    def make(model: Qwen3NextForCausalLM, num_sequences: int = 1) -> ReferenceHybridBackend:
+        dtype = model.model.embed_tokens.weight.dtype
+        return ReferenceHybridBackend(model.cache_spec(16, dtype), num_sequences)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def build_qwen3_next() -> Callable[..., torch.nn.Module]:
+    """`build_qwen3_next(directory, dtype=fp32)`: the model of a transformers `save_pretrained` dir."""
+
+    def build(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        return load_model(str(directory), dtype, torch.device("cpu")).model
+
+    return build
+
+
+CONFIGS = {
+    # model-architecture.md §5: 3 Gated DeltaNet layers + 1 full attention, 2 value heads per key head.
+    "tiny": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        full_attention_interval=4,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    # An odd layer count starting with attention and ending with Gated DeltaNet; 3 value heads per key
+    # head with Dk != Dv; half-rotary; QKV/O bias; a dense MLP layer; no top-k renormalisation.
+    "odd": dict(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        layer_types=[
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+        ],
+        mlp_only_layers=[2],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        attention_bias=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=48,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def perturb(reference: torch.nn.Module, seed: int = 0) -> None:
+    """Random init leaves norms at identity, biases at zero, decays at one scale and the conv near zero;
+    make all of them count so a swapped or dropped term changes the logits."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(param: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.randn(param.shape, generator=generator) * scale
+
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name or (name.endswith("bias") and not name.endswith("dt_bias")):
+                param.add_(noise(param, 0.2))
+            elif name.endswith("A_log"):
+                # A log-uniform over [0.003, 1]: per-token decays from ~0.998 to ~0.5, so part of the
+                # state outlives a 64-token chunk and a wrong carry between chunks shows.
+                param.copy_(torch.empty(param.shape).uniform_(-5.8, 0.0, generator=generator))
+            elif name.endswith("dt_bias"):
+                param.copy_(noise(param, 0.5))
+            elif name.endswith("conv1d.weight"):
+                param.copy_(noise(param, 0.4))
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_checkpoint(tmp_path_factory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    """`qwen3_next_checkpoint(name)`: (directory, transformers reference) for a CONFIGS entry, made once
+    per session: random weights, perturbed so every term matters, saved with `save_pretrained`."""
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(name: str) -> tuple[Path, torch.nn.Module]:
+        if name not in made:
+            torch.manual_seed(0)
+            reference = transformers.Qwen3NextForCausalLM(
+                transformers.Qwen3NextConfig(**CONFIGS[name])
+            ).eval()
+            reference.generation_config.eos_token_id = None  # random models: generate every token asked for
+            perturb(reference)
+            directory = tmp_path_factory.mktemp(f"qwen3_next_{name}")
+            reference.save_pretrained(directory)
+            made[name] = (directory, reference)
+        return made[name]
+
+    return make
