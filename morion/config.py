@@ -13,9 +13,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a path, a known model name, or None for the default model
+    model: str | None = None  # a path, a known model name, preset:NAME, or None for the default model
+    load_format: str = "auto"  # auto: read the weights; dummy: random weights of the real shapes
+    seed: int = 0  # for dummy weights
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
+    state_dtype: str = "float32"  # recurrent state of Gated DeltaNet layers (float32 or bfloat16)
     page_size: int = 16  # tokens per K/V page
     kv_cache_tokens: int | None = None  # pool capacity in tokens; None: sized from kv_cache_gb
     kv_cache_gb: float | None = None  # None: 1 GiB on CPU, mem_fraction of free memory on CUDA
@@ -29,6 +32,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise MorionError(f"unsupported dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise MorionError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise MorionError(f"page_size must be a power of two, got {self.page_size}")
         positive = {

@@ -12,7 +12,7 @@ import torch
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
 from morion.cache.state_slots import StateSlots
-from morion.config import EngineConfig
+from morion.config import DTYPES, EngineConfig
 from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
@@ -31,12 +31,14 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = config.torch_device
-        loaded = loaded or load_model(config.model, config.torch_dtype, self.device)
+        loaded = loaded or load_model(
+            config.model, config.torch_dtype, self.device, config.load_format, config.seed
+        )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         kv_dtype = next(self.model.parameters()).dtype
-        spec = self.model.cache_spec(config.page_size, kv_dtype)
+        spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype])
         self.state_slots = None
         if spec.has_state:
             # Each running request holds a working slot and a page-boundary copy; the rest are snapshots.

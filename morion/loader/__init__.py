@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -9,12 +10,17 @@ import torch
 from torch import nn
 
 from morion.errors import ModelLoadError
-from morion.loader.gguf_loader import read_gguf
+from morion.loader.dummy_weights import fill_dummy_weights
+from morion.loader.fp8_block import block_fp8_size, dequantized_weights
+from morion.loader.gguf_loader import GGUFModel, read_gguf
 from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS, pull
-from morion.loader.safetensors_loader import read_hf_directory
+from morion.loader.safetensors_loader import HFDirectory, read_hf_directory
+from morion.models.presets import is_preset, preset_config
 from morion.models.registry import build_model
 from morion.progress import Progress
 from morion.text.tokenizer import Tokenizer
+
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class LoadedModel(NamedTuple):
@@ -35,22 +41,45 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    path = resolve_model_path(model)
+def read_source(path: Path, require_weights: bool = True) -> HFDirectory | GGUFModel:
+    """Config, tokenizer and (lazy) weights of a model directory or a GGUF file."""
     if path.is_dir():
-        source = read_hf_directory(path)
-    elif path.is_file():
-        source = read_gguf(path)  # checks the GGUF magic: any other file is reported as not a GGUF
-    else:
-        raise ModelLoadError(f"{path} is neither a model directory nor a file")
-    module = build_model(source.hf_config, dtype, device)
-    progress = Progress(f"loading {path.name}", source.num_tensors, " tensors")
+        return read_hf_directory(path, require_weights)
+    if path.is_file():
+        return read_gguf(path)  # checks the GGUF magic: any other file is reported as not a GGUF
+    raise ModelLoadError(f"{path} is neither a model directory nor a file")
 
-    def counted(weights):
-        for item in weights:
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LoadedModel:
+    """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    if is_preset(model):
+        hf_config, tokenizer, path, weights = preset_config(model), None, Path(model), None
+    else:
+        path = resolve_model_path(model)
+        source = read_source(path, require_weights=load_format != "dummy")
+        hf_config, tokenizer = source.hf_config, source.tokenizer
+        weights = None if load_format == "dummy" else source
+    module = build_model(hf_config, dtype, device)
+    if weights is None:
+        fill_dummy_weights(module, seed)
+        return LoadedModel(module, tokenizer, hf_config, path)
+    progress = Progress(f"loading {path.name}", weights.num_tensors, " tensors")
+
+    def counted(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in tensors:
             yield item
             progress.advance()
 
-    module.load_weights(counted(source.weights()))
+    tensors = counted(weights.weights())
+    block = block_fp8_size(hf_config)
+    module.load_weights(dequantized_weights(tensors, block) if block else tensors)
     progress.finish()
-    return LoadedModel(module, source.tokenizer, source.hf_config, path)
+    return LoadedModel(module, tokenizer, hf_config, path)

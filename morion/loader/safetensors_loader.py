@@ -28,7 +28,8 @@ class HFDirectory(NamedTuple):
                     yield name, f.get_tensor(name)
 
 
-def read_hf_directory(directory: Path) -> HFDirectory:
+def read_hf_directory(directory: Path, require_weights: bool = True) -> HFDirectory:
+    """Without `require_weights` (random-weight loading) a directory with only config.json will do."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{directory} has no config.json")
@@ -37,7 +38,7 @@ def read_hf_directory(directory: Path) -> HFDirectory:
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_path} is not valid JSON: {error}") from None
     shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
+    if not shards and require_weights:
         raise ModelLoadError(f"{directory} has no *.safetensors weights")
     try:
         num_tensors = 0

@@ -130,8 +130,10 @@ class DenseForCausalLM(nn.Module):
         """Returns final hidden states [T, hidden]; `compute_logits` turns the ones needed into logits."""
         return self.model(input_ids, positions, backend)
 
-    def cache_spec(self, page_size: int, kv_dtype: torch.dtype) -> CacheSpec:
-        """Per token: K and V of every layer. No per-request state."""
+    def cache_spec(
+        self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+    ) -> CacheSpec:
+        """Per token: K and V of every layer. No per-request state (`state_dtype` has nothing to set)."""
         kv = TokenComponent(
             "kv", self.config.num_layers, (2, self.config.num_kv_heads, self.config.head_dim), kv_dtype
         )
