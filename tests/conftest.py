@@ -30,22 +30,37 @@ def smollm2_gguf() -> Path:
 
 
 class OneSequenceBackend:
-    """The simplest attention backend: one sequence, all of it in one forward, no cache."""
+    """The simplest backend: one whole sequence in one forward, no cache; per-request state starts at
+    zero and its final value is dropped."""
+
+    def __init__(self, model: torch.nn.Module, num_tokens: int) -> None:
+        dtype = next(model.parameters()).dtype
+        self._states = {c.name: c for c in model.cache_spec(16, dtype).state_components}
+        self.query_ranges = [(0, num_tokens)]
 
     def attend(self, layer_index: int, q, k, v, scale: float) -> torch.Tensor:
         return causal_attention_reference(q, k, v, 0, scale)
 
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        spec = self._states[component]
+        return torch.zeros(1, *spec.shape, dtype=spec.dtype)
+
+    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
+        pass
+
 
 def full_prefill_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits for every position of one sequence, straight through the model's layers."""
+    """Logits for every position of one sequence, straight through the model's layers (on the CPU)."""
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), OneSequenceBackend())
+        backend = OneSequenceBackend(model, len(token_ids))
+        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), backend)
     return model.compute_logits(hidden)
 
 
 def make_engine(loaded: LoadedModel, **options) -> Engine:
     options.setdefault("kv_cache_tokens", 8192)
-    return Engine(EngineConfig(device="cpu", **options), loaded)
+    options.setdefault("device", "cpu")
+    return Engine(EngineConfig(**options), loaded)
 
 
 def run_engine(
