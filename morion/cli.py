@@ -40,6 +40,56 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model flags plus the engine's; a flag left unset keeps EngineConfig's default."""
+    _add_model_arguments(parser)
+    parser.add_argument(
+        "--page-size", type=_bounded(int, 1, "--page-size"), help="tokens per KV page (default 16)"
+    )
+    parser.add_argument(
+        "--kv-cache-tokens", type=_bounded(int, 1, "--kv-cache-tokens"), help="KV pool capacity in tokens"
+    )
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=_bounded(float, 0.0, "--kv-cache-gb"),
+        help="KV pool size in GiB (default: 1 on CPU, --mem-fraction of free memory on CUDA)",
+    )
+    parser.add_argument(
+        "--mem-fraction", type=_bounded(float, 0.0, "--mem-fraction"), help="share of free CUDA memory (0.85)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_bounded(int, 1, "--max-model-len"),
+        help="longest prompt + generation (default: the model's context, capped by the KV pool)",
+    )
+    parser.add_argument(
+        "--chunk-size", type=_bounded(int, 1, "--chunk-size"), help="token budget of one engine step (4096)"
+    )
+    parser.add_argument(
+        "--max-running-requests", type=_bounded(int, 1, "--max-running-requests"), help="batch size cap (64)"
+    )
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        help="dummy: random weights of the real shapes (benchmarks)",
+    )
+    parser.add_argument(
+        "--state-dtype", choices=("float32", "bfloat16"), help="Gated DeltaNet recurrent state (float32)"
+    )
+    parser.add_argument(
+        "--state-slots",
+        type=_bounded(int, 1, "--state-slots"),
+        help="per-request state slots (4 per running request)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_false",
+        default=None,
+        help="do not reuse cached prompt prefixes",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="morion", description="Serve and run hybrid MoE language models.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -48,7 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default=None, help="known model name (default: the default model)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    _add_model_arguments(generate)
+    _add_engine_arguments(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=_bounded(int, 1, "--max-tokens"), default=256)
     generate.add_argument("--temperature", type=_bounded(float, 0.0, "--temperature"), default=0.0)
@@ -62,6 +112,23 @@ def _build_parser() -> argparse.ArgumentParser:
         help="apply the chat template (default: on when the model has one)",
     )
 
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
+    _add_engine_arguments(serve)
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_bounded(int, 1, "--port"), help="TCP port (default 8000)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    serve.add_argument(
+        "--max-request-bytes", type=_bounded(int, 1, "--max-request-bytes"), help="request body limit (4 MiB)"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_bounded(float, 0.0, "--shutdown-timeout"),
+        help="seconds in-flight requests get to finish after SIGTERM (30)",
+    )
+    serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
+    serve.set_defaults(profile_parser=serve)
+
     info = commands.add_parser("info", help="print a model's architecture summary")
     _add_model_arguments(info)
     return parser
@@ -73,8 +140,30 @@ def _run_pull(args: argparse.Namespace) -> None:
     print(pull(args.name or DEFAULT_MODEL))
 
 
+_ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "page_size",
+    "kv_cache_tokens",
+    "kv_cache_gb",
+    "mem_fraction",
+    "max_model_len",
+    "chunk_size",
+    "max_running_requests",
+    "enable_prefix_cache",
+    "load_format",
+    "state_dtype",
+    "state_slots",
+)
+_SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout")
+
+
+def _given(args: argparse.Namespace, names: Sequence[str]) -> dict:
+    return {name: value for name in names if (value := getattr(args, name, None)) is not None}
+
+
 def _engine_options(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "device": args.device}
+    return _given(args, _ENGINE_FLAGS)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
@@ -130,12 +219,31 @@ def _run_info(args: argparse.Namespace) -> None:
     print(f"chat_template: {'yes' if has_template else 'no'}")
 
 
-_COMMANDS = {"pull": _run_pull, "generate": _run_generate, "info": _run_info}
+def _run_serve(args: argparse.Namespace) -> None:
+    from morion.config import EngineConfig
+    from morion.server.launch import serve
+    from morion.server.options import ServeOptions
+
+    engine = EngineConfig(model=args.model, **_engine_options(args))
+    serve(ServeOptions(engine, profile=args.config, **_given(args, _SERVER_FLAGS)))
+
+
+def _with_profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None):
+    from morion.server.profile import apply_profile
+
+    apply_profile(args.profile_parser, args.config)
+    return parser.parse_args(argv)  # again, so that flags on the command line win over the profile
+
+
+_COMMANDS = {"pull": _run_pull, "generate": _run_generate, "serve": _run_serve, "info": _run_info}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None) is not None:
+            args = _with_profile(parser, args, argv)
         _COMMANDS[args.command](args)
     except MorionError as error:
         print(f"morion: error: {error}", file=sys.stderr)

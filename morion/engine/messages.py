@@ -1,0 +1,94 @@
+"""What the HTTP front end and the engine process say to each other (pickled over pipes).
+
+This module holds no model code: the front end imports it on its hot path. Every
+message the engine sends after `EngineInfo` is one `EngineOutputs` per engine step (or per batch of
+inbox messages handled while idle), so the front end wakes once per step, not once per token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from morion.config import EngineConfig
+from morion.engine.outputs import Usage
+from morion.engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- front end -> engine
+
+
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+
+
+class Shutdown(NamedTuple):
+    """Abort whatever is still running and exit (the front end has drained what it wanted finished)."""
+
+    reason: str = "shutdown"
+
+
+InboxMessage = AddRequest | AbortRequest | Shutdown
+
+# ---------------------------------------------------------------- engine -> front end
+
+
+class EngineInfo(NamedTuple):
+    """Sent once, when the model is loaded and the pool sized: the resolved configuration."""
+
+    config: EngineConfig
+    model_path: str
+    model_type: str
+    device: str  # resolved (never "auto")
+    dtype: str  # resolved (never "auto")
+    context_length: int  # the model's own max_position_embeddings
+    vocab_size: int
+    max_model_len: int  # min(context, pool tokens, --max-model-len)
+    num_pages: int
+    bytes_per_token: int
+    pool_bytes: int
+
+
+class EngineFailed(NamedTuple):
+    """The engine could not start (bad model, out of memory...); the process exits after sending it."""
+
+    error: str
+
+
+class EngineStats(NamedTuple):
+    """Load and pool usage after the step. Invariant: pages_free + pages_cached + pages_held == num_pages,
+    where pages_held are owned by running requests (not yet in the prefix cache)."""
+
+    running: int
+    waiting: int
+    pages_free: int
+    pages_cached: int
+    pages_held: int
+    retractions: int
+    integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
+
+
+class RequestDelta(NamedTuple):
+    """What one request gained in one step. The last delta of a request has `finish_reason` and `usage`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # detokenized by the engine, stop strings already applied
+    logprobs: list[float] | None  # one per token in token_ids, when the request asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    usage: Usage | None = None
+    error: str | None = None  # with finish_reason "error"
+    internal: bool = False  # an error of the engine itself (HTTP 500), not of the request (HTTP 400)
+
+
+class EngineOutputs(NamedTuple):
+    deltas: list[RequestDelta]
+    stats: EngineStats
+
+
+OutboxMessage = EngineInfo | EngineFailed | EngineOutputs

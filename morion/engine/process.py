@@ -1,0 +1,228 @@
+"""The engine process: owns the Engine, steps it while there is work, blocks on its inbox when idle.
+
+The front end (morion.server) spawns `run_engine_process` and talks to it over two one-way pipes:
+requests and aborts come in on the inbox, one `EngineOutputs` per step goes out on the outbox. They are
+plain pipes, written and read by the threads that make and use the messages: no I/O thread wakes per
+token to compete with the model's threads for the cores. An unexpected error inside a step fails the
+requests that were in flight (each gets an internal error, HTTP 500) and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineOutputs,
+    EngineStats,
+    InboxMessage,
+    RequestDelta,
+    Shutdown,
+)
+from morion.engine.outputs import StepOutput
+from morion.errors import InvalidRequestError, MorionError
+
+
+class EngineLoop:
+    """Turns inbox messages and engine steps into `RequestDelta`s; the transport lives in `serve`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stopped = False
+        self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
+        self._integrity = "ok"
+
+    # ----------------------------------------------------------------- inbox
+    def handle(self, message: InboxMessage) -> list[RequestDelta]:
+        if isinstance(message, AddRequest):
+            return self._add(message)
+        if isinstance(message, AbortRequest):
+            return self._abort(message.request_id)
+        if isinstance(message, Shutdown):
+            self.stopped = True
+            return [delta for request_id in list(self._wants_logprobs) for delta in self._abort(request_id)]
+        raise TypeError(f"unknown inbox message {message!r}")
+
+    def _add(self, message: AddRequest) -> list[RequestDelta]:
+        try:
+            self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
+        except InvalidRequestError as error:
+            return [_error_delta(message.request_id, str(error), internal=False)]
+        except Exception as error:
+            traceback.print_exc()
+            return [_error_delta(message.request_id, _describe(error), internal=True)]
+        self._wants_logprobs[message.request_id] = message.params.logprobs is not None
+        return []
+
+    def _abort(self, request_id: str) -> list[RequestDelta]:
+        if self._wants_logprobs.pop(request_id, None) is None:
+            return []  # finished already; its last delta is on its way
+        final = self.engine.abort(request_id)
+        usage = final.usage if final is not None else None
+        return [RequestDelta(request_id, [], "", None, None, "abort", usage)]
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestDelta]:
+        try:
+            steps = self.engine.step()
+        except Exception as error:
+            traceback.print_exc()
+            return self._fail_all(_describe(error))
+        deltas = []
+        running = None
+        for step in steps:
+            logprobs = top_logprobs = None
+            if self._wants_logprobs.get(step.request_id):
+                if running is None and step.final is None:
+                    running = {r.request_id: r for r in self.engine.scheduler.running}
+                logprobs, top_logprobs = _step_logprobs(step, running)
+            if step.final is None:
+                deltas.append(
+                    RequestDelta(step.request_id, step.new_token_ids, step.new_text, logprobs, top_logprobs)
+                )
+                continue
+            del self._wants_logprobs[step.request_id]
+            final = step.final
+            deltas.append(
+                RequestDelta(
+                    step.request_id,
+                    step.new_token_ids,
+                    step.new_text,
+                    logprobs,
+                    top_logprobs,
+                    final.finish_reason,
+                    final.usage,
+                    final.error,
+                )
+            )
+        return deltas
+
+    def _fail_all(self, reason: str) -> list[RequestDelta]:
+        deltas = []
+        for request_id in list(self._wants_logprobs):
+            del self._wants_logprobs[request_id]
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                traceback.print_exc()  # the engine is in trouble; the integrity check will say how much
+            deltas.append(_error_delta(request_id, reason, internal=True))
+        return deltas
+
+    # ----------------------------------------------------------------- state
+    def check_integrity(self) -> None:
+        """Only meaningful while idle: then every page is free or cached."""
+        try:
+            self.engine.check_integrity()
+        except Exception as error:
+            traceback.print_exc()
+            self._integrity = _describe(error)
+        else:
+            self._integrity = "ok"
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            pages_free=self.engine.pool.num_free,
+            pages_cached=self.engine.prefix_cache.cached_pages,
+            pages_held=sum(len(r.owned_pages) for r in scheduler.running),
+            retractions=scheduler.num_retractions,
+            integrity=self._integrity,
+        )
+
+
+def _step_logprobs(
+    step: StepOutput, running: dict | None
+) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    # StepOutput carries no logprobs; they are the last entries of the request's lists (the final output
+    # for a finished request, the running Request otherwise: sampled requests are always running).
+    count = len(step.new_token_ids)
+    if step.final is not None:
+        source_logprobs, source_top = step.final.logprobs, step.final.top_logprobs
+    else:
+        request = running[step.request_id]
+        source_logprobs, source_top = request.output_logprobs, request.output_top_logprobs
+    if source_logprobs is None or source_top is None:
+        return None, None
+    return source_logprobs[-count:], source_top[-count:]
+
+
+def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:
+    return RequestDelta(request_id, [], "", None, None, "error", None, message, internal)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    model_config = engine.model.config
+    pool = engine.pool
+    return EngineInfo(
+        config=engine.config,
+        model_path=str(engine.model_path),
+        model_type=model_config.model_type,
+        device=str(engine.device),
+        dtype=str(engine.config.torch_dtype).removeprefix("torch."),
+        context_length=model_config.max_position_embeddings,
+        vocab_size=model_config.vocab_size,
+        max_model_len=engine.max_model_len,
+        num_pages=pool.num_pages,
+        bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
+        pool_bytes=pool.num_bytes,
+    )
+
+
+def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
+    """Runs until Shutdown. Raises EOFError or BrokenPipeError when the front end is gone."""
+    while not loop.stopped:
+        if not loop.engine.has_unfinished():
+            inbox.poll(None)  # idle: sleep until a message arrives (or the front end's end closes)
+        deltas: list[RequestDelta] = []
+        handled = False
+        while inbox.poll():
+            deltas += loop.handle(inbox.recv())
+            handled = True
+        if loop.stopped:
+            break
+        if loop.engine.has_unfinished():
+            deltas += loop.step()
+        if deltas or handled:
+            if not loop.engine.has_unfinished():
+                loop.check_integrity()
+            outbox.send(EngineOutputs(deltas, loop.stats()))
+
+
+def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of the spawned engine process."""
+    # Ctrl-C, and a SIGTERM sent to the whole process group or cgroup (timeout, systemd), also reach the
+    # engine; it must keep serving while the front end drains, so only the front end decides when it stops
+    # (Shutdown, or closing its end of the pipes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        try:
+            engine = Engine(config)
+        except MorionError as error:  # a user-fixable problem: one line is enough
+            outbox.send(EngineFailed(str(error)))
+            sys.exit(1)
+        except Exception as error:
+            traceback.print_exc()
+            outbox.send(EngineFailed(_describe(error)))
+            sys.exit(1)
+        outbox.send(engine_info(engine))
+        serve(EngineLoop(engine), inbox, outbox)
+    except (EOFError, BrokenPipeError):
+        pass  # the front end has gone; nobody is left to serve
+    finally:
+        inbox.close()
+        outbox.close()

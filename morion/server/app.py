@@ -1,0 +1,286 @@
+"""The FastAPI app: routes, authentication, body limits and error bodies.
+
+Bodies are read and validated by hand (`read_body` + `parse_body`) rather than by FastAPI, so that every
+rejection, from an oversized or malformed body to a bad field, is an OpenAI-style error naming the problem.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from morion.engine.messages import EngineInfo
+from morion.server.describe import server_info
+from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
+from morion.server.errors import APIError, error_body
+from morion.server.options import ServeOptions
+from morion.server.prepare import chat_job, check_model, completion_job, render_chat
+from morion.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from morion.server.responses import ChatFormat, CompletionFormat, TokenTexts
+from morion.server.serving import run_job
+from morion.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("morion.server")
+
+
+class ServerContext:
+    """What the routes share: options, the engine client and the front end's tokenizer."""
+
+    def __init__(
+        self,
+        options: ServeOptions,
+        client: EngineClient,
+        tokenizer: Tokenizer | None,
+        served_names: list[str],
+        on_ready: Callable[[EngineInfo], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.options = options
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_names = served_names
+        self.token_texts = TokenTexts(tokenizer)
+        self.on_ready = on_ready
+        self.on_fatal = on_fatal
+
+    def ready_info(self) -> EngineInfo:
+        state = self.client.state
+        if state == READY and self.client.info is not None:
+            return self.client.info
+        reasons = {
+            LOADING: "the model is still loading; retry when /health answers 200",
+            DRAINING: "the server is shutting down",
+            FAILED: f"the engine failed: {self.client.failure}",
+        }
+        raise APIError(503, reasons.get(state, "the server is shutting down"), code="not_ready")
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return self.tokenizer
+
+    async def read_json(self, request: Request, model: type[Any]) -> Any:
+        limit = self.options.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = APIError(
+            413,
+            f"the request body is larger than {limit} bytes (--max-request-bytes)",
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        parsed = parse_body(b"".join(chunks), model)
+        check_model(getattr(parsed, "model", None), self.served_names)
+        return parsed
+
+
+def create_app(context: ServerContext) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await context.client.connect(context.on_ready, context.on_fatal)
+        yield
+        await context.client.close()
+
+    app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_RequestCounter, context=context)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state = context.client.state
+        return JSONResponse(
+            {"status": "ok" if state == READY else state}, status_code=200 if state == READY else 503
+        )
+
+    api = APIRouter(dependencies=[Depends(_authenticator(context.options.api_key))])
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            context.client.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @api.get("/v1/server_info")
+    async def info() -> dict[str, Any]:
+        client = context.client
+        return server_info(context.options, context.served_names, client.state, client.info, client.stats)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = context.ready_info()
+        model = {"object": "model", "created": 0, "owned_by": "morion", "max_model_len": info.max_model_len}
+        return {"object": "list", "data": [{"id": name, **model} for name in context.served_names]}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        arrival = time.perf_counter()
+        info = context.ready_info()
+        body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
+        rendered = render_chat(
+            context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
+        job = chat_job(body, rendered.token_ids, info)
+        response_format = ChatFormat(
+            _response_id("chatcmpl"), _model(body, context), context.token_texts, body.logprobs
+        )
+        return await run_job(
+            request, context.client, job, response_format, body.stream, body.include_usage, arrival
+        )
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        arrival = time.perf_counter()
+        info = context.ready_info()
+        body: CompletionRequest = await context.read_json(request, CompletionRequest)
+        job = completion_job(body, context.tokenizer, info)
+        wants_logprobs = body.logprobs is not None
+        response_format = CompletionFormat(
+            _response_id("cmpl"), _model(body, context), context.token_texts, wants_logprobs
+        )
+        return await run_job(
+            request, context.client, job, response_format, body.stream, body.include_usage, arrival
+        )
+
+    @api.post("/v1/chat/completions/render")
+    async def render(request: Request) -> dict[str, Any]:
+        info = context.ready_info()
+        body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
+        rendered = render_chat(
+            context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
+        return {
+            "prompt": rendered.text,
+            "token_ids": rendered.token_ids,
+            "count": len(rendered.token_ids),
+            "max_model_len": info.max_model_len,
+        }
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        info = context.ready_info()
+        body: TokenizeRequest = await context.read_json(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            token_ids = render_chat(
+                context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            ).token_ids
+        else:
+            token_ids = context.require_tokenizer().encode(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
+            )
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        info = context.ready_info()
+        body: DetokenizeRequest = await context.read_json(request, DetokenizeRequest)
+        bad = next((t for t in body.tokens if t >= info.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="tokens"
+            )
+        return {"prompt": context.require_tokenizer().decode(body.tokens)}
+
+    app.include_router(api)
+    return app
+
+
+def _authenticator(api_key: str | None) -> Callable[[Request], None]:
+    expected = api_key.encode() if api_key is not None else None
+
+    def authenticate(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+            raise APIError(
+                401, "a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+    return authenticate
+
+
+def _response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _model(body: Any, context: ServerContext) -> str:
+    return body.model or context.served_names[0]
+
+
+async def _api_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, APIError)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+
+
+async def _internal_error(request: Request, error: Exception) -> Response:
+    logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=error)
+    return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+
+class _RequestCounter:
+    """Counts HTTP responses by route and status (morion_http_requests_total); unknown paths are "other",
+    so the label set stays bounded."""
+
+    def __init__(self, app: ASGIApp, context: ServerContext) -> None:
+        self.app = app
+        self.context = context
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.context.client.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+_ENDPOINTS = frozenset(
+    {
+        "/health",
+        "/metrics",
+        "/v1/server_info",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions/render",
+        "/tokenize",
+        "/detokenize",
+    }
+)

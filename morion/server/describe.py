@@ -1,0 +1,105 @@
+"""The resolved configuration, said once: the startup summary and the /v1/server_info body.
+
+Both come from the same facts (the server options and the engine's `EngineInfo`), and every automatic
+decision is spelled out with what it was decided from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from morion import __version__
+from morion.config import EngineConfig
+from morion.engine.messages import EngineInfo, EngineStats
+from morion.server.options import ServeOptions
+from morion.server.protocol import MAX_N
+
+
+def automatic_decisions(config: EngineConfig, info: EngineInfo) -> list[str]:
+    decisions = []
+    if config.device == "auto":
+        decisions.append(f"device: {info.device} (auto: CUDA when available)")
+    if config.dtype == "auto":
+        decisions.append(f"dtype: {info.dtype} (auto: bfloat16 on CUDA, float32 on CPU)")
+    if config.kv_cache_tokens is None and config.kv_cache_gb is None:
+        rule = (
+            f"{config.mem_fraction:g} of free device memory"
+            if info.device.startswith("cuda")
+            else "1 GiB on CPU; set --kv-cache-tokens or --kv-cache-gb to change it"
+        )
+        decisions.append(f"KV pool: {info.num_pages * config.page_size} tokens (auto: {rule})")
+    limits = {
+        "the model's context": info.context_length,
+        "the KV pool": info.num_pages * config.page_size,
+    }
+    if config.max_model_len is None or config.max_model_len > info.max_model_len:
+        bound = next(name for name, value in limits.items() if value == info.max_model_len)
+        decisions.append(f"max model len: {info.max_model_len} (auto: limited by {bound})")
+    return decisions
+
+
+def startup_summary(options: ServeOptions, served_names: list[str], info: EngineInfo) -> str:
+    config = options.engine
+    auth = "API key required" if options.api_key else "no API key"
+    lines = [
+        f"morion serve: ready on http://{options.host}:{options.port} ({auth})",
+        f"  model          {served_names[0]} = {info.model_path} ({info.model_type})",
+        f"  profile        {options.profile or '(none)'}",
+        f"  engine         device {info.device}, dtype {info.dtype}, page size {config.page_size}, "
+        f"chunk {config.chunk_size}, max running {config.max_running_requests}, "
+        f"prefix cache {'on' if config.enable_prefix_cache else 'off'}",
+        f"  KV pool        {info.num_pages} pages = {info.num_pages * config.page_size} tokens "
+        f"x {info.bytes_per_token} B = {info.pool_bytes / 2**30:.2f} GiB",
+        f"  max model len  {info.max_model_len} (model context {info.context_length})",
+        f"  requests       body <= {options.max_request_bytes} B, n <= {MAX_N}, "
+        f"SIGTERM drains for up to {options.shutdown_timeout:g} s",
+    ]
+    lines += [f"  auto           {decision}" for decision in automatic_decisions(config, info)]
+    return "\n".join(lines)
+
+
+def server_info(
+    options: ServeOptions,
+    served_names: list[str],
+    state: str,
+    info: EngineInfo | None,
+    stats: EngineStats | None,
+) -> dict[str, Any]:
+    config = dataclasses.asdict(options.engine)
+    body: dict[str, Any] = {
+        "version": __version__,
+        "state": state,
+        "model": {"id": served_names[0], "aliases": served_names[1:]},
+        "config": config,
+        "server": {
+            "host": options.host,
+            "port": options.port,
+            "api_key_required": options.api_key is not None,
+            "max_request_bytes": options.max_request_bytes,
+            "max_n": MAX_N,
+            "shutdown_timeout": options.shutdown_timeout,
+            "profile": options.profile,
+        },
+        "capacity": None,
+        "decisions": [],
+        "load": stats._asdict() if stats is not None else None,
+    }
+    if info is not None:
+        config.update(device=info.device, dtype=info.dtype)  # resolved, never "auto"
+        body["model"].update(
+            path=info.model_path,
+            model_type=info.model_type,
+            context_length=info.context_length,
+            vocab_size=info.vocab_size,
+        )
+        body["capacity"] = {
+            "max_model_len": info.max_model_len,
+            "page_size": options.engine.page_size,
+            "num_pages": info.num_pages,
+            "kv_cache_tokens": info.num_pages * options.engine.page_size,
+            "bytes_per_token": info.bytes_per_token,
+            "kv_cache_bytes": info.pool_bytes,
+        }
+        body["decisions"] = automatic_decisions(options.engine, info)
+    return body

@@ -1,0 +1,144 @@
+"""`morion serve`: spawn the engine, load the tokenizer, run uvicorn, drain on SIGTERM.
+
+Start-up order: the model path is resolved (pulling the default model once), the engine process is
+spawned and starts loading, the front end reads the tokenizer meanwhile, then uvicorn listens; /health
+answers 503 until the engine reports ready, and the startup summary is printed then.
+
+Shutdown: the first SIGTERM or SIGINT stops admission (/health 503, new completions 503), lets in-flight
+requests finish for up to `shutdown_timeout` seconds, aborts the rest, then stops uvicorn and the engine
+and exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from morion.engine.messages import EngineInfo
+from morion.errors import MorionError
+from morion.loader import resolve_model_path
+from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS
+from morion.loader.tokenizer_loader import load_tokenizer
+from morion.server.app import ServerContext, create_app
+from morion.server.describe import startup_summary
+from morion.server.engine_client import DRAINING, READY, EngineClient
+from morion.server.options import ServeOptions
+
+_ABORT_GRACE_S = 2.0  # after aborting what outlived the drain, how long its streams get to end
+
+
+def served_names(requested: str | None, model: str | None, path: Path) -> list[str]:
+    """The name /v1/models lists first, then aliases a client may also send (the --model text)."""
+    if requested:
+        primary = requested
+    elif model is None or model in KNOWN_MODELS:
+        primary = model or DEFAULT_MODEL
+    else:
+        primary = path.name if path.is_dir() else path.stem
+    return list(dict.fromkeys(name for name in (primary, model) if name))
+
+
+def serve(options: ServeOptions) -> None:
+    """Runs until shut down; raises MorionError when the engine cannot start or dies."""
+    _check_can_listen(options.host, options.port)  # before minutes of loading, not after
+    model = options.engine.model
+    path = resolve_model_path(model)
+    options = dataclasses.replace(options, engine=dataclasses.replace(options.engine, model=str(path)))
+    names = served_names(options.served_model_name, model, path)
+    client = EngineClient(options.engine)
+    client.start_process()  # the model loads while the front end reads the tokenizer
+    try:
+        tokenizer = load_tokenizer(path)
+    except BaseException:
+        client.kill_process()
+        raise
+    fatal: list[str] = []
+
+    def on_ready(info: EngineInfo) -> None:
+        print(startup_summary(options, names, info), file=sys.stderr, flush=True)
+
+    def on_fatal(error: str) -> None:
+        fatal.append(error)
+        server.should_exit = True
+
+    context = ServerContext(options, client, tokenizer, names, on_ready, on_fatal)
+    config = uvicorn.Config(
+        create_app(context),
+        host=options.host,
+        port=options.port,
+        access_log=False,  # a log line per request costs more than a token; /metrics counts requests
+        timeout_graceful_shutdown=5,
+        log_level="info",
+    )
+    server = _DrainingServer(config, client, options.shutdown_timeout)
+    server.run()
+    if fatal:
+        raise MorionError(fatal[0])
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as error:
+        raise MorionError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, client: EngineClient, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._client = client
+        self._drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
+        # process with the signal's status; a drained shutdown exits 0 instead. A second signal forces.
+        if self._loop is None or self._draining is not None:
+            self.should_exit = self.force_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._draining is None:
+            self._draining = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        client = self._client
+        if client.state == READY:
+            client.state = DRAINING
+            pending = len(client.open_streams)
+            print(
+                f"morion serve: draining {pending} request(s) for up to {self._drain_timeout:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            await _wait_until_no_streams(client, self._drain_timeout)
+            if client.open_streams:
+                print(
+                    f"morion serve: aborting {len(client.open_streams)} request(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                client.abort_all()
+                await _wait_until_no_streams(client, _ABORT_GRACE_S)
+        self.should_exit = True
+
+
+async def _wait_until_no_streams(client: EngineClient, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while client.open_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # only while draining, never on the serving path

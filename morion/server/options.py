@@ -1,0 +1,21 @@
+"""The server's own settings (the engine's are an `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from morion.config import EngineConfig
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    engine: EngineConfig
+    host: str = "127.0.0.1"  # loopback unless asked: the server has no TLS
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: the known model's name, or the file / directory name
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    profile: str | None = None  # the --config file, reported in the startup summary

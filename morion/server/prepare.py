@@ -1,0 +1,178 @@
+"""From a validated request to engine work: prompt token ids, token budgets and sampling parameters.
+
+Everything the engine would reject is rejected here first, with the field named, so that a stream never
+starts for a request that cannot run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from morion.engine.messages import EngineInfo
+from morion.engine.sampling_params import SamplingParams
+from morion.errors import InvalidRequestError
+from morion.server.errors import APIError
+from morion.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from morion.text.tokenizer import Tokenizer
+
+_SEED_SPACE = 2**64
+# Arguments of ChatTemplate.render; a template kwarg of the same name would collide with them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+)
+# OpenAI's default max_tokens for /v1/completions; chat completions default to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class EngineJob(NamedTuple):
+    """One HTTP request's engine requests. Choice i runs prompts[i // n] with params[i]."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+
+    def submissions(self) -> list[tuple[list[int], SamplingParams]]:
+        return [(self.prompts[i // self.n], params) for i, params in enumerate(self.params)]
+
+
+class RenderedChat(NamedTuple):
+    text: str
+    token_ids: list[int]
+
+
+def check_model(requested: str | None, served_names: Sequence[str]) -> None:
+    if requested is not None and requested not in served_names:
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served_names[0]!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def render_chat(
+    tokenizer: Tokenizer | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> RenderedChat:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template; send a prompt to /v1/completions instead")
+    kwargs = template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
+    try:
+        text = tokenizer.render_chat(
+            [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except InvalidRequestError as error:
+        raise APIError(400, str(error), param="messages") from None
+    # The template writes BOS itself where the model wants one (as Tokenizer.encode_chat).
+    return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_job(request: ChatCompletionRequest, prompt: list[int], info: EngineInfo) -> EngineJob:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    check_prompt_fits(prompt, info, "messages")
+    if request.max_completion_tokens is not None:
+        requested, name = request.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, name = request.max_tokens, "max_tokens"
+    budget = token_budget(requested, name, len(prompt), info.max_model_len, default=None)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return EngineJob([prompt], sampling_params(request, budget, logprobs), request.n)
+
+
+def completion_job(request: CompletionRequest, tokenizer: Tokenizer | None, info: EngineInfo) -> EngineJob:
+    prompts = [completion_prompt(p, tokenizer, info) for p in request.prompt]
+    params = []
+    for prompt in prompts:
+        budget = token_budget(
+            request.max_tokens, "max_tokens", len(prompt), info.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        params += sampling_params(request, budget, request.logprobs)
+    return EngineJob(prompts, params, request.n)
+
+
+def completion_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, info: EngineInfo) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        token_ids = tokenizer.encode(prompt)
+        if not token_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+    else:
+        token_ids = prompt
+        bad = next((t for t in token_ids if t >= info.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt"
+            )
+    check_prompt_fits(token_ids, info, "prompt")
+    return token_ids
+
+
+def check_prompt_fits(prompt: list[int], info: EngineInfo, param: str) -> None:
+    # At least one token must be generated, so a prompt may take at most max_model_len - 1 tokens.
+    if len(prompt) >= info.max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt)} tokens, but this server's context is {info.max_model_len} tokens "
+            f"(at most {info.max_model_len - 1} prompt tokens fit)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def token_budget(
+    requested: int | None, name: str, prompt_len: int, max_model_len: int, default: int | None
+) -> int:
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(
+            400,
+            f"{name}={requested} does not fit: the context is {max_model_len} tokens and the prompt takes "
+            f"{prompt_len}, so at most {room} tokens can be generated",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    """n parameter sets; with a seed, choice i samples with seed + i, so choices differ but reproduce."""
+    options: dict[str, Any] = {
+        "temperature": fields.temperature,
+        "top_p": fields.top_p,
+        "top_k": None if fields.top_k is None else max(fields.top_k, 0),
+        "min_p": fields.min_p,
+        "repetition_penalty": fields.repetition_penalty,
+        "presence_penalty": fields.presence_penalty,
+        "frequency_penalty": fields.frequency_penalty,
+    }
+    options = {name: value for name, value in options.items() if value is not None}
+    seeds = (
+        [None] * fields.n
+        if fields.seed is None
+        else [(fields.seed + i) % _SEED_SPACE for i in range(fields.n)]
+    )
+    try:
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                seed=seed,
+                stop=tuple(fields.stop or ()),
+                stop_token_ids=tuple(fields.stop_token_ids or ()),
+                ignore_eos=fields.ignore_eos,
+                logprobs=logprobs,
+                **options,
+            )
+            for seed in seeds
+        ]
+    except InvalidRequestError as error:
+        raise APIError(400, str(error)) from None

@@ -1,0 +1,231 @@
+"""Request bodies of the OpenAI API (and morion's extensions), validated at the edge.
+
+Models are strict (no "5" for 5, no true for 1) and ignore unknown fields, as OpenAI clients send
+fields we do not use (`user`, `store`, `metadata`); fields that would change the answer and that morion
+cannot honour yet are rejected by `unsupported_fields` instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from morion.server.errors import APIError
+
+MAX_N = 16  # choices per request; each is its own engine request
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+_MAX_SEED = 2**64 - 1
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | None = None  # text parts are joined into one string
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(
+                    'content parts must be {"type": "text", "text": "..."}; only text is supported'
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def for_template(self) -> dict[str, Any]:
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        message["content"] = self.content or ""
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/chat/completions and /v1/completions. None means "the default"."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, le=_MAX_SEED)
+    stop: list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # morion (and vLLM) extensions
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # accepted only at their neutral value
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            if len(value) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(value)}")
+            if not all(isinstance(s, str) and s for s in value):
+                raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def unsupported_fields(self) -> list[str]:
+        return ["logit_bias"] if self.logit_bias else []
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def unsupported_fields(self) -> list[str]:
+        fields = super().unsupported_fields()
+        fields += [name for name in ("tools", "functions", "function_call") if getattr(self, name)]
+        if self.tool_choice not in (None, "none"):
+            fields.append("tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            fields.append("response_format")
+        return fields
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [message.for_template() for message in self.messages]
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, token ids, or a list of token-id lists; normalized to a list.
+    prompt: list[str | list[int]]
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI's default for completions is 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_list(cls, value: Any) -> Any:
+        shape = "must be a string, a list of strings, a list of token ids, or a list of token-id lists"
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError(shape if not isinstance(value, list) else "must not be empty")
+        if all(_is_token_id(t) for t in value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return value
+        raise ValueError(shape)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, value: list[str | list[int]]) -> list[str | list[int]]:
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
+        return value
+
+    def unsupported_fields(self) -> list[str]:
+        fields = super().unsupported_fields()
+        if self.echo:
+            fields.append("echo")
+        if self.suffix:
+            fields.append("suffix")
+        if self.best_of not in (None, self.n):
+            fields.append("best_of")
+        return fields
+
+
+class TokenizeRequest(_Body):
+    """Either `prompt` (plain text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_body(body: bytes, model: type[_Model]) -> _Model:
+    """Validates a JSON body; any problem is an HTTP 400 naming the field."""
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as error:
+        raise _as_api_error(error) from None
+    unsupported = getattr(parsed, "unsupported_fields", list)()
+    if unsupported:
+        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
+    return parsed
+
+
+def _as_api_error(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] == "model_type":
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    param = _param_path(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = "this field is required"
+    elif "input" in first and first["type"] not in ("value_error",):
+        message += f" (got {_short(first['input'])})"
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,119 @@
+"""The engine process's loop, on a stand-in engine: requests in, deltas out, and failures contained."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from morion.engine.messages import AbortRequest, AddRequest, Shutdown
+from morion.engine.outputs import RequestOutput, StepOutput, Usage
+from morion.engine.process import EngineLoop
+from morion.engine.sampling_params import SamplingParams
+from morion.errors import InvalidRequestError
+
+
+class StubEngine:
+    """Each step gives every request one token; a request finishes after `max_tokens`."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
+        self.fail_next_step = False
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_retractions=0)
+        self.pool = SimpleNamespace(num_free=10)
+        self.prefix_cache = SimpleNamespace(cached_pages=0)
+
+    def add_request(self, prompt, params, request_id):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if request_id == "explodes":
+            raise RuntimeError("boom")
+        self.requests[request_id] = (params, [])
+
+    def abort(self, request_id):
+        _, tokens = self.requests.pop(request_id)
+        return self._final(request_id, tokens, "abort")
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def check_integrity(self):
+        pass
+
+    def step(self):
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("a kernel fell over")
+        outputs = []
+        for request_id, (params, tokens) in list(self.requests.items()):
+            tokens.append(len(tokens) + 7)
+            final = None
+            if len(tokens) == params.max_tokens:
+                del self.requests[request_id]
+                final = self._final(request_id, tokens, "length")
+            outputs.append(StepOutput(request_id, [tokens[-1]], f"t{tokens[-1]}", final is not None, final))
+        return outputs
+
+    @staticmethod
+    def _final(request_id, tokens, reason):
+        return RequestOutput(request_id, [1], list(tokens), "", reason, Usage(1, len(tokens), 0))
+
+
+@pytest.fixture
+def loop() -> EngineLoop:
+    return EngineLoop(StubEngine())  # type: ignore[arg-type]
+
+
+def test_requests_stream_deltas_until_finished(loop):
+    assert loop.handle(AddRequest("a", [1], SamplingParams(max_tokens=2))) == []
+    first, second = loop.step(), loop.step()
+    assert [(d.request_id, d.token_ids, d.text, d.finish_reason) for d in first] == [("a", [7], "t7", None)]
+    [last] = second
+    assert last.finish_reason == "length" and last.usage == Usage(1, 2, 0)
+    assert not loop.engine.has_unfinished()
+
+
+def test_an_invalid_request_is_a_client_error_and_an_engine_bug_an_internal_one(loop):
+    [invalid] = loop.handle(AddRequest("x", [], SamplingParams()))
+    assert (invalid.finish_reason, invalid.internal) == ("error", False)
+    assert "empty" in invalid.error
+    [broken] = loop.handle(AddRequest("explodes", [1], SamplingParams()))
+    assert (broken.finish_reason, broken.internal) == ("error", True)
+    assert "boom" in broken.error
+
+
+def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(loop):
+    loop.handle(AddRequest("a", [1], SamplingParams(max_tokens=5)))
+    loop.handle(AddRequest("b", [1], SamplingParams(max_tokens=5)))
+    loop.engine.fail_next_step = True
+    failed = loop.step()
+    assert sorted(d.request_id for d in failed) == ["a", "b"]
+    assert all(d.finish_reason == "error" and d.internal and "kernel" in d.error for d in failed)
+    assert not loop.engine.has_unfinished()  # aborted, so their pages went back
+    loop.handle(AddRequest("c", [1], SamplingParams(max_tokens=1)))
+    [done] = loop.step()
+    assert done.request_id == "c" and done.finish_reason == "length"
+
+
+def test_abort_and_shutdown(loop):
+    loop.handle(AddRequest("a", [1], SamplingParams(max_tokens=5)))
+    loop.step()
+    [aborted] = loop.handle(AbortRequest("a"))
+    assert aborted.finish_reason == "abort" and aborted.usage.completion_tokens == 1
+    assert loop.handle(AbortRequest("a")) == []  # already gone: nothing to say
+    loop.handle(AddRequest("b", [1], SamplingParams(max_tokens=5)))
+    [stopped] = loop.handle(Shutdown())
+    assert stopped.request_id == "b" and stopped.finish_reason == "abort"
+    assert loop.stopped
+
+
+def test_stats_after_idle_integrity_check(loop):
+    loop.check_integrity()
+    stats = loop.stats()
+    assert (stats.running, stats.waiting, stats.pages_free, stats.pages_held, stats.integrity) == (
+        0,
+        0,
+        10,
+        0,
+        "ok",
+    )
