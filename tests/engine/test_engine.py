@@ -189,3 +189,13 @@ def test_logprobs_are_reported_per_token(tiny, engine_factory, engine_runner, pr
     expected = torch.log_softmax(prefill_logits(tiny.model, prompt)[-1], dim=-1)
     assert output.logprobs[0] == pytest.approx(expected.max().item(), abs=1e-4)
     assert [t for t, _ in output.top_logprobs[0]] == expected.topk(3).indices.tolist()
+
+
+def test_decodes_progress_every_step_while_a_long_prompt_prefills(tiny, engine_factory):
+    """Fair progress: a long chunked prefill never stalls requests that are already generating."""
+    engine = engine_factory(tiny, chunk_size=16)
+    decoding = engine.add_request(list(range(5)), GREEDY)
+    engine.step()  # its prefill
+    engine.add_request(list(range(128)) * 2, GREEDY)  # 256 tokens: 16 chunks of prefill
+    for _ in range(10):
+        assert decoding in {s.request_id for s in engine.step()}
