@@ -28,6 +28,11 @@ class EngineConfig:
     max_running_requests: int = 64
     state_slots: int | None = None  # per-request state slots (hybrid models); None: 4 per running request
     enable_prefix_cache: bool = True
+    host_cache_gb: float | None = None  # host-RAM tier (pinned on CUDA) behind the device cache; None: off
+    host_cache_write_policy: str = "write_through"  # or write_back: copy to host only on device eviction
+    host_cache_state_fraction: float = 0.25  # share of host_cache_gb for state snapshots (hybrid models)
+    disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
+    disk_cache_gb: float | None = None  # disk tier budget; None: half the filesystem's free space at start
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -49,6 +54,23 @@ class EngineConfig:
                 raise MorionError(f"{name} must be positive, got {value}")
         if not 0 < self.mem_fraction <= 1:
             raise MorionError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        for name in ("host_cache_gb", "disk_cache_gb"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise MorionError(f"{name} must be positive, got {value}")
+        if self.host_cache_write_policy not in ("write_through", "write_back"):
+            raise MorionError(
+                "host_cache_write_policy must be write_through or write_back, "
+                f"got {self.host_cache_write_policy!r}"
+            )
+        if not 0 < self.host_cache_state_fraction < 1:
+            raise MorionError(
+                f"host_cache_state_fraction must be in (0, 1), got {self.host_cache_state_fraction}"
+            )
+        if self.disk_cache_dir is not None and self.host_cache_gb is None:
+            raise MorionError(
+                "disk_cache_dir needs host_cache_gb: disk objects are restored through host memory"
+            )
 
     @property
     def torch_device(self) -> torch.device:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -72,9 +72,18 @@ def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     return tuple(token_ids)
 
 
+EvictListener = Callable[[tuple[int, ...], list[int], "int | None"], None]
+
+
 class RadixCache(PrefixCache):
     """The radix tree over `page_pool`'s pages; snapshots live in `state_slots` (required exactly when the
-    spec has state components). Eviction frees pages and slots straight into those pools."""
+    spec has state components). Eviction frees pages and slots straight into those pools.
+
+    `evict_listener(prefix_tokens, pages, snapshot_slot)`, if set, is called just before a node's pages
+    and snapshot (or its snapshot alone, with no pages) go back to the free lists: `prefix_tokens` are the
+    tokens from the root to the node's end, `pages` the node's own (the last ones of that prefix). The
+    host tier's write-back policy copies them out there; the pages are free as soon as it returns.
+    """
 
     def __init__(self, page_pool: PagePool, state_slots: StateSlots | None = None) -> None:
         spec = page_pool.spec
@@ -92,6 +101,7 @@ class RadixCache(PrefixCache):
         self._cached_pages = 0
         self._evictable_pages = 0
         self._cached_snapshots = 0
+        self.evict_listener: EvictListener | None = None
 
     # -- queries ------------------------------------------------------------------------------------------
 
@@ -223,6 +233,8 @@ class RadixCache(PrefixCache):
         candidates = [n for n in self._nodes() if n.snapshot_slot is not None and n.own_locks == 0]
         victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.node_id))
         for node in victims:
+            if self.evict_listener is not None:
+                self.evict_listener(self._prefix_tokens(node), [], node.snapshot_slot)
             self.state_slots.free(node.snapshot_slot)
             node.snapshot_slot = None
         self._cached_snapshots -= len(victims)
@@ -335,6 +347,8 @@ class RadixCache(PrefixCache):
         return leaf
 
     def _remove_leaf(self, leaf: RadixNode) -> int:
+        if self.evict_listener is not None:
+            self.evict_listener(self._prefix_tokens(leaf), leaf.pages, leaf.snapshot_slot)
         del leaf.parent.children[leaf.token_ids[: self.page_size]]
         leaf.parent = None  # marks the handle dead: lock/unlock on it raise
         self.page_pool.free(leaf.pages)
@@ -364,6 +378,10 @@ class RadixCache(PrefixCache):
             node = node.parent
         path.reverse()
         return path
+
+    def _prefix_tokens(self, node: RadixNode) -> tuple[int, ...]:
+        """Every token from the root to the end of `node`."""
+        return tuple(token for n in self._path(node) for token in n.token_ids)
 
     def _nodes(self) -> list[RadixNode]:
         nodes, stack = [], [self.root]

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+import morion
+from morion.cache.copy_engine import Transfer, make_copy_engine
+from morion.cache.disk_format import config_digest, weights_digest
+from morion.cache.disk_store import free_space_budget, open_disk_store
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
 from morion.cache.state_slots import StateSlots
+from morion.cache.tier_stats import CacheStats
+from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
@@ -20,11 +28,12 @@ from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import Scheduler
 from morion.engine.stop import StopStringMatcher
-from morion.errors import InvalidRequestError
+from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel, load_model
 from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
+_PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight waits this long for them
 
 
 class Engine:
@@ -47,8 +56,15 @@ class Engine:
         state_bytes = self.state_slots.num_bytes if self.state_slots else 0
         self.pool = PagePool(spec, self._num_pages(spec.bytes_per_page, state_bytes), self.device)
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
+        self._cache_stats = CacheStats()
+        self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(
-            self.prefix_cache, config.chunk_size, config.max_running_requests, config.enable_prefix_cache
+            self.prefix_cache,
+            config.chunk_size,
+            config.max_running_requests,
+            config.enable_prefix_cache,
+            self.tiers,
+            self._cache_stats,
         )
         pool_tokens = self.pool.num_pages * config.page_size
         context = self.model.config.max_position_embeddings
@@ -73,6 +89,60 @@ class Engine:
             budget = _CPU_DEFAULT_KV_GB * 2**30 - state_bytes
         return max(1, int(budget // bytes_per_page))
 
+    @property
+    def cache_stats(self) -> CacheStats:
+        """Hits by tier (device / host / disk), restores, bytes moved, restore latency, checksum failures,
+        evictions, tier sizes: live counters with fresh gauges; `.snapshot()` for a copy to send away."""
+        if self.tiers is not None:
+            self.tiers.refresh_gauges()
+        return self._cache_stats
+
+    def _build_tiers(self, spec, loaded: LoadedModel) -> CacheTiers | None:
+        config = self.config
+        if config.host_cache_gb is None:
+            return None
+        host_bytes = int(config.host_cache_gb * 2**30)
+        try:
+            num_pages, num_snapshots = CacheTiers.host_rows(
+                spec, host_bytes, config.host_cache_state_fraction
+            )
+        except ValueError as error:
+            raise MorionError(f"host_cache_gb {config.host_cache_gb}: {error}") from None
+        tiers = CacheTiers(
+            self.pool,
+            self.state_slots,
+            make_copy_engine(self.device),
+            num_pages,
+            num_snapshots,
+            pin_memory=self.device.type == "cuda",
+            write_policy=config.host_cache_write_policy,
+            stats=self._cache_stats,
+        )
+        if config.host_cache_write_policy == "write_back":
+            self.prefix_cache.evict_listener = tiers.on_device_evict
+        if config.disk_cache_dir is not None:
+            root = Path(config.disk_cache_dir).expanduser()
+            budget = (
+                int(config.disk_cache_gb * 2**30)
+                if config.disk_cache_gb is not None
+                else free_space_budget(root)
+            )
+            identity = {
+                "model": {
+                    "config_digest": config_digest(loaded.hf_config),
+                    "weights_digest": weights_digest(self.model),
+                    "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                }
+            }
+            info = {
+                "model_name": Path(str(loaded.path)).name,
+                "model_type": self.model.config.model_type,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "morion_version": morion.__version__,
+            }
+            tiers.attach_disk(open_disk_store(root, identity, info, spec, budget))
+        return tiers
+
     def _report_startup(self, bytes_per_token: int) -> None:
         config, pool, slots = self.config, self.pool, self.state_slots
         prefix_cache = "on" if config.enable_prefix_cache else "off"
@@ -88,6 +158,27 @@ class Engine:
             f"prefix cache {prefix_cache}{state}",
             file=sys.stderr,
         )
+        tiers = self.tiers
+        if tiers is None:
+            return
+        line = (
+            f"morion: host cache {tiers.host.num_rows} pages x {tiers.host.layout.row_bytes} B"
+            f"{' (pinned)' if self.device.type == 'cuda' else ''}"
+        )
+        if tiers.snapshots is not None:
+            line += f" + {tiers.snapshots.num_rows} snapshots x {tiers.snapshots.layout.row_bytes} B"
+        line += f" = {self.cache_stats.host_bytes / 2**30:.2f} GiB, {config.host_cache_write_policy}"
+        disk = tiers.disk
+        if disk is not None and disk.enabled:
+            origin = "" if config.disk_cache_gb is not None else " (auto: half the free space)"
+            line += (
+                f"; disk cache {disk.dir} ({disk.num_objects} objects, {disk.used_bytes / 2**30:.2f} of "
+                f"{disk.budget_bytes / 2**30:.2f} GiB{origin}, "
+                f"{'O_DIRECT' if disk.direct_io else 'buffered'})"
+            )
+        elif disk is not None:
+            line += f"; disk cache SKIPPED: {disk.skip_reason}"
+        print(line, file=sys.stderr)
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -139,8 +230,13 @@ class Engine:
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        if self.tiers is not None:
+            self.tiers.poll()  # retire finished copies and disk jobs before scheduling
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.scheduler.waiting and self.tiers is not None and self.tiers.loads_in_flight():
+                self.tiers.poll(_PREFETCH_WAIT_S)  # every waiting request waits for disk: let it come
+                return []
             if self.scheduler.waiting:
                 raise RuntimeError(
                     "waiting requests but nothing schedulable: the pool cannot hold one request"
@@ -154,6 +250,9 @@ class Engine:
             self.device,
         )
         backend = PagedAttentionBackend(self.pool, batch, self.state_slots)
+        restores = self.tiers.take_for_forward() if self.tiers is not None else []
+        if restores:
+            backend = _AfterRestores(backend, restores, [c.name for c in self.pool.spec.token_components])
         hidden = self.model(batch.input_ids, batch.positions, backend)
         sampling: list[tuple[Request, int]] = []
         for chunk, last_row in zip(chunks, batch.last_rows, strict=True):
@@ -202,6 +301,48 @@ class Engine:
             pages_held_by_requests=self.scheduler.pages_held_by_requests(),
             slots_held_by_requests=self.scheduler.slots_held_by_requests(),
         )
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+
+    def close(self) -> None:
+        """Finish the cache tiers' copies and disk writes (a later engine on the same disk cache then finds
+        everything). Idempotent; the engine must not step afterwards."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+
+class _AfterRestores:
+    """The step's backend with every read of cache memory ordered after the step's load-backs.
+
+    Copy rule 4: a layer waits on the GPU (never the CPU) for that layer's restore copies of every
+    component it touches: attention for each token component at its index (K/V, and any side cache
+    paged with it), a linear layer for the state component it reads or writes.
+    """
+
+    def __init__(self, backend: PagedAttentionBackend, restores: list[Transfer], token_components: list[str]):
+        self._backend = backend
+        self._restores = restores
+        self._token_components = token_components
+
+    @property
+    def query_ranges(self) -> list[tuple[int, int]]:
+        return self._backend.query_ranges
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        for restore in self._restores:
+            for name in self._token_components:
+                restore.wait(name, layer_index)
+        return self._backend.attend(layer_index, q, k, v, scale)
+
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        for restore in self._restores:
+            restore.wait(component, linear_ordinal)
+        return self._backend.read_state(component, linear_ordinal)
+
+    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
+        for restore in self._restores:
+            restore.wait(component, linear_ordinal)
+        self._backend.write_state(component, linear_ordinal, value)
 
 
 def _final_output(request: Request) -> RequestOutput:

@@ -24,8 +24,9 @@ class Request:
       at least the first `num_computed` tokens, and every remaining prompt token (reserved at admission).
     - `owned_pages` are the pages this request must free; the rest of `pages` belong to the prefix cache
       and stay alive because `prefix_node` is locked.
-    - The K/V of `token_ids[:num_computed]` is in the pages; the last sampled token is never computed yet.
-    - `state_slot` holds the model's per-request state after exactly `num_computed` tokens.
+    - The K/V of `token_ids[:num_computed]` is in the pages (pages restored from the host tier this step:
+      once the step's forward has waited for their copies); the last sampled token is never computed yet.
+    - `state_slot` holds the model's per-request state after exactly `num_computed` tokens (likewise).
     """
 
     request_id: str
@@ -48,6 +49,9 @@ class Request:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
+    page_keys: list[bytes] = field(default_factory=list)  # content keys of its first full pages (tiers)
+    prefetch_rounds: int = 0  # disk prefetches it started since it was last admitted
+    tier_wait_started: float | None = None  # when the first of them began (restore latency counts it)
     text: str = ""
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -17,16 +17,31 @@ valid at exactly one position, so a cached prefix is usable only up to a node th
 are cut at the prompt's last page boundary, so every prompt leaves one), and at the end of a request:
 its working state if it ended on a page boundary, else the copy kept at the last page boundary it
 crossed while decoding (`boundary_slot`).
+
+With host/disk tiers (`CacheTiers`), admission continues the device match in host memory: the longest
+run of the prompt's next pages found there (for a state model, ending at a host snapshot) is restored
+into the pages and state slot just allocated, all or nothing, and inserted into the radix tree. A hit
+that disk would extend is prefetched into host memory first; the request waits for it (a step or more)
+without holding device memory, like a request waiting for a shared prefix. Pages handed to the radix
+tree are backed up to the host as they go in (write-through), or when the device evicts them.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from enum import Enum
 from typing import NamedTuple
 
+from morion.cache.page_keys import extend_page_keys
 from morion.cache.radix_cache import RadixCache
+from morion.cache.tier_stats import CacheStats
+from morion.cache.tiers import PREFETCHING, WAIT, CacheTiers, TierHit
 from morion.engine.request import Request, RequestStatus
+
+# A request starts disk prefetches at most this many times (objects can be evicted from host memory again
+# before it gets to them); then it takes what host memory holds.
+MAX_PREFETCH_ROUNDS = 3
 
 
 class ScheduledChunk(NamedTuple):
@@ -40,6 +55,7 @@ class _Admission(Enum):
     ADMITTED = "admitted"
     NO_MEMORY = "no memory"  # blocks the queue: first come, first served
     WAITS_FOR_SHARED_PREFIX = "waits for a shared prefix"  # skipped for one step, keeps its place
+    WAITS_FOR_TIERS = "waits for its prefix to arrive from disk"  # likewise
 
 
 class Scheduler:
@@ -49,6 +65,8 @@ class Scheduler:
         chunk_size: int,
         max_running_requests: int,
         enable_prefix_cache: bool = True,
+        tiers: CacheTiers | None = None,
+        stats: CacheStats | None = None,
     ) -> None:
         self.cache = prefix_cache
         self.pool = prefix_cache.page_pool
@@ -60,6 +78,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_retractions = 0
+        self.tiers = tiers if enable_prefix_cache else None
+        self.stats = stats or CacheStats()
 
     # ----------------------------------------------------------------- queues
     def add(self, request: Request) -> None:
@@ -101,7 +121,7 @@ class Scheduler:
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             request = self.waiting.popleft()
             admission = self._admit(request)
-            if admission is _Admission.WAITS_FOR_SHARED_PREFIX:
+            if admission in (_Admission.WAITS_FOR_SHARED_PREFIX, _Admission.WAITS_FOR_TIERS):
                 deferred.append(request)
                 continue
             if admission is _Admission.NO_MEMORY:
@@ -153,6 +173,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> _Admission:
         match_node, matched_tokens, matched_pages, snapshot = self.cache.root, 0, [], None
+        hit: TierHit | None = None
         if self.enable_prefix_cache:
             # At least one token must run: its logits give the next token.
             match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1])
@@ -160,22 +181,32 @@ class Scheduler:
             snapshot = match.snapshot_slot
             if self._shares_prefix_in_prefill(request, matched_tokens):
                 return _Admission.WAITS_FOR_SHARED_PREFIX
+            if self.tiers is not None:
+                found = self._find_in_tiers(request, matched_tokens)
+                if found in (WAIT, PREFETCHING):
+                    return _Admission.WAITS_FOR_TIERS
+                hit = found
         self.cache.lock(match_node)  # from here on, eviction cannot take the matched pages or snapshot
         state_slot = None
         if self.slots is not None:
             state_slot = self._alloc_slot()
             if state_slot is None:
-                self.cache.unlock(match_node)
+                self._give_up(match_node, hit)
                 return _Admission.NO_MEMORY
         new_pages = self._alloc(self._pages_for(request.num_tokens) - len(matched_pages))
         if new_pages is None:
             if state_slot is not None:
                 self.slots.free(state_slot)
-            self.cache.unlock(match_node)
+            self._give_up(match_node, hit)
             return _Admission.NO_MEMORY
-        if state_slot is not None:
+        computed, tree_slot = matched_tokens, None
+        if hit is not None:
+            computed, tree_slot = self._restore(hit, new_pages, state_slot)
+        elif state_slot is not None:
             # The state after exactly `matched_tokens` tokens: the snapshot, or zeros at the start.
             if snapshot is not None:
+                if self.tiers is not None:
+                    self.tiers.order_after_restores()  # the snapshot may have been restored this step
                 self.slots.copy(snapshot, state_slot)
             else:
                 self.slots.zero(state_slot)
@@ -183,13 +214,62 @@ class Scheduler:
         request.prefix_node = match_node
         request.pages = list(matched_pages) + new_pages
         request.owned_pages = set(new_pages)
-        request.num_computed = matched_tokens
+        request.num_computed = computed
+        request.prefetch_rounds, request.tier_wait_started = 0, None
         if not request.admitted_once:
-            request.num_cached_tokens = matched_tokens
+            request.num_cached_tokens = computed
             request.admitted_once = True
+            self._count_hit(matched_tokens, hit)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if hit is not None:
+            self._insert(request, computed, tree_slot)  # restored pages are shareable at once
         return _Admission.ADMITTED
+
+    def _give_up(self, match_node: object, hit: TierHit | None) -> None:
+        if hit is not None:
+            self.tiers.release(hit)
+        self.cache.unlock(match_node)
+
+    def _find_in_tiers(self, request: Request, matched_tokens: int) -> TierHit | str | None:
+        keys = self._page_keys(request, (request.num_tokens - 1) // self.page_size)
+        started = request.tier_wait_started or time.perf_counter()
+        found = self.tiers.find(
+            keys, matched_tokens // self.page_size, request.prefetch_rounds < MAX_PREFETCH_ROUNDS, started
+        )
+        if found in (WAIT, PREFETCHING):
+            request.prefetch_rounds += found == PREFETCHING
+            request.tier_wait_started = started
+        return found
+
+    def _restore(self, hit: TierHit, new_pages: list[int], state_slot: int | None) -> tuple[int, int | None]:
+        """Issues the load-back of `hit` into the first of `new_pages` and the working `state_slot`, plus a
+        second slot for the radix tree's snapshot when one is free. Returns (tokens computed, that slot)."""
+        dst_slots, tree_slot = [], None
+        if hit.snapshot_key is not None:
+            tree_slot = self._alloc_slot()
+            dst_slots = [state_slot] if tree_slot is None else [state_slot, tree_slot]
+        self.tiers.restore(hit, new_pages[: hit.num_pages], dst_slots)
+        return (hit.start_page + hit.num_pages) * self.page_size, tree_slot
+
+    def _count_hit(self, device_tokens: int, hit: TierHit | None) -> None:
+        stats = self.stats
+        if device_tokens:
+            stats.device_hits += 1
+            stats.device_hit_tokens += device_tokens
+        if hit is not None:
+            disk_tokens = hit.disk_pages * self.page_size
+            host_tokens = hit.num_pages * self.page_size - disk_tokens
+            if host_tokens:
+                stats.host_hits += 1
+                stats.host_hit_tokens += host_tokens
+            if disk_tokens:
+                stats.disk_hits += 1
+                stats.disk_hit_tokens += disk_tokens
+
+    def _page_keys(self, request: Request, num_pages: int) -> list[bytes]:
+        """Keys of the request's first `num_pages` pages (computed once per request, then extended)."""
+        return extend_page_keys(request.page_keys, request.token_ids, self.page_size, num_pages)[:num_pages]
 
     def _shares_prefix_in_prefill(self, request: Request, matched_tokens: int) -> bool:
         """True while a running request's prefill is computing full pages this one could reuse: admitting
@@ -248,6 +328,15 @@ class Scheduler:
                 request.boundary_slot = None
             else:
                 return  # pages without a snapshot at their end could never be matched
+        if self.tiers is not None and self.tiers.write_through and num_tokens:
+            keys = self._page_keys(request, num_tokens // self.page_size)
+            pages = request.pages[: num_tokens // self.page_size]
+            self.tiers.backup(keys, pages, snapshot, keys[-1] if snapshot is not None else None)
+        self._insert(request, num_tokens, snapshot)
+
+    def _insert(self, request: Request, num_tokens: int, snapshot: int | None) -> None:
+        """Inserts the request's first `num_tokens` tokens (page aligned) with `snapshot` at their end, and
+        moves the request's lock to the node ending there."""
         pages = request.pages[: num_tokens // self.page_size]
         result = self.cache.insert(request.token_ids[:num_tokens], pages, snapshot)
         if snapshot is not None and snapshot == request.state_slot:

@@ -1,0 +1,251 @@
+"""The disk tier's on-disk format: namespaces, manifests, and checksummed object files.
+
+Layout under the cache root (`--disk-cache-dir`):
+
+    <root>/<namespace>/manifest.json                      what made these objects (must match to be used)
+    <root>/<namespace>/objects/<kk>/<key hex>.page         one page object (a host row), kk = key[:2]
+    <root>/<namespace>/objects/<kk>/<key hex>.snap         one state snapshot object
+    <root>/<namespace>/objects/<kk>/.<name>.<pid>.<n>.tmp  a write in progress (never read)
+
+The namespace is the first 32 hex digits of SHA-256 over the canonical JSON of the *identity*: format
+version, model config digest, weights digest, model dtype, page size, the CacheSpec, and the exact byte
+layout of page and snapshot objects. The manifest repeats the identity (plus informative fields); a
+namespace whose manifest is missing, unreadable or different is not used (fail closed).
+
+An object file is a 4 KiB header block, then the payload padded to a 4 KiB multiple (so O_DIRECT can
+write and read it). The header holds a magic, the format version, the kind (page / snapshot), the
+payload length, the namespace, the key, and the payload's SHA-256; a read checks every one of them. A
+file is written under a temporary name and renamed into place, so a killed writer leaves only a
+`.tmp` file, which is never read and is removed at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+BLOCK = 4096
+MAGIC = b"MORIONC1"
+KIND_PAGE, KIND_SNAPSHOT = 1, 2
+SUFFIX = {KIND_PAGE: ".page", KIND_SNAPSHOT: ".snap"}
+_HEADER = struct.Struct("<8sIIQ16s32s32s")  # magic, version, kind, payload length, namespace, key, sha256
+OBJECT_NAME = re.compile(r"^([0-9a-f]{64})\.(page|snap)$")
+_TMP_NAME = re.compile(r"^\..+\.(\d+)\.\d+\.tmp$")
+_tmp_counter = itertools.count()
+
+
+class CorruptObject(Exception):
+    """An object file failed a check: wrong magic/version/kind/namespace/key, short, or bad checksum."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def object_file_size(payload_bytes: int) -> int:
+    return BLOCK + _round_up(payload_bytes, BLOCK)
+
+
+def object_path(namespace_dir: Path, kind: int, key: bytes) -> Path:
+    name = key.hex()
+    return namespace_dir / "objects" / name[:2] / f"{name}{SUFFIX[kind]}"
+
+
+# -- identity ------------------------------------------------------------------------------------------------
+
+
+def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 1024) -> str:
+    """A cheap fingerprint of loaded weights: for every state-dict tensor (sorted by name) its name, shape
+    and dtype, and the bytes of up to `samples_per_tensor` elements at evenly spaced flat positions
+    (always the first and the last). Reading a sample instead of every byte keeps it fast on an 80B model
+    (about a millisecond per tensor); any re-quantization, dtype change, different seed or checkpoint
+    changes the sample with near certainty. Not a security boundary: it stops a cache from being reused
+    by a different model by accident."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\n".encode())
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() > samples_per_tensor:
+                index = torch.linspace(0, flat.numel() - 1, samples_per_tensor, device=flat.device).long()
+                flat = flat[index]
+            digest.update(flat.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def config_digest(hf_config: dict) -> str:
+    return hashlib.sha256(json.dumps(hf_config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def namespace_of(identity: dict) -> str:
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def read_manifest(namespace_dir: Path) -> dict | None:
+    """The manifest, or None when it is missing or not valid JSON."""
+    try:
+        return json.loads((namespace_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_manifest(namespace_dir: Path, manifest: dict) -> None:
+    path = namespace_dir / "manifest.json"
+    tmp = path.with_name(f".manifest.json.{os.getpid()}.{next(_tmp_counter)}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# -- object files --------------------------------------------------------------------------------------------
+
+
+def probe_direct_io(directory: Path) -> bool:
+    """True when files in `directory` can be written with O_DIRECT (not on tmpfs, not on macOS)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = directory / f".probe.{os.getpid()}.{next(_tmp_counter)}.tmp"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o644)
+    except OSError:
+        return False
+    try:
+        with mmap.mmap(-1, BLOCK) as buffer:
+            return os.write(fd, buffer) == BLOCK
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _header(kind: int, key: bytes, namespace: str, payload: np.ndarray) -> bytes:
+    checksum = hashlib.sha256(memoryview(payload)).digest()
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, kind, payload.nbytes, bytes.fromhex(namespace)[:16], key, checksum
+    )
+
+
+def write_object(path: Path, kind: int, key: bytes, namespace: str, payload: np.ndarray, direct: bool) -> int:
+    """Write `payload` (uint8, contiguous) as an object file, atomically: a temporary name, then a rename.
+    Returns the file's size. Raises OSError (disk full, say) with no file left under `path`."""
+    size = object_file_size(payload.nbytes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_tmp_counter)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    # An anonymous mapping is page aligned, as O_DIRECT wants; unused bytes are zeros.
+    with mmap.mmap(-1, size) as buffer:
+        header = _header(kind, key, namespace, payload)
+        buffer[: len(header)] = header
+        view = np.frombuffer(buffer, dtype=np.uint8)
+        view[BLOCK : BLOCK + payload.nbytes] = payload
+        del view  # a live export would keep the mapping from closing
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            written = 0
+            with memoryview(buffer) as data:
+                while written < size:
+                    written += os.write(fd, data[written:])
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+    os.replace(tmp, path)
+    return size
+
+
+def read_object(path: Path, kind: int, key: bytes, namespace: str, out: np.ndarray, direct: bool) -> None:
+    """Read the object at `path` into `out` (uint8, its exact payload size), checking everything.
+    Raises CorruptObject on any mismatch (`out` then holds garbage) and OSError when it cannot be read."""
+    size = object_file_size(out.nbytes)
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fd = os.open(path, flags)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CorruptObject(f"{actual} bytes, expected {size}")
+        if direct:
+            with mmap.mmap(-1, size) as buffer:
+                if os.readv(fd, [buffer]) != size:
+                    raise CorruptObject("short read")
+                header = bytes(buffer[: _HEADER.size])
+                view = np.frombuffer(buffer, dtype=np.uint8)
+                out[:] = view[BLOCK : BLOCK + out.nbytes]
+                del view
+        else:
+            header = os.pread(fd, _HEADER.size, 0)
+            with memoryview(out) as target:
+                done = 0
+                while done < out.nbytes:
+                    count = os.preadv(fd, [target[done:]], BLOCK + done)
+                    if count == 0:
+                        raise CorruptObject("short read")
+                    done += count
+    finally:
+        os.close(fd)
+    _check_header(header, kind, key, namespace, out)
+
+
+def _check_header(header: bytes, kind: int, key: bytes, namespace: str, payload: np.ndarray) -> None:
+    if len(header) < _HEADER.size:
+        raise CorruptObject("short header")
+    magic, version, got_kind, length, got_namespace, got_key, checksum = _HEADER.unpack(header)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptObject(f"not a morion cache object of format {FORMAT_VERSION}")
+    if got_kind != kind or length != payload.nbytes:
+        raise CorruptObject(
+            f"kind {got_kind} / {length} bytes, expected kind {kind} / {payload.nbytes} bytes"
+        )
+    if got_namespace != bytes.fromhex(namespace)[:16] or got_key != key:
+        raise CorruptObject("the object belongs to another namespace or key")
+    if hashlib.sha256(memoryview(payload)).digest() != checksum:
+        raise CorruptObject("checksum mismatch")
+
+
+def verify_object_file(path: Path, namespace: str, payload_bytes: int) -> str | None:
+    """None when the file at `path` (named `<key>.page|snap`) is a valid object, else why not."""
+    match = OBJECT_NAME.match(path.name)
+    if match is None:
+        return "not an object file name"
+    kind = KIND_PAGE if match.group(2) == "page" else KIND_SNAPSHOT
+    out = np.empty(payload_bytes, dtype=np.uint8)
+    try:
+        read_object(path, kind, bytes.fromhex(match.group(1)), namespace, out, direct=False)
+    except CorruptObject as error:
+        return str(error)
+    except OSError as error:
+        return f"unreadable: {error}"
+    return None
+
+
+def temp_file_writer_pid(name: str) -> int | None:
+    """The pid of the process that wrote temporary file `name`, or None if `name` is not one of ours."""
+    match = _TMP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

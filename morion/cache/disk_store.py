@@ -1,0 +1,362 @@
+"""The disk tier: one file per object in a namespace directory, written and read by worker threads.
+
+The engine thread owns the index (which objects exist, least recently used first, and their sizes);
+worker threads only write and read files and report back through `poll`. An object being read is pinned
+against cleanup. Cleanup is LRU down to a low watermark whenever a write would pass the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from morion.cache.disk_format import (
+    FORMAT_VERSION,
+    KIND_PAGE,
+    KIND_SNAPSHOT,
+    OBJECT_NAME,
+    SUFFIX,
+    CorruptObject,
+    namespace_of,
+    object_file_size,
+    object_path,
+    probe_direct_io,
+    process_alive,
+    read_manifest,
+    read_object,
+    temp_file_writer_pid,
+    write_manifest,
+    write_object,
+)
+from morion.cache.host_store import ObjectLayout
+from morion.cache.spec import CacheSpec
+
+logger = logging.getLogger("morion.cache")
+
+LOW_WATERMARK = 0.9  # cleanup frees down to this share of the budget, so it runs once per many writes
+_MAX_LOGGED_ERRORS = 5
+
+ObjectId = tuple[int, bytes]  # (kind, key)
+
+
+class DiskResult(NamedTuple):
+    """A finished write or read. `error` is None on success; `corrupt` marks a failed check on read."""
+
+    op: str  # "write" or "read"
+    kind: int
+    key: bytes
+    error: str | None
+    corrupt: bool = False
+    nbytes: int = 0
+
+
+class DiskStore:
+    """The namespace directory `root/<namespace of identity>`; `enabled` is False (with `skip_reason`)
+    when the directory's manifest does not match, and then every call is a no-op or a miss."""
+
+    def __init__(
+        self,
+        root: Path,
+        identity: dict,
+        info: dict,
+        budget_bytes: int,
+        payload_bytes: dict[int, int],
+        num_threads: int = 4,
+    ) -> None:
+        self.root = Path(root)
+        self.identity = identity
+        self.namespace = namespace_of(identity)
+        self.dir = self.root / self.namespace
+        self.budget_bytes = budget_bytes
+        self.payload_bytes = payload_bytes  # kind -> bytes of one object's payload (a host row)
+        self.enabled = False
+        self.skip_reason: str | None = None
+        self.direct_io = False
+        self._index: OrderedDict[ObjectId, int] = OrderedDict()  # -> file size; least recently used first
+        self._pins: dict[ObjectId, int] = {}
+        self._writing: set[ObjectId] = set()
+        self._reserved = 0  # bytes of writes in flight
+        self.used_bytes = 0
+        self._futures: list[tuple[Future, str, int, bytes, int]] = []
+        self._errors_logged = 0
+        self.num_evicted = 0
+        self.removed_temp_files = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._open(info, num_threads)
+
+    # -- opening ---------------------------------------------------------------------------------------------
+
+    def _open(self, info: dict, num_threads: int) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            self._skip(f"cannot create {self.dir}: {error}")
+            return
+        manifest = read_manifest(self.dir)
+        objects = self.dir / "objects"
+        if manifest is None:
+            if objects.exists() and any(objects.iterdir()):
+                self._skip(f"{self.dir} holds objects but no readable manifest.json")
+                return
+            sizes = {SUFFIX[kind].lstrip("."): size for kind, size in self.payload_bytes.items()}
+            manifest = {
+                "identity": self.identity,
+                "namespace": self.namespace,
+                "payload_bytes": sizes,
+                **info,
+            }
+            write_manifest(self.dir, manifest)
+        elif manifest.get("identity") != self.identity or manifest.get("namespace") != self.namespace:
+            theirs = manifest.get("identity", {})
+            ours = self.identity
+            differing = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+            self._skip(
+                f"the manifest in {self.dir} was written for another model or layout "
+                f"({', '.join(differing)} differ)"
+            )
+            return
+        objects.mkdir(exist_ok=True)
+        self.direct_io = probe_direct_io(self.dir)
+        self._scan(objects)
+        self.enabled = True
+        self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="morion-disk")
+        if self.used_bytes > self.budget_bytes:  # the budget shrank since the objects were written
+            self._cleanup(0)
+
+    def _skip(self, reason: str) -> None:
+        self.skip_reason = reason
+        logger.warning("disk cache tier NOT used: %s", reason)
+
+    def _scan(self, objects: Path) -> None:
+        """Index every object file, oldest modification first; remove temp files of dead writers."""
+        found: list[tuple[float, ObjectId, int]] = []
+        for subdir in objects.iterdir():
+            if not subdir.is_dir():
+                continue
+            for entry in os.scandir(subdir):
+                pid = temp_file_writer_pid(entry.name)
+                if pid is not None:
+                    if not process_alive(pid):  # a writer killed mid-write: the file was never valid
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)
+                        self.removed_temp_files += 1
+                    continue
+                match = OBJECT_NAME.match(entry.name)
+                if match is None:
+                    continue
+                stat = entry.stat()
+                kind = KIND_PAGE if match.group(2) == "page" else KIND_SNAPSHOT
+                found.append((stat.st_mtime, (kind, bytes.fromhex(match.group(1))), stat.st_size))
+        found.sort(key=lambda item: item[0])
+        for _, object_id, size in found:
+            self._index[object_id] = size
+            self.used_bytes += size
+
+    # -- queries ---------------------------------------------------------------------------------------------
+
+    @property
+    def num_objects(self) -> int:
+        return len(self._index)
+
+    def has(self, kind: int, key: bytes) -> bool:
+        return (kind, key) in self._index
+
+    def busy(self) -> bool:
+        """True while writes or reads are in flight."""
+        return bool(self._futures)
+
+    def reads_in_flight(self) -> bool:
+        return any(op == "read" for _, op, *_ in self._futures)
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    def submit_write(self, kind: int, key: bytes, payload: np.ndarray, before: Callable[[], None]) -> bool:
+        """Queue a write of `payload` (a pinned host row the caller keeps pinned until the matching
+        `DiskResult` comes back), after `before()` returns in the worker (it waits for the row's backup
+        copy to finish). False, queuing nothing, when the object is on disk, being written, or cannot fit."""
+        object_id = (kind, key)
+        if not self.enabled or object_id in self._index or object_id in self._writing:
+            return False
+        size = object_file_size(payload.nbytes)
+        if self.used_bytes + self._reserved + size > self.budget_bytes:
+            self._cleanup(size)
+            if self.used_bytes + self._reserved + size > self.budget_bytes:
+                return False
+        self._writing.add(object_id)
+        self._reserved += size
+        path = object_path(self.dir, kind, key)
+        future = self._executor.submit(self._write_job, path, kind, key, payload, before)
+        self._futures.append((future, "write", kind, key, size))
+        return True
+
+    def _write_job(
+        self, path: Path, kind: int, key: bytes, payload: np.ndarray, before: Callable[[], None]
+    ) -> int:
+        before()
+        return write_object(path, kind, key, self.namespace, payload, self.direct_io)
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    def submit_read(self, kind: int, key: bytes, out: np.ndarray) -> bool:
+        """Queue a read of the object into `out` (a host row the caller keeps pinned until the result)."""
+        object_id = (kind, key)
+        if not self.enabled or object_id not in self._index:
+            return False
+        self._pins[object_id] = self._pins.get(object_id, 0) + 1
+        self._index.move_to_end(object_id)
+        path = object_path(self.dir, kind, key)
+        future = self._executor.submit(self._read_job, path, kind, key, out)
+        self._futures.append((future, "read", kind, key, out.nbytes))
+        return True
+
+    def _read_job(self, path: Path, kind: int, key: bytes, out: np.ndarray) -> None:
+        read_object(path, kind, key, self.namespace, out, self.direct_io)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recency survives a restart: the next scan orders by modification time
+
+    # -- completion ------------------------------------------------------------------------------------------
+
+    def poll(self, timeout: float | None = 0.0) -> list[DiskResult]:
+        """Results of finished jobs; with a timeout > 0, first waits up to that long for one to finish."""
+        if not self._futures:
+            return []
+        if timeout:
+            wait([f for f, *_ in self._futures], timeout=timeout, return_when="FIRST_COMPLETED")
+        results, pending = [], []
+        for item in self._futures:
+            future, op, kind, key, size = item
+            if not future.done():
+                pending.append(item)
+                continue
+            results.append(self._finish(future, op, kind, key, size))
+        self._futures = pending
+        return results
+
+    def _finish(self, future: Future, op: str, kind: int, key: bytes, size: int) -> DiskResult:
+        object_id = (kind, key)
+        error = future.exception()
+        if op == "write":
+            self._writing.discard(object_id)
+            self._reserved -= size
+            if error is None:
+                self._index[object_id] = size
+                self.used_bytes += size
+                return DiskResult(op, kind, key, None, nbytes=size)
+            self._log(f"writing a cache object failed: {error}")
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._cleanup(self.budget_bytes // 10)  # the disk filled before the budget did
+            return DiskResult(op, kind, key, str(error))
+        self._pins[object_id] -= 1
+        if not self._pins[object_id]:
+            del self._pins[object_id]
+        if error is None:
+            return DiskResult(op, kind, key, None, nbytes=size)
+        corrupt = isinstance(error, CorruptObject)
+        self._log(f"cache object {key.hex()}{'.page' if kind == KIND_PAGE else '.snap'} is a miss: {error}")
+        self._remove(object_id)  # corrupt or unreadable: never try it again; a later backup rewrites it
+        return DiskResult(op, kind, key, str(error), corrupt=corrupt)
+
+    def _log(self, message: str) -> None:
+        if self._errors_logged < _MAX_LOGGED_ERRORS:
+            logger.warning(message)
+        self._errors_logged += 1
+
+    # -- cleanup ---------------------------------------------------------------------------------------------
+
+    def _cleanup(self, incoming: int) -> None:
+        """Evict least recently used unpinned objects until `incoming` more bytes fit under the low
+        watermark (or nothing evictable is left)."""
+        target = self.budget_bytes * LOW_WATERMARK - incoming - self._reserved
+        if self.used_bytes <= target:
+            return
+        victims = []
+        freed = 0
+        for object_id, size in self._index.items():
+            if self.used_bytes - freed <= target:
+                break
+            if object_id in self._pins:
+                continue
+            victims.append(object_id)
+            freed += size
+        for object_id in victims:
+            self._remove(object_id)
+        self.num_evicted += len(victims)
+
+    def _remove(self, object_id: ObjectId) -> None:
+        size = self._index.pop(object_id, None)
+        if size is None:
+            return
+        self.used_bytes -= size
+        with contextlib.suppress(OSError):
+            object_path(self.dir, *object_id).unlink()
+
+    def close(self) -> list[DiskResult]:
+        """Finish every queued job and stop the workers; returns the last results."""
+        if self._executor is None:
+            return []
+        results = self.poll(timeout=None)
+        while self._futures:
+            results += self.poll(timeout=1.0)
+        self._executor.shutdown(wait=True)
+        self._executor = None
+        self.enabled = False
+        return results
+
+
+def free_space_budget(root: Path, share: float = 0.5) -> int:
+    """The automatic disk budget: `share` of the free space of the filesystem that holds `root`."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free * share)
+
+
+def _components(items, shape_attr: str) -> list[dict]:
+    return [
+        {
+            "name": c.name,
+            "layers": c.num_layers,
+            "shape": list(getattr(c, shape_attr)),
+            "dtype": str(c.dtype).removeprefix("torch."),
+        }
+        for c in items
+    ]
+
+
+def open_disk_store(
+    root: str | Path,
+    model_identity: dict,
+    info: dict,
+    spec: CacheSpec,
+    budget_bytes: int,
+    num_threads: int = 4,
+) -> DiskStore:
+    """The disk tier for `spec`'s page and snapshot objects, in the namespace of `model_identity` (what
+    the engine knows about the model: config and weights digests, dtype) plus what the cache itself
+    determines: the format version, the page size, the CacheSpec and the exact byte layout of objects."""
+    page_layout = ObjectLayout.for_pages(spec)
+    identity = {
+        "format_version": FORMAT_VERSION,
+        **model_identity,
+        "page_size": spec.page_size,
+        "token_components": _components(spec.token_components, "token_shape"),
+        "state_components": _components(spec.state_components, "shape"),
+        "page_object": [*page_layout.describe(), {"row_bytes": page_layout.row_bytes}],
+        "snapshot_object": None,
+    }
+    payload = {KIND_PAGE: page_layout.row_bytes}
+    if spec.has_state:
+        snapshot_layout = ObjectLayout.for_snapshots(spec)
+        identity["snapshot_object"] = [*snapshot_layout.describe(), {"row_bytes": snapshot_layout.row_bytes}]
+        payload[KIND_SNAPSHOT] = snapshot_layout.row_bytes
+    return DiskStore(Path(root), identity, info, budget_bytes, payload, num_threads)

@@ -1,0 +1,43 @@
+"""Content keys of pages: what the host and disk tiers index by (design §3, "Keys and namespaces").
+
+The key of page i is SHA-256 over (key of page i-1, the page's token ids as 4-byte little-endian), with
+32 zero bytes before the first page. A key therefore names a page *and its whole prefix*: two sequences
+share the key of page i exactly when they agree on every token up to the end of page i. A state snapshot
+taken after n tokens (n a multiple of the page size) is keyed by the key of page n / page_size - 1, the
+page it ends on. Keys carry no model identity: the disk tier separates models by namespace directory,
+and the host tier belongs to one engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT_KEY = bytes(32)
+KEY_BYTES = 32
+
+
+def extend_page_keys(
+    keys: list[bytes], token_ids: Sequence[int], page_size: int, num_pages: int
+) -> list[bytes]:
+    """Extend `keys` (the keys of the first len(keys) pages of `token_ids`) in place to `num_pages` keys,
+    and return it. Needs `num_pages * page_size <= len(token_ids)`."""
+    start = len(keys)
+    if num_pages <= start:
+        return keys
+    if num_pages * page_size > len(token_ids):
+        raise ValueError(f"{num_pages} pages of {page_size} need more than {len(token_ids)} tokens")
+    data = np.asarray(token_ids[start * page_size : num_pages * page_size], dtype="<u4").tobytes()
+    previous = keys[-1] if keys else ROOT_KEY
+    stride = page_size * 4
+    for offset in range(0, len(data), stride):
+        previous = hashlib.sha256(previous + data[offset : offset + stride]).digest()
+        keys.append(previous)
+    return keys
+
+
+def page_keys(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """Keys of every full page of `token_ids`."""
+    return extend_page_keys([], token_ids, page_size, len(token_ids) // page_size)

@@ -1,0 +1,354 @@
+"""Host and disk cache tiers on a tiny dense model (CPU): every hit equals a cold run, faults are misses.
+
+Prompt of 45 tokens, page 8, 8 greedy tokens: a finished request leaves 52 computed tokens, 6 full pages,
+in the radix tree and (write-through) in host memory and on disk. A repeat of the prompt can reuse at most
+40 tokens (page aligned, one prompt token must run).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from morion.cache.disk_format import BLOCK, KIND_PAGE, object_path, verify_object_file
+from morion.cache.host_store import HostObjectStore
+from morion.cache.page_keys import page_keys
+from morion.cache.testing import InFlightCopyEngine, flood
+from morion.engine.sampling_params import SamplingParams
+from morion.loader import load_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PAGE = 8
+PAGE_OBJECT_BYTES = 4096  # 2 layers x 8 tokens x (K, V) x 2 heads x 16 dims x fp32
+HOST_GB = 64 * PAGE_OBJECT_BYTES / 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    directory = tmp_path_factory.mktemp("tiny_llama_tiers")
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return load_model(str(directory), torch.float32, torch.device("cpu"))
+
+
+def _prompt(seed: int, length: int = 45) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def cold(tiny, engine_factory, engine_runner):
+    """`cold(prompt)`: the greedy tokens of a run without any cache (computed once per prompt)."""
+    engine = engine_factory(tiny, page_size=PAGE, enable_prefix_cache=False)
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in done:
+            done[tuple(prompt)] = engine_runner(engine, [prompt], GREEDY)[0].token_ids
+        return done[tuple(prompt)]
+
+    return run
+
+
+@pytest.fixture
+def tiered(tiny, engine_factory, tmp_path):
+    """`tiered(**options)`: an engine with a host tier and a disk tier in tmp_path (closed at the end)."""
+    engines = []
+
+    def make(**options):
+        options = {"page_size": PAGE, "host_cache_gb": HOST_GB, **options}
+        if options.get("disk_cache_dir", "") is not None:
+            options.setdefault("disk_cache_dir", str(tmp_path / "disk"))
+            options.setdefault("disk_cache_gb", 1.0)
+        engine = engine_factory(tiny, **options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def _run(engine, engine_runner, prompt):
+    return engine_runner(engine, [prompt], GREEDY)[0]
+
+
+def _evict_device(engine) -> None:
+    engine.prefix_cache.evict(engine.pool.num_pages)
+    assert engine.prefix_cache.cached_pages == 0
+
+
+def test_device_host_and_disk_hits_equal_cold(tiered, engine_runner, cold):
+    prompt = _prompt(0)
+    expected = cold(prompt)
+    engine = tiered()
+    first = _run(engine, engine_runner, prompt)
+    assert first.usage.cached_tokens == 0 and first.token_ids == expected
+    device = _run(engine, engine_runner, prompt)
+    assert device.usage.cached_tokens == 40 and device.token_ids == expected
+    _evict_device(engine)
+    host = _run(engine, engine_runner, prompt)
+    assert host.usage.cached_tokens == 40 and host.token_ids == expected
+    stats = engine.cache_stats
+    assert (stats.device_hit_tokens, stats.host_hit_tokens, stats.disk_hit_tokens) == (40, 40, 0)
+    assert stats.restores == 1 and stats.restored_tokens == 40
+    assert stats.bytes_host_to_device == 5 * PAGE_OBJECT_BYTES
+    assert stats.backed_up_pages == 6 and stats.bytes_device_to_host == 6 * PAGE_OBJECT_BYTES
+    engine.check_integrity()
+    engine.close()
+    assert engine.cache_stats.disk_objects_written == 6
+
+    # A restart: a new engine on the same directory finds the conversation on disk.
+    restarted = tiered()
+    assert restarted.cache_stats.disk_objects == 6
+    disk = _run(restarted, engine_runner, prompt)
+    assert disk.usage.cached_tokens == 40 and disk.token_ids == expected
+    stats = restarted.cache_stats
+    assert (stats.device_hit_tokens, stats.host_hit_tokens, stats.disk_hit_tokens) == (0, 0, 40)
+    assert stats.disk_objects_read == 5 and stats.checksum_failures == 0
+    assert stats.restore_seconds_total > 0
+    restarted.check_integrity()
+
+
+def test_hit_across_chunk_boundaries(tiered, engine_runner, cold):
+    """Pages cached by several prefill chunks (16 tokens each) and a generation come back as one hit, into
+    an engine with another chunk size."""
+    prompt = _prompt(1, 70)
+    engine = tiered(chunk_size=16, disk_cache_dir=None)
+    first = _run(engine, engine_runner, prompt)
+    assert first.token_ids == cold(prompt)
+    _evict_device(engine)
+    follow_up = prompt + first.token_ids + [3, 1, 4, 1, 5]
+    resumed = _run(engine, engine_runner, follow_up)
+    assert resumed.usage.cached_tokens == 72  # 70 + 7 computed tokens: 9 full pages
+    assert resumed.token_ids == cold(follow_up)
+    assert engine.cache_stats.host_hit_tokens == 72
+
+
+def test_two_requests_share_a_restore_in_one_step(tiered, engine_runner, cold):
+    """The second sees the first's restored pages as a device hit in the same step, and reads them only
+    after the restore (here kept in flight until the forward waits on it)."""
+    prompt = _prompt(2)
+    engine = tiered(disk_cache_dir=None)
+    engine.tiers.copy_engine = InFlightCopyEngine()
+    _run(engine, engine_runner, prompt)
+    _evict_device(engine)
+    outputs = engine_runner(engine, [prompt, prompt], GREEDY)
+    assert [o.usage.cached_tokens for o in outputs] == [40, 40]
+    assert [o.token_ids for o in outputs] == [cold(prompt)] * 2
+    assert engine.tiers.copy_engine.restores_in_flight_seen == 1
+    engine.check_integrity()
+
+
+def _device_pages(engine, prompt):
+    match = engine.prefix_cache.match_prefix(prompt[:-1])
+    slots = engine.pool.token_slots(match.pages, match.num_tokens)
+    return engine.pool.storage("kv")[:, slots].clone()
+
+
+def test_host_eviction_during_an_in_flight_load_back(tiered, engine_runner, cold, monkeypatch):
+    """Copy rule 1: while a restore is in flight, host pressure evicts and overwrites every row it can.
+    The restore's source rows are pinned, so the answer is still the cold one. With pins switched off
+    the same pressure corrupts the restored pages: the test can see the bug it guards against."""
+    prompt = _prompt(3)
+    engine = tiered(disk_cache_dir=None)
+    host = engine.tiers.host
+    overwritten = []
+    engine.tiers.copy_engine = InFlightCopyEngine(lambda: overwritten.append(flood(host, b"junk")))
+    _run(engine, engine_runner, prompt)
+    original = _device_pages(engine, prompt)
+    _evict_device(engine)
+    restored = _run(engine, engine_runner, prompt)
+    assert overwritten and overwritten[0] > 0 and engine.cache_stats.host_evictions > 0
+    assert restored.usage.cached_tokens == 40 and restored.token_ids == cold(prompt)
+    assert torch.equal(_device_pages(engine, prompt), original)
+
+    # The control: the same run with pins that do nothing.
+    broken = tiered(disk_cache_dir=None)
+    broken.tiers.copy_engine = InFlightCopyEngine(lambda: flood(broken.tiers.host, b"junk"))
+    _run(broken, engine_runner, prompt)
+    _evict_device(broken)
+    monkeypatch.setattr(HostObjectStore, "pin", lambda self, key: self.get(key))
+    monkeypatch.setattr(HostObjectStore, "unpin", lambda self, key: None)
+    _run(broken, engine_runner, prompt)
+    assert not torch.equal(_device_pages(broken, prompt), original)
+
+
+def test_write_back_copies_to_host_only_on_device_eviction(tiered, engine_runner, cold):
+    prompt = _prompt(4)
+    engine = tiered(host_cache_write_policy="write_back", disk_cache_dir=None)
+    _run(engine, engine_runner, prompt)
+    assert engine.cache_stats.backed_up_pages == 0
+    _evict_device(engine)
+    assert engine.cache_stats.backed_up_pages == 6
+    again = _run(engine, engine_runner, prompt)
+    assert again.usage.cached_tokens == 40 and again.token_ids == cold(prompt)
+
+
+def test_host_budget_evicts_least_recently_used(tiered, engine_runner, cold):
+    engine = tiered(host_cache_gb=10 * PAGE_OBJECT_BYTES / 2**30, disk_cache_dir=None)
+    assert engine.tiers.host.num_rows == 10
+    prompts = [_prompt(10 + i) for i in range(3)]
+    for prompt in prompts:
+        assert _run(engine, engine_runner, prompt).token_ids == cold(prompt)
+    assert engine.cache_stats.host_evictions == 3 * 6 - 10
+    _evict_device(engine)
+    latest = _run(engine, engine_runner, prompts[-1])
+    assert latest.usage.cached_tokens == 40 and latest.token_ids == cold(prompts[-1])
+    oldest = _run(engine, engine_runner, prompts[0])
+    assert oldest.usage.cached_tokens == 0 and oldest.token_ids == cold(prompts[0])
+    engine.check_integrity()
+
+
+def test_disk_budget_evicts_without_errors(tiered, engine_runner, cold):
+    object_file = BLOCK + PAGE_OBJECT_BYTES
+    engine = tiered(disk_cache_gb=10 * object_file / 2**30)
+    for seed in range(20, 23):
+        prompt = _prompt(seed)
+        assert _run(engine, engine_runner, prompt).token_ids == cold(prompt)
+    engine.close()
+    stats = engine.cache_stats
+    assert stats.disk_evictions > 0 and stats.disk_write_errors == 0
+    assert 0 < stats.disk_bytes_used <= stats.disk_bytes_budget
+
+
+def _page_file(engine, prompt, index):
+    key = page_keys(prompt, PAGE)[index]
+    return object_path(engine.tiers.disk.dir, KIND_PAGE, key)
+
+
+def test_corrupted_object_is_a_counted_miss(tiered, engine_runner, cold, caplog):
+    prompt = _prompt(5)
+    engine = tiered()
+    _run(engine, engine_runner, prompt)
+    engine.close()
+    bad = _page_file(engine, prompt, 3)
+    data = bytearray(bad.read_bytes())
+    data[BLOCK + 10] ^= 0xFF  # one bit pattern inside the payload
+    bad.write_bytes(bytes(data))
+    restarted = tiered()
+    with caplog.at_level(logging.WARNING, logger="morion.cache"):
+        output = _run(restarted, engine_runner, prompt)
+    assert output.token_ids == cold(prompt)
+    assert output.usage.cached_tokens == 3 * PAGE  # the pages before the bad one
+    assert restarted.cache_stats.checksum_failures == 1
+    assert "checksum mismatch" in caplog.text
+    # The bad file was removed, and this run's write-through (it computed the page again) replaced it.
+    restarted.close()
+    assert verify_object_file(bad, restarted.tiers.disk.namespace, PAGE_OBJECT_BYTES) is None
+    restarted.check_integrity()
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import numpy as np
+    from morion.cache import disk_format
+
+    def hang(src, dst):  # killed after the data is written, before the rename makes it visible
+        print("written", flush=True)
+        time.sleep(600)
+
+    disk_format.os.replace = hang
+    path, key, namespace = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3]
+    payload = np.full(int(sys.argv[4]), 0x7F, dtype=np.uint8)  # garbage that would be a wrong answer
+    disk_format.write_object(path, disk_format.KIND_PAGE, key, namespace, payload, direct=False)
+    """
+)
+
+
+def test_partial_files_of_a_killed_writer_are_ignored(tiered, engine_runner, cold):
+    prompt = _prompt(6)
+    engine = tiered()
+    _run(engine, engine_runner, prompt)
+    engine.close()
+    disk = engine.tiers.disk
+    target = _page_file(engine, prompt, 3)
+    target.unlink()  # as if its write had never finished
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _KILLED_WRITER,
+            str(target),
+            target.stem,
+            disk.namespace,
+            str(PAGE_OBJECT_BYTES),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout.readline().strip() == "written"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    # And a truncated temp file of the same dead writer for another page.
+    other = _page_file(engine, prompt, 4)
+    (other.parent / f".{other.name}.{writer.pid}.0.tmp").write_bytes(other.read_bytes()[:1000])
+    temps = sorted(disk.dir.glob("objects/*/.*.tmp"))
+    assert len(temps) == 2 and not target.exists()
+
+    restarted = tiered()
+    assert restarted.tiers.disk.removed_temp_files == 2
+    assert not list(disk.dir.glob("objects/*/.*.tmp"))
+    output = _run(restarted, engine_runner, prompt)
+    assert output.usage.cached_tokens == 3 * PAGE and output.token_ids == cold(prompt)
+
+
+def test_manifest_of_another_model_skips_the_tier(tiny, tiered, engine_runner, cold, caplog):
+    prompt = _prompt(7)
+    engine = tiered()
+    _run(engine, engine_runner, prompt)
+    engine.close()
+    manifest_path = engine.tiers.disk.dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["identity"]["model"]["dtype"] = "bfloat16"
+    manifest_path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="morion.cache"):
+        restarted = tiered()
+    stats = restarted.cache_stats
+    assert not stats.disk_enabled and "another model" in stats.disk_skip_reason
+    assert "disk cache tier NOT used" in caplog.text
+    output = _run(restarted, engine_runner, prompt)
+    assert output.usage.cached_tokens == 0 and output.token_ids == cold(prompt)
+
+
+def test_other_weights_get_their_own_namespace(tiny, tiered, engine_factory, engine_runner, tmp_path):
+    prompt = _prompt(8)
+    engine = tiered()
+    _run(engine, engine_runner, prompt)
+    engine.close()
+    other_weights = load_model(str(tiny.path), torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        other_weights.model.model.norm.weight.mul_(1.5)
+    other = engine_factory(
+        other_weights,
+        page_size=PAGE,
+        host_cache_gb=HOST_GB,
+        disk_cache_dir=str(tmp_path / "disk"),
+        disk_cache_gb=1.0,
+    )
+    try:
+        assert other.tiers.disk.enabled and other.tiers.disk.dir != engine.tiers.disk.dir
+        assert _run(other, engine_runner, prompt).usage.cached_tokens == 0
+    finally:
+        other.close()

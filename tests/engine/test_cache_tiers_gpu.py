@@ -1,0 +1,194 @@
+"""The cache tiers on a CUDA device: pinned host memory, the copy stream, per-layer events (skipped where
+there is no GPU). Hits equal cold runs; the copy rules hold with the copy stream deliberately held back,
+and the same runs with the rule's safeguard switched off go wrong (so the tests can see the bugs)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+import transformers
+
+from morion.cache.copy_engine import CudaCopyEngine, CudaTransfer
+from morion.cache.host_store import HostObjectStore
+from morion.cache.testing import flood
+from morion.cache.tiers import CacheTiers
+from morion.engine.sampling_params import SamplingParams
+from morion.loader import load_model
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PAGE = 8
+HOST_GB = 8 / 1024
+
+
+def _llama(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    directory = tmp_path_factory.mktemp("gpu_tiers_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return load_model(str(directory), torch.float32, torch.device("cpu"))
+
+
+def _qwen3_next(tmp_path_factory):
+    config = dict(
+        model_type="qwen3_next",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        full_attention_interval=2,
+        max_position_embeddings=512,
+    )
+    directory = tmp_path_factory.mktemp("gpu_tiers_qwen3_next")
+    (directory / "config.json").write_text(json.dumps(config))
+    return load_model(str(directory), torch.float32, torch.device("cpu"), "dummy")
+
+
+@pytest.fixture(scope="module", params=[_llama, _qwen3_next], ids=["llama", "qwen3_next"])
+def on_cuda(request, tmp_path_factory):
+    loaded = request.param(tmp_path_factory)
+    return loaded._replace(model=copy.deepcopy(loaded.model).to("cuda"))
+
+
+@pytest.fixture(scope="module")
+def cold(on_cuda, engine_factory, engine_runner):
+    engine = engine_factory(on_cuda, page_size=PAGE, device="cuda", enable_prefix_cache=False)
+    return lambda prompt: engine_runner(engine, [prompt], GREEDY)[0].token_ids
+
+
+def _tiered(engine_factory, loaded, tmp_path, **options):
+    options = {
+        "page_size": PAGE,
+        "device": "cuda",
+        "chunk_size": 32,
+        "host_cache_gb": HOST_GB,
+        "disk_cache_dir": str(tmp_path / "disk"),
+        "disk_cache_gb": 1.0,
+        **options,
+    }
+    return engine_factory(loaded, **options)
+
+
+def _prompt(seed: int, length: int = 75) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def _evict_and_scribble(engine) -> None:
+    """Empty the device cache and fill the pool and the state slots with garbage, so a read of a restored
+    page or state before its copy lands sees garbage (not the old, equal content of a reused page)."""
+    engine.prefix_cache.evict(engine.pool.num_pages)
+    torch.cuda.synchronize()
+    for component in engine.pool.spec.token_components:
+        engine.pool.storage(component.name).fill_(1e4)
+    if engine.state_slots is not None:
+        for component in engine.pool.spec.state_components:
+            engine.state_slots.storage(component.name).fill_(1e4)
+
+
+def test_host_and_disk_hits_on_cuda_equal_cold(on_cuda, cold, engine_factory, engine_runner, tmp_path):
+    prompt = _prompt(0)
+    engine = _tiered(engine_factory, on_cuda, tmp_path)
+    assert isinstance(engine.tiers.copy_engine, CudaCopyEngine) and engine.tiers.host.arena.is_pinned()
+    first = engine_runner(engine, [prompt], GREEDY)[0]
+    assert first.token_ids == cold(prompt)
+    follow_up = prompt + first.token_ids + [1, 2, 3]
+    _evict_and_scribble(engine)
+    host = engine_runner(engine, [follow_up], GREEDY)[0]
+    expected = cold(follow_up)
+    assert host.usage.cached_tokens == 80 and host.token_ids == expected  # 75 + 11 computed: 10 pages
+    engine.check_integrity()
+    engine.close()
+    restarted = _tiered(engine_factory, on_cuda, tmp_path)
+    disk = engine_runner(restarted, [follow_up], GREEDY)[0]
+    # The follow-up itself was written through too: now 88 of its 90 tokens (11 pages) come back.
+    assert disk.usage.cached_tokens == 88 and disk.token_ids == expected
+    assert restarted.cache_stats.disk_hit_tokens == 88
+    restarted.close()
+
+
+def _held_back_restores(monkeypatch, flood_host: bool) -> None:
+    """Hold the copy stream back ~50 ms before each restore; optionally flood the host tier right after
+    the restore is issued, while its copies certainly wait."""
+    original = CacheTiers.restore
+
+    def restore(self, hit, pages, dst_slots):
+        with torch.cuda.stream(self.copy_engine.stream):
+            torch.cuda._sleep(100_000_000)
+        original(self, hit, pages, dst_slots)
+        if flood_host:
+            flood(self.host, b"junk")
+            if self.snapshots is not None:
+                flood(self.snapshots, b"junk")
+
+    monkeypatch.setattr(CacheTiers, "restore", restore)
+
+
+def _restored_run(engine_factory, engine_runner, on_cuda, tmp_path, prompt, before_restore=lambda: None):
+    """Run `prompt`, empty the device, then run a follow-up twice in one batch: the first restores 80
+    tokens from the host, the second hits them on the device in the same step (it reads the restored
+    pages and, for the hybrid model, copies the restored snapshot)."""
+    engine = _tiered(engine_factory, on_cuda, tmp_path, disk_cache_dir=None, disk_cache_gb=None)
+    first = engine_runner(engine, [prompt], GREEDY)[0]
+    _evict_and_scribble(engine)
+    before_restore()
+    follow_up = prompt + first.token_ids + [1]  # 88 tokens: both may reuse 80
+    return follow_up, engine_runner(engine, [follow_up, follow_up], GREEDY)
+
+
+def test_copy_rules_hold_with_the_copy_stream_held_back(
+    on_cuda, cold, engine_factory, engine_runner, tmp_path, monkeypatch
+):
+    _held_back_restores(monkeypatch, flood_host=True)
+    follow_up, outputs = _restored_run(engine_factory, engine_runner, on_cuda, tmp_path, _prompt(1))
+    assert [o.usage.cached_tokens for o in outputs] == [80, 80]
+    assert [o.token_ids for o in outputs] == [cold(follow_up)] * 2
+
+
+def test_without_pins_the_flood_corrupts_the_restore(
+    on_cuda, cold, engine_factory, engine_runner, tmp_path, monkeypatch
+):
+    """Rule 1's control: the host rows of an in-flight restore are no longer pinned."""
+    _held_back_restores(monkeypatch, flood_host=True)
+
+    def unpinned() -> None:
+        monkeypatch.setattr(HostObjectStore, "pin", lambda self, key: self.get(key))
+        monkeypatch.setattr(HostObjectStore, "unpin", lambda self, key: None)
+
+    follow_up, outputs = _restored_run(engine_factory, engine_runner, on_cuda, tmp_path, _prompt(1), unpinned)
+    assert outputs[0].token_ids != cold(follow_up)
+
+
+def test_without_layer_waits_the_forward_reads_too_early(
+    on_cuda, cold, engine_factory, engine_runner, tmp_path, monkeypatch
+):
+    """Rule 4's control: the forward no longer waits for the copy events."""
+    _held_back_restores(monkeypatch, flood_host=False)
+    monkeypatch.setattr(CudaTransfer, "wait", lambda self, component, layer: None)
+    monkeypatch.setattr(CudaTransfer, "wait_all", lambda self: None)
+    follow_up, outputs = _restored_run(engine_factory, engine_runner, on_cuda, tmp_path, _prompt(1))
+    assert outputs[0].token_ids != cold(follow_up)
