@@ -82,6 +82,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-request state slots (4 per running request)",
     )
     parser.add_argument(
+        "--host-cache-gb", type=_bounded(float, 0.0, "--host-cache-gb"), help="host-RAM cache tier (off)"
+    )
+    parser.add_argument("--host-cache-write-policy", choices=("write_through", "write_back"))
+    parser.add_argument("--disk-cache-dir", help="disk cache tier root (needs --host-cache-gb)")
+    parser.add_argument(
+        "--disk-cache-gb",
+        type=_bounded(float, 0.0, "--disk-cache-gb"),
+        help="disk tier budget (half the free space)",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_cache",
         action="store_false",
@@ -131,6 +141,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="print a model's architecture summary")
     _add_model_arguments(info)
+
+    cache = commands.add_parser("cache", help="inspect, verify or purge a disk cache tier")
+    cache.add_argument("action", choices=("ls", "verify", "purge"))
+    cache.add_argument("--disk-cache-dir", required=True)
+    cache.add_argument("--namespace", help="a namespace (or a unique prefix of one)")
+    cache.add_argument("--remove-bad", action="store_true", help="verify: delete objects that fail")
+    cache.add_argument("--all", action="store_true", help="purge: every namespace")
     return parser
 
 
@@ -154,6 +171,10 @@ _ENGINE_FLAGS = (
     "load_format",
     "state_dtype",
     "state_slots",
+    "host_cache_gb",
+    "host_cache_write_policy",
+    "disk_cache_dir",
+    "disk_cache_gb",
 )
 _SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout")
 
@@ -235,7 +256,36 @@ def _with_profile(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     return parser.parse_args(argv)  # again, so that flags on the command line win over the profile
 
 
-_COMMANDS = {"pull": _run_pull, "generate": _run_generate, "serve": _run_serve, "info": _run_info}
+def _run_cache(args: argparse.Namespace) -> int:
+    from morion.cache import disk_admin
+
+    root = args.disk_cache_dir
+    if args.action == "ls":
+        for info in disk_admin.list_namespaces(root):
+            print(disk_admin.describe(info))
+        return 0
+    if args.action == "verify":
+        reports = disk_admin.verify(root, args.namespace, args.remove_bad)
+        for report in reports:
+            counts = f"{report.checked} objects checked, {len(report.bad)} bad, {report.removed} removed"
+            print(f"{report.namespace}: {counts}")
+            for path, why in report.bad:
+                print(f"  bad: {path}: {why}")
+        return 1 if any(report.bad for report in reports) else 0
+    if args.namespace is None and not args.all:
+        raise MorionError("cache purge needs --namespace NS or --all")
+    for directory in disk_admin.purge(root, args.namespace):
+        print(f"removed {directory}")
+    return 0
+
+
+_COMMANDS = {
+    "pull": _run_pull,
+    "generate": _run_generate,
+    "serve": _run_serve,
+    "info": _run_info,
+    "cache": _run_cache,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,13 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "config", None) is not None:
             args = _with_profile(parser, args, argv)
-        _COMMANDS[args.command](args)
+        return _COMMANDS[args.command](args) or 0
     except MorionError as error:
         print(f"morion: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":
