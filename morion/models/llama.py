@@ -19,6 +19,7 @@ from morion.layers.attention import AttentionBackend, SelfAttention
 from morion.layers.mlp import SwiGLU
 from morion.layers.norm import RMSNorm
 from morion.layers.rotary import RotaryEmbedding
+from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, require_complete
 
 
 @dataclass(frozen=True)
@@ -148,18 +149,11 @@ class DenseForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         missing = set(params)
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still store the shared matrix twice
+            if carries_nothing(name, self.config.tie_word_embeddings):
+                continue
             param = params.get(name)
             if param is None:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
-            if tuple(tensor.shape) != tuple(param.shape):
-                shapes = f"{tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shapes}")
-            with torch.no_grad():
-                param.copy_(tensor)
+            copy_checkpoint_tensor(name, tensor, param)
             missing.discard(name)
-        if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
+        require_complete(missing)

@@ -33,6 +33,7 @@ from morion.layers.mlp import SwiGLU
 from morion.layers.moe import SparseMoE
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding
+from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, require_complete
 
 logger = logging.getLogger(__name__)
 
@@ -327,24 +328,17 @@ class Qwen3NextForCausalLM(nn.Module):
         missing = {unit for name, param in params.items() for unit in _checkpoint_names(name, param)}
         saw_mtp = False
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still store the shared matrix twice
-            if name.endswith("rotary_emb.inv_freq"):
+            if carries_nothing(name, self.config.tie_word_embeddings):
                 continue
             saw_mtp = saw_mtp or name.startswith("mtp.")
             target, covered = self._weight_target(name, params)
-            if tuple(tensor.shape) != tuple(target.shape):
-                shapes = f"{tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shapes}")
-            with torch.no_grad():
-                target.copy_(tensor)
+            copy_checkpoint_tensor(name, tensor, target)
             missing.difference_update(covered)
         if not saw_mtp and self.mtp is not None:
             logger.info("checkpoint has no mtp.* weights: the model has no MTP head")
             self.mtp = None
             missing = {name for name in missing if not name.startswith("mtp.")}
-        if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
+        require_complete(missing)
 
     def _weight_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, list[str]]:
         """The parameter, or slice of a stacked one, that checkpoint tensor `name` fills, and the
