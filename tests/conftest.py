@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
-from morion.loader import LoadedModel
+from morion.loader import LoadedModel, load_model
 from morion.loader.model_store import DEFAULT_MODEL, pull
 from morion.ops.attention import causal_attention_reference
 
@@ -21,6 +22,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> LoadedModel:
+    """A tiny random Llama (vocab 128, 2 layers, GQA), saved and loaded the way users load models."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return load_model(str(directory), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-import transformers
 
 from morion.engine.sampling_params import SamplingParams
-from morion.loader import load_model
 
 
 def _morion(*args: str) -> subprocess.CompletedProcess[str]:
@@ -20,22 +17,10 @@ def _morion(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def disk_dir(tmp_path, engine_factory, engine_runner):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    loaded = load_model(str(tmp_path / "model"), torch.float32, torch.device("cpu"))
+def disk_dir(tmp_path, tiny_llama, engine_factory, engine_runner):
     root = tmp_path / "disk"
     engine = engine_factory(
-        loaded, page_size=8, host_cache_gb=0.01, disk_cache_dir=str(root), disk_cache_gb=0.1
+        tiny_llama, page_size=8, host_cache_gb=0.01, disk_cache_dir=str(root), disk_cache_gb=0.1
     )
     engine_runner(engine, [list(range(40))], SamplingParams(max_tokens=4, temperature=0.0))
     engine.close()

@@ -18,7 +18,6 @@ import textwrap
 
 import pytest
 import torch
-import transformers
 
 from morion.cache.disk_format import BLOCK, KIND_PAGE, object_path, verify_object_file
 from morion.cache.host_store import HostObjectStore
@@ -34,20 +33,8 @@ HOST_GB = 64 * PAGE_OBJECT_BYTES / 2**30
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    directory = tmp_path_factory.mktemp("tiny_llama_tiers")
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return load_model(str(directory), torch.float32, torch.device("cpu"))
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def _prompt(seed: int, length: int = 45) -> list[int]:

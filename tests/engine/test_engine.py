@@ -6,11 +6,9 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
-from morion.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # Batched and single forwards run the same fp32 math in different matrix shapes; 1e-4 covers the
@@ -19,20 +17,8 @@ TIE_GAP = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return load_model(str(directory), torch.float32, torch.device("cpu"))
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def _prompts(count: int, seed: int, lengths: tuple[int, int] = (1, 70)) -> list[list[int]]:
