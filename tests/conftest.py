@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,6 +39,60 @@ def tiny_llama(tmp_path_factory) -> LoadedModel:
         max_position_embeddings=1024,
     )
     directory = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return load_model(str(directory), torch.float32, torch.device("cpu"))
+
+
+TINY_QWEN3_NEXT = dict(
+    model_type="qwen3_next",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    full_attention_interval=2,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_config_dir(tmp_path_factory) -> Path:
+    """A config-only Qwen3-Next directory (2 Gated DeltaNet + 2 attention layers), for dummy weights."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_next_config")
+    (directory / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tiny_qwen3_next_config_dir) -> LoadedModel:
+    """Seeded random weights on the CPU (move a copy to another device: weights drawn there differ)."""
+    return load_model(str(tiny_qwen3_next_config_dir), torch.float32, torch.device("cpu"), "dummy")
+
+
+@pytest.fixture(scope="session")
+def small_llama(tmp_path_factory) -> LoadedModel:
+    """A small random Llama (vocab 256, 3 layers, hidden 128), on the CPU."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    directory = tmp_path_factory.mktemp("small_llama")
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return load_model(str(directory), torch.float32, torch.device("cpu"))
 

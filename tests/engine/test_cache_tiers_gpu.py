@@ -5,19 +5,16 @@ and the same runs with the rule's safeguard switched off go wrong (so the tests 
 from __future__ import annotations
 
 import copy
-import json
 import random
 
 import pytest
 import torch
-import transformers
 
 from morion.cache.copy_engine import CudaCopyEngine, CudaTransfer
 from morion.cache.host_store import HostObjectStore
 from morion.cache.testing import flood
 from morion.cache.tiers import CacheTiers
 from morion.engine.sampling_params import SamplingParams
-from morion.loader import load_model
 
 pytestmark = pytest.mark.gpu
 
@@ -26,51 +23,9 @@ PAGE = 8
 HOST_GB = 8 / 1024
 
 
-def _llama(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    directory = tmp_path_factory.mktemp("gpu_tiers_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return load_model(str(directory), torch.float32, torch.device("cpu"))
-
-
-def _qwen3_next(tmp_path_factory):
-    config = dict(
-        model_type="qwen3_next",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        full_attention_interval=2,
-        max_position_embeddings=512,
-    )
-    directory = tmp_path_factory.mktemp("gpu_tiers_qwen3_next")
-    (directory / "config.json").write_text(json.dumps(config))
-    return load_model(str(directory), torch.float32, torch.device("cpu"), "dummy")
-
-
-@pytest.fixture(scope="module", params=[_llama, _qwen3_next], ids=["llama", "qwen3_next"])
-def on_cuda(request, tmp_path_factory):
-    loaded = request.param(tmp_path_factory)
+@pytest.fixture(scope="module", params=["small_llama", "tiny_qwen3_next"])
+def on_cuda(request):
+    loaded = request.getfixturevalue(request.param)
     return loaded._replace(model=copy.deepcopy(loaded.model).to("cuda"))
 
 

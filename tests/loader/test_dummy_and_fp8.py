@@ -18,34 +18,14 @@ from morion.models.registry import build_model
 
 CPU = torch.device("cpu")
 
-TINY_QWEN3_NEXT = dict(
-    model_type="qwen3_next",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    full_attention_interval=2,
-    max_position_embeddings=256,
-)
 
-
-def test_dummy_weights_from_a_config_only_directory(tmp_path, engine_factory, engine_runner):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
-    first = load_model(str(tmp_path), torch.float32, CPU, load_format="dummy", seed=3)
-    again = load_model(str(tmp_path), torch.float32, CPU, load_format="dummy", seed=3)
-    other = load_model(str(tmp_path), torch.float32, CPU, load_format="dummy", seed=4)
+def test_dummy_weights_from_a_config_only_directory(
+    tiny_qwen3_next_config_dir, engine_factory, engine_runner
+):
+    directory = tiny_qwen3_next_config_dir
+    first = load_model(str(directory), torch.float32, CPU, load_format="dummy", seed=3)
+    again = load_model(str(directory), torch.float32, CPU, load_format="dummy", seed=3)
+    other = load_model(str(directory), torch.float32, CPU, load_format="dummy", seed=4)
     params = dict(first.model.named_parameters())
     for name, param in again.model.named_parameters():
         assert torch.equal(param, params[name]), name
@@ -55,12 +35,12 @@ def test_dummy_weights_from_a_config_only_directory(tmp_path, engine_factory, en
     assert len(out.token_ids) == 4
 
 
-def test_dummy_without_weights_is_only_for_dummy(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+def test_dummy_without_weights_is_only_for_dummy(tiny_qwen3_next_config_dir):
+    directory = tiny_qwen3_next_config_dir
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
-        load_model(str(tmp_path), torch.float32, CPU)
+        load_model(str(directory), torch.float32, CPU)
     with pytest.raises(ModelLoadError, match="unknown load format"):
-        load_model(str(tmp_path), torch.float32, CPU, load_format="zeros")
+        load_model(str(directory), torch.float32, CPU, load_format="zeros")
 
 
 def test_full_size_preset_has_the_real_shapes():
