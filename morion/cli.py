@@ -92,6 +92,31 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier budget (half the free space)",
     )
     parser.add_argument(
+        "--weight-dtype", choices=("auto", "fp8"), help="fp8: store linear and expert weights in e4m3 (auto)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "float32", "bfloat16", "float16"),
+        help="K/V pool dtype (auto: the model dtype)",
+    )
+    parser.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        default=None,
+        help="run decode steps eagerly (debugging)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-batch",
+        type=_bounded(int, 1, "--cuda-graph-max-batch"),
+        help="largest decode batch captured in a CUDA graph (64)",
+    )
+    parser.add_argument(
+        "--activation-reserve-gb",
+        type=_bounded(float, 0.0, "--activation-reserve-gb"),
+        help="CUDA memory kept free for activations (default: measured by a warm-up forward)",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_cache",
         action="store_false",
@@ -175,6 +200,11 @@ _ENGINE_FLAGS = (
     "host_cache_write_policy",
     "disk_cache_dir",
     "disk_cache_gb",
+    "weight_dtype",
+    "kv_cache_dtype",
+    "cuda_graph",
+    "cuda_graph_max_batch",
+    "activation_reserve_gb",
 )
 _SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout")
 

@@ -9,6 +9,8 @@ import torch
 from morion.errors import MorionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", *DTYPES)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class EngineConfig:
     host_cache_state_fraction: float = 0.25  # share of host_cache_gb for state snapshots (hybrid models)
     disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
     disk_cache_gb: float | None = None  # disk tier budget; None: half the filesystem's free space at start
+    weight_dtype: str = "auto"  # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales
+    cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
+    cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
+    activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -48,6 +55,7 @@ class EngineConfig:
             "chunk_size": self.chunk_size,
             "max_running_requests": self.max_running_requests,
             "state_slots": self.state_slots,
+            "cuda_graph_max_batch": self.cuda_graph_max_batch,
         }
         for name, value in positive.items():
             if value is not None and value <= 0:
@@ -63,6 +71,16 @@ class EngineConfig:
                 "host_cache_write_policy must be write_through or write_back, "
                 f"got {self.host_cache_write_policy!r}"
             )
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise MorionError(
+                f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise MorionError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.activation_reserve_gb is not None and self.activation_reserve_gb < 0:
+            raise MorionError(f"activation_reserve_gb must be >= 0, got {self.activation_reserve_gb}")
         if not 0 < self.host_cache_state_fraction < 1:
             raise MorionError(
                 f"host_cache_state_fraction must be in (0, 1), got {self.host_cache_state_fraction}"
@@ -83,6 +101,14 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise MorionError(f"device {self.device!r} requested but CUDA is not available")
         return device
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        if self.kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:

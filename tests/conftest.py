@@ -1,12 +1,19 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import pytest
 import torch
-import transformers
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's CPU interpreter (design.md §4). It must be chosen
+    # before triton is first imported, which `import torch` does not do.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine

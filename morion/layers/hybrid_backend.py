@@ -8,6 +8,11 @@ write it back at the end, addressed by component name ("conv", "recurrent") and 
 The batch of one forward is several sequences' new tokens concatenated in order: `query_ranges[n]` is
 (start, length) of sequence n in the flat token axis, the ranges tile 0..T without gaps, and the state
 tensors are stacked in the same sequence order.
+
+Two ways to reach the state: `read_state`/`write_state` (gather and scatter whole states: the reference
+path on CPU), or `state_pool` + `state_indices` for kernels that read and update each sequence's slot in
+place (the CUDA path). `cu_seqlens`, `state_indices` and `decode_only` are fixed for the whole forward
+and live on the model's device, so a captured CUDA graph replays them without host work.
 """
 
 from __future__ import annotations
@@ -36,4 +41,24 @@ class HybridBackend(AttentionBackend, Protocol):
 
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
         """Stores [num_sequences, *component shape]: each sequence's state after this step's tokens."""
+        ...
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence has exactly one new token this step."""
+        ...
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[num_sequences + 1] int32 on the model's device: 0, end of sequence 0, end of sequence 1, ..."""
+        ...
+
+    @property
+    def state_indices(self) -> torch.Tensor:
+        """[num_sequences] int32 on the model's device: each sequence's row in `state_pool`."""
+        ...
+
+    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        """[num_slots, *component shape]: the storage itself. Kernels read row `state_indices[n]` before
+        sequence n's tokens and leave it holding the state after them (in place)."""
         ...
