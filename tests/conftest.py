@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
     # before triton is first imported, which `import torch` does not do.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import transformers  # noqa: E402
+import pytest
+import transformers
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
