@@ -7,7 +7,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from morion.bench.options import add_bench_arguments
 from morion.errors import MorionError
+from morion.logs import show_morion_logs
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -164,6 +166,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
+    bench = commands.add_parser("bench", help="measure decode, prefill and TTFT against the roofline")
+    _add_engine_arguments(bench)
+    add_bench_arguments(bench)
+
     info = commands.add_parser("info", help="print a model's architecture summary")
     _add_model_arguments(info)
 
@@ -309,18 +315,26 @@ def _run_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    from morion.bench.run import run_bench
+
+    return run_bench(args, _engine_options(args))
+
+
 _COMMANDS = {
     "pull": _run_pull,
     "generate": _run_generate,
     "serve": _run_serve,
     "info": _run_info,
     "cache": _run_cache,
+    "bench": _run_bench,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    show_morion_logs()
     try:
         if getattr(args, "config", None) is not None:
             args = _with_profile(parser, args, argv)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -11,6 +12,10 @@ if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's CPU interpreter (design.md §4). It must be chosen
     # before triton is first imported, which `import torch` does not do.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # transformers' Qwen3-Next binds fla-core's kernels at import whenever `fla` imports, and fla's chunk
+    # kernel cannot run on a CPU (its autotuner asks for a GPU driver). Hiding fla makes our reference
+    # take transformers' pure-torch path; morion itself imports fla only on CUDA.
+    sys.modules.setdefault("fla", None)
 
 import pytest
 import transformers
@@ -116,18 +121,31 @@ class OneSequenceBackend:
 
     def __init__(self, model: torch.nn.Module, num_tokens: int) -> None:
         dtype = next(model.parameters()).dtype
+        self._device = next(model.parameters()).device
         self._states = {c.name: c for c in model.cache_spec(16, dtype).state_components}
+        self._pools: dict[tuple[str, int], torch.Tensor] = {}
         self.query_ranges = [(0, num_tokens)]
+        self.decode_only = num_tokens == 1
+        self.cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=self._device)
+        self.state_indices = torch.zeros(1, dtype=torch.int32, device=self._device)
 
     def attend(self, layer_index: int, q, k, v, scale: float) -> torch.Tensor:
         return causal_attention_reference(q, k, v, 0, scale)
 
     def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
         spec = self._states[component]
-        return torch.zeros(1, *spec.shape, dtype=spec.dtype)
+        return torch.zeros(1, *spec.shape, dtype=spec.dtype, device=self._device)
 
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
         pass
+
+    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        """One zeroed slot per (component, layer), made on first use; what the kernels leave is dropped."""
+        key = (component, linear_ordinal)
+        if key not in self._pools:
+            spec = self._states[component]
+            self._pools[key] = torch.zeros(1, *spec.shape, dtype=spec.dtype, device=self._device)
+        return self._pools[key]
 
 
 def full_prefill_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:

@@ -17,22 +17,26 @@ from morion.cache.disk_format import config_digest, weights_digest
 from morion.cache.disk_store import free_space_budget, open_disk_store
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
+from morion.cache.spec import CacheSpec
 from morion.cache.state_slots import StateSlots
 from morion.cache.tier_stats import CacheStats
 from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
+from morion.engine.cuda_graph import DecodeGraphRunner
+from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
 from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import Scheduler
 from morion.engine.stop import StopStringMatcher
+from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel, load_model
 from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
+_GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
 _PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight waits this long for them
 
 
@@ -41,20 +45,39 @@ class Engine:
         self.config = config
         self.device = config.torch_device
         loaded = loaded or load_model(
-            config.model, config.torch_dtype, self.device, config.load_format, config.seed
+            config.model,
+            config.torch_dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            weight_dtype=config.weight_dtype,
         )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
-        kv_dtype = next(self.model.parameters()).dtype
+        self._weight_bytes = sum(
+            t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
+        )
+        # The compute dtype: FP8 weights (--weight-dtype fp8) are e4m3, embeddings and norms never are.
+        compute_dtype = next(p.dtype for p in self.model.parameters() if p.dtype.itemsize > 1)
+        kv_dtype = compute_dtype if config.kv_cache_dtype == "auto" else config.kv_torch_dtype
+        # FP8 K/V is stored unscaled (scale 1.0, as SGLang and vLLM default to without calibration): K/V
+        # of these models stay well inside e4m3's +-448 range after their norms.
+        self.kv_scales = KVScales()
         spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype])
+        use_graphs = config.cuda_graph and self.device.type == "cuda"
+        self._activation_reserve = self._activation_reserve_bytes(spec)
         self.state_slots = None
         if spec.has_state:
             # Each running request holds a working slot and a page-boundary copy; the rest are snapshots.
             num_slots = config.state_slots or 4 * config.max_running_requests
-            self.state_slots = StateSlots(spec, num_slots, self.device)
+            self.state_slots = StateSlots(spec, num_slots + int(use_graphs), self.device)
         state_bytes = self.state_slots.num_bytes if self.state_slots else 0
-        self.pool = PagePool(spec, self._num_pages(spec.bytes_per_page, state_bytes), self.device)
+        num_pages = self._num_pages(spec.bytes_per_page, state_bytes) + int(use_graphs)
+        self.pool = PagePool(spec, num_pages, self.device)
+        # CUDA-graph padding rows write into a scratch page and slot that nobody else ever gets.
+        self._scratch_pages = self.pool.alloc(1) if use_graphs else []
+        self._scratch_slots = [self.state_slots.alloc()] if use_graphs and self.state_slots else []
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self._cache_stats = CacheStats()
         self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None
@@ -66,28 +89,74 @@ class Engine:
             self.tiers,
             self._cache_stats,
         )
-        pool_tokens = self.pool.num_pages * config.page_size
+        pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
         context = self.model.config.max_position_embeddings
         self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._report_startup(spec.bytes_per_token)
+        self.graphs: DecodeGraphRunner | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphRunner(
+                self.model,
+                self.pool,
+                self.state_slots,
+                self.kv_scales,
+                min(config.cuda_graph_max_batch, config.max_running_requests),
+                -(-self.max_model_len // config.page_size),
+                self._scratch_pages[0],
+                self._scratch_slots[0] if self._scratch_slots else None,
+            )
+            try:
+                self.graphs.capture()
+            except RuntimeError as error:  # a model path that syncs with the host: decode still works
+                print(f"morion: CUDA graph capture FAILED, decode runs eagerly: {error}", file=sys.stderr)
+                self.graphs = None
+
+    def _activation_reserve_bytes(self, spec: CacheSpec) -> int:
+        """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk (it also
+        compiles the prefill kernels), plus a margin for CUDA graphs and allocator fragmentation."""
+        config = self.config
+        if self.device.type != "cuda":
+            return 0
+        if config.activation_reserve_gb is not None:
+            return int(config.activation_reserve_gb * 2**30)
+        tokens = min(config.chunk_size, self.model.config.max_position_embeddings)
+        started = time.perf_counter()
+        peak = measure_forward_peak_bytes(self.model, spec, tokens, self.device, self.kv_scales)
+        reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
+        print(
+            f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "
+            f"({time.perf_counter() - started:.1f} s, includes kernel compilation); "
+            f"reserving {reserve / 2**30:.2f} GiB",
+            file=sys.stderr,
+        )
+        return reserve
 
     def _num_pages(self, bytes_per_page: int, state_bytes: int) -> int:
-        """Pages for the K/V pool: an explicit token count, or what the memory budget leaves after the
-        (already allocated) state slots."""
+        """Pages for the K/V pool: an explicit token count or size, or what is really free on the device
+        (after weights, state slots and the activation reserve) times `mem_fraction`."""
         config = self.config
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // config.page_size)
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 2**30 - state_bytes
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * config.mem_fraction
+            budget = (free - self._activation_reserve) * config.mem_fraction
         else:
             budget = _CPU_DEFAULT_KV_GB * 2**30 - state_bytes
-        return max(1, int(budget // bytes_per_page))
+        if budget < bytes_per_page:
+            raise MorionError(
+                f"no memory left for the KV pool: {budget / 2**30:.2f} GiB after weights "
+                f"({self._weight_bytes / 2**30:.2f} GiB), state slots ({state_bytes / 2**30:.2f} GiB) "
+                f"and the "
+                f"activation reserve ({self._activation_reserve / 2**30:.2f} GiB); try --weight-dtype fp8, "
+                "--kv-cache-dtype fp8, fewer --state-slots or a smaller --chunk-size"
+            )
+        return int(budget // bytes_per_page)
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -132,6 +201,7 @@ class Engine:
                     "config_digest": config_digest(loaded.hf_config),
                     "weights_digest": weights_digest(self.model),
                     "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                    "weight_dtype": config.weight_dtype,
                 }
             }
             info = {
@@ -150,14 +220,20 @@ class Engine:
         if slots is not None:
             per_slot = pool.spec.bytes_per_slot
             state = f"; state slots {slots.num_slots} x {per_slot} B ({slots.num_bytes / 2**30:.2f} GiB)"
+        kv_dtype = str(pool.spec.token_components[0].dtype).removeprefix("torch.")
         print(
-            f"morion: {self.model.config.model_type} on {self.device}; KV pool {pool.num_pages} pages x "
-            f"{config.page_size} = {pool.num_pages * config.page_size} tokens at {bytes_per_token} B/token "
-            f"({pool.num_bytes / 2**30:.2f} GiB); max model len {self.max_model_len}; "
+            f"morion: {self.model.config.model_type} on {self.device}; weights "
+            f"{self._weight_bytes / 2**30:.2f} GiB; KV pool {pool.num_pages} pages x {config.page_size} = "
+            f"{pool.num_pages * config.page_size} tokens at {bytes_per_token} B/token {kv_dtype} "
+            f"({pool.num_bytes / 2**30:.2f} GiB){state}; activation reserve "
+            f"{self._activation_reserve / 2**30:.2f} GiB; max model len {self.max_model_len}; "
             f"chunk {config.chunk_size}; max running {config.max_running_requests}; "
-            f"prefix cache {prefix_cache}{state}",
+            f"prefix cache {prefix_cache}",
             file=sys.stderr,
         )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            print(f"morion: CUDA memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free", file=sys.stderr)
         tiers = self.tiers
         if tiers is None:
             return
@@ -249,11 +325,15 @@ class Engine:
             self.config.page_size,
             self.device,
         )
-        backend = PagedAttentionBackend(self.pool, batch, self.state_slots)
         restores = self.tiers.take_for_forward() if self.tiers is not None else []
-        if restores:
-            backend = _AfterRestores(backend, restores, [c.name for c in self.pool.spec.token_components])
-        hidden = self.model(batch.input_ids, batch.positions, backend)
+        if self.graphs is not None and not restores and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)  # decode-only: every row is a sequence's last token
+        else:
+            backend = PagedAttentionBackend(self.pool, batch, self.state_slots, self.kv_scales)
+            if restores:
+                backend = _AfterRestores(backend, restores, [c.name for c in self.pool.spec.token_components])
+            hidden = self.model(batch.input_ids, batch.positions, backend)
+            logits = None
         sampling: list[tuple[Request, int]] = []
         for chunk, last_row in zip(chunks, batch.last_rows, strict=True):
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
@@ -261,7 +341,8 @@ class Engine:
                 sampling.append((chunk.request, last_row))
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
+        if logits is None:
+            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
         result = sample(logits, [request.sampler for request, _ in sampling])
         return [self._append_token(request, i, result) for i, (request, _) in enumerate(sampling)]
 
@@ -298,8 +379,8 @@ class Engine:
     def check_integrity(self) -> None:
         """Every page and state slot is free, cached, or held by exactly one running request."""
         self.prefix_cache.check_integrity(
-            pages_held_by_requests=self.scheduler.pages_held_by_requests(),
-            slots_held_by_requests=self.scheduler.slots_held_by_requests(),
+            pages_held_by_requests=self.scheduler.pages_held_by_requests() + self._scratch_pages,
+            slots_held_by_requests=self.scheduler.slots_held_by_requests() + self._scratch_slots,
         )
         if self.tiers is not None:
             self.tiers.check_integrity()
@@ -316,7 +397,8 @@ class _AfterRestores:
 
     Copy rule 4: a layer waits on the GPU (never the CPU) for that layer's restore copies of every
     component it touches: attention for each token component at its index (K/V, and any side cache
-    paged with it), a linear layer for the state component it reads or writes.
+    paged with it), a linear layer for the state component it reads or writes, whichever way it reaches
+    it (whole states or the pool in place).
     """
 
     def __init__(self, backend: PagedAttentionBackend, restores: list[Transfer], token_components: list[str]):
@@ -328,20 +410,38 @@ class _AfterRestores:
     def query_ranges(self) -> list[tuple[int, int]]:
         return self._backend.query_ranges
 
+    @property
+    def decode_only(self) -> bool:
+        return self._backend.decode_only
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._backend.cu_seqlens
+
+    @property
+    def state_indices(self) -> torch.Tensor:
+        return self._backend.state_indices
+
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         for restore in self._restores:
             for name in self._token_components:
                 restore.wait(name, layer_index)
         return self._backend.attend(layer_index, q, k, v, scale)
 
-    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+    def _wait_state(self, component: str, linear_ordinal: int) -> None:
         for restore in self._restores:
             restore.wait(component, linear_ordinal)
+
+    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        self._wait_state(component, linear_ordinal)
+        return self._backend.state_pool(component, linear_ordinal)
+
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        self._wait_state(component, linear_ordinal)
         return self._backend.read_state(component, linear_ordinal)
 
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
-        for restore in self._restores:
-            restore.wait(component, linear_ordinal)
+        self._wait_state(component, linear_ordinal)
         self._backend.write_state(component, linear_ordinal, value)
 
 

@@ -1,4 +1,5 @@
-"""One engine step as the model sees it: a flat token batch and the paged attention backend over it."""
+"""One engine step as the model sees it: a flat token batch, its paging metadata as device tensors, and
+the backend that gives the layers the engine's memory (K/V pages and state slots)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ from morion.ops.paged_attention import paged_attention_reference, store_kv
 
 
 class ForwardBatch(NamedTuple):
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_slots: torch.Tensor  # [T] flat pool slot of each new token's K/V
+    """Host lists describe the batch for Python code; the tensors (on the model's device) are what kernels
+    read. Sequence b owns the flat rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its keys are seq_lens[b]
+    positions (this step's tokens included) whose pages are page_table[b, :ceil(seq_lens[b] / page)]."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: flat pool token slot of each new token's K/V
+    page_table: torch.Tensor  # [B, max pages] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    state_indices: torch.Tensor | None  # [B] int32 working state slot of each sequence (models with state)
+    max_query_len: int
     query_ranges: list[tuple[int, int]]  # (start, length) of each sequence in the flat batch
-    kv_slots: list[torch.Tensor]  # per sequence: pool slots of all its positions up to its last query
     last_rows: list[int]  # per sequence: flat row of its last token (where logits come from)
-    state_slots: torch.Tensor | None  # [num_sequences] working state slot of each (models with state)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
 
 
 def build_forward_batch(
@@ -32,59 +44,115 @@ def build_forward_batch(
     state_slots: per sequence its working state slot, or None for models without state."""
     input_ids: list[int] = []
     query_ranges: list[tuple[int, int]] = []
-    kv_slots: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
     out_slots: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    seq_lens: list[int] = []
+    used_pages: list[Sequence[int]] = []
     for token_ids, pages, start, num_tokens in chunks:
         end = start + num_tokens
-        page_tensor = torch.tensor(pages, dtype=torch.long)
-        all_positions = torch.arange(end)
-        slots = page_tensor[all_positions // page_size] * page_size + all_positions % page_size
+        used = pages[: -(-end // page_size)]
+        new_positions = torch.arange(start, end)
+        page_of_token = torch.tensor(used, dtype=torch.long)[new_positions // page_size]
         query_ranges.append((len(input_ids), num_tokens))
         input_ids.extend(token_ids[start:end])
-        positions.append(all_positions[start:])
-        out_slots.append(slots[start:])
-        kv_slots.append(slots.to(device))
+        positions.append(new_positions)
+        out_slots.append(page_of_token * page_size + new_positions % page_size)
+        seq_lens.append(end)
+        used_pages.append(used)
+    page_table = torch.zeros(len(chunks), max(len(p) for p in used_pages), dtype=torch.int32)
+    for row, used in enumerate(used_pages):
+        page_table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    cu_seqlens = [0]
+    for _, length in query_ranges:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+    lengths = [length for _, length in query_ranges]
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.cat(positions).to(device),
-        out_slots=torch.cat(out_slots).to(device),
-        query_ranges=query_ranges,
-        kv_slots=kv_slots,
-        last_rows=[start + length - 1 for start, length in query_ranges],
-        state_slots=None
+        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+        positions=torch.cat(positions).to(device, non_blocking=True),
+        out_slots=torch.cat(out_slots).to(device, non_blocking=True),
+        page_table=page_table.to(device, non_blocking=True),
+        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        state_indices=None
         if None in state_slots
-        else torch.tensor(state_slots, dtype=torch.long, device=device),
+        else torch.tensor(state_slots, dtype=torch.int32).to(device, non_blocking=True),
+        max_query_len=max(lengths),
+        query_ranges=query_ranges,
+        last_rows=[start + length - 1 for start, length in query_ranges],
     )
+
+
+class KVScales(NamedTuple):
+    """Per-layer scales of an FP8 K/V pool (stored = real / scale); 1.0 for other dtypes."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+UNSCALED = KVScales()
 
 
 class PagedAttentionBackend:
     """The layers' backend over the engine's memory: attention K/V in the page pool's "kv" component,
-    per-request state (the HybridBackend protocol) in the state slots."""
+    per-request state (the HybridBackend protocol) in the state slots. Attention runs the Triton kernels
+    on CUDA and the pure-torch reference elsewhere."""
 
-    def __init__(self, pool: PagePool, batch: ForwardBatch, state_slots: StateSlots | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        batch: ForwardBatch,
+        state_slots: StateSlots | None = None,
+        kv_scales: KVScales = UNSCALED,
+    ) -> None:
         self._kv = pool.storage("kv")
+        self._page_size = pool.page_size
         self._batch = batch
         self._state_slots = state_slots
+        self._kv_scales = kv_scales
 
     @property
     def query_ranges(self) -> list[tuple[int, int]]:
         return self._batch.query_ranges
 
-    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        return self._state(component, linear_ordinal)[self._batch.state_slots]
+    @property
+    def decode_only(self) -> bool:
+        return self._batch.decode_only
 
-    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
-        self._state(component, linear_ordinal)[self._batch.state_slots] = value
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._batch.cu_seqlens_q
 
-    def _state(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        if self._state_slots is None or self._batch.state_slots is None:
+    @property
+    def state_indices(self) -> torch.Tensor:
+        if self._batch.state_indices is None:
+            raise RuntimeError("this model keeps per-request state but the engine gave it no state slots")
+        return self._batch.state_indices
+
+    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        if self._state_slots is None:
             raise RuntimeError("this model keeps per-request state but the engine gave it no state slots")
         return self._state_slots.storage(component)[linear_ordinal]
+
+    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        return self.state_pool(component, linear_ordinal)[self.state_indices.long()]
+
+    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
+        self.state_pool(component, linear_ordinal)[self.state_indices.long()] = value
 
     def attend(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        batch, (k_scale, v_scale) = self._batch, self._kv_scales
         kv_layer = self._kv[layer_index]
-        store_kv(kv_layer, self._batch.out_slots, k, v)
-        return paged_attention_reference(q, kv_layer, self._batch.query_ranges, self._batch.kv_slots, scale)
+        store_kv(kv_layer, batch.out_slots, k, v, k_scale, v_scale)
+        if q.is_cuda:
+            from morion.ops.paged_attention_triton import paged_attention
+
+            return paged_attention(
+                q, kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, self._page_size, scale,
+                max_query_len=batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+        return paged_attention_reference(
+            q, kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, self._page_size, scale,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip

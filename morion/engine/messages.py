@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
 from morion.engine.outputs import Usage
 from morion.engine.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class EngineStats(NamedTuple):
     pages_held: int
     retractions: int
     integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
+    cache: CacheStats  # hits, restores and traffic by tier (a copy)
 
 
 class RequestDelta(NamedTuple):

@@ -29,6 +29,7 @@ from morion.engine.messages import (
 )
 from morion.engine.outputs import StepOutput
 from morion.errors import InvalidRequestError, MorionError
+from morion.logs import show_morion_logs
 
 
 class EngineLoop:
@@ -137,6 +138,7 @@ class EngineLoop:
             pages_held=sum(len(r.owned_pages) for r in scheduler.running),
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
+            cache=self.engine.cache_stats.snapshot(),
         )
 
 
@@ -209,6 +211,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
     # (Shutdown, or closing its end of the pipes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    show_morion_logs()
     try:
         try:
             engine = Engine(config)
@@ -220,7 +223,12 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
         outbox.send(engine_info(engine))
-        serve(EngineLoop(engine), inbox, outbox)
+        try:
+            serve(EngineLoop(engine), inbox, outbox)
+        finally:
+            # Whatever ended serving: finish the disk tier's writes, so the next start finds this run's
+            # conversations.
+            engine.close()
     except (EOFError, BrokenPipeError):
         pass  # the front end has gone; nobody is left to serve
     finally:

@@ -8,10 +8,15 @@ h*r+r-1); normalise each value head and gate it by silu(z); out_proj.
 Each sequence carries two states between forwards (design.md §3): the conv window (its last W-1
 pre-conv q|k|v vectors) and the recurrent state (HV x Dk x Dv). Both come from and go back to the
 backend, so a chunk of any length continues exactly where the previous one stopped.
+
+On CUDA the layer runs in-place kernels on the backend's state pools (`state_pool` + `state_indices`,
+see hybrid_backend.py): our Triton conv and decode kernels (ops/*_triton.py) and fla-core's chunked
+prefill. Elsewhere it runs the pure-torch references through `read_state` / `write_state`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +30,9 @@ from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
+from morion.ops.log_once import log_once
+
+logger = logging.getLogger(__name__)
 
 
 class GatedDeltaNet(nn.Module):
@@ -82,6 +90,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
         """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`. Returns [T, hidden]."""
+        if x.is_cuda:
+            return self._forward_cuda(x, backend)
+        log_once(logger, f"Gated DeltaNet on {x.device.type}: pure-torch references (no in-place kernels)")
         tokens = x.shape[0]
         ranges = list(backend.query_ranges)
         cu_seqlens = _cu_seqlens(ranges, tokens)
@@ -114,6 +125,52 @@ class GatedDeltaNet(nn.Module):
             out = out[0]
         backend.write_state("recurrent", self.linear_ordinal, new_state.to(state.dtype))
 
+        out = self.norm(out, z).reshape(tokens, self.value_dim)
+        return self.out_proj(out)
+
+    def _forward_cuda(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
+        """The in-place path: every state is read from and written back to its pool slot by the kernels.
+
+        A decode step (`backend.decode_only`) is CUDA-graph capturable: it reads only the backend's
+        device tensors (`state_indices`, the pools), never syncs with the host and makes no tensor
+        from Python data. Prefill is not captured; it passes fla the host copy of cu_seqlens.
+        """
+        # Imported here: Triton (and fla) are only needed, and on CPU installs only present, for CUDA.
+        from morion.ops.causal_conv1d_triton import causal_conv1d_update_, causal_conv1d_varlen_
+        from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, gdn_prefill_
+
+        tokens = x.shape[0]
+        decode_only = backend.decode_only
+        state_indices = backend.state_indices
+        conv_pool = backend.state_pool("conv", self.linear_ordinal)
+        recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
+        weight = self.conv1d.weight[:, 0, :]
+        scale = self.head_k_dim**-0.5
+        mixed_qkv, z, b, a = self.project(x)
+
+        if decode_only:
+            log_once(
+                logger, "Gated DeltaNet decode: Triton conv update + fused gated-delta-rule step (in place)"
+            )
+            mixed_qkv = causal_conv1d_update_(mixed_qkv, conv_pool, weight, state_indices, "silu")
+        else:
+            log_once(logger, "Gated DeltaNet prefill: Triton varlen conv + fla-core chunk_gated_delta_rule")
+            mixed_qkv = causal_conv1d_varlen_(
+                mixed_qkv, conv_pool, weight, state_indices, backend.cu_seqlens, "silu"
+            )
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        if decode_only:
+            out = fused_gdn_decode_(
+                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, scale
+            )
+        else:
+            out = gdn_prefill_(
+                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
+                scale, cu_seqlens_cpu=_cu_seqlens(list(backend.query_ranges), tokens),
+            )  # fmt: skip
         out = self.norm(out, z).reshape(tokens, self.value_dim)
         return self.out_proj(out)
 

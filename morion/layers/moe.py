@@ -5,29 +5,93 @@
     out     = sum_top-k p_e * expert_e(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
 Routed expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down) so a grouped GEMM can take
-them whole; the loader scatters per-expert checkpoint tensors into them.
+them whole; the loader scatters per-expert checkpoint tensors into them. Under `--weight-dtype fp8` they
+are e4m3 with one fp32 scale per (expert, output channel).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.mlp import SwiGLU
-from morion.ops.moe import moe_experts_reference
+from morion.ops.fp8 import FP8_DTYPE
+from morion.ops.log_once import log_once
+from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
+
+logger = logging.getLogger(__name__)
 
 
 class StackedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; with `fp8`, e4m3 weights and fp32 scale buffers
+    gate_up_proj_scale [E, 2I] and down_proj_scale [E, H] (buffers: derived at load, not checkpoint
+    tensors)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        dtype = FP8_DTYPE if fp8 else None
+        gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+        down = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=not fp8)
+        self.down_proj = nn.Parameter(down, requires_grad=not fp8)
+        self.gate_up_proj_scale: torch.Tensor | None
+        self.down_proj_scale: torch.Tensor | None
+        self.register_buffer(
+            "gate_up_proj_scale",
+            torch.ones(num_experts, 2 * intermediate_size, dtype=torch.float32) if fp8 else None,
+        )
+        self.register_buffer(
+            "down_proj_scale", torch.ones(num_experts, hidden_size, dtype=torch.float32) if fp8 else None
+        )
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_proj_scale is not None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return moe_experts_reference(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        path = self._path(x)
+        if path == "dense":
+            return moe_experts_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
+        return experts(
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_weights,
+            topk_ids,
+            gate_up_scale=self.gate_up_proj_scale,
+            down_scale=self.down_proj_scale,
+        )
+
+    def _path(self, x: torch.Tensor) -> str:
+        """ "grouped" where a kernel exists: CUDA with bf16 or FP8 weights (other dtypes take
+        `_grouped_mm`'s per-expert loop, which syncs with the host) and 16-byte aligned rows; "dense" for
+        other unquantized weights on CUDA (no host sync, so decode stays capturable); else "reference"."""
+        dtype = self.gate_up_proj.dtype
+        if not x.is_cuda:
+            log_once(logger, f"MoE experts on {x.device.type}: reference (a loop over the routed experts)")
+            return "reference"
+        # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
+        multiple = 16 if self.fp8 else 8
+        aligned = self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0
+        if aligned and dtype in (torch.bfloat16, FP8_DTYPE):
+            kernel = "torch._scaled_grouped_mm (fp8 rowwise)" if self.fp8 else "torch._grouped_mm (bf16)"
+            log_once(logger, f"MoE experts on cuda: grouped GEMM, {kernel}")
+            return "grouped"
+        why = (
+            f"{dtype} weights" if aligned else f"H={self.hidden_size}, I={self.intermediate_size} not aligned"
+        )
+        if self.fp8:
+            log_once(logger, f"MoE experts on cuda: reference (a loop over the routed experts), {why}")
+            return "reference"
+        log_once(logger, f"MoE experts on cuda: every expert on every token, masked ({why})")
+        return "dense"
 
 
 class SparseMoE(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,8 @@ from morion.progress import Progress
 from morion.text.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "dummy")
+
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -56,8 +59,14 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
-    """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them."""
+    """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them.
+
+    `weight_dtype` "fp8" keeps linear layers, experts and the LM head in e4m3 (layers/fp8_convert.py):
+    each weight is quantized on `device` as it is read or drawn, so device memory peaks at about the
+    FP8 model plus one tensor's temporaries, and those are freed before this returns.
+    """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
     if is_preset(model):
@@ -67,10 +76,25 @@ def load_model(
         source = read_source(path, require_weights=load_format != "dummy")
         hf_config, tokenizer = source.hf_config, source.tokenizer
         weights = None if load_format == "dummy" else source
-    module = build_model(hf_config, dtype, device)
+    module = build_model(hf_config, dtype, device, weight_dtype)
     if weights is None:
         fill_dummy_weights(module, seed)
-        return LoadedModel(module, tokenizer, hf_config, path)
+    else:
+        _load_checkpoint(module, weights, hf_config, path, weight_dtype)
+    if device.type == "cuda":
+        # Quantization and dequantization temporaries go back to the driver before the KV pool is
+        # sized from the memory that is really free (design.md §4).
+        torch.cuda.empty_cache()
+    return LoadedModel(module, tokenizer, hf_config, path)
+
+
+def _load_checkpoint(
+    module: nn.Module,
+    weights: HFDirectory | GGUFModel,
+    hf_config: dict[str, Any],
+    path: Path,
+    weight_dtype: str,
+) -> None:
     progress = Progress(f"loading {path.name}", weights.num_tensors, " tensors")
 
     def counted(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -80,6 +104,7 @@ def load_model(
 
     tensors = counted(weights.weights())
     block = block_fp8_size(hf_config)
+    if block and weight_dtype == "fp8":
+        logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
     module.load_weights(dequantized_weights(tensors, block) if block else tensors)
     progress.finish()
-    return LoadedModel(module, tokenizer, hf_config, path)

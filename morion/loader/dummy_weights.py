@@ -3,6 +3,8 @@
 Generated on the model's device with a seeded generator, so building a full-size model takes seconds
 and the same seed gives the same weights. Values are scaled like a trained model's (fan-in scaled
 matrices, norms near their identity) so activations stay finite through many layers; nothing is zero.
+FP8 parameters (`--weight-dtype fp8`) are drawn in the model dtype one matrix (one expert) at a time
+and quantized, so the full-precision model never exists at once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from torch import nn
 
 from morion.layers.norm import RMSNorm
+from morion.models.checkpoint import fp8_scales
+from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
 from morion.progress import Progress
 
 
@@ -21,12 +25,31 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     device = params[0][1].device
     generator = torch.Generator(device=device).manual_seed(seed)
     unit_norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    scales = fp8_scales(model)
+    # FP8 weights are drawn in the dtype of the rest of the model (embeddings and norms never convert).
+    dtype = next((p.dtype for _, p in params if p.dtype != FP8_DTYPE), torch.float32)
     progress = Progress("random weights", len(params), " tensors")
     with torch.no_grad():
         for name, param in params:
-            _fill(name, param, id(param) in unit_norms, generator)
+            if name in scales:
+                _fill_fp8(name, param, scales[name], dtype, generator)
+            else:
+                _fill(name, param, id(param) in unit_norms, generator)
             progress.advance()
     progress.finish()
+
+
+def _fill_fp8(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
+) -> None:
+    """Draws the weight in `dtype` and quantizes it: stacked experts (per-row scales [E, N]) one expert
+    at a time, other matrices whole; the draw is freed before the next one."""
+    pieces = zip(weight, scale, strict=True) if scale.dim() == 2 else [(weight, scale)]
+    for piece, piece_scale in pieces:
+        draw = torch.empty(piece.shape, dtype=dtype, device=piece.device)
+        _fill(name, draw, False, generator)
+        quantize_fp8_(draw, piece, piece_scale)
+        del draw
 
 
 def _fill(name: str, param: torch.Tensor, unit_norm: bool, generator: torch.Generator) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from morion.layers.attention import AttentionBackend, SelfAttention
 from morion.layers.mlp import SwiGLU
 from morion.layers.norm import RMSNorm
 from morion.layers.rotary import RotaryEmbedding
-from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, require_complete
+from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, fp8_scales, require_complete
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,9 @@ class DenseModel(nn.Module):
 class DenseForCausalLM(nn.Module):
     """Token-flat interface: input_ids and positions are [T]; the backend knows which sequence each is."""
 
+    # --weight-dtype fp8 converts every projection and the LM head (layers/fp8_convert.py).
+    fp8_keep: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
         self.config = config
@@ -141,12 +144,15 @@ class DenseForCausalLM(nn.Module):
         return CacheSpec(page_size, (kv,))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        # Through the module, not its weight: under --weight-dtype fp8 the head is an Fp8Linear.
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (HF names) into the parameters; every parameter must be covered."""
         params = dict(self.named_parameters())
+        scales = fp8_scales(self)
         missing = set(params)
         for name, tensor in weights:
             if carries_nothing(name, self.config.tie_word_embeddings):
@@ -154,6 +160,6 @@ class DenseForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
-            copy_checkpoint_tensor(name, tensor, param)
+            copy_checkpoint_tensor(name, tensor, param, scales.get(name))
             missing.discard(name)
         require_complete(missing)

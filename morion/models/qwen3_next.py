@@ -18,7 +18,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from morion.layers.mlp import SwiGLU
 from morion.layers.moe import SparseMoE
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding
-from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, require_complete
+from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, fp8_scales, require_complete
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +267,13 @@ _PER_EXPERT = re.compile(
 class Qwen3NextForCausalLM(nn.Module):
     """Token-flat interface: input_ids and positions are [T]; the backend knows which sequence each is."""
 
+    # Linear layers --weight-dtype fp8 leaves in the model dtype (layers/fp8_convert.py): the router and
+    # the shared-expert gate decide which experts run and how much of the shared expert passes (a flipped
+    # top-k choice costs more accuracy than their bytes are worth), and in_proj_ba feeds the Gated
+    # DeltaNet decay and write gates, whose errors compound over the sequence. For the 80B model that is
+    # ~0.11 GB of ~80 GB, and at N <= 512 these GEMMs gain nothing from FP8 at decode sizes.
+    fp8_keep: ClassVar[tuple[str, ...]] = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba")
+
     def __init__(self, config: Qwen3NextConfig) -> None:
         super().__init__()
         self.config = config
@@ -287,8 +294,10 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model(input_ids, positions, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        # Through the module, not its weight: under --weight-dtype fp8 the head is an Fp8Linear.
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def cache_spec(
         self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
@@ -324,6 +333,7 @@ class Qwen3NextForCausalLM(nn.Module):
         `save_pretrained` writes none) leaves the model without its MTP head (`self.mtp = None`).
         """
         params = dict(self.named_parameters())
+        scales = fp8_scales(self)
         # Checkpoint names still to arrive; a stacked expert tensor counts as its per-expert names.
         missing = {unit for name, param in params.items() for unit in _checkpoint_names(name, param)}
         saw_mtp = False
@@ -331,8 +341,11 @@ class Qwen3NextForCausalLM(nn.Module):
             if carries_nothing(name, self.config.tie_word_embeddings):
                 continue
             saw_mtp = saw_mtp or name.startswith("mtp.")
-            target, covered = self._weight_target(name, params)
-            copy_checkpoint_tensor(name, tensor, target)
+            param_name, index, covered = self._weight_target(name, params)
+            scale = scales.get(param_name)
+            copy_checkpoint_tensor(
+                name, tensor, params[param_name][index], None if scale is None else scale[index]
+            )
             missing.difference_update(covered)
         if not saw_mtp and self.mtp is not None:
             logger.info("checkpoint has no mtp.* weights: the model has no MTP head")
@@ -340,23 +353,27 @@ class Qwen3NextForCausalLM(nn.Module):
             missing = {name for name in missing if not name.startswith("mtp.")}
         require_complete(missing)
 
-    def _weight_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, list[str]]:
-        """The parameter, or slice of a stacked one, that checkpoint tensor `name` fills, and the
-        checkpoint names it covers."""
+    def _weight_target(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[str, tuple[int | slice, ...], list[str]]:
+        """The parameter that checkpoint tensor `name` fills, the index of the part it fills (a stacked
+        expert's slice; the same index selects an FP8 parameter's per-row scales) and the checkpoint
+        names it covers."""
         param = params.get(name)
         if param is not None:
-            return param, _checkpoint_names(name, param)
+            return name, (), _checkpoint_names(name, param)
         match = _PER_EXPERT.match(name)
         if match is not None:
             expert, proj = int(match["expert"]), match["proj"]
             kind = "down_proj" if proj == "down_proj" else "gate_up_proj"
-            stacked = params.get(f"{match['experts']}.{kind}")
+            stacked_name = f"{match['experts']}.{kind}"
+            stacked = params.get(stacked_name)
             if stacked is not None and expert < stacked.shape[0]:
                 if proj == "down_proj":
-                    return stacked[expert], [name]
+                    return stacked_name, (expert,), [name]
                 size = stacked.shape[1] // 2
                 rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-                return stacked[expert, rows], [name]
+                return stacked_name, (expert, rows), [name]
         raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
 
 

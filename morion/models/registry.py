@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from morion.config import WEIGHT_DTYPES
 from morion.errors import ModelLoadError
+from morion.layers.fp8_convert import convert_to_fp8
 from morion.models.llama import DenseConfig, DenseForCausalLM
 from morion.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -21,9 +24,19 @@ _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]
 }
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
 
+logger = logging.getLogger(__name__)
 
-def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Constructs the architecture with uninitialised parameters; the loader fills them."""
+
+def build_model(
+    hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device, weight_dtype: str = "auto"
+) -> nn.Module:
+    """Constructs the architecture with uninitialised parameters; the loader fills them.
+
+    `weight_dtype` "fp8" swaps linear layers and experts for FP8 ones before anything is allocated on
+    `device`, except the modules the architecture lists in `fp8_keep`; "auto" keeps everything in `dtype`.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ModelLoadError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_DTYPES)})")
     model_type = hf_config.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise ModelLoadError(
@@ -34,4 +47,6 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     # Building on the meta device skips random initialisation, which costs more than loading.
     with torch.device("meta"):
         model = architecture(config).to(dtype)
+    if weight_dtype == "fp8":
+        logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ())).summary())
     return model.to_empty(device=device).requires_grad_(False).eval()

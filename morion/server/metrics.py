@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import EngineInfo, EngineStats
 from morion.engine.outputs import Usage
 
@@ -102,3 +103,91 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "morion_retractions", "Running requests sent back to the queue for memory", stats.retractions
         )
+        yield from _cache_metrics(stats.cache)
+
+
+def _by_label(name: str, documentation: str, label: str, values: dict[str, float], counter: bool) -> Metric:
+    family = (
+        CounterMetricFamily(name, documentation, labels=[label])
+        if counter
+        else GaugeMetricFamily(name, documentation, labels=[label])
+    )
+    for value_label, value in values.items():
+        family.add_metric([value_label], value)
+    return family
+
+
+def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
+    """The cache tiers (device / host / disk): hits and restored tokens, traffic, latency and faults."""
+    tiers = ("device", "host", "disk")
+    yield _by_label(
+        "morion_cache_hits",
+        "Requests whose cached prefix came from each tier (counted at first admission)",
+        "tier",
+        {tier: getattr(cache, f"{tier}_hits") for tier in tiers},
+        counter=True,
+    )
+    yield _by_label(
+        "morion_cache_hit_tokens",
+        "Prompt tokens served from each tier (their sum is the reported cached_tokens)",
+        "tier",
+        {tier: getattr(cache, f"{tier}_hit_tokens") for tier in tiers},
+        counter=True,
+    )
+    yield _by_label(
+        "morion_cache_bytes_moved",
+        "Bytes copied between the tiers",
+        "direction",
+        {
+            "device_to_host": cache.bytes_device_to_host,
+            "host_to_device": cache.bytes_host_to_device,
+            "disk_to_host": cache.bytes_disk_read,
+            "host_to_disk": cache.bytes_disk_written,
+        },
+        counter=True,
+    )
+    yield _by_label(
+        "morion_cache_evictions",
+        "Pages or objects evicted from each lower tier",
+        "tier",
+        {"host": cache.host_evictions, "disk": cache.disk_evictions},
+        counter=True,
+    )
+    counters = {
+        "morion_cache_restores": ("Load-backs from host memory into the device", cache.restores),
+        "morion_cache_restored_tokens": (
+            "Tokens restored into the device from host memory",
+            cache.restored_tokens,
+        ),
+        "morion_cache_restored_snapshots": (
+            "State snapshots restored into the device",
+            cache.restored_snapshots,
+        ),
+        "morion_cache_restore_seconds": (
+            "Time from finding a lower-tier hit to its copies being done (disk prefetch included)",
+            cache.restore_seconds_total,
+        ),
+        "morion_cache_checksum_failures": (
+            "Disk objects that failed their checksum on read (each was a miss, never an answer)",
+            cache.checksum_failures,
+        ),
+        "morion_cache_disk_read_errors": (
+            "Disk objects that could not be read (misses)",
+            cache.disk_read_errors,
+        ),
+        "morion_cache_disk_write_errors": ("Disk writes that failed (disk full...)", cache.disk_write_errors),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(name, documentation, value)
+    gauges = {
+        "morion_cache_restore_seconds_max": ("Longest restore so far", cache.restore_seconds_max),
+        "morion_host_cache_pages_used": ("Host-tier page rows in use", cache.host_pages_used),
+        "morion_host_cache_pages_capacity": ("Host-tier page rows", cache.host_pages_capacity),
+        "morion_host_cache_bytes": ("Host-tier memory", cache.host_bytes),
+        "morion_disk_cache_enabled": ("1 when the disk tier is in use", cache.disk_enabled),
+        "morion_disk_cache_objects": ("Objects in the disk tier", cache.disk_objects),
+        "morion_disk_cache_bytes_used": ("Bytes in the disk tier", cache.disk_bytes_used),
+        "morion_disk_cache_bytes_budget": ("The disk tier's budget", cache.disk_bytes_budget),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(name, documentation, value)

@@ -24,7 +24,7 @@ class ReferenceHybridBackend:
     their cache untouched.
     """
 
-    def __init__(self, spec: CacheSpec, num_sequences: int = 1, device: str = "cpu") -> None:
+    def __init__(self, spec: CacheSpec, num_sequences: int = 1, device: torch.device | str = "cpu") -> None:
         (kv,) = spec.token_components
         self.num_attention_layers = kv.num_layers
         self.kv_dtype = kv.dtype
@@ -35,8 +35,11 @@ class ReferenceHybridBackend:
             c.name: torch.zeros(c.num_layers, num_sequences, *c.shape, dtype=c.dtype, device=device)
             for c in spec.state_components
         }
+        self.device = torch.device(device)
         self._active: list[int] = []
         self._ranges: list[tuple[int, int]] = []
+        self._cu_seqlens = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._state_indices = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     # -- HybridBackend --------------------------------------------------------------------------
 
@@ -67,6 +70,24 @@ class ReferenceHybridBackend:
         assert tuple(value.shape) == expected, f"{component} state {tuple(value.shape)}, expected {expected}"
         stored[linear_ordinal, self._active] = value.to(stored.dtype)
 
+    # The in-place members (the CUDA path): sequence n's pool row is its own index, so the pool of a
+    # (component, layer) is simply that layer's slice of `states`.
+
+    @property
+    def decode_only(self) -> bool:
+        return all(length == 1 for _, length in self._ranges)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._cu_seqlens
+
+    @property
+    def state_indices(self) -> torch.Tensor:
+        return self._state_indices
+
+    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
+        return self.states[component][linear_ordinal]
+
     # -- driving it -------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -77,7 +98,14 @@ class ReferenceHybridBackend:
             self._ranges.append((len(ids), len(tokens)))
             ids.extend(tokens)
             positions.extend(range(self.num_cached[seq], self.num_cached[seq] + len(tokens)))
-        hidden = model(torch.tensor(ids), torch.tensor(positions), self)
+        # Fixed for the whole forward, on the states' device (the HybridBackend contract).
+        ends = [start + length for start, length in self._ranges]
+        self._cu_seqlens = torch.tensor([0, *ends], dtype=torch.int32, device=self.device)
+        self._state_indices = torch.tensor(self._active, dtype=torch.int32, device=self.device)
+        model_device = next(model.parameters()).device
+        hidden = model(
+            torch.tensor(ids, device=model_device), torch.tensor(positions, device=model_device), self
+        )
         logits = model.compute_logits(hidden)
         for seq, tokens in new_tokens.items():
             self.num_cached[seq] += len(tokens)
@@ -100,8 +128,8 @@ def hybrid_backend() -> Callable[..., ReferenceHybridBackend]:
     """`hybrid_backend(model, num_sequences=1)`: a fresh reference backend for the model's cache spec."""
 
     def make(model: Qwen3NextForCausalLM, num_sequences: int = 1) -> ReferenceHybridBackend:
-        dtype = model.model.embed_tokens.weight.dtype
-        return ReferenceHybridBackend(model.cache_spec(16, dtype), num_sequences)
+        weight = model.model.embed_tokens.weight
+        return ReferenceHybridBackend(model.cache_spec(16, weight.dtype), num_sequences, weight.device)
 
     return make
 

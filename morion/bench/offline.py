@@ -1,0 +1,93 @@
+"""The offline target: an `Engine` built in-process from the engine flags, stepped by the bench itself.
+
+Token arrival times are taken when `Engine.step()` returns the token to Python, the same point at which
+`morion.LLM` would hand it to a caller (a step ends in a device-to-host copy of the sampled ids, so the
+clock never runs ahead of the GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from morion.bench.timing import GroupResult, RequestTiming
+from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.sampling_params import SamplingParams
+
+
+class EngineTarget:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.engine = Engine(config)
+        self.build_s = time.perf_counter() - started
+        self.config = config
+        self.name = "morion (offline)"
+        self.vocab_size: int | None = self.engine.model.config.vocab_size
+
+    def run_group(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> GroupResult:
+        engine = self.engine
+        if engine.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests from before this group")
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        starts: dict[str, float] = {}
+        firsts: dict[str, float] = {}
+        lasts: dict[str, float] = {}
+        finals = {}
+        order = []
+        for prompt in prompts:
+            start = time.perf_counter()
+            request_id = engine.add_request(prompt, params)
+            starts[request_id] = start
+            order.append(request_id)
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.new_token_ids:
+                    firsts.setdefault(out.request_id, now)
+                    lasts[out.request_id] = now
+                if out.final is not None:
+                    finals[out.request_id] = out.final
+        timings = []
+        for request_id in order:
+            final = finals[request_id]
+            if final.finish_reason == "error":
+                raise RuntimeError(f"request {request_id} failed in the engine: {final.error}")
+            usage = final.usage
+            timings.append(
+                RequestTiming(
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    usage.cached_tokens,
+                    starts[request_id],
+                    firsts[request_id],
+                    lasts[request_id],
+                )
+            )
+        return GroupResult(timings)
+
+    def describe(self) -> dict[str, Any]:
+        engine = self.engine
+        model = engine.model
+        by_dtype: dict[str, int] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            name = str(tensor.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
+        return {
+            "target": self.name,
+            "model_path": str(engine.model_path),
+            "model_type": model.config.model_type,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "tensor_bytes_by_dtype": by_dtype,
+            "dtype": str(self.config.torch_dtype).removeprefix("torch."),
+            "device": str(engine.device),
+            "max_model_len": engine.max_model_len,
+            "kv_pool_tokens": engine.pool.num_pages * self.config.page_size,
+            "cache_spec": engine.pool.spec.describe(),
+            "build_s": self.build_s,
+        }
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,158 @@
+"""`morion bench` flags (beyond the engine's) and their validation into one frozen `BenchOptions`.
+
+Lists and numbers are parsed here rather than by argparse so that a bad value ends in the CLI's usual
+`morion: error: ...` line. This module imports nothing heavy: `morion --help` builds every parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from morion.errors import MorionError
+
+WORKLOADS = ("decode", "prefill", "ttft")
+BASELINES = ("hf",)
+DEFAULT_BANDWIDTH_GBS = 4300.0  # H200 device-to-device copy, measured (performance-anchors.md)
+DEFAULT_PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM, measured
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench flags; the engine flags come from cli._add_engine_arguments."""
+    target = parser.add_argument_group("target (default: an in-process engine built from the engine flags)")
+    target.add_argument("--url", help="benchmark a running OpenAI-compatible server at this base URL")
+    target.add_argument("--served-model", help="--url: the model name to send (default: the first listed)")
+    target.add_argument("--api-key", help="--url: bearer key (default: $MORION_API_KEY or $OPENAI_API_KEY)")
+    target.add_argument("--request-timeout", default="3600", help="--url: seconds per request (3600)")
+
+    work = parser.add_argument_group("workloads")
+    work.add_argument("--workloads", default=",".join(WORKLOADS), help="any of decode,prefill,ttft")
+    work.add_argument("--concurrency", default="1,2,4,8", help="decode: concurrent requests (1,2,4,8)")
+    work.add_argument("--contexts", default="1024,32768", help="decode: prompt tokens (1024,32768)")
+    work.add_argument("--output-tokens", default="1024", help="decode: tokens per request (1024)")
+    work.add_argument("--repeats", default="3", help="measured runs per point; medians are over these (3)")
+    work.add_argument(
+        "--warmup-runs", default="1", help="decode: unmeasured runs per point, at most 32 output tokens (1)"
+    )
+    work.add_argument(
+        "--max-cell-prompt-tokens",
+        default="0",
+        help="decode: skip points whose concurrency x context exceeds this (0: run every point)",
+    )
+    work.add_argument(
+        "--prefill-lengths", default="1024,8192,32768,65536", help="prefill: prompt tokens, max_tokens 1"
+    )
+    work.add_argument("--ttft-length", default="1024", help="ttft: prompt tokens (1024)")
+
+    roof = parser.add_argument_group("roofline")
+    roof.add_argument("--bandwidth-gbs", default=str(DEFAULT_BANDWIDTH_GBS), help="memory GB/s (4300)")
+    roof.add_argument("--peak-tflops", default=str(DEFAULT_PEAK_TFLOPS), help="dense TFLOP/s (790)")
+    roof.add_argument(
+        "--roofline-config",
+        help="--url: preset:NAME, config.json or model dir for the roofline (default: --model, else the "
+        "model a morion server reports); offline uses the loaded model",
+    )
+
+    out = parser.add_argument_group("baseline and output")
+    out.add_argument("--baseline", help="hf: the decode workload at C1 with transformers, random weights")
+    out.add_argument("--baseline-model", help="model or preset for --baseline (default: --model)")
+    out.add_argument("--out", default="results", help="directory for <date>-<label>.json/.md/.png")
+    out.add_argument("--label", help="file label (default: device and model)")
+    out.add_argument("--plot", metavar="FILE.json", help="only regenerate the Markdown and PNG of a result")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    url: str | None
+    served_model: str | None
+    api_key: str | None
+    request_timeout_s: float
+    workloads: tuple[str, ...]
+    concurrency: tuple[int, ...]
+    contexts: tuple[int, ...]
+    output_tokens: int
+    repeats: int
+    warmup_runs: int
+    max_cell_prompt_tokens: int
+    prefill_lengths: tuple[int, ...]
+    ttft_length: int
+    bandwidth_gbs: float
+    peak_tflops: float
+    roofline_config: str | None
+    baseline: str | None
+    baseline_model: str | None
+    out: str
+    label: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchOptions:
+        workloads = _names(args.workloads, "--workloads", WORKLOADS)
+        baseline = args.baseline
+        if baseline is not None and baseline not in BASELINES:
+            raise MorionError(f"--baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")
+        if baseline is not None and "decode" not in workloads:
+            raise MorionError("--baseline runs the decode workload: include decode in --workloads")
+        url = args.url.rstrip("/") if args.url else None
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise MorionError(f"--url must start with http:// or https://, got {args.url!r}")
+        api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        return cls(
+            url=url,
+            served_model=args.served_model,
+            api_key=api_key if url else None,
+            request_timeout_s=_number(args.request_timeout, "--request-timeout", float, 1),
+            workloads=workloads,
+            concurrency=_int_list(args.concurrency, "--concurrency"),
+            contexts=_int_list(args.contexts, "--contexts"),
+            output_tokens=_number(args.output_tokens, "--output-tokens", int, 1),
+            repeats=_number(args.repeats, "--repeats", int, 1),
+            warmup_runs=_number(args.warmup_runs, "--warmup-runs", int, 0),
+            max_cell_prompt_tokens=_number(args.max_cell_prompt_tokens, "--max-cell-prompt-tokens", int, 0),
+            prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
+            ttft_length=_number(args.ttft_length, "--ttft-length", int, 1),
+            bandwidth_gbs=_number(args.bandwidth_gbs, "--bandwidth-gbs", float, 1e-9),
+            peak_tflops=_number(args.peak_tflops, "--peak-tflops", float, 1e-9),
+            roofline_config=args.roofline_config,
+            baseline=baseline,
+            baseline_model=args.baseline_model,
+            out=args.out,
+            label=args.label,
+        )
+
+
+def _number(text: str, flag: str, kind: Callable[[str], float], minimum: float):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise MorionError(f"{flag} must be a number, got {text!r}") from None
+    if not value >= minimum:  # also rejects NaN
+        raise MorionError(f"{flag} must be >= {minimum:g}, got {text!r}")
+    return value
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise MorionError(f"{flag} needs at least one value, got {text!r}")
+    values = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise MorionError(f"{flag} must be comma-separated integers, got {item!r}") from None
+        if value <= 0:
+            raise MorionError(f"{flag} values must be >= 1, got {value}")
+        values.append(value)
+    return tuple(dict.fromkeys(values))  # in the order given, without repeats
+
+
+def _names(text: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    names = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not names:
+        raise MorionError(f"{flag} needs at least one of {', '.join(allowed)}")
+    for name in names:
+        if name not in allowed:
+            raise MorionError(f"unknown workload {name!r} in {flag} (choose from {', '.join(allowed)})")
+    return tuple(dict.fromkeys(names))

@@ -1,0 +1,224 @@
+"""The results files: `<date>-<label>.json` (everything, raw runs included) and the Markdown table made
+from that JSON alone, so `morion bench --plot FILE.json` can remake it anywhere."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+DEFINITIONS = {
+    "per_request_tok_s": (
+        "per-request decode tok/s, post-first-token: (n - 1) / (t_last - t_first) for each request of n "
+        "generated tokens, at the client; the median over a run's requests, then the median over runs"
+    ),
+    "aggregate_tok_s": (
+        "aggregate tok/s: all tokens generated in a run / makespan (first submission to last token, TTFT "
+        "included); median over runs. Its timing window differs from the per-request rate's: the two are "
+        "never added or compared as like for like"
+    ),
+    "ttft_s": "TTFT: submission to first generated token, at the client; median over runs",
+    "roofline": (
+        "decode bound: bytes(B, L) = dense weight bytes (at storage dtype) + sum over MoE layers of "
+        "D(B) x bytes per expert + B x (2 x per-request state bytes + K/V bytes per token x L), with "
+        "D(B) = E(1 - (1 - k/E)^B), at the mean decode context L = context + (output - 1)/2; floor step = "
+        "bytes / bandwidth; per-request bound = 1 / floor step, aggregate bound = B / floor step"
+    ),
+    "mbu": (
+        "MBU: modelled bytes per step / (measured step time x bandwidth); step time = 1 / per-request rate"
+    ),
+    "prefill_tok_s": (
+        "cold prefill tok/s: prompt tokens / TTFT for a fresh prompt, max_tokens 1; median over runs"
+    ),
+    "prefill_bound": (
+        "prefill bound: peak FLOP/s / (2 x active parameters without embedding and LM head + "
+        "sum over attention layers of 4 x heads x head_dim x N/2) FLOPs per token; MFU = measured / bound"
+    ),
+}
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "bench"
+
+
+def output_paths(out_dir: Path, date: str, label: str) -> Path:
+    """`<date>-<label>.json`, or `-2`, `-3`, ... after it: a committed result is never overwritten."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{date}-{label}.json"
+    n = 2
+    while path.exists():
+        path = out_dir / f"{date}-{label}-{n}.json"
+        n += 1
+    return path
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    partial.replace(path)  # never a half-written result under the final name
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:,.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f} billion" if n >= 1e9 else f"{n / 1e6:.3f} million"
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The report: what ran where, one table per workload, the roofline inputs, the definitions."""
+    lines = _header(result)
+    lines += _decode_table(result)
+    lines += _prefill_table(result.get("prefill") or [])
+    lines += _ttft_line(result.get("ttft"))
+    lines += _roofline_inputs(result.get("roofline") or {})
+    lines += [
+        "---",
+        f"[1] {DEFINITIONS['per_request_tok_s']}.  ",
+        f"[2] {DEFINITIONS['aggregate_tok_s']}.  ",
+        f"[3] {DEFINITIONS['roofline']}.  ",
+        f"[4] {DEFINITIONS['mbu']}.  ",
+        f"[5] {DEFINITIONS['prefill_tok_s']}.  ",
+        f"[6] {DEFINITIONS['prefill_bound']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    prov = result["provenance"]
+    target = result["target"]
+    commit = (prov.get("git_commit") or "unknown")[:12] + (" (dirty)" if prov.get("git_dirty") else "")
+    device = prov.get("device_name") or target.get("device", "remote")
+    versions = f"torch {prov.get('torch')} (CUDA {prov.get('cuda')}), triton {prov.get('triton')}"
+    gpus = "".join(
+        f"; {g['name']} (driver {g['driver_version']}, power limit {g['power_limit']})"
+        for g in prov.get("gpus", [])
+    )
+    status = "" if result.get("status") == "complete" else f" Status: **{result.get('status')}**."
+    return [
+        f"# morion bench: {result['label']} ({result['date']})",
+        "",
+        f"`{prov.get('command', '')}`",
+        "",
+        f"Target: {target['target']}; model `{result['model']}`; device {device}. Commit `{commit}`, "
+        f"{versions}, host {prov.get('hostname')}{gpus}. Raw runs in the JSON beside this file.{status}",
+        "",
+    ]
+
+
+def _decode_table(result: dict[str, Any]) -> list[str]:
+    baseline = result.get("baseline") or {}
+    points = [*result.get("decode", []), *(baseline.get("decode") or [])]
+    if not points and not baseline:
+        return []
+    settings = result["settings"]
+    lines = [
+        f"## Decode: {settings['output_tokens']} output tokens, greedy, EOS ignored "
+        f"(median of {settings['repeats']} runs, {settings['warmup_runs']} warm-up per point)",
+        "",
+        "| engine | C | context | per-request tok/s [1] | bound [3] | aggregate tok/s [2] | bound [3] "
+        "| MBU [4] | TTFT ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        bound, median = p.get("roofline") or {}, p["median"]
+        cells = (
+            p.get("engine", "morion"),
+            str(p["concurrency"]),
+            f"{p['context']:,}",
+            _num(median["per_request_tok_s"]),
+            _num(bound.get("per_request_tok_s"), 0),
+            _num(median["aggregate_tok_s"]),
+            _num(bound.get("aggregate_tok_s"), 0),
+            _pct(p.get("mbu")),
+            _ms(median["ttft_s"]),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    skipped = result.get("decode_skipped") or []
+    if skipped:
+        names = ", ".join(f"C{s['concurrency']} x {s['context']:,}" for s in skipped)
+        lines += ["", f"Skipped (over --max-cell-prompt-tokens): {names}."]
+    if baseline.get("error"):
+        lines += ["", f"The transformers baseline failed: {baseline['error']}"]
+    elif baseline:
+        b = baseline["target"]
+        lines += [
+            "",
+            f"transformers {b.get('transformers')}: `{b.get('model')}` ({b.get('model_class')}, random "
+            f"weights, {b.get('dtype')}, {b.get('device')}), `generate` one request at a time; its bounds "
+            "are its own model's.",
+        ]
+    return [*lines, ""]
+
+
+def _prefill_table(points: list[dict[str, Any]]) -> list[str]:
+    if not points:
+        return []
+    lines = [
+        "## Cold prefill: one fresh prompt at a time, max_tokens 1",
+        "",
+        "| prompt tokens | TTFT ms | prefill tok/s [5] | bound tok/s [6] | MFU [6] |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        bound, median = p.get("roofline") or {}, p["median"]
+        cells = (
+            f"{p['prompt_tokens']:,}",
+            _ms(median["ttft_s"]),
+            _num(median["prefill_tok_s"], 0),
+            _num(bound.get("tok_s"), 0),
+            _pct(p.get("mfu")),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _ttft_line(point: dict[str, Any] | None) -> list[str]:
+    if not point:
+        return []
+    runs = ", ".join(_ms(run["ttft_s"]) for run in point["runs"])
+    return [
+        f"## TTFT at {point['prompt_tokens']:,} prompt tokens",
+        "",
+        f"Median **{_ms(point['median']['ttft_s'])} ms** over {len(point['runs'])} runs ({runs} ms), one "
+        "fresh prompt at a time, max_tokens 1.",
+        "",
+    ]
+
+
+def _roofline_inputs(roof: dict[str, Any]) -> list[str]:
+    cost = roof.get("model")
+    if not cost:
+        return ["## Roofline", "", roof.get("note", "No roofline: the model is unknown."), ""] if roof else []
+    excluded = "; ".join(f"{why}: {_size(n)}" for why, n in cost["excluded_bytes"].items()) or "nothing"
+    experts = ", ".join(f"E={e} k={k} {_size(b)} each" for e, k, b in cost["experts"]) or "none"
+    origin = "the loaded model" if cost["source"] == "model" else "the config"
+    return [
+        "## Roofline inputs",
+        "",
+        f"Bandwidth {roof['bandwidth_gbs']:g} GB/s, peak {roof['peak_tflops']:g} TFLOP/s. Model cost from "
+        f"{origin} ({roof.get('model_source', '')}): dense weights {_size(cost['dense_bytes'])} per step; "
+        f"{cost['moe_layers']} MoE layers, experts {experts}; per-request state "
+        f"{_size(cost['state_bytes_per_request'])} (read and written every step); K/V "
+        f"{cost['kv_bytes_per_token']:,} B per token; {_count(cost['active_params'])} active parameters. "
+        f"Not read by a decode step, so not counted: {excluded}.",
+        "",
+    ]

@@ -1,0 +1,163 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a hybrid MoE model launches hundreds of small kernels; replaying them from a graph
+removes the per-launch CPU cost that otherwise dominates single-request decode (design.md §4). Every
+graph reads its inputs from static device buffers, so a replay is: copy the batch in, replay, read the
+logits out. A batch of B sequences replays the smallest bucket >= B; the rows past B are padding that
+must not touch anyone's cache, so they write their K/V into a scratch page and their state into a
+scratch state slot that the engine holds for this purpose and never hands out.
+
+Invariants for capture: the model's decode path makes no host syncs and allocates nothing whose size
+depends on data; all Triton kernels were compiled by an eager warm-up run of the same shapes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from morion.cache.page_pool import PagePool
+from morion.cache.state_slots import StateSlots
+from morion.engine.forward_batch import ForwardBatch, KVScales, PagedAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 above: padding wastes at most a few rows."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    step = 8
+    size = 8
+    while size < max_batch:
+        sizes.append(size)
+        step = 16 if size >= 64 else 8
+        size += step
+    sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: PagePool,
+        state_slots: StateSlots | None,
+        kv_scales: KVScales,
+        max_batch: int,
+        max_pages_per_sequence: int,
+        scratch_page: int,
+        scratch_slot: int | None,
+    ) -> None:
+        device = pool.device
+        self._model = model
+        self._pool = pool
+        self._state_slots = state_slots
+        self._kv_scales = kv_scales
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.max_pages = max_pages_per_sequence
+        self._scratch_page = scratch_page
+        self._scratch_slot = scratch_slot
+        page_size = pool.page_size
+        rows = max_batch
+        # Padding rows attend to one key in the scratch page and write there (and to the scratch slot).
+        self._input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self._positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self._out_slots = torch.full((rows,), scratch_page * page_size, dtype=torch.long, device=device)
+        self._page_table = torch.full((rows, self.max_pages), scratch_page, dtype=torch.int32, device=device)
+        self._cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self._state_indices = (
+            torch.full((rows,), scratch_slot, dtype=torch.int32, device=device)
+            if scratch_slot is not None
+            else None
+        )
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._memory_pool = None
+        self.replays = 0  # decode steps served from a graph
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self._input_ids[:size],
+            positions=self._positions[:size],
+            out_slots=self._out_slots[:size],
+            page_table=self._page_table[:size],
+            cu_seqlens_q=self._cu_seqlens[: size + 1],
+            seq_lens=self._seq_lens[:size],
+            state_indices=None if self._state_indices is None else self._state_indices[:size],
+            max_query_len=1,
+            query_ranges=[(row, 1) for row in range(size)],
+            last_rows=list(range(size)),
+        )
+
+    def _forward(self, size: int) -> Callable[[], torch.Tensor]:
+        batch = self._static_batch(size)
+        backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales)
+
+        def run() -> torch.Tensor:
+            hidden = self._model(batch.input_ids, batch.positions, backend)
+            return self._model.compute_logits(hidden)
+
+        return run
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first (later captures reuse its memory pool)."""
+        started = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self._pool.device)
+        stream = torch.cuda.Stream(self._pool.device)
+        stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+        for size in reversed(self.buckets):
+            run = self._forward(size)
+            with torch.cuda.stream(stream):
+                run()  # compiles every kernel at these shapes; capture must not compile
+                run()
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory_pool, stream=stream):
+                logits = run()
+            if self._memory_pool is None:
+                self._memory_pool = graph.pool()
+            self._graphs[size], self._logits[size] = graph, logits
+        torch.cuda.current_stream(self._pool.device).wait_stream(stream)
+        torch.cuda.synchronize(self._pool.device)
+        free_after, _ = torch.cuda.mem_get_info(self._pool.device)
+        print(
+            f"morion: captured decode CUDA graphs for batch sizes {self.buckets} in "
+            f"{time.perf_counter() - started:.1f} s ({(free_before - free_after) / 2**30:.2f} GiB)",
+            file=sys.stderr,
+        )
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.decode_only
+            and len(batch.query_ranges) <= self.max_batch
+            and batch.page_table.shape[1] <= self.max_pages
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of a decode-only batch of B <= max_batch sequences."""
+        size = len(batch.query_ranges)
+        bucket = next(b for b in self.buckets if b >= size)
+        width = batch.page_table.shape[1]
+        self._input_ids[:size].copy_(batch.input_ids)
+        self._positions[:size].copy_(batch.positions)
+        self._out_slots[:size].copy_(batch.out_slots)
+        self._page_table[:size, :width].copy_(batch.page_table)
+        self._seq_lens[:size].copy_(batch.seq_lens)
+        if self._state_indices is not None and batch.state_indices is not None:
+            self._state_indices[:size].copy_(batch.state_indices)
+        if bucket > size:  # rows that held a real sequence last time are padding now
+            self._out_slots[size:bucket].fill_(self._scratch_page * self._pool.page_size)
+            self._page_table[size:bucket, 0].fill_(self._scratch_page)
+            self._seq_lens[size:bucket].fill_(1)
+            if self._state_indices is not None:
+                self._state_indices[size:bucket].fill_(self._scratch_slot)
+        self._graphs[bucket].replay()
+        self.replays += 1
+        return self._logits[bucket][:size]

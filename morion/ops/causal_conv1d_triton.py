@@ -1,0 +1,280 @@
+"""Causal depthwise conv1d on CUDA, carrying each sequence's window in a slot-indexed pool, in place.
+
+The pool is token-major, as the model's cache keeps it: `conv_pool[slot]` is [W-1, C], row 0 the oldest
+of the last W-1 pre-conv inputs, row W-2 the newest (zeros for a new sequence). Both ops compute what
+`causal_conv1d_reference` / `causal_conv1d_update_reference` (ops/causal_conv1d.py) compute, without
+bias: out[t, c] = act(sum_i weight[c, i] * input[t - W + 1 + i, c]), inputs before a sequence's first new
+token coming from its window. Arithmetic is fp32; the output is in x's dtype, the window in the pool's.
+
+- `causal_conv1d_update_`: one token per sequence (decode). Capturable in a CUDA graph: no host sync,
+  only the output is allocated. A negative slot index marks a padding row: it reads a zero window and
+  writes no slot.
+- `causal_conv1d_varlen_`: any number of tokens per sequence (prefill, packed by `cu_seqlens`). Two
+  launches: the conv reads every old window, then a second kernel rewrites the windows, so no program
+  can overwrite a window another program still has to read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr,
+    pool_ptr,
+    weight_ptr,
+    indices_ptr,
+    out_ptr,
+    C,
+    stride_xn,
+    stride_ps,
+    stride_pw,
+    stride_wc,
+    stride_wi,
+    stride_on,
+    W: tl.constexpr,
+    SILU: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """One program: sequence n, channels [ic*BC, ic*BC + BC). Rolls the window while convolving."""
+    n = tl.cast(tl.program_id(0), tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+    window_ptrs = pool_ptr + slot * stride_ps + offs_c
+    weight_ptrs = weight_ptr + offs_c * stride_wc
+
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for i in tl.static_range(W - 1):
+        # Row i is loaded before row i-1 is overwritten with it: each channel's rows are read and
+        # written by the same thread, in this order, so the in-place shift is safe.
+        row = tl.load(window_ptrs + i * stride_pw, mask=mask_c & live, other=0.0)
+        w = tl.cast(tl.load(weight_ptrs + i * stride_wi, mask=mask_c, other=0.0), tl.float32)
+        acc += tl.cast(row, tl.float32) * w
+        if i > 0:
+            tl.store(window_ptrs + (i - 1) * stride_pw, row, mask=mask_c & live)
+    x = tl.load(x_ptr + n * stride_xn + offs_c, mask=mask_c, other=0.0)
+    w = tl.cast(tl.load(weight_ptrs + (W - 1) * stride_wi, mask=mask_c, other=0.0), tl.float32)
+    acc += tl.cast(x, tl.float32) * w
+    tl.store(window_ptrs + (W - 2) * stride_pw, tl.cast(x, pool_ptr.dtype.element_ty), mask=mask_c & live)
+    if SILU:
+        acc = _silu(acc)
+    tl.store(out_ptr + n * stride_on + offs_c, tl.cast(acc, out_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr,
+    pool_ptr,
+    weight_ptr,
+    indices_ptr,
+    cu_seqlens_ptr,
+    seq_of_token_ptr,
+    out_ptr,
+    T,
+    C,
+    stride_xt,
+    stride_ps,
+    stride_pw,
+    stride_wc,
+    stride_wi,
+    stride_ot,
+    W: tl.constexpr,
+    SILU: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """One program: flat tokens [it*BT, it*BT + BT) (possibly of several sequences) x BC channels.
+
+    Reads the pool only (the old windows); `_conv_window_kernel` writes it afterwards.
+    """
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_t = offs_t < T
+    mask_c = offs_c < C
+    seq = tl.load(seq_of_token_ptr + offs_t, mask=mask_t, other=0)
+    start = tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0)
+    slot = tl.cast(tl.load(indices_ptr + seq, mask=mask_t, other=0), tl.int64)
+
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        source = offs_t - (W - 1 - i)  # the input token that tap i sees
+        in_x = source >= start
+        from_x = tl.load(
+            x_ptr + tl.cast(source, tl.int64)[:, None] * stride_xt + offs_c[None, :],
+            mask=(mask_t & in_x)[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        # Before the sequence's first new token: row W-1 + (source - start) of its old window.
+        row = (W - 1) + source - start
+        from_window = tl.load(
+            pool_ptr
+            + slot[:, None] * stride_ps
+            + tl.cast(row, tl.int64)[:, None] * stride_pw
+            + offs_c[None, :],
+            mask=(mask_t & (source < start))[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        value = tl.where(in_x[:, None], tl.cast(from_x, tl.float32), tl.cast(from_window, tl.float32))
+        w = tl.cast(
+            tl.load(weight_ptr + offs_c * stride_wc + i * stride_wi, mask=mask_c, other=0.0), tl.float32
+        )
+        acc += value * w[None, :]
+    if SILU:
+        acc = _silu(acc)
+    tl.store(
+        out_ptr + tl.cast(offs_t, tl.int64)[:, None] * stride_ot + offs_c[None, :],
+        tl.cast(acc, out_ptr.dtype.element_ty),
+        mask=mask_t[:, None] & mask_c[None, :],
+    )
+
+
+@triton.jit
+def _conv_window_kernel(
+    x_ptr,
+    pool_ptr,
+    indices_ptr,
+    cu_seqlens_ptr,
+    C,
+    stride_xt,
+    stride_ps,
+    stride_pw,
+    W: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """One program: sequence n, BC channels. New row j = input token end - (W-1) + j, taken from x when
+    it is one of this call's tokens, else from old row j + length (fewer than W-1 new tokens).
+
+    In place: row j is written at step j and rows j + length > j are read, so no row is read after it
+    was written (same thread per channel, program order). A sequence without tokens is left alone.
+    """
+    n = tl.cast(tl.program_id(0), tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    start = tl.load(cu_seqlens_ptr + n)
+    end = tl.load(cu_seqlens_ptr + n + 1)
+    length = end - start
+    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
+    live = (length > 0) & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    window_ptrs = pool_ptr + slot * stride_ps + offs_c
+    for j in tl.static_range(W - 1):
+        source = end - (W - 1) + j
+        from_x = tl.load(
+            x_ptr + tl.cast(source, tl.int64) * stride_xt + offs_c,
+            mask=mask_c & live & (source >= start),
+            other=0.0,
+        )
+        from_window = tl.load(
+            window_ptrs + tl.cast(j + length, tl.int64) * stride_pw,
+            mask=mask_c & live & (source < start),
+            other=0.0,
+        )
+        value = tl.where(source >= start, tl.cast(from_x, pool_ptr.dtype.element_ty), from_window)
+        tl.store(window_ptrs + j * stride_pw, value, mask=mask_c & live)
+
+
+def _check(
+    x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor, activation: str | None
+) -> tuple[int, bool]:
+    channels, width = weight.shape
+    if width < 2:
+        raise ValueError(f"conv width {width}: a carried window needs W >= 2")
+    if x.dim() != 2 or x.shape[1] != channels:
+        raise ValueError(f"x {tuple(x.shape)}, expected [tokens, {channels}]")
+    if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (width - 1, channels):
+        raise ValueError(f"conv_pool {tuple(conv_pool.shape)}, expected [S, {width - 1}, {channels}]")
+    if conv_pool.stride(-1) != 1:
+        raise ValueError("conv_pool needs unit stride over channels (it is updated in place, so not copied)")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r} (supported: None, silu, swish)")
+    return width, activation is not None
+
+
+def causal_conv1d_update_(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    block_c: int = 256,
+) -> torch.Tensor:
+    """The decode step: x [N, C] (one token per sequence) continues window `conv_pool[state_indices[n]]`
+    ([S, W-1, C]), which is shifted in place to end with x. weight: [C, W]; state_indices: [N] int32.
+    Returns [N, C] in x's dtype."""
+    width, silu = _check(x, conv_pool, weight, activation)
+    num_seqs, channels = x.shape
+    if state_indices.shape != (num_seqs,):
+        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    grid = (num_seqs, triton.cdiv(channels, block_c))
+    _conv_update_kernel[grid](
+        x, conv_pool, weight, state_indices, out, channels,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0), weight.stride(1),
+        out.stride(0),
+        W=width, SILU=silu, BC=block_c,
+    )  # fmt: skip
+    return out
+
+
+def causal_conv1d_varlen_(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    block_t: int = 32,
+    block_c: int = 128,
+) -> torch.Tensor:
+    """The prefill step: x [T, C] packs N sequences (`cu_seqlens` [N+1] int32: 0, end_0, ..., T); each
+    continues window `conv_pool[state_indices[n]]` and leaves there its last W-1 inputs (old window rows
+    filling in when it has fewer than W-1 new tokens; untouched when it has none). Slots must be distinct.
+    Returns [T, C] in x's dtype."""
+    width, silu = _check(x, conv_pool, weight, activation)
+    tokens, channels = x.shape
+    num_seqs = state_indices.shape[0]
+    if cu_seqlens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    # Sequence of each flat token: the number of sequence ends at or before it (skips empty sequences).
+    seq_of_token = torch.searchsorted(
+        cu_seqlens[1:].contiguous(),
+        torch.arange(tokens, dtype=cu_seqlens.dtype, device=x.device),
+        right=True,
+        out_int32=True,
+    )
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    if tokens:  # block_t stays fixed whatever T is: one compiled variant for every prefill
+        _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+            x, conv_pool, weight, state_indices, cu_seqlens, seq_of_token, out, tokens, channels,
+            x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0), weight.stride(1),
+            out.stride(0),
+            W=width, SILU=silu, BT=block_t, BC=block_c,
+        )  # fmt: skip
+    # Same stream, after the conv: every old window has been read before any is rewritten.
+    _conv_window_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, conv_pool, state_indices, cu_seqlens, channels,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        W=width, BC=block_c,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,107 @@
+"""FP8 (e4m3) quantization and the FP8 linear op: `torch._scaled_mm` on CUDA beside a pure-torch reference.
+
+A quantized tensor is a pair (q, scale) with real value = q * scale, the scale fp32 and either one for the
+whole tensor (0-d) or one per row (`scale.shape == q.shape[:-1]`). Activation scales are computed on the
+device from amax: no host sync, so a captured CUDA graph recomputes them on every replay.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# An all-zero tensor or row gets this scale instead of 0, so it quantizes to zeros rather than NaNs.
+_MIN_SCALE = 1e-12
+# quantize_fp8_ converts at most this many elements at a time, bounding its fp32 temporaries (64 MiB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale that maps `amax` onto the largest e4m3 value."""
+    return (amax.float() / FP8_MAX).clamp(min=_MIN_SCALE)
+
+
+def _expand(scale: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A per-tensor (0-d) scale as is; a per-row scale [...] as [..., 1] to broadcast over q [..., K]."""
+    return scale if scale.dim() == 0 else scale.unsqueeze(-1)
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / _expand(scale, x)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8(x: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [..., K], fp32 scale: 0-d, or [...] with `per_row`)."""
+    amax = x.abs().amax(dim=-1) if per_row else x.abs().amax()
+    scale = fp8_scale(amax)
+    return _cast(x, scale), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * _expand(scale, q)).to(dtype)
+
+
+def fake_quantize_fp8(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """x through quantize and dequantize, in fp32: what an FP8 kernel sees of an activation."""
+    return dequantize_fp8(*quantize_fp8(x, per_row))
+
+
+@torch.no_grad()
+def quantize_fp8_(source: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Fills the e4m3 `weight` and its fp32 `scale` from `source` (weight's shape, any float dtype and
+    device). The scale's shape picks the granularity: 0-d for one scale, `weight.shape[:-1]` for one per
+    row. Works on weight's device, `_CHUNK_ELEMENTS` at a time, so the only large temporary is source's
+    copy on that device."""
+    if tuple(source.shape) != tuple(weight.shape):
+        raise ValueError(f"source {tuple(source.shape)} does not match weight {tuple(weight.shape)}")
+    per_row = scale.dim() > 0
+    if per_row and tuple(scale.shape) != tuple(weight.shape[:-1]):
+        raise ValueError(f"per-row scale {tuple(scale.shape)} does not match weight {tuple(weight.shape)}")
+    source = source.to(weight.device)
+    width = weight.shape[-1]
+    rows = max(1, _CHUNK_ELEMENTS // max(width, 1))
+    source_rows, weight_rows = source.reshape(-1, width), weight.view(-1, width)
+    if per_row:
+        scale_rows = scale.view(-1)
+        for start in range(0, source_rows.shape[0], rows):
+            q, s = quantize_fp8(source_rows[start : start + rows], per_row=True)
+            weight_rows[start : start + rows].copy_(q)
+            scale_rows[start : start + rows].copy_(s)
+        return
+    chunks = source_rows.split(rows)
+    scale.copy_(fp8_scale(torch.stack([chunk.abs().amax() for chunk in chunks]).amax()))
+    for start, chunk in zip(range(0, source_rows.shape[0], rows), chunks, strict=True):
+        weight_rows[start : start + rows].copy_(_cast(chunk, scale))
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale (0-d fp32)).T + bias -> [M, N] in x's dtype.
+
+    The activation is quantized per row, so a row's result never depends on the other rows of the batch
+    (batched = single, and CUDA-graph padding rows cannot change real rows). The GEMM itself runs
+    `torch._scaled_mm` (cuBLASLt) with per-tensor scales, the recipe that is fastest at decode sizes
+    (kernels-and-libraries.md §4: 1.6x over bf16 where the rowwise kernel gains nothing); the row scales
+    are applied to its output. Needs K and N multiples of 16; `weight.t()` is the column-major operand
+    cuBLASLt wants.
+    """
+    q, row_scale = quantize_fp8(x, per_row=True)
+    unit = torch.ones((), dtype=torch.float32, device=x.device)
+    out = torch._scaled_mm(q, weight.t(), scale_a=unit, scale_b=weight_scale, out_dtype=x.dtype)
+    out = out * row_scale.unsqueeze(-1).to(x.dtype)
+    # The bias is added here rather than in the GEMM epilogue, whose bias dtype rules depend on out_dtype.
+    return out if bias is None else out + bias
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same math as `fp8_linear` in fp32: the activation quantized per row, both operands
+    dequantized, F.linear. Any shapes; the result in x's dtype."""
+    out = F.linear(fake_quantize_fp8(x, per_row=True), dequantize_fp8(weight, weight_scale))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

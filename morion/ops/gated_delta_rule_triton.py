@@ -1,0 +1,234 @@
+"""The gated delta rule on CUDA, reading and updating slot-indexed states in place.
+
+Two entry points, both taking the layer's raw per-head inputs (q, k before L2 normalisation; a, b before
+the gate and the sigmoid) and a state pool `[num_slots, HV, K, V]` addressed by `state_indices`:
+
+- `fused_gdn_decode_`: one token per sequence, our own Triton kernel. Everything of one step is fused:
+  q/k L2 norm, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the state decay, the delta
+  update, the output, and the write-back of the state into its slot. It allocates only its output and
+  never syncs with the host, so a CUDA graph can capture it.
+- `gdn_prefill_`: any number of tokens per sequence, through fla-core's chunked kernel (varlen), with the
+  initial states gathered from the pool and the final states scattered back.
+
+Both compute what `recurrent_gated_delta_rule_reference` / `chunk_gated_delta_rule_reference` compute
+with `use_qk_l2norm_in_kernel=True` (ops/gated_delta_rule.py): arithmetic in fp32, the state stored in the
+pool's dtype (fp32 or bf16), the output in v's dtype.
+
+A negative entry of `state_indices` marks a padding row of the decode batch (CUDA-graph batches are
+padded up to a captured size): it is computed from a zero state and no slot is read or written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Same epsilon as `l2_normalize` in ops/gated_delta_rule.py and fla's `l2norm_fwd`.
+L2_NORM_EPS = 1e-6
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    pool_ptr,
+    indices_ptr,
+    out_ptr,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_an,
+    stride_ah,
+    stride_bn,
+    stride_bh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_on,
+    stride_oh,
+    scale,
+    eps,
+    K,
+    V,
+    HEADS_PER_QK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV) of the state.
+
+    The state tile [K, BV] is read and written by this program only (columns of one head of one slot),
+    so the in-place update needs no synchronisation between programs, given distinct slots per row.
+    """
+    n = tl.cast(tl.program_id(0), tl.int64)
+    hv = tl.cast(tl.program_id(1), tl.int64)
+    iv = tl.program_id(2)
+    h = hv // HEADS_PER_QK  # grouped value heads: q/k head h serves value heads h*r .. h*r + r-1
+
+    # int64: slot * stride_ps overflows int32 beyond ~4k slots of a 32x128x128 state.
+    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+
+    offs_k = tl.arange(0, BK)
+    offs_v = iv * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+
+    q = tl.cast(tl.load(q_ptr + n * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0), tl.float32)
+    k = tl.cast(tl.load(k_ptr + n * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0), tl.float32)
+    v = tl.cast(tl.load(v_ptr + n * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0), tl.float32)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
+
+    # The gate, in fp32 whatever the input dtype: softplus as torch's (threshold 20); the exp argument
+    # is clamped so the branch that `where` discards cannot overflow.
+    a = tl.cast(tl.load(a_ptr + n * stride_an + hv * stride_ah), tl.float32)
+    b = tl.cast(tl.load(b_ptr + n * stride_bn + hv * stride_bh), tl.float32)
+    a_log = tl.cast(tl.load(a_log_ptr + hv), tl.float32)
+    dt_bias = tl.cast(tl.load(dt_bias_ptr + hv), tl.float32)
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    decay = tl.exp(-tl.exp(a_log) * softplus)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+
+    state_ptrs = pool_ptr + slot * stride_ps + hv * stride_ph + offs_k[:, None] * stride_pk + offs_v[None, :]
+    state_mask = mask_k[:, None] & mask_v[None, :] & live
+    state = tl.cast(tl.load(state_ptrs, mask=state_mask, other=0.0), tl.float32)
+
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BV]
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], axis=0)  # S^T (scale * q)
+
+    tl.store(state_ptrs, tl.cast(state, pool_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(
+        out_ptr + n * stride_on + hv * stride_oh + offs_v, tl.cast(out, out_ptr.dtype.element_ty), mask=mask_v
+    )
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fused_gdn_decode_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """One gated-delta-rule step for N sequences, updating `state_pool[state_indices[n]]` in place.
+
+    q, k: [N, H, K]; v: [N, HV, V] (HV a multiple of H); a, b: [N, HV] (raw gate and beta logits);
+    A_log, dt_bias: [HV]; state_pool: [S, HV, K, V] fp32 or bf16 with unit stride over V;
+    state_indices: [N] int32 (negative = padding row: no slot is read or written).
+    Returns out [N, HV, V] in v's dtype. Shapes are checked; index values are not (that would sync).
+    """
+    num_seqs, num_qk_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != num_seqs or num_v_heads % num_qk_heads:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if a.shape != (num_seqs, num_v_heads) or b.shape != a.shape:
+        raise ValueError(
+            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [N, HV] = {(num_seqs, num_v_heads)}"
+        )
+    if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
+        raise ValueError(
+            f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
+        )
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
+        raise ValueError(
+            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
+        )
+    if state_pool.stride(-1) != 1:
+        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
+    if state_indices.shape != (num_seqs,):
+        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
+
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    out = torch.empty(num_seqs, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
+    if num_seqs == 0:
+        return out
+    block_k = triton.next_power_of_2(key_dim)
+    block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
+    grid = (num_seqs, num_v_heads, triton.cdiv(value_dim, block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state_pool, state_indices, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        out.stride(0), out.stride(1),
+        scale, L2_NORM_EPS, key_dim, value_dim,
+        HEADS_PER_QK=num_v_heads // num_qk_heads, BK=block_k, BV=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gdn_prefill_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule over N packed sequences through fla-core's chunked kernel.
+
+    q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV]; A_log, dt_bias: [HV]; state_pool: [S, HV, K, V];
+    state_indices: [N] (distinct, non-negative); cu_seqlens: [N+1] on the device (0, end_0, ..., T);
+    cu_seqlens_cpu: the same on the host if the caller has it (saves fla a device-to-host copy).
+    Each sequence continues from its slot's state, which then holds the state after its tokens; a
+    sequence with no tokens keeps its slot exactly as it was. Returns out [T, HV, V] in q's dtype.
+    """
+    # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    num_seqs = state_indices.shape[0]
+    if cu_seqlens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
+    # As the reference layer: the log-decay in fp32 (bf16 loses the decay's precision), beta in b's dtype.
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = b.sigmoid()
+    rows = state_indices.long()
+    initial = state_pool[rows].float()
+    # A fresh int64 tensor on every call: fla memoises its varlen metadata (`tensor_cache`) by tensor
+    # identity, so a caller's cu_seqlens buffer reused with new contents would get stale chunk offsets.
+    cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
+    if cu_seqlens_cpu is not None:
+        cu_seqlens_cpu = cu_seqlens_cpu.to(torch.int64, copy=True)
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None],
+        scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # fmt: skip
+    # Empty sequences keep their initial state bit for bit (a device-side select: no host sync).
+    has_tokens = (cu_seqlens[1:] > cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
+    final = torch.where(has_tokens, final, initial)
+    state_pool[rows] = final.to(state_pool.dtype)
+    return out[0]

@@ -1,0 +1,117 @@
+"""`morion bench --url` against a real `morion serve` subprocess on the tiny Llama (started as in
+tests/server: loopback only, a free port, bounded waits), and against a URL where nothing listens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from morion.cli import main
+
+API_KEY = "bench-key"
+STARTUP_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """(base URL, model directory) of a server on the tiny Llama, which has no tokenizer: token-id
+    prompts only, and no text to time tokens by."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("bench_server") / "serve.log"
+    command = [
+        sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(tiny_llama.path), "--device", "cpu", "--kv-cache-tokens", "4096",
+        "--api-key", API_KEY,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/server/conftest.py
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with httpx.Client(base_url=base_url, timeout=5, trust_env=False) as client:
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s"
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        yield base_url, tiny_llama.path
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def test_bench_against_a_server(tiny_server, tmp_path, capsys):
+    base_url, model_dir = tiny_server
+    flags = [
+        "--url", base_url, "--api-key", API_KEY, "--model", str(model_dir),
+        "--concurrency", "1,2", "--contexts", "32", "--output-tokens", "8", "--repeats", "2",
+        "--prefill-lengths", "32", "--ttft-length", "32", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(["bench", *flags]) == 0, capsys.readouterr().err
+    [path] = tmp_path.glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["mode"] == "url" and result["status"] == "complete"
+    target = result["target"]
+    assert target["served_model"] == model_dir.name
+    assert target["prompt_format"] == "token_ids"
+    assert target["token_timing"] == "logprobs"  # no tokenizer: no text chunks to time
+    assert target["server_info"]["model"]["vocab_size"] == 128
+    assert API_KEY not in path.read_text()
+    for point in result["decode"]:
+        assert point["engine"] == "server"
+        for run in point["runs"]:
+            assert len(run["requests"]) == point["concurrency"]
+            for request in run["requests"]:
+                assert request["completion_tokens"] == 8 and request["prompt_tokens"] == 32
+                assert request["cached_tokens"] == 0
+                assert request["decode_tok_s"] > 0 and request["ttft_s"] > 0
+    assert all(run["cached_tokens"] == 0 for p in [*result["prefill"], result["ttft"]] for run in p["runs"])
+    # The roofline comes from the model's config (--model), in the dtype the server reports (CPU: fp32).
+    assert result["roofline"]["model"]["source"] == "config"
+    assert result["roofline"]["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert result["decode"][0]["roofline"]["per_request_tok_s"] > 0
+    assert "| server | 2 | 32 |" in path.with_suffix(".md").read_text()
+
+
+def test_wrong_api_key_is_one_line(tiny_server, capsys):
+    base_url, _ = tiny_server
+    assert main(["bench", "--url", base_url, "--api-key", "wrong", "--workloads", "ttft"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("morion: error: ") and err.count("\n") == 1
+    assert "rejected the API key" in err
+
+
+def test_unreachable_url_is_one_line(tmp_path, capsys):
+    port = _free_port()  # nothing listens there once the probe socket is closed
+    status = main(["bench", "--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path)])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"morion: error: cannot reach http://127.0.0.1:{port}") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing written
