@@ -1,4 +1,7 @@
-"""RMSNorm as Llama/Qwen define it: normalise in fp32, scale by the weight in the input dtype."""
+"""RMSNorm as Llama/Qwen define it: normalise in fp32, scale by the weight in the input dtype.
+
+On CUDA one fused Triton kernel (ops/row_kernels_triton.py) computes the same values; the torch code is its
+reference."""
 
 from __future__ import annotations
 
@@ -13,6 +16,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from morion.ops import row_kernels_triton as rows
+
+            if rows.supports(x):
+                return rows.rms_norm_rows(x, self.weight, self.eps, rows.LLAMA)
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -3,6 +3,9 @@
 - `ZeroCentredRMSNorm`: the weight is stored as an offset from one and applied as (1 + w), all in fp32,
   cast once at the end (Gemma-style). Every norm of the decoder trunk, q/k norms and the MTP norms.
 - `GatedRMSNorm`: the Gated DeltaNet output norm, rmsnorm(x) * w * silu(z); *not* zero-centred.
+
+On CUDA each runs as one fused Triton kernel (ops/row_kernels_triton.py) with the same rounding points;
+the torch code here is its reference.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from morion.ops import row_kernels_triton as rows
+
+            if rows.supports(x):
+                return rows.rms_norm_rows(x, self.weight, self.eps, rows.ZERO_CENTRED)
         # Unlike Llama's RMSNorm, the product with the weight is taken in fp32 and rounded once.
         return (_rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -36,6 +44,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from morion.ops import row_kernels_triton as rows
+
+            if rows.supports(x) and rows.supports(z) and z.shape == x.shape:
+                return rows.rms_norm_rows(x, self.weight, self.eps, rows.GATED, gate=z)
         # Rounding points follow transformers' Qwen3NextRMSNormGated (and fla's fused kernel): the
         # normalised x is cast to the input dtype before the weight, the gate is applied in fp32.
         normed = self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)

@@ -33,7 +33,13 @@ def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(x: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (e4m3 [..., K], fp32 scale: 0-d, or [...] with `per_row`)."""
+    """x [..., K] -> (e4m3 [..., K], fp32 scale: 0-d, or [...] with `per_row`). Per-row quantization of a
+    CUDA tensor runs as one fused Triton kernel (same values)."""
+    if per_row and x.is_cuda:
+        from morion.ops import row_kernels_triton
+
+        if row_kernels_triton.supports(x):
+            return row_kernels_triton.quantize_fp8_rows(x)
     amax = x.abs().amax(dim=-1) if per_row else x.abs().amax()
     scale = fp8_scale(amax)
     return _cast(x, scale), scale
