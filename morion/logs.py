@@ -1,7 +1,8 @@
 """morion's own log lines (which kernel runs, automatic choices) on stderr, as `morion: ...`.
 
-Only the `morion` logger is configured: libraries' INFO chatter (an HTTP client's per-request lines,
-say) stays off. Called by the CLI and by the engine process, which starts a fresh interpreter.
+Only the `morion` logger gets a handler: libraries' INFO chatter (an HTTP client's per-request lines,
+say) stays off. Records still propagate, so pytest's caplog and an application's root handlers see them.
+Called by the CLI and by the engine process, which starts a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -19,4 +20,3 @@ def show_morion_logs(level: int = logging.INFO) -> None:
     handler._morion = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(level)
-    logger.propagate = False

@@ -70,8 +70,9 @@ def _quantize_fp8_rows_kernel(
     mask = cols < K
     x = tl.load(x_ptr + _row_offset(row, inner, stride_xo, stride_xi) + cols, mask=mask, other=0.0)
     x = tl.cast(x, tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     q = tl.cast(q, q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(q_ptr + tl.cast(row, tl.int64) * K + cols, q, mask=mask)
     tl.store(scale_ptr + row, scale)
