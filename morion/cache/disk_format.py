@@ -78,7 +78,9 @@ def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 1024) -> st
             digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\n".encode())
             flat = tensor.detach().reshape(-1)
             if flat.numel() > samples_per_tensor:
-                index = torch.linspace(0, flat.numel() - 1, samples_per_tensor, device=flat.device).long()
+                # Integer arithmetic: a float32 linspace rounds the last index past the end (28M elements).
+                positions = torch.arange(samples_per_tensor, dtype=torch.int64, device=flat.device)
+                index = positions * (flat.numel() - 1) // (samples_per_tensor - 1)
                 flat = flat[index]
             digest.update(flat.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()

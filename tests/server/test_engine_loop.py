@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import AbortRequest, AddRequest, Shutdown
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.process import EngineLoop
@@ -22,6 +23,7 @@ class StubEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_retractions=0)
         self.pool = SimpleNamespace(num_free=10)
         self.prefix_cache = SimpleNamespace(cached_pages=0)
+        self.cache_stats = CacheStats()
 
     def add_request(self, prompt, params, request_id):
         if not prompt:
