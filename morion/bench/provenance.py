@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import shutil
 import socket
@@ -27,7 +28,13 @@ def _run(command: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git_state(repo: Path = _REPO) -> dict[str, Any]:
-    """The checkout morion runs from: commit and whether tracked files differ from it."""
+    """The checkout morion runs from: commit and whether tracked files differ from it.
+
+    `MORION_SOURCE_COMMIT` names the commit instead, for machines that receive a copy of a clean working
+    tree without its history (a remote GPU runner); the record says where the commit came from."""
+    declared = os.environ.get("MORION_SOURCE_COMMIT")
+    if declared:
+        return {"git_commit": declared, "git_dirty": False, "git_commit_source": "MORION_SOURCE_COMMIT"}
     commit = _run(["git", "rev-parse", "HEAD"], repo)
     if commit is None:
         return {"git_commit": None, "git_dirty": None}

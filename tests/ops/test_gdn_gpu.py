@@ -236,31 +236,7 @@ def test_decode_step_replays_in_a_cuda_graph():
 # -- the layer -----------------------------------------------------------------------------------------
 
 
-class PoolBackend:
-    """One Gated DeltaNet layer's state pools behind both halves of `HybridBackend`: read/write_state
-    (the CPU reference path) gather and scatter the very rows the in-place kernels update."""
-
-    def __init__(self, pools: dict[str, torch.Tensor], slots: list[int], lengths: list[int]) -> None:
-        device = pools["recurrent"].device
-        self.pools = pools
-        self._rows = torch.tensor(slots, device=device)
-        starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
-        self.query_ranges = list(zip(starts[:-1], lengths, strict=True))
-        self.decode_only = all(length == 1 for length in lengths)
-        self.cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.state_indices = torch.tensor(slots, dtype=torch.int32, device=device)
-
-    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        return self.pools[component][self._rows].clone()
-
-    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
-        self.pools[component][self._rows] = value.to(self.pools[component].dtype)
-
-    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        return self.pools[component]
-
-
-def test_layer_on_cuda_matches_cpu_reference():
+def test_layer_on_cuda_matches_cpu_reference(pool_backend):
     """The same bf16-representable weights: the layer on CUDA in bf16 (fast path, fp32 recurrent states,
     bf16 conv windows) vs on the CPU in fp32 (reference path), batch after batch on one pool."""
     torch.manual_seed(0)
@@ -295,13 +271,13 @@ def test_layer_on_cuda_matches_cpu_reference():
     with torch.inference_mode():
         for i, lengths in enumerate((LENGTHS, [1, 1, 1], [1, 1, 1], [64, 1, 2])):
             x = torch.randn(sum(lengths), HIDDEN, generator=gen).to(BF16).float()
-            ref_out = reference(x, PoolBackend(reference_pools, SLOTS, lengths))
-            out = fast(x.to(DEVICE, BF16), PoolBackend(fast_pools, SLOTS, lengths))
+            ref_out = reference(x, pool_backend(reference_pools, SLOTS, lengths))
+            out = fast(x.to(DEVICE, BF16), pool_backend(fast_pools, SLOTS, lengths))
             compare(f"layer step {i} {lengths}", ref_out, out)
 
         # A decode step captured once and replayed with the batch order (hence the slots) permuted.
         static_x = torch.zeros(3, HIDDEN, dtype=BF16, device=DEVICE)
-        backend = PoolBackend(fast_pools, SLOTS, [1, 1, 1])
+        backend = pool_backend(fast_pools, SLOTS, [1, 1, 1])
         saved = {c: p.clone() for c, p in fast_pools.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -318,5 +294,5 @@ def test_layer_on_cuda_matches_cpu_reference():
             backend.state_indices.copy_(torch.tensor(slots, dtype=torch.int32))
             static_x.copy_(x)
             graph.replay()
-            ref_out = reference(x, PoolBackend(reference_pools, slots, [1, 1, 1]))
+            ref_out = reference(x, pool_backend(reference_pools, slots, [1, 1, 1]))
             compare(f"layer graph replay {i} slots {slots}", ref_out, static_out)

@@ -307,34 +307,10 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
     assert reference_fla == [False]
 
 
-class PoolBackend:
-    """One Gated DeltaNet layer's state pools behind both halves of `HybridBackend`: read/write_state
-    gather and scatter the very rows the in-place kernels update, so one backend drives both paths."""
-
-    def __init__(self, pools: dict[str, torch.Tensor], slots: list[int], lengths: list[int]) -> None:
-        device = pools["recurrent"].device
-        self.pools = pools
-        self._rows = torch.tensor(slots, device=device)
-        starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
-        self.query_ranges = list(zip(starts[:-1], lengths, strict=True))
-        self.decode_only = all(length == 1 for length in lengths)
-        self.cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.state_indices = torch.tensor(slots, dtype=torch.int32, device=device)
-
-    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        return self.pools[component][self._rows].clone()
-
-    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
-        self.pools[component][self._rows] = value.to(self.pools[component].dtype)
-
-    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        return self.pools[component]
-
-
 @pytest.mark.skipif(
     DEVICE == "cuda", reason="on a GPU, test_gdn_gpu.py runs the layer against the CPU reference"
 )
-def test_layer_fast_path_matches_reference_path(reference_fla):
+def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     """`GatedDeltaNet._forward_cuda` (the in-place kernels; it needs no CUDA itself, only fla, stood in
     for here) against the reference path on one pool: prefill of 6, 0, 2 and 1 tokens (the 2- and
     1-token ones keep part of their conv window), 3 decode steps, then a prefill continuing all four."""
@@ -356,8 +332,8 @@ def test_layer_fast_path_matches_reference_path(reference_fla):
     with torch.no_grad():
         for lengths in ([6, 0, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 4]):
             x = torch.randn(sum(lengths), 32, generator=gen)
-            ref_out = layer(x, PoolBackend(reference_pools, slots, lengths))
-            out = layer._forward_cuda(x, PoolBackend(fast_pools, slots, lengths))
+            ref_out = layer(x, pool_backend(reference_pools, slots, lengths))
+            out = layer._forward_cuda(x, pool_backend(fast_pools, slots, lengths))
             torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
             for component, pool in fast_pools.items():
                 torch.testing.assert_close(pool, reference_pools[component], atol=1e-5, rtol=0)
