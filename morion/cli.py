@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from morion.bench.options import add_bench_arguments
 from morion.errors import MorionError
 from morion.logs import show_morion_logs
+from morion.validate.options import add_validate_arguments
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -163,12 +164,25 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_bounded(float, 0.0, "--shutdown-timeout"),
         help="seconds in-flight requests get to finish after SIGTERM (30)",
     )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "qwen25", "qwen3_coder"),
+        help="how tool calls are read from the output (default: from the chat template; hermes)",
+    )
+    serve.add_argument(
+        "--reasoning-parser", choices=("qwen3",), help="split <think>...</think> into reasoning_content"
+    )
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
     bench = commands.add_parser("bench", help="measure decode, prefill and TTFT against the roofline")
     _add_engine_arguments(bench)
     add_bench_arguments(bench)
+
+    validate = commands.add_parser(
+        "validate", help="qualify an OpenAI-compatible server with frozen cases (see docs/validate.md)"
+    )
+    add_validate_arguments(validate)
 
     info = commands.add_parser("info", help="print a model's architecture summary")
     _add_model_arguments(info)
@@ -212,7 +226,16 @@ _ENGINE_FLAGS = (
     "cuda_graph_max_batch",
     "activation_reserve_gb",
 )
-_SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout")
+_SERVER_FLAGS = (
+    "host",
+    "port",
+    "api_key",
+    "served_model_name",
+    "max_request_bytes",
+    "shutdown_timeout",
+    "tool_call_parser",
+    "reasoning_parser",
+)
 
 
 def _given(args: argparse.Namespace, names: Sequence[str]) -> dict:
@@ -321,6 +344,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _engine_options(args))
 
 
+def _run_validate(args: argparse.Namespace) -> int:
+    from morion.validate.run import run_validate
+
+    return run_validate(args)
+
+
 _COMMANDS = {
     "pull": _run_pull,
     "generate": _run_generate,
@@ -328,6 +357,7 @@ _COMMANDS = {
     "info": _run_info,
     "cache": _run_cache,
     "bench": _run_bench,
+    "validate": _run_validate,
 }
 
 

@@ -7,9 +7,12 @@ clock never runs ahead of the GPU).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
@@ -20,13 +23,24 @@ from morion.engine.sampling_params import SamplingParams
 class EngineTarget:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.engine = Engine(config)
+        self.engine: Engine = Engine(config)
         self.build_s = time.perf_counter() - started
         self.config = config
         self.name = "morion (offline)"
         self.vocab_size: int | None = self.engine.model.config.vocab_size
 
     def run_group(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> GroupResult:
+        timings, _ = self._run(prompts, max_tokens)
+        return GroupResult(timings)
+
+    def run_request(self, prompt: Sequence[int], max_tokens: int) -> tuple[RequestTiming, list[int]]:
+        """One request alone (greedy, EOS ignored): its timing and the token ids it generated."""
+        [timing], [token_ids] = self._run([prompt], max_tokens)
+        return timing, token_ids
+
+    def _run(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> tuple[list[RequestTiming], list[list[int]]]:
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has unfinished requests from before this group")
@@ -50,7 +64,7 @@ class EngineTarget:
                     lasts[out.request_id] = now
                 if out.final is not None:
                     finals[out.request_id] = out.final
-        timings = []
+        timings, token_ids = [], []
         for request_id in order:
             final = finals[request_id]
             if final.finish_reason == "error":
@@ -66,7 +80,25 @@ class EngineTarget:
                     lasts[request_id],
                 )
             )
-        return GroupResult(timings)
+            token_ids.append(list(final.token_ids))
+        return timings, token_ids
+
+    def restart(self) -> tuple[float, float]:
+        """A restart in-process: the engine is closed (its disk writes finish) and freed, and a new one is
+        built from the same config, with an empty device cache and host tier but the same disk directory.
+        Returns (close seconds, build seconds)."""
+        started = time.perf_counter()
+        self.engine.close()
+        closed = time.perf_counter()
+        # The old engine's KV pool, state slots and graphs must be gone before the new one sizes its pool
+        # from the free device memory (two 80B engines do not fit one GPU either).
+        self.engine = None  # type: ignore[assignment]  (a failed rebuild leaves none to close)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        built = time.perf_counter()
+        self.engine = Engine(self.config)
+        return closed - started, time.perf_counter() - built
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine
@@ -90,4 +122,5 @@ class EngineTarget:
         }
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from morion.errors import MorionError
 
-WORKLOADS = ("decode", "prefill", "ttft")
+WORKLOADS = ("decode", "prefill", "ttft", "restore")
+DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")  # restore needs the cache tiers' flags: only when asked
 BASELINES = ("hf",)
 DEFAULT_BANDWIDTH_GBS = 4300.0  # H200 device-to-device copy, measured (performance-anchors.md)
 DEFAULT_PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM, measured
@@ -28,7 +29,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--request-timeout", default="3600", help="--url: seconds per request (3600)")
 
     work = parser.add_argument_group("workloads")
-    work.add_argument("--workloads", default=",".join(WORKLOADS), help="any of decode,prefill,ttft")
+    work.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="any of decode,prefill,ttft,restore (default decode,prefill,ttft)",
+    )
     work.add_argument("--concurrency", default="1,2,4,8", help="decode: concurrent requests (1,2,4,8)")
     work.add_argument("--contexts", default="1024,32768", help="decode: prompt tokens (1024,32768)")
     work.add_argument("--output-tokens", default="1024", help="decode: tokens per request (1024)")
@@ -45,6 +50,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-lengths", default="1024,8192,32768,65536", help="prefill: prompt tokens, max_tokens 1"
     )
     work.add_argument("--ttft-length", default="1024", help="ttft: prompt tokens (1024)")
+    work.add_argument(
+        "--restore-length",
+        default="65536",
+        help="restore: conversation tokens, a multiple of the page size; the prompt adds 1 new token (65536)",
+    )
+    work.add_argument(
+        "--restore-repeats", default="3", help="restore: conversations (cold, device, host, disk each) (3)"
+    )
 
     roof = parser.add_argument_group("roofline")
     roof.add_argument("--bandwidth-gbs", default=str(DEFAULT_BANDWIDTH_GBS), help="memory GB/s (4300)")
@@ -78,6 +91,8 @@ class BenchOptions:
     max_cell_prompt_tokens: int
     prefill_lengths: tuple[int, ...]
     ttft_length: int
+    restore_length: int
+    restore_repeats: int
     bandwidth_gbs: float
     peak_tflops: float
     roofline_config: str | None
@@ -97,6 +112,11 @@ class BenchOptions:
         url = args.url.rstrip("/") if args.url else None
         if url is not None and not url.startswith(("http://", "https://")):
             raise MorionError(f"--url must start with http:// or https://, got {args.url!r}")
+        if url is not None and "restore" in workloads:
+            raise MorionError(
+                "--workloads restore needs the offline engine (it evicts the device cache and restarts the "
+                "engine): leave out --url"
+            )
         api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
         return cls(
             url=url,
@@ -112,6 +132,8 @@ class BenchOptions:
             max_cell_prompt_tokens=_number(args.max_cell_prompt_tokens, "--max-cell-prompt-tokens", int, 0),
             prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
             ttft_length=_number(args.ttft_length, "--ttft-length", int, 1),
+            restore_length=_number(args.restore_length, "--restore-length", int, 1),
+            restore_repeats=_number(args.restore_repeats, "--restore-repeats", int, 1),
             bandwidth_gbs=_number(args.bandwidth_gbs, "--bandwidth-gbs", float, 1e-9),
             peak_tflops=_number(args.peak_tflops, "--peak-tflops", float, 1e-9),
             roofline_config=args.roofline_config,

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
+from morion.bench.endpoint import Endpoint
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.errors import MorionError
-
-_READY_WAIT_S = 600.0  # a server still loading its model answers 503; a full-size model takes minutes
 
 # A fixed vocabulary of common words for text prompts; id i becomes word i mod len (ids stay unique enough:
 # the prompt factory's ids are random, so the word sequences are too).
@@ -59,13 +57,12 @@ class RemoteTarget:
         self.url = url
         self.name = f"server at {url}"
         self.vocab_size = vocab_size
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = timeout_s
-        self.models = self._list_models()
+        self.endpoint = Endpoint(url, api_key, timeout_s)
+        self.models = self.endpoint.list_models()
         if served_model is None and not self.models:
             raise MorionError(f"{url}/v1/models lists no model: name one with --served-model")
         self.served_model = served_model or self.models[0]
-        self.server_info = self._server_info()
+        self.server_info = self.endpoint.server_info()
         if vocab_size is None and self.server_info is not None:
             self.vocab_size = (self.server_info.get("model") or {}).get("vocab_size")
         self.prompt_format = "token_ids"
@@ -74,43 +71,7 @@ class RemoteTarget:
 
     # ----------------------------------------------------------------------------------- set-up
     def _client(self, **limits: int) -> httpx.AsyncClient:
-        # trust_env=False: a proxy from the environment would be timed along with the server.
-        return httpx.AsyncClient(
-            base_url=self.url,
-            headers=self._headers,
-            timeout=httpx.Timeout(self._timeout, connect=10.0),
-            trust_env=False,
-            limits=httpx.Limits(**limits) if limits else httpx.Limits(),
-        )
-
-    def _list_models(self) -> list[str]:
-        """The served model names; waits (up to _READY_WAIT_S) while the server answers 503 (loading)."""
-
-        async def get() -> httpx.Response:
-            async with self._client() as client:
-                return await client.get("/v1/models")
-
-        deadline = time.monotonic() + _READY_WAIT_S
-        said_waiting = False
-        while True:
-            try:
-                response = asyncio.run(get())
-            except httpx.HTTPError as error:
-                raise MorionError(f"cannot reach {self.url}: {error or type(error).__name__}") from None
-            if response.status_code != 503 or time.monotonic() > deadline:
-                break
-            if not said_waiting:
-                print(f"bench: {self.url} is not ready (503); waiting for it", file=sys.stderr, flush=True)
-                said_waiting = True
-            time.sleep(1.0)
-        if response.status_code == 401:
-            raise MorionError(f"{self.url} rejected the API key (401): pass --api-key")
-        if response.status_code != 200:
-            raise MorionError(f"{self.url}/v1/models answered {response.status_code}: {response.text[:200]}")
-        try:
-            return [entry["id"] for entry in response.json().get("data", [])]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise MorionError(f"{self.url}/v1/models did not answer an OpenAI model list") from None
+        return self.endpoint.client(**limits)
 
     def _probe(self) -> None:
         prompt = [7, 11, 13, 17, 19, 23, 29, 31]
@@ -233,19 +194,6 @@ class RemoteTarget:
             "token_timing": self.token_timing,
             "server_info": self.server_info,
         }
-
-    def _server_info(self) -> dict[str, Any] | None:
-        """morion's /v1/server_info (resolved config, capacities), when the server has it."""
-
-        async def get() -> httpx.Response:
-            async with self._client() as client:
-                return await client.get("/v1/server_info")
-
-        try:
-            response = asyncio.run(get())
-            return response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
 
     def close(self) -> None:
         pass

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from morion.bench.restore import KIND_NAMES, KINDS
+
 DEFINITIONS = {
     "per_request_tok_s": (
         "per-request decode tok/s, post-first-token: (n - 1) / (t_last - t_first) for each request of n "
@@ -34,6 +36,21 @@ DEFINITIONS = {
     "prefill_bound": (
         "prefill bound: peak FLOP/s / (2 x active parameters without embedding and LM head + "
         "sum over attention layers of 4 x heads x head_dim x N/2) FLOPs per token; MFU = measured / bound"
+    ),
+    "restore": (
+        "restore: per repeat one fresh conversation of N tokens + 1 new token, 8 greedy tokens per request: "
+        "cold (nothing cached), device hit (the same prompt again), host hit (after evicting the device "
+        "cache), disk hit (after closing the engine and building a new one on the same disk directory; "
+        "the rebuild is not in the TTFT). TTFT as above, median over repeats; ratio = median TTFT / median "
+        "cold TTFT. A hit must report exactly N cached tokens, all from its tier, and generate exactly the "
+        "cold output, else it is FAILED"
+    ),
+    "restore_gbs": (
+        "restore GB/s: bytes restored (host hit: host to device; disk hit: read from disk) / restore "
+        "seconds, both from the engine's cache counters. Restore seconds run from the admission that finds "
+        "the hit (disk reads included) to the poll that finds the copies done: on a GPU that is the start "
+        "of the next step, after the first forward (which waits on the copies), so the rate is a lower "
+        "bound on the copy rate"
     ),
 }
 
@@ -88,6 +105,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _decode_table(result)
     lines += _prefill_table(result.get("prefill") or [])
     lines += _ttft_line(result.get("ttft"))
+    lines += _restore_table(result.get("restore"))
     lines += _roofline_inputs(result.get("roofline") or {})
     lines += [
         "---",
@@ -96,10 +114,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"[3] {DEFINITIONS['roofline']}.  ",
         f"[4] {DEFINITIONS['mbu']}.  ",
         f"[5] {DEFINITIONS['prefill_tok_s']}.  ",
-        f"[6] {DEFINITIONS['prefill_bound']}.",
-        "",
+        f"[6] {DEFINITIONS['prefill_bound']}." + ("  " if result.get("restore") else ""),
     ]
-    return "\n".join(lines)
+    if result.get("restore"):
+        lines += [f"[7] {DEFINITIONS['restore']}.  ", f"[8] {DEFINITIONS['restore_gbs']}."]
+    return "\n".join([*lines, ""])
 
 
 def _header(result: dict[str, Any]) -> list[str]:
@@ -202,6 +221,55 @@ def _ttft_line(point: dict[str, Any] | None) -> list[str]:
         "fresh prompt at a time, max_tokens 1.",
         "",
     ]
+
+
+def _restore_table(section: dict[str, Any] | None) -> list[str]:
+    if not section:
+        return []
+    medians, ratios, targets = section["median"], section["ratio_to_cold"], section["targets"]
+    lines = [
+        f"## Restore: a {section['conversation_tokens']:,}-token conversation + 1 new token, "
+        f"{section['output_tokens']} greedy tokens (median of {medians['cold']['runs']} repeats) [7]",
+        "",
+        "| kind | TTFT ms | cached tokens | restore GB/s [8] | ratio to cold | target | met? | output |",
+        "|---|---:|---:|---:|---:|---|---|---|",
+    ]
+    for kind in KINDS:
+        median = medians[kind]
+        target = targets.get(kind)
+        failed = [run["repeat"] + 1 for run in section["runs"] if run.get(kind, {}).get("problems")]
+        output = "reference" if kind == "cold" else "identical to cold"
+        if failed:
+            output = f"**FAILED** (run {', '.join(map(str, failed))})"
+        met = "—" if not target or target["met"] is None else ("yes" if target["met"] else "**no**")
+        cells = (
+            KIND_NAMES[kind],
+            _ms(median["ttft_s"]),
+            "—" if median["cached_tokens"] is None else f"{median['cached_tokens']:,.0f}",
+            _num(median["restore_gbs"], 2),
+            "1" if kind == "cold" else _num(ratios.get(kind), 3),
+            f"< {target['limit']:g}" if target else "—",
+            met,
+            output,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    failures = section.get("failures") or []
+    lines += [f"- FAILED: {failure}" for failure in failures] + ([""] if failures else [])
+    restart, disk = section.get("restart_median") or {}, section["disk"]
+    fs = disk.get("filesystem") or {}
+    io = "O_DIRECT" if disk["direct_io"] else "buffered (reads may come from the page cache)"
+    ram = " (RAM, not a disk)" if fs.get("fstype") == "tmpfs" else ""
+    lines += [
+        "Restart (not in the TTFT): closing the engine (its disk writes finish) "
+        f"{_num(restart.get('close_s'), 1)} s, building the new one {_num(restart.get('build_s'), 1)} s "
+        f"(medians). Disk cache `{disk['dir']}` on {fs.get('fstype', 'unknown')}{ram} "
+        f"({fs.get('device', '?')}), {io}; host tier {section['host_cache_gb']:g} GiB, "
+        f"{section['host_cache_write_policy']}. Every request's raw values and cache-counter changes are in "
+        "the JSON.",
+        "",
+    ]
+    return lines
 
 
 def _roofline_inputs(roof: dict[str, Any]) -> list[str]:

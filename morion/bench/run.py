@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from morion.bench import analysis, provenance, roofline
+from morion.bench import analysis, provenance, restore, roofline
 from morion.bench.options import BenchOptions, add_bench_arguments
 from morion.bench.plot import matplotlib_available, write_png
 from morion.bench.prompts import PromptFactory
@@ -44,6 +44,8 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     else:
         from morion.bench.offline import EngineTarget
 
+        if "restore" in options.workloads:
+            restore.check_flags(config, options)
         most = max(options.concurrency) if "decode" in options.workloads else 1
         if most > config.max_running_requests:
             raise MorionError(
@@ -52,6 +54,8 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             )
         target = EngineTarget(config)
         _check_lengths(options, target.engine.max_model_len, "the engine's max model len")
+        if "restore" in options.workloads:
+            restore.check_capacity(target.engine, options.restore_length)
         cost = roofline.from_model(target.engine.model, target.engine.pool.spec)
         cost_source, device = "the engine's model and cache spec", str(target.engine.device)
     prov = provenance.collect(command, device)
@@ -81,6 +85,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         "decode_skipped": [],
         "prefill": [],
         "ttft": None,
+        "restore": None,
         "baseline": None,
     }
     bench = Workbench(target, prompts, "server" if options.url else "morion")
@@ -107,13 +112,22 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             ) from error
     result["status"] = "complete"
     _write_all(path, result)
+    failures = (result["restore"] or {}).get("failures")
+    if failures:
+        raise MorionError(f"restore FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
     return 0
 
 
 def _run_workloads(
     bench: Workbench, options: BenchOptions, cost: ModelCost | None, result: dict[str, Any], path: Path
 ) -> None:
-    lengths = [*options.contexts, *options.prefill_lengths, options.ttft_length]
+    chosen = options.workloads
+    lengths = [
+        *(options.contexts if "decode" in chosen else ()),
+        *(options.prefill_lengths if "prefill" in chosen else ()),
+        *((options.ttft_length,) if "ttft" in chosen else ()),
+        *((options.restore_length,) if "restore" in chosen else ()),
+    ]
     bench.warm_engine(min(1024, *lengths))
     if "decode" in options.workloads:
 
@@ -143,6 +157,18 @@ def _run_workloads(
         analysis.annotate_prefill(point, cost, options.peak_tflops)
         result["ttft"] = point
         write_json(path, result)
+    if "restore" in options.workloads:  # last: it restarts the engine
+        from morion.bench.offline import EngineTarget
+
+        if not isinstance(bench.target, EngineTarget):
+            raise MorionError("--workloads restore needs the offline engine")
+
+        def keep_restore(section: dict[str, Any]) -> None:
+            result["restore"] = section
+            write_json(path, result)
+
+        length, repeats = options.restore_length, options.restore_repeats
+        restore.run_restore(bench, bench.target, length, repeats, keep_restore)
 
 
 def _run_baseline(
@@ -252,6 +278,8 @@ def _check_lengths(options: BenchOptions, max_model_len: int, what: str) -> None
         needs.append(("--prefill-lengths", max(options.prefill_lengths) + 1))
     if "ttft" in options.workloads:
         needs.append(("--ttft-length", options.ttft_length + 1))
+    if "restore" in options.workloads:
+        needs.append(("--restore-length", options.restore_length + 1 + restore.OUTPUT_TOKENS))
     for flag, tokens in needs:
         if tokens > max_model_len:
             raise MorionError(f"{flag} needs {tokens} tokens (prompt + output) but {what} is {max_model_len}")

@@ -24,6 +24,7 @@ from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.grammar import GrammarRuntime
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
 from morion.engine.sampler import RequestSampler, SampleResult, sample
@@ -93,6 +94,7 @@ class Engine:
         context = self.model.config.max_position_embeddings
         self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.grammars = GrammarRuntime(self.tokenizer, self.model.config.vocab_size)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._report_startup(spec.bytes_per_token)
@@ -277,11 +279,15 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         tokenizer = self.tokenizer
+        try:
+            grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        except Exception as error:  # a grammar from another tokenizer, or none to match against
+            raise InvalidRequestError(f"grammar: {error}") from None
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
-            sampler=RequestSampler(params, prompt),
+            sampler=RequestSampler(params, prompt, grammar),
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             arrival=arrival,
             detokenizer=IncrementalDetokenizer(tokenizer, prompt) if tokenizer else None,
@@ -356,7 +362,13 @@ class Engine:
         params = request.params
         reason = None
         new_text = ""
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        # A grammar that accepted a stop token (under ignore_eos too) allows nothing after it.
+        grammar_done = request.sampler.grammar is not None and request.sampler.grammar.terminated
+        if (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in self.eos_token_ids)
+            or grammar_done
+        ):
             reason = "stop"
         elif request.detokenizer is not None and request.stop_matcher is not None:
             check = request.stop_matcher.feed(request.detokenizer.add(token_id))
@@ -384,6 +396,23 @@ class Engine:
         )
         if self.tiers is not None:
             self.tiers.check_integrity()
+
+    def evict_device_cache(self) -> int:
+        """Evicts every page and snapshot of the device prefix cache; returns the number of pages freed.
+
+        For measuring the tiers behind it (`morion bench --workloads restore`): afterwards a request for a
+        cached prefix is served from host memory (or disk), or computed when there are no tiers. It goes
+        through the radix cache's normal eviction (`RadixCache.evict`), so the bookkeeping is that of any
+        eviction under memory pressure: under write-back the eviction listener copies each node to the
+        host before its pages go back to the free list; under write-through the host has them already.
+
+        Only while the engine is idle: raises RuntimeError when a request is waiting or running (a
+        running request's prefix is locked and would stay; this is a measurement tool, not a serving one).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("evict_device_cache needs an idle engine: requests are waiting or running")
+        # Idle, nothing is locked: evicting as many pages as are cached empties the tree (leaves first).
+        return self.prefix_cache.evict(self.prefix_cache.cached_pages)
 
     def close(self) -> None:
         """Finish the cache tiers' copies and disk writes (a later engine on the same disk cache then finds

@@ -1,6 +1,7 @@
 """Batched token sampling for requests with different sampling parameters.
 
-Per step: penalties → greedy argmax for greedy requests → temperature → top-k → top-p → min-p → draw.
+Per step: penalties → grammar mask → greedy argmax for greedy requests → temperature → top-k → top-p →
+min-p → draw.
 The masks are computed for the whole batch at once; each request draws with its own generator, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from morion.engine.grammar import GrammarMatcher, apply_grammar_masks
 from morion.engine.sampling_params import SamplingParams
 
 # Cumulative sums of fp32 probabilities over a large vocabulary drift by ~1e-6; a set whose true mass is
@@ -27,10 +29,14 @@ class RequestSampler:
     Counts are sparse and kept only when a penalty is set: the prompt's distinct token ids (for the
     repetition penalty) and the distinct generated ids with their counts, in growable host arrays so that
     a step gathers a batch's counts with one concatenation rather than a Python loop over tokens.
+    `grammar` is the request's matcher when its output is constrained; `append` advances it.
     """
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt_token_ids: Sequence[int], grammar: GrammarMatcher | None = None
+    ) -> None:
         self.params = params
+        self.grammar = grammar
         self.seed = params.seed if params.seed is not None else _fresh_seed()
         self._counts_outputs = (
             params.repetition_penalty != 1.0
@@ -49,7 +55,9 @@ class RequestSampler:
         self._generator: torch.Generator | None = None
 
     def append(self, token_id: int) -> None:
-        """Record a generated token for the penalties (nothing to record when no penalty is set)."""
+        """Record a generated token for the grammar and the penalties."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if not self._counts_outputs:
             return
         slot = self._slot_of.get(token_id)
@@ -116,6 +124,8 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
     raw_logprobs = scores.log_softmax(dim=-1) if want_logprobs else None
 
     apply_penalties(scores, samplers)
+    if any(s.grammar is not None for s in samplers):
+        apply_grammar_masks(scores, [s.grammar for s in samplers])
 
     token_ids = torch.empty(len(samplers), dtype=torch.long, device=device)
     greedy_rows = [i for i, s in enumerate(samplers) if s.params.greedy]

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from morion.engine.grammar import CompiledGrammar
 from morion.errors import InvalidRequestError
 
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
@@ -17,7 +18,8 @@ class SamplingParams:
 
     `top_k == 0` turns top-k off. `logprobs` is the number of top logprobs returned per generated token
     (0 returns only the chosen token's logprob; None returns none). `stop` and `stop_token_ids` accept any
-    sequence (a lone string is one stop string) and are stored as tuples.
+    sequence (a lone string is one stop string) and are stored as tuples. `grammar` constrains the output
+    (compile it with `morion.engine.grammar.GrammarCompilerCache`).
     """
 
     max_tokens: int = 256
@@ -33,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -58,6 +61,8 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
+            raise InvalidRequestError(f"grammar must be a CompiledGrammar, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -20,11 +20,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from morion.engine.messages import EngineInfo
+from morion.server.chat_tools import ChatTooling
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
 from morion.server.errors import APIError, error_body
 from morion.server.options import ServeOptions
-from morion.server.prepare import chat_job, check_model, completion_job, render_chat
+from morion.server.prepare import RenderedChat, chat_job, check_model, completion_job, render_chat
 from morion.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +35,7 @@ from morion.server.protocol import (
 )
 from morion.server.responses import ChatFormat, CompletionFormat, TokenTexts
 from morion.server.serving import run_job
+from morion.server.structured import GrammarService, chat_constraint
 from morion.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("morion.server")
@@ -58,6 +60,21 @@ class ServerContext:
         self.token_texts = TokenTexts(tokenizer)
         self.on_ready = on_ready
         self.on_fatal = on_fatal
+        self.tooling = ChatTooling(tokenizer, options.tool_call_parser, options.reasoning_parser)
+        self._grammars: GrammarService | None = None
+
+    def grammars(self, info: EngineInfo) -> GrammarService:
+        if self._grammars is None:
+            self._grammars = GrammarService(self.tokenizer, info.vocab_size)
+        return self._grammars
+
+    def render_chat_request(self, body: ChatCompletionRequest) -> RenderedChat:
+        """The prompt of a chat request: tools checked, then shown to the model as its template can."""
+        self.tooling.check(body)
+        messages, tools = self.tooling.template_inputs(body)
+        return render_chat(
+            self.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs, tools
+        )
 
     def ready_info(self) -> EngineInfo:
         state = self.client.state
@@ -140,12 +157,18 @@ def create_app(context: ServerContext) -> FastAPI:
         arrival = time.perf_counter()
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered = render_chat(
-            context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
-        )
-        job = chat_job(body, rendered.token_ids, info)
+        rendered = context.render_chat_request(body)
+        tooling = context.tooling
+        constraint = chat_constraint(body, tooling.tool_parser)
+        grammar = await context.grammars(info).compile(constraint) if constraint else None
+        job = chat_job(body, rendered.token_ids, info, grammar)
         response_format = ChatFormat(
-            _response_id("chatcmpl"), _model(body, context), context.token_texts, body.logprobs
+            _response_id("chatcmpl"),
+            _model(body, context),
+            context.token_texts,
+            body.logprobs,
+            output_parser=lambda: tooling.output_parser(body, rendered.text, constrained=grammar is not None),
+            reasoning=tooling.reasoning_parser is not None,
         )
         return await run_job(
             request, context.client, job, response_format, body.stream, body.include_usage, arrival
@@ -169,9 +192,7 @@ def create_app(context: ServerContext) -> FastAPI:
     async def render(request: Request) -> dict[str, Any]:
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered = render_chat(
-            context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
-        )
+        rendered = context.render_chat_request(body)
         return {
             "prompt": rendered.text,
             "token_ids": rendered.token_ids,
@@ -186,8 +207,9 @@ def create_app(context: ServerContext) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            messages = [message.for_template() for message in body.messages]
             token_ids = render_chat(
-                context.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+                context.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs
             ).token_ids
         else:
             token_ids = context.require_tokenizer().encode(

@@ -18,4 +18,6 @@ class ServeOptions:
     served_model_name: str | None = None  # None: the known model's name, or the file / directory name
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    tool_call_parser: str | None = None  # None: from the chat template (see server/chat_tools.py)
+    reasoning_parser: str | None = None  # None: no reasoning split
     profile: str | None = None  # the --config file, reported in the startup summary

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from morion.engine.grammar import CompiledGrammar
 from morion.engine.messages import EngineInfo
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
 from morion.server.errors import APIError
-from morion.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from morion.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from morion.text.tokenizer import Tokenizer
 
 _SEED_SPACE = 2**64
@@ -53,10 +54,12 @@ def check_model(requested: str | None, served_names: Sequence[str]) -> None:
 
 def render_chat(
     tokenizer: Tokenizer | None,
-    messages: list[ChatMessage],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[Any] | None = None,
 ) -> RenderedChat:
+    """`messages` as `ChatMessage.for_template` gives them; `tools` for templates that render them."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; send a prompt to /v1/completions instead")
     kwargs = template_kwargs or {}
@@ -65,7 +68,7 @@ def render_chat(
         raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
     try:
         text = tokenizer.render_chat(
-            [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
     except InvalidRequestError as error:
         raise APIError(400, str(error), param="messages") from None
@@ -73,7 +76,12 @@ def render_chat(
     return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_job(request: ChatCompletionRequest, prompt: list[int], info: EngineInfo) -> EngineJob:
+def chat_job(
+    request: ChatCompletionRequest,
+    prompt: list[int],
+    info: EngineInfo,
+    grammar: CompiledGrammar | None = None,
+) -> EngineJob:
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     check_prompt_fits(prompt, info, "messages")
@@ -83,7 +91,7 @@ def chat_job(request: ChatCompletionRequest, prompt: list[int], info: EngineInfo
         requested, name = request.max_tokens, "max_tokens"
     budget = token_budget(requested, name, len(prompt), info.max_model_len, default=None)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return EngineJob([prompt], sampling_params(request, budget, logprobs), request.n)
+    return EngineJob([prompt], sampling_params(request, budget, logprobs, grammar), request.n)
 
 
 def completion_job(request: CompletionRequest, tokenizer: Tokenizer | None, info: EngineInfo) -> EngineJob:
@@ -144,7 +152,9 @@ def token_budget(
     return requested
 
 
-def sampling_params(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def sampling_params(
+    fields: SamplingFields, max_tokens: int, logprobs: int | None, grammar: CompiledGrammar | None = None
+) -> list[SamplingParams]:
     """n parameter sets; with a seed, choice i samples with seed + i, so choices differ but reproduce."""
     options: dict[str, Any] = {
         "temperature": fields.temperature,
@@ -170,6 +180,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int, logprobs: int | Non
                 stop_token_ids=tuple(fields.stop_token_ids or ()),
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
+                grammar=grammar,
                 **options,
             )
             for seed in seeds

@@ -54,9 +54,10 @@ def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
         return action.const if value else action.default
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise MorionError(f"{where} must be a string or a number, got {value!r}")
-    if action.type is None:
-        return str(value)
     try:
-        return action.type(str(value))  # type: ignore[misc]
+        result = str(value) if action.type is None else action.type(str(value))  # type: ignore[misc]
     except (argparse.ArgumentTypeError, ValueError) as error:
         raise MorionError(f"{where}: {error}") from None
+    if action.choices is not None and result not in action.choices:
+        raise MorionError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return result

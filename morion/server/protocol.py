@@ -7,9 +7,10 @@ cannot honour yet are rejected by `unsupported_fields` instead of being silently
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from morion.server.errors import APIError
 
@@ -30,10 +31,62 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # text parts are joined into one string
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
 
     @field_validator("content", mode="before")
     @classmethod
@@ -57,7 +110,29 @@ class ChatMessage(_Body):
         message["content"] = self.content or ""
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            # Templates (Qwen, Hermes) read arguments as a mapping; OpenAI sends them as JSON text.
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows what the client sent
 
 
 class SamplingFields(_Body):
@@ -110,20 +185,24 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # morion extension (also SGLang's name): constrain the output to a regular expression.
+    regex: str | None = Field(None, min_length=1)
     functions: list[Any] | None = None
     function_call: Any = None
 
     def unsupported_fields(self) -> list[str]:
         fields = super().unsupported_fields()
-        fields += [name for name in ("tools", "functions", "function_call") if getattr(self, name)]
-        if self.tool_choice not in (None, "none"):
-            fields.append("tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            fields.append("response_format")
+        fields += [name for name in ("functions", "function_call") if getattr(self, name)]
         return fields
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Tool calls may appear in the answer (and are parsed out of it)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]

@@ -8,10 +8,14 @@ reports them; the text itself comes from the engine's incremental detokenizer.
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from morion.engine.messages import RequestDelta
 from morion.engine.outputs import Usage
+from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
+from morion.server.parsers.tool_calls import ParsedToolCall
 from morion.text.tokenizer import Tokenizer
 
 
@@ -56,9 +60,12 @@ class UsageTotals:
 
 
 class Choice:
-    """What one choice has produced so far (non-streaming responses, completion text offsets)."""
+    """What one choice has produced so far (non-streaming responses, completion text offsets), and the
+    parser that reads its chat output (None: all text is content)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: ChatOutputParser | None = None) -> None:
+        self.parser = parser
+        self.tool_calls_sent = 0  # streamed tool calls, which number the next one
         self.text_parts: list[str] = []
         self.text_length = 0
         self.logprobs: list[Any] = []
@@ -102,13 +109,17 @@ class ResponseFormat:
         body["usage"] = usage.body()
         return body
 
+    def new_choice(self) -> Choice:
+        return Choice()
+
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
 
     def delta_choice(self, index: int, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def finish_choice(self, index: int, reason: str) -> dict[str, Any]:
+    def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
+        """The choice's last stream entries: text a parser held back, then the finish reason."""
         raise NotImplementedError
 
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
@@ -122,6 +133,23 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        token_texts: TokenTexts,
+        logprobs: bool,
+        output_parser: Callable[[], ChatOutputParser | None] | None = None,
+        reasoning: bool = False,
+    ) -> None:
+        """`output_parser` makes each choice's parser; `reasoning`: messages carry `reasoning_content`."""
+        super().__init__(response_id, model, token_texts, logprobs)
+        self._output_parser = output_parser
+        self._reasoning = reasoning
+
+    def new_choice(self) -> Choice:
+        return Choice(self._output_parser() if self._output_parser else None)
+
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
         return [
@@ -131,24 +159,61 @@ class ChatFormat(ResponseFormat):
 
     def delta_choice(self, index: int, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
         logprobs = self.delta_logprobs(delta, choice) if self.wants_logprobs else None
-        if not delta.text and not logprobs:
+        parsed = choice.parser.feed(delta.text) if choice.parser else ParsedDelta("", delta.text, [])
+        if not parsed and not logprobs:
             return None
         return {
             "index": index,
-            "delta": {"content": delta.text},
+            "delta": self._delta(parsed, choice),
             "logprobs": {"content": logprobs} if logprobs else None,
             "finish_reason": None,
         }
 
-    def finish_choice(self, index: int, reason: str) -> dict[str, Any]:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+    def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
+        entries = []
+        last = choice.parser.finish() if choice.parser is not None else None
+        if last:
+            entries.append(
+                {"index": index, "delta": self._delta(last, choice), "logprobs": None, "finish_reason": None}
+            )
+        reason = _finish_reason(reason, choice)
+        return [*entries, {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+
+    def _delta(self, parsed: ParsedDelta, choice: Choice) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content or not (parsed.reasoning or parsed.tool_calls):
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [
+                {"index": choice.tool_calls_sent + i, **_tool_call(call)}
+                for i, call in enumerate(parsed.tool_calls)
+            ]
+            choice.tool_calls_sent += len(parsed.tool_calls)
+        return delta
 
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        text = "".join(choice.text_parts)
+        parsed = ParsedDelta("", text, [])
+        if choice.parser is not None:
+            first, last = choice.parser.feed(text), choice.parser.finish()
+            parsed = ParsedDelta(
+                first.reasoning + last.reasoning,
+                first.content + last.content,
+                first.tool_calls + last.tool_calls,
+            )
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["content"] = parsed.content or None  # OpenAI: null content beside tool calls
+            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+        if self._reasoning:
+            message["reasoning_content"] = parsed.reasoning or None
         return {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(choice.text_parts)},
+            "message": message,
             "logprobs": {"content": choice.logprobs} if self.wants_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": _finish_reason(choice.finish_reason, choice),
         }
 
     def delta_logprobs(self, delta: RequestDelta, choice: Choice) -> list[dict[str, Any]]:
@@ -177,8 +242,8 @@ class CompletionFormat(ResponseFormat):
             return None
         return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
 
-    def finish_choice(self, index: int, reason: str) -> dict[str, Any]:
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+    def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
+        return [{"index": index, "text": "", "logprobs": None, "finish_reason": reason}]
 
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         logprobs = None
@@ -208,6 +273,21 @@ class CompletionFormat(ResponseFormat):
         )
         choice.logprobs.append(part)
         return part.body()
+
+
+def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _finish_reason(reason: str | None, choice: Choice) -> str | None:
+    # A choice that called tools and stopped by itself finished to call them.
+    if reason == "stop" and choice.parser is not None and choice.parser.called_tools:
+        return "tool_calls"
+    return reason
 
 
 class _LegacyLogprobs(NamedTuple):

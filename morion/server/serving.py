@@ -18,7 +18,7 @@ from morion.engine.messages import RequestDelta
 from morion.server.engine_client import EngineClient, RequestStream
 from morion.server.errors import APIError
 from morion.server.prepare import EngineJob
-from morion.server.responses import Choice, ResponseFormat, UsageTotals
+from morion.server.responses import ResponseFormat, UsageTotals
 from morion.server.sse import DONE, EventStreamResponse, sse_event, wait_for_disconnect
 
 
@@ -56,7 +56,7 @@ def _error(delta: RequestDelta) -> APIError:
 
 
 async def _collect(stream: RequestStream, response_format: ResponseFormat, n: int) -> dict[str, Any]:
-    choices = [Choice() for _ in stream.request_ids]
+    choices = [response_format.new_choice() for _ in stream.request_ids]
     usage = UsageTotals(n)
     async for batch in stream.batches():
         for index, delta in batch:
@@ -77,7 +77,7 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     # With include_usage, OpenAI puts "usage": null on every chunk and the totals on one last chunk.
     usage_field = {"usage": None} if include_usage else {}
-    choices = [Choice() for _ in stream.request_ids]
+    choices = [response_format.new_choice() for _ in stream.request_ids]
     usage = UsageTotals(n)
     opening = response_format.opening_chunks(len(choices))
     if opening:
@@ -95,8 +95,8 @@ async def _events(
                 events.append(sse_event(response_format.chunk([delta_choice]) | usage_field))
             if delta.finish_reason is not None:
                 usage.add(index, delta.usage)
-                finish = response_format.finish_choice(index, delta.finish_reason)
-                events.append(sse_event(response_format.chunk([finish]) | usage_field))
+                for entry in response_format.finish_choices(index, delta.finish_reason, choice):
+                    events.append(sse_event(response_format.chunk([entry]) | usage_field))
         if events:
             yield b"".join(events)  # one write per engine step
     if include_usage:

@@ -1,0 +1,180 @@
+"""The Markdown report of a validation run, made from its results JSON alone: what was validated where,
+one section per suite with its verdict, its cases and its figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
+    """`images`: suite -> PNG file name beside the report."""
+    lines = _header(result)
+    for name, suite in result["suites"].items():
+        lines += [f"## {name}: **{suite['verdict']}**", ""]
+        if suite.get("reason"):
+            lines += [suite["reason"], ""]
+        if suite.get("case_file"):
+            ident = suite["case_file"]
+            lines += [f"Cases: `{ident['file']}` (SHA-256 `{ident['sha256']}`).", ""]
+        lines += _SECTIONS.get(name, lambda s: [])(suite)
+        if name in images:
+            lines += [f"![{name}]({images[name]})", ""]
+    return "\n".join(lines)
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    prov = result["provenance"]
+    server = result["server"]
+    info = server.get("server_info") or {}
+    commit = (prov.get("git_commit") or "unknown")[:12] + (" (dirty)" if prov.get("git_dirty") else "")
+    identity = (
+        f"morion {info.get('version')}, model `{(info.get('model') or {}).get('path')}`"
+        if info
+        else f"models listed: {', '.join(server['models_listed'])}"
+    )
+    verdicts = ", ".join(f"{name} {suite['verdict']}" for name, suite in result["suites"].items())
+    return [
+        f"# morion validate: {result['label']} ({result['date']})",
+        "",
+        f"`{prov.get('command', '')}`",
+        "",
+        f"**{result['verdict'].upper()}** ({verdicts}). Server {server['url']}, served model "
+        f"`{server['served_model']}` ({identity}). Client: morion {prov.get('morion_version')} at commit "
+        f"`{commit}`, httpx {prov.get('httpx')}, Python {prov.get('python')}, host {prov.get('hostname')}. "
+        f"Status {result['status']}; every reply raw in the JSON beside this file.",
+        "",
+    ]
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:,.0f}"
+
+
+def _needle(suite: dict[str, Any]) -> list[str]:
+    rows = [
+        (
+            case["id"],
+            f"{case['target_tokens']:,}",
+            case.get("counted_tokens", "—"),
+            _ms((case.get("reply") or {}).get("ttft_s")),
+            (case.get("follow_up") or {}).get("passed", "—"),
+            case["verdict"],
+            case.get("reason", ""),
+        )
+        for case in suite.get("cases", [])
+    ]
+    return [
+        f"Prompts counted by `{suite.get('counted_by')}`.",
+        "",
+        *_table(("case", "target tokens", "counted", "TTFT ms", "follow-up", "verdict", "why"), rows),
+    ]
+
+
+def _restore(suite: dict[str, Any]) -> list[str]:
+    steps = suite["steps"]
+    rows = [
+        (
+            case["id"],
+            *(case["cached_tokens"].get(step, "—") for step in steps),
+            case["verdict"],
+            case["reason"],
+        )
+        for case in suite["cases"]
+    ]
+    ttft = suite["figures"]["ttft_s"]
+    flood = suite["events"].get("flood") or {}
+    lines = [
+        f"Salts {suite['salts']}; tiers declared by the server: {suite['tiers_declared']}. Flood before the "
+        f"host step: {flood.get('tokens', 0):,} prompt tokens ({flood.get('source', flood.get('error'))}).",
+        "",
+        *_table(("case", *(f"cached ({s})" for s in steps), "verdict", "why"), rows),
+        "Median TTFT ms by step: " + ", ".join(f"{step} {_ms(value)}" for step, value in ttft.items()) + ".",
+        "",
+    ]
+    return lines
+
+
+def _soak(suite: dict[str, Any]) -> list[str]:
+    fig = suite["figures"]
+    growth = fig["memory_growth_mib"]
+    rows = [
+        (
+            f"{w['start_s']:.0f}-{w['end_s']:.0f}",
+            w["requests"],
+            w["errors"],
+            _ms(w["ttft_p50_s"]),
+            _ms(w["ttft_p99_s"]),
+            _ms(w["itl_p50_s"]),
+            _ms(w["itl_p99_s"]),
+        )
+        for w in fig["windows"]
+    ]
+    memory = (
+        "not exported"
+        if growth is None
+        else f"{growth:+.1f} MiB (bound {suite['bounds']['max_growth_mib']:g})"
+    )
+    return [
+        f"{fig['requests']} requests in {fig['elapsed_s']:.0f} s: {fig['errors']} errors, "
+        f"{fig['empty']} empty, {fig['truncated']} truncated. Resident memory growth: {memory}. "
+        f"Idle: {fig['idle'] or 'not reported'}. Drift, last window p50 / first: {_drift(fig['drift'])}.",
+        "",
+        *_table(
+            ("window s", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"), rows
+        ),
+    ]
+
+
+def _drift(drift: dict[str, float | None]) -> str:
+    return ", ".join(
+        f"{key.split('_')[0].upper()} " + ("—" if value is None else f"x{value:.2f}")
+        for key, value in drift.items()
+    )
+
+
+def _perf(suite: dict[str, Any]) -> list[str]:
+    if "decode" not in suite:
+        return []
+    decode = [
+        (
+            p["concurrency"],
+            f"{p['context']:,}",
+            _num(p["median"]["per_request_tok_s"]),
+            _num(p["median"]["aggregate_tok_s"]),
+            _ms(p["median"]["ttft_s"]),
+        )
+        for p in suite["decode"]
+    ]
+    prefill = [
+        (f"{p['prompt_tokens']:,}", _ms(p["median"]["ttft_s"]), _num(p["median"]["prefill_tok_s"]))
+        for p in suite["prefill"]
+    ]
+    settings = suite["settings"]
+    return [
+        f"Decode, {settings['output_tokens']} tokens per request, median of {settings['repeats']} runs "
+        "(definitions in the JSON, as docs/bench.md):",
+        "",
+        *_table(("C", "context", "per-request tok/s", "aggregate tok/s", "TTFT ms"), decode),
+        *_table(("cold prefill tokens", "TTFT ms", "prefill tok/s"), prefill),
+    ]
+
+
+def _tools(suite: dict[str, Any]) -> list[str]:
+    rows = [
+        (case["id"], case["exact_calls"], case["arguments_parsed"], case["verdict"], case["reason"])
+        for case in suite.get("cases", [])
+    ]
+    return _table(("case", "exact calls", "JSON arguments", "verdict", "why"), rows) if rows else []
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+_SECTIONS = {"needle": _needle, "restore": _restore, "soak": _soak, "perf": _perf, "tools": _tools}

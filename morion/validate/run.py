@@ -1,0 +1,90 @@
+"""`morion validate`: reach the server, check every suite can run, run them in order, write the files.
+
+The JSON is rewritten after every suite (status "partial"), so a run stopped early keeps its evidence.
+Exit status 1 when any suite fails; "unsupported" (a server without tool calling) is not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from morion.bench import provenance
+from morion.bench.plot import matplotlib_available
+from morion.bench.report import output_paths, slug, write_json
+from morion.errors import MorionError
+from morion.validate import cases as case_files
+from morion.validate import needle, perf, restore, soak, tools
+from morion.validate.options import ValidateOptions, command_line
+from morion.validate.plot import write_pngs
+from morion.validate.report import markdown
+from morion.validate.session import Session
+
+SCHEMA = "morion-validate/1"
+_SUITES = {"needle": needle, "restore": restore, "soak": soak, "perf": perf, "tools": tools}
+_CASE_LISTS = {"needle": "cases", "restore": "cases", "soak": "conversations", "tools": "cases"}
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    options = ValidateOptions.from_args(args)
+    _check_case_ids(options)
+    session = Session(options)
+    for name in options.suites:
+        check = getattr(_SUITES[name], "check", None)
+        if check is not None:
+            check(session)  # every suite's settings are checked before the first one runs
+    prov = provenance.collect(command_line(args))
+    label = slug(f"validate-{options.label or session.model}")
+    path = output_paths(Path(options.out), prov["date"], label)
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "label": label,
+        "date": prov["date"],
+        "status": "partial",
+        "verdict": None,
+        "provenance": prov,
+        "server": session.identity(),
+        "settings": options.settings(),
+        "suites": {},
+    }
+    session.say(f"writing {path}")
+    try:
+        for name in options.suites:
+            session.say(f"suite {name}")
+            result["suites"][name] = _SUITES[name].run(session)
+            write_json(path, result)
+    except BaseException:
+        _write_all(path, result)  # the suites that finished, marked partial
+        raise
+    failed = [name for name, suite in result["suites"].items() if suite["verdict"] == "fail"]
+    result["verdict"] = "fail" if failed else "pass"
+    result["status"] = "complete"
+    _write_all(path, result)
+    return 1 if failed else 0
+
+
+def _check_case_ids(options: ValidateOptions) -> None:
+    if not options.cases:
+        return
+    known = {
+        case["id"]
+        for name in options.suites
+        if name in _CASE_LISTS
+        for case in case_files.load(name).data[_CASE_LISTS[name]]
+    }
+    unknown = [case for case in options.cases if case not in known]
+    if unknown:
+        raise MorionError(f"--cases names no case of the chosen suites: {', '.join(unknown)}")
+
+
+def _write_all(path: Path, result: dict[str, Any]) -> None:
+    write_json(path, result)
+    stem = path.with_suffix("")
+    images = write_pngs(result, stem)
+    md_path = path.with_suffix(".md")
+    md_path.write_text(markdown(result, images))
+    print("\n".join([str(path), str(md_path), *(str(path.with_name(name)) for name in images.values())]))
+    if not matplotlib_available():
+        print("morion validate: no plots (matplotlib is not installed here)", file=sys.stderr)

@@ -1,0 +1,206 @@
+"""`soak`: N concurrent clients holding multi-turn conversations for M minutes (or a request count).
+
+Each client takes the next conversation of the case file and sends its user turns one at a time with the
+growing history (its own greedy replies appended), then starts the next. Every request is a first attempt:
+an error is recorded and the client moves on to a new conversation, never retrying.
+
+Recorded per request: start time, TTFT, the gaps between content chunks (inter-token latency at the
+client), tokens, finish reason; errors, empty replies (no text, no tool call) and truncated streams (no
+finish reason or no `[DONE]`). Drift: p50/p99 TTFT and ITL in equal time windows. Memory: the growth of
+`process_resident_memory_bytes` in /metrics between the start and the idle end, when the server exports
+it (vLLM, SGLang); a morion server is checked instead for pages still held when idle (a leak) through
+/v1/server_info. Pass: zero errors, empties and truncations, growth within --soak-max-growth-mib, nothing
+held when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from morion.validate import cases as case_files
+from morion.validate.chat import RequestFailed
+from morion.validate.session import Session
+
+_WINDOWS = 6
+_RSS = "process_resident_memory_bytes"
+_IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
+
+
+def run(session: Session) -> dict[str, Any]:
+    case_file = case_files.load("soak")
+    data = case_file.data
+    conversations = case_files.select(data["conversations"], session.options.cases)
+    options = session.options
+    before = session.metrics() or {}
+    session.say(
+        f"soak: {options.soak_clients} clients for up to {options.soak_minutes:g} min"
+        + (f" or {options.soak_max_requests} requests" if options.soak_max_requests else "")
+    )
+    started = time.perf_counter()
+    records = asyncio.run(_soak(session, conversations, data["max_tokens"], started))
+    elapsed = time.perf_counter() - started
+    idle = _idle_state(session)
+    after = session.metrics() or {}
+    problems = []
+    counts = {
+        "requests": len(records),
+        "errors": sum(1 for r in records if r["error"]),
+        "empty": sum(1 for r in records if r["empty"]),
+        "truncated": sum(1 for r in records if r["truncated"]),
+    }
+    for key in ("errors", "empty", "truncated"):
+        if counts[key]:
+            problems.append(f"{counts[key]} {key}")
+    if not records:
+        problems.append("no request was sent")
+    growth_mib = None
+    if _RSS in before and _RSS in after:
+        growth_mib = (after[_RSS] - before[_RSS]) / 2**20
+        if growth_mib > options.soak_max_growth_mib:
+            problems.append(
+                f"resident memory grew {growth_mib:.0f} MiB (bound {options.soak_max_growth_mib:g})"
+            )
+    if idle.get("pages_held"):
+        problems.append(f"{idle['pages_held']} KV pages still held when idle")
+    if idle.get("integrity") not in (None, "ok"):
+        problems.append(f"pool integrity {idle['integrity']!r} when idle")
+    windows = _windows(records, elapsed)
+    session.say(
+        f"soak: {counts['requests']} requests in {elapsed:.0f} s, {counts['errors']} errors: "
+        + ("pass" if not problems else "fail: " + "; ".join(problems))
+    )
+    return {
+        "verdict": "fail" if problems else "pass",
+        "reason": "; ".join(problems),
+        "case_file": case_file.identity(),
+        "bounds": {"max_growth_mib": options.soak_max_growth_mib},
+        "figures": {
+            **counts,
+            "elapsed_s": elapsed,
+            "memory_growth_mib": growth_mib,
+            "memory_metric": _RSS if growth_mib is not None else None,
+            "idle": idle,
+            "windows": windows,
+            "drift": _drift(windows),
+        },
+        "requests": records,
+    }
+
+
+async def _soak(
+    session: Session, conversations: list[dict[str, Any]], max_tokens: int, started: float
+) -> list[dict[str, Any]]:
+    options = session.options
+    deadline = started + options.soak_minutes * 60
+    records: list[dict[str, Any]] = []
+    budget = [options.soak_max_requests or None]  # shared count bound; None: time only
+
+    def may_send() -> bool:
+        if time.perf_counter() >= deadline or budget[0] == 0:
+            return False
+        if budget[0] is not None:
+            budget[0] -= 1
+        return True
+
+    async def client_loop(client_id: int, client: httpx.AsyncClient) -> None:
+        index = client_id
+        while True:
+            conversation = conversations[index % len(conversations)]
+            index += options.soak_clients
+            messages: list[dict[str, Any]] = []
+            for turn, text in enumerate(conversation["turns"]):
+                if not may_send():
+                    return
+                messages.append({"role": "user", "content": text})
+                record = {"client": client_id, "conversation": conversation["id"], "turn": turn}
+                record["t_s"] = time.perf_counter() - started
+                try:
+                    reply = await session.chat.send(client, messages, max_tokens)
+                except (httpx.HTTPError, RequestFailed) as error:
+                    records.append({**record, **_failed(error)})
+                    break  # a new conversation: the history of this one is broken
+                records.append(
+                    {
+                        **record,
+                        "error": None,
+                        "empty": not reply.content and not reply.tool_calls,
+                        "truncated": not reply.done or reply.finish_reason is None,
+                        "finish_reason": reply.finish_reason,
+                        "completion_tokens": reply.completion_tokens,
+                        "prompt_tokens": reply.prompt_tokens,
+                        "ttft_s": reply.ttft_s,
+                        "itl_s": reply.chunk_gaps_s,
+                        "latency_s": reply.latency_s,
+                    }
+                )
+                messages.append({"role": "assistant", "content": reply.content})
+
+    async with session.endpoint.client(max_connections=options.soak_clients + 1) as client:
+        await asyncio.gather(*(client_loop(i, client) for i in range(options.soak_clients)))
+    return sorted(records, key=lambda r: r["t_s"])
+
+
+def _failed(error: Exception) -> dict[str, Any]:
+    return {"error": str(error) or type(error).__name__, "empty": False, "truncated": False}
+
+
+def _idle_state(session: Session) -> dict[str, Any]:
+    """morion's pool load once idle (pages held must be 0); empty for servers without /v1/server_info."""
+    deadline = time.monotonic() + _IDLE_WAIT_S
+    while True:
+        info = session.endpoint.server_info() or {}
+        load = info.get("load") or {}
+        if not load or (not load.get("running") and not load.get("waiting")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    keys = ("running", "waiting", "pages_held", "integrity")
+    return {key: load[key] for key in keys if key in load}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0-100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil
+    return ordered[int(rank) - 1]
+
+
+def _windows(records: list[dict[str, Any]], elapsed: float) -> list[dict[str, Any]]:
+    """Equal time windows by request start: count, errors, p50/p99 TTFT and ITL."""
+    width = max(elapsed, 1e-9) / _WINDOWS
+    windows = []
+    for w in range(_WINDOWS):
+        inside = [
+            r
+            for r in records
+            if w * width <= r["t_s"] < (w + 1) * width or (w == _WINDOWS - 1 and r["t_s"] >= elapsed)
+        ]
+        ttft = [r["ttft_s"] for r in inside if r.get("ttft_s") is not None]
+        itl = [gap for r in inside for gap in r.get("itl_s") or ()]
+        windows.append(
+            {
+                "start_s": w * width,
+                "end_s": (w + 1) * width,
+                "requests": len(inside),
+                "errors": sum(1 for r in inside if r["error"]),
+                "ttft_p50_s": percentile(ttft, 50),
+                "ttft_p99_s": percentile(ttft, 99),
+                "itl_p50_s": percentile(itl, 50),
+                "itl_p99_s": percentile(itl, 99),
+            }
+        )
+    return windows
+
+
+def _drift(windows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Last window's p50 over the first's (1.0: no drift), from the first and last windows with data."""
+    drift: dict[str, float | None] = {}
+    for key in ("ttft_p50_s", "itl_p50_s"):
+        values = [w[key] for w in windows if w[key]]
+        drift[key.replace("_s", "_ratio")] = values[-1] / values[0] if len(values) >= 2 else None
+    return drift

@@ -1,0 +1,205 @@
+"""Servers for the validate tests: one real `morion serve` on the default model shared by the module that
+needs it, and a tiny fake OpenAI server of the tests' own (stdlib `http.server` in a thread) whose
+behaviour each test chooses: answers that change on a repeated request, no render or tokenize routes,
+perfect or rejected tool calls. Only 127.0.0.1 is contacted; every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from morion.validate import cases as case_files
+
+API_KEY = "validate-key"
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_morion(args: list[str], log_path: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`morion serve` on the default model with `args`; returns (process, base URL) once /health is 200."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/server/conftest.py
+    with log_path.open("a") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with httpx.Client(base_url=base_url, timeout=5, trust_env=False) as client:
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s"
+            try:
+                if client.get("/health").status_code == 200:
+                    return process, base_url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+
+def stop_morion(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    return process.returncode
+
+
+@pytest.fixture(scope="module")
+def morion_url(smollm2_gguf, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """(base URL, API key). A small KV pool (1,024 tokens) with a host tier: the restore flood is short
+    and still evicts."""
+    directory = tmp_path_factory.mktemp("validate_server")
+    args = [
+        "--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "1024", "--host-cache-gb", "0.25",
+        "--served-model-name", "smollm2", "--api-key", API_KEY,
+    ]  # fmt: skip
+    process, base_url = start_morion(args, directory / "serve.log")
+    try:
+        yield base_url, API_KEY
+    finally:
+        assert stop_morion(process) == 0, (directory / "serve.log").read_text()
+
+
+class FakeBehaviour:
+    """What the fake server does; tests set the flags."""
+
+    def __init__(self) -> None:
+        self.change_repeats = False  # a repeated identical request gets a different answer
+        self.tools = "perfect"  # "perfect": the expected calls of tools-v1; "reject": 400 on tools
+        self.seen: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+
+def _words(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "").split()) for m in messages) + 3 * len(messages)
+
+
+def _tool_reply(body: dict[str, Any]) -> dict[str, Any]:
+    """A perfect tool-calling model for tools-v1: the case's expected calls in order, then its answer."""
+    data = case_files.load("tools").data
+    messages = body["messages"]
+    scripts = [data["probe"], *data["cases"]]
+    case = next(c for c in scripts if c["messages"][0]["content"] == messages[0]["content"])
+    expected = case.get("expected_calls", [{"name": "get_weather", "arguments": {"city": "Paris"}}])
+    done = sum(1 for m in messages if m["role"] == "tool")
+    if done < len(expected):
+        call = expected[done]
+        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+        return {"tool_calls": [{"index": 0, "id": f"call_{done}", "type": "function", "function": function}]}
+    return {"content": " ".join(case.get("final_contains", ["done"]))}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    behaviour: FakeBehaviour
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _sse(self, chunks: list[dict[str, Any]]) -> None:
+        data = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(data.encode())))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        elif self.path == "/health":
+            self._json(200, {"status": "ok"})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path == "/v1/completions":  # the restore flood and bench's probe: one token each
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 0}
+            self._sse(
+                [
+                    {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]},
+                    {"choices": [], "usage": usage},
+                ]
+            )
+            return
+        if self.path != "/v1/chat/completions":
+            self._json(404, {"error": {"message": "not found"}})
+            return
+        behaviour = self.behaviour
+        if body.get("tools") and behaviour.tools == "reject":
+            self._json(400, {"error": {"message": "tools are not supported", "param": "tools"}})
+            return
+        key = json.dumps(body["messages"], sort_keys=True)
+        with behaviour.lock:
+            repeat = behaviour.seen.get(key, 0)
+            behaviour.seen[key] = repeat + 1
+        prompt = _words(body["messages"])
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": 3,
+            "total_tokens": prompt + 3,
+            "prompt_tokens_details": {"cached_tokens": prompt - 1 if repeat else 0},
+        }
+        if body.get("tools"):
+            delta = _tool_reply(body)
+        else:
+            text = body["messages"][-1]["content"]
+            codes = re.findall(r"code is ([A-Z0-9-]+)\.", text)
+            delta = {"content": "\n".join(codes) if codes else "The answer is 4."}
+            if behaviour.change_repeats and repeat:
+                delta = {"content": "The answer is 5."}  # the broken cache: a different answer on a hit
+        finish = "tool_calls" if "tool_calls" in delta else "stop"
+        self._sse(
+            [
+                {"choices": [{"index": 0, "delta": {"role": "assistant", **delta}, "finish_reason": None}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+                {"choices": [], "usage": usage},
+            ]
+        )
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
+    """(base URL, behaviour) of a fake OpenAI server without /v1/chat/completions/render or /tokenize."""
+    behaviour = FakeBehaviour()
+    handler = type("Handler", (_Handler,), {"behaviour": behaviour})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", behaviour
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,109 @@
+"""`morion validate` against a fake server of the tests' own: a cache that answers differently on a hit
+makes `restore` fail; an endpoint without render/tokenize still sizes needles exactly (through usage);
+tool calls are graded, or reported unsupported; bad arguments are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from morion.cli import main
+from morion.validate import cases as case_files
+
+
+def _run(capsys, tmp_path: Path, *argv: str) -> tuple[int, dict]:
+    status = main(["validate", *argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    [path] = tmp_path.glob("*-validate-*.json")
+    result = json.loads(path.read_text())
+    assert path.with_suffix(".md").exists(), err
+    return status, result
+
+
+def test_restore_fails_when_a_cache_hit_changes_the_answer(fake_server, tmp_path, capsys):
+    url, behaviour = fake_server
+    behaviour.change_repeats = True
+    status, result = _run(capsys, tmp_path, "restore", "--url", url, "--flood-tokens", "64")
+    suite = result["suites"]["restore"]
+    assert status == 1 and result["verdict"] == "fail" and suite["verdict"] == "fail"
+    for case in suite["cases"]:
+        assert case["verdict"] == "fail"
+        assert "device: text differs from cold" in case["reason"]
+        assert case["steps"]["cold"]["content"] == "The answer is 4."  # the first attempt, kept
+    assert suite["events"]["flood"]["tokens"] >= 64
+    assert suite["case_file"]["sha256"] == case_files.FROZEN["restore-v1.json"]
+
+
+def test_restore_passes_on_a_consistent_server(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    marker = tmp_path / "restarted"
+    argv = ("restore", "--url", url, "--flood-tokens", "64", "--restart-cmd", f"touch {marker}")
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 0 and suite["verdict"] == "pass"
+    assert suite["tiers_declared"] == {"host": False, "disk": False}
+    assert marker.exists() and suite["steps"] == ["cold", "device", "host", "disk"]
+    assert suite["events"]["restart"]["exit_status"] == 0
+
+
+def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    status, result = _run(capsys, tmp_path, "needle", "--url", url, "--needle-lengths", "200,333")
+    suite = result["suites"]["needle"]
+    assert status == 0 and suite["verdict"] == "pass"
+    assert suite["counted_by"] == "usage"
+    assert set(suite["count_methods_unavailable"]) == {"render", "tokenize", "tokenizer"}
+    assert len(suite["cases"]) == 2 * len(case_files.load("needle").data["cases"])
+    for case in suite["cases"]:
+        assert case["counted_tokens"] == case["target_tokens"] == case["reply"]["usage"]["prompt_tokens"]
+        assert case["follow_up"]["passed"] and len(case["prompt_sha256"]) == 64
+    assert result["server"]["server_info"] is None and result["server"]["models_listed"] == ["fake"]
+
+
+def test_tools_graded_exactly(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    status, result = _run(capsys, tmp_path, "tools", "--url", url)
+    suite = result["suites"]["tools"]
+    assert status == 0 and suite["verdict"] == "pass", suite
+    chained = next(case for case in suite["cases"] if case["id"] == "chained-lookup")
+    assert [call["name"] for call in chained["calls"]] == ["lookup_customer", "list_orders"]
+    assert len(chained["turns"]) == 3  # two tool turns, then the answer
+
+
+def test_tools_unsupported_when_rejected(fake_server, tmp_path, capsys):
+    url, behaviour = fake_server
+    behaviour.tools = "reject"
+    status, result = _run(capsys, tmp_path, "tools", "--url", url)
+    assert status == 0  # unsupported is reported, not a failure
+    assert result["suites"]["tools"]["verdict"] == "unsupported"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["speed", "--url", "http://127.0.0.1:9"], "unknown suite 'speed'"),
+        (["needle"], "--url is required"),
+        ([], "name at least one suite"),
+        (["soak", "--url", "http://127.0.0.1:9", "--soak-clients", "0"], "--soak-clients must be >= 1"),
+        (["needle", "--url", "http://127.0.0.1:9", "--needle-lengths", "x"], "--needle-lengths must be"),
+        (["needle", "--url", "ftp://x"], "--url must start with http://"),
+    ],
+)
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    assert main(["validate", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("morion: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_unknown_case_id_is_one_line(fake_server, capsys):
+    url, _ = fake_server
+    assert main(["validate", "needle", "--url", url, "--cases", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err == "morion: error: --cases names no case of the chosen suites: nope\n"
+
+
+def test_case_files_are_frozen():
+    for suite in case_files.CURRENT:
+        assert case_files.load(suite).sha256 == case_files.FROZEN[case_files.CURRENT[suite]]
