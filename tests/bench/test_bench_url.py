@@ -4,67 +4,28 @@ tests/server: loopback only, a free port, bounded waits), and against a URL wher
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from morion.cli import main
+from tests.server.conftest import free_port, start_server, stop
 
 API_KEY = "bench-key"
-STARTUP_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     """(base URL, model directory) of a server on the tiny Llama, which has no tokenizer: token-id
     prompts only, and no text to time tokens by."""
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("bench_server") / "serve.log"
-    command = [
-        sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(tiny_llama.path), "--device", "cpu", "--kv-cache-tokens", "4096",
-        "--api-key", API_KEY,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/server/conftest.py
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
-    base_url = f"http://127.0.0.1:{port}"
+    args = ["--model", str(tiny_llama.path), "--device", "cpu", "--kv-cache-tokens", "4096"]
+    running = start_server(args, log_path, api_key=API_KEY)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with httpx.Client(base_url=base_url, timeout=5, trust_env=False) as client:
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s"
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        yield base_url, tiny_llama.path
+        yield running.base_url, tiny_llama.path
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop(running)
 
 
 def test_bench_against_a_server(tiny_server, tmp_path, capsys):
@@ -109,7 +70,7 @@ def test_wrong_api_key_is_one_line(tiny_server, capsys):
 
 
 def test_unreachable_url_is_one_line(tmp_path, capsys):
-    port = _free_port()  # nothing listens there once the probe socket is closed
+    port = free_port()  # nothing listens there once the probe socket is closed
     status = main(["bench", "--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path)])
     assert status == 1
     err = capsys.readouterr().err

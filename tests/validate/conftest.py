@@ -6,66 +6,18 @@ perfect or rejected tool calls. Only 127.0.0.1 is contacted; every wait is bound
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from morion.validate import cases as case_files
+from tests.server.conftest import start_server, stop
 
 API_KEY = "validate-key"
-STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_morion(args: list[str], log_path: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`morion serve` on the default model with `args`; returns (process, base URL) once /health is 200."""
-    port = port or free_port()
-    command = [sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/server/conftest.py
-    with log_path.open("a") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(base_url=base_url, timeout=5, trust_env=False) as client:
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s"
-            try:
-                if client.get("/health").status_code == 200:
-                    return process, base_url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
-
-def stop_morion(process: subprocess.Popen) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-    return process.returncode
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +29,11 @@ def morion_url(smollm2_gguf, tmp_path_factory) -> Iterator[tuple[str, str]]:
         "--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "1024", "--host-cache-gb", "0.25",
         "--served-model-name", "smollm2", "--api-key", API_KEY,
     ]  # fmt: skip
-    process, base_url = start_morion(args, directory / "serve.log")
+    running = start_server(args, directory / "serve.log")
     try:
-        yield base_url, API_KEY
+        yield running.base_url, API_KEY
     finally:
-        assert stop_morion(process) == 0, (directory / "serve.log").read_text()
+        assert stop(running) == 0, running.log()
 
 
 class FakeBehaviour:
