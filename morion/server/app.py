@@ -144,7 +144,14 @@ def create_app(context: ServerContext) -> FastAPI:
     @api.get("/v1/server_info")
     async def info() -> dict[str, Any]:
         client = context.client
-        return server_info(context.options, context.served_names, client.state, client.info, client.stats)
+        return server_info(
+            context.options,
+            context.served_names,
+            client.state,
+            client.info,
+            client.stats,
+            context.tooling.describe(),
+        )
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:

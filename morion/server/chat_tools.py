@@ -33,12 +33,20 @@ class ChatTooling:
 
     def __init__(self, tokenizer: Tokenizer | None, tool_parser: str | None, reasoning_parser: str | None):
         template = tokenizer.chat_template.source if tokenizer and tokenizer.chat_template else None
-        self.tool_parser: type[ToolCallParser] = TOOL_CALL_PARSERS[
-            tool_parser or default_tool_parser(template)
-        ]
+        self.tool_parser_name = tool_parser or default_tool_parser(template)
+        self.tool_parser: type[ToolCallParser] = TOOL_CALL_PARSERS[self.tool_parser_name]
+        self.reasoning_parser_name = reasoning_parser
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self._template_knows_tools = template is not None and "tools" in template
         self._template_knows_calls = template is not None and "tool_calls" in template
+
+    def describe(self) -> dict[str, Any]:
+        """What `/v1/server_info` reports of the agent features (the parsers after their defaults)."""
+        return {
+            "tool_call_parser": self.tool_parser_name,
+            "reasoning_parser": self.reasoning_parser_name,
+            "structured_output": ["json_object", "json_schema", "regex"],
+        }
 
     def check(self, request: ChatCompletionRequest) -> None:
         """A named tool_choice must name one of the tools."""

@@ -65,6 +65,7 @@ def server_info(
     state: str,
     info: EngineInfo | None,
     stats: EngineStats | None,
+    features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     config = dataclasses.asdict(options.engine)
     body: dict[str, Any] = {
@@ -81,6 +82,7 @@ def server_info(
             "shutdown_timeout": options.shutdown_timeout,
             "profile": options.profile,
         },
+        "features": features or {},
         "capacity": None,
         "decisions": [],
         "load": stats._asdict() if stats is not None else None,

@@ -254,6 +254,9 @@ def test_server_info_shows_profile_flags_and_their_precedence(server):
     assert info["config"]["device"] == "cpu" and info["config"]["dtype"] == "float32"
     assert info["server"]["profile"].endswith("serve.toml")
     assert any(d.startswith("dtype: float32") for d in info["decisions"])
+    # SmolLM2's template writes no <function=...> calls: hermes by default; no reasoning split unless asked.
+    assert info["features"]["tool_call_parser"] == "hermes"
+    assert info["features"]["reasoning_parser"] is None
     assert "morion serve: ready on" in server.log() and "auto           dtype" in server.log()
 
 

@@ -66,3 +66,8 @@ def test_plain_answer_with_thinking_off(flagged_server) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert reply.choices[0].message.content
+
+
+def test_server_info_names_the_chosen_parsers(flagged_server) -> None:
+    features = flagged_server.server_info()["features"]
+    assert features["tool_call_parser"] == "qwen3_coder" and features["reasoning_parser"] == "qwen3"
