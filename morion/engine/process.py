@@ -9,10 +9,13 @@ requests that were in flight (each gets an internal error, HTTP 500) and the loo
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+
+import torch
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
@@ -139,6 +142,10 @@ class EngineLoop:
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
             cache=self.engine.cache_stats.snapshot(),
+            resident_bytes=_resident_bytes(),
+            cuda_allocated_bytes=torch.cuda.memory_allocated(self.engine.device)
+            if self.engine.device.type == "cuda"
+            else 0,
         )
 
 
@@ -156,6 +163,15 @@ def _step_logprobs(
     if source_logprobs is None or source_top is None:
         return None, None
     return source_logprobs[-count:], source_top[-count:]
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size, from /proc (Linux); 0 elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,6 +72,9 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine_snapshot))
+        # The front end's own process_* series (resident memory, CPU, open files); the engine process's
+        # memory comes with its stats (morion_engine_*_bytes).
+        ProcessCollector(registry=registry)
 
     def request_finished(self, reason: str, usage: Usage | None, latency: float) -> None:
         self.finished.labels(reason).inc()
@@ -97,6 +107,14 @@ class _EngineCollector(Collector):
             "morion_kv_pages_cached": ("Pages held by the prefix cache", stats.pages_cached),
             "morion_kv_pages_held": ("Pages owned by running requests", stats.pages_held),
             "morion_kv_cache_usage_ratio": ("Share of pages not free", 1 - stats.pages_free / info.num_pages),
+            "morion_engine_resident_memory_bytes": (
+                "Resident memory of the engine process",
+                stats.resident_bytes,
+            ),
+            "morion_engine_cuda_memory_allocated_bytes": (
+                "CUDA memory torch has allocated in the engine process",
+                stats.cuda_allocated_bytes,
+            ),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(name, documentation, value)

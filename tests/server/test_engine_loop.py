@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import AbortRequest, AddRequest, Shutdown
@@ -24,6 +25,7 @@ class StubEngine:
         self.pool = SimpleNamespace(num_free=10)
         self.prefix_cache = SimpleNamespace(cached_pages=0)
         self.cache_stats = CacheStats()
+        self.device = torch.device("cpu")
 
     def add_request(self, prompt, params, request_id):
         if not prompt:
