@@ -6,18 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/morion-open-checks}
-mkdir -p "$out"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target /tmp/morion-site .whl/*.whl
-    export PYTHONPATH=/tmp/morion-site:$PWD
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}  # scripts/*.py import morion from here
-step() {
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "$name: rc=$? $(tail -1 "$out/$name.log" | cut -c1-200)"
-}
+source scripts/gpu_env.sh
 step grammar-mask 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar_mask_devices.py
 step kv-agreement 150 python3 scripts/kv_fp8_agreement.py --model preset:qwen3-next-80b-a3b-12l \
     --weight-dtype fp8 --prompts 4 --steps 256 --out "$out/kv-fp8-agreement.json"

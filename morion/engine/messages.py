@@ -72,7 +72,6 @@ class EngineStats(NamedTuple):
     retractions: int
     integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
     cache: CacheStats  # hits, restores and traffic by tier (a copy)
-    resident_bytes: int  # the engine process's resident memory (0 where /proc is not available)
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
 
 

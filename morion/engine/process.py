@@ -9,7 +9,6 @@ requests that were in flight (each gets an internal error, HTTP 500) and the loo
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -142,7 +141,6 @@ class EngineLoop:
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
             cache=self.engine.cache_stats.snapshot(),
-            resident_bytes=_resident_bytes(),
             cuda_allocated_bytes=torch.cuda.memory_allocated(self.engine.device)
             if self.engine.device.type == "cuda"
             else 0,
@@ -163,15 +161,6 @@ def _step_logprobs(
     if source_logprobs is None or source_top is None:
         return None, None
     return source_logprobs[-count:], source_top[-count:]
-
-
-def _resident_bytes() -> int:
-    """This process's resident set size, from /proc (Linux); 0 elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:

@@ -92,7 +92,9 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
         self.failure: str | None = None
-        self.metrics = ServerMetrics(lambda: (self.info, self.stats))
+        self.metrics = ServerMetrics(
+            lambda: (self.info, self.stats), lambda: self._process.pid if self._process else None
+        )
         self.open_streams: set[RequestStream] = set()
         self._streams: dict[str, RequestStream] = {}
         self._process: multiprocessing.process.BaseProcess | None = None

@@ -34,7 +34,7 @@ EngineSnapshot = Callable[[], tuple[EngineInfo | None, EngineStats | None]]
 
 
 class ServerMetrics:
-    def __init__(self, engine_snapshot: EngineSnapshot) -> None:
+    def __init__(self, engine_snapshot: EngineSnapshot, engine_pid: Callable[[], int | None]) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.http_requests = Counter(
@@ -72,9 +72,10 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine_snapshot))
-        # The front end's own process_* series (resident memory, CPU, open files); the engine process's
-        # memory comes with its stats (morion_engine_*_bytes).
+        # process_* series (resident memory, CPU, open files) of both processes, read from /proc when
+        # scraped: the front end's own, and the engine's as morion_engine_process_* (none before it runs).
         ProcessCollector(registry=registry)
+        ProcessCollector(namespace="morion_engine", pid=engine_pid, registry=registry)
 
     def request_finished(self, reason: str, usage: Usage | None, latency: float) -> None:
         self.finished.labels(reason).inc()
@@ -107,10 +108,6 @@ class _EngineCollector(Collector):
             "morion_kv_pages_cached": ("Pages held by the prefix cache", stats.pages_cached),
             "morion_kv_pages_held": ("Pages owned by running requests", stats.pages_held),
             "morion_kv_cache_usage_ratio": ("Share of pages not free", 1 - stats.pages_free / info.num_pages),
-            "morion_engine_resident_memory_bytes": (
-                "Resident memory of the engine process",
-                stats.resident_bytes,
-            ),
             "morion_engine_cuda_memory_allocated_bytes": (
                 "CUDA memory torch has allocated in the engine process",
                 stats.cuda_allocated_bytes,

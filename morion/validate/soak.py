@@ -8,9 +8,9 @@ Recorded per request: start time, TTFT, the gaps between content chunks (inter-t
 client), tokens, finish reason; errors, empty replies (no text, no tool call) and truncated streams (no
 finish reason or no `[DONE]`). Drift: p50/p99 TTFT and ITL in equal time windows. Memory: the growth of
 `process_resident_memory_bytes` in /metrics between the start and the idle end, when the server exports
-it (vLLM, SGLang; morion adds its engine process's `morion_engine_resident_memory_bytes`); a morion server
-is also checked for pages still held when idle (a leak) through /v1/server_info. Pass: zero errors,
-empties and truncations, growth within --soak-max-growth-mib, nothing held when idle.
+it (vLLM, SGLang; morion adds its engine process's `morion_engine_process_resident_memory_bytes`); a
+morion server is also checked for pages still held when idle (a leak) through /v1/server_info. Pass:
+zero errors, empties and truncations, growth within --soak-max-growth-mib, nothing held when idle.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from morion.validate.session import Session
 _WINDOWS = 6
 _RSS = "process_resident_memory_bytes"
 # morion serves from two processes: the front end exports its own process_* series and the engine's
-# resident memory as a gauge of its own. The soak bound applies to their sum.
-_ENGINE_RSS = "morion_engine_resident_memory_bytes"
+# resident memory as morion_engine_process_*. The soak bound applies to their sum.
+_ENGINE_RSS = "morion_engine_process_resident_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
 
 

@@ -30,6 +30,16 @@ class PoolBackend:
         return self.pools[component]
 
 
+@pytest.fixture(autouse=True)
+def fp32_references_without_tf32():
+    """Op tests compare against fp32 references; on a GPU, cuDNN and cuBLAS may run those in TF32
+    (10-bit mantissa) unless told not to."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def pool_backend() -> type[PoolBackend]:
     """The `PoolBackend` class (test modules here do not import each other)."""

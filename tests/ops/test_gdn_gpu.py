@@ -44,15 +44,6 @@ BF16 = torch.bfloat16
 LENGTHS, SLOTS, NUM_SLOTS = [130, 0, 67], [5, 1, 3], 6
 
 
-@pytest.fixture(autouse=True)
-def fp32_references_without_tf32():
-    """On a GPU, cuDNN may run the fp32 reference convs in TF32 (10-bit mantissa) unless told not to."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def device_randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)

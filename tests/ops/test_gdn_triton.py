@@ -29,15 +29,6 @@ WIDTH = 4
 STATE_DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-@pytest.fixture(autouse=True)
-def fp32_references_without_tf32():
-    """On a GPU, cuDNN may run the fp32 reference convs in TF32 (10-bit mantissa) unless told not to."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def randn(*shape: int, gen: torch.Generator, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 

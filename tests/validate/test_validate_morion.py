@@ -56,7 +56,7 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     # Both of morion's processes report their resident memory, so the growth bound is checked.
     assert (
         soak["figures"]["memory_metric"]
-        == "process_resident_memory_bytes + morion_engine_resident_memory_bytes"
+        == "process_resident_memory_bytes + morion_engine_process_resident_memory_bytes"
     )
     assert soak["figures"]["memory_growth_mib"] is not None
 
