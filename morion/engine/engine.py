@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import morion
-from morion.cache.copy_engine import Transfer, make_copy_engine
+from morion.cache.copy_engine import make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
 from morion.cache.disk_store import free_space_budget, open_disk_store
 from morion.cache.page_pool import PagePool
@@ -27,6 +27,7 @@ from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_f
 from morion.engine.grammar import GrammarRuntime
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
+from morion.engine.restore_wait import BackendAfterRestores
 from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import Scheduler
@@ -337,7 +338,8 @@ class Engine:
         else:
             backend = PagedAttentionBackend(self.pool, batch, self.state_slots, self.kv_scales)
             if restores:
-                backend = _AfterRestores(backend, restores, [c.name for c in self.pool.spec.token_components])
+                components = [c.name for c in self.pool.spec.token_components]
+                backend = BackendAfterRestores(backend, restores, components)
             hidden = self.model(batch.input_ids, batch.positions, backend)
             logits = None
         sampling: list[tuple[Request, int]] = []
@@ -419,59 +421,6 @@ class Engine:
         everything). Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
-
-
-class _AfterRestores:
-    """The step's backend with every read of cache memory ordered after the step's load-backs.
-
-    Copy rule 4: a layer waits on the GPU (never the CPU) for that layer's restore copies of every
-    component it touches: attention for each token component at its index (K/V, and any side cache
-    paged with it), a linear layer for the state component it reads or writes, whichever way it reaches
-    it (whole states or the pool in place).
-    """
-
-    def __init__(self, backend: PagedAttentionBackend, restores: list[Transfer], token_components: list[str]):
-        self._backend = backend
-        self._restores = restores
-        self._token_components = token_components
-
-    @property
-    def query_ranges(self) -> list[tuple[int, int]]:
-        return self._backend.query_ranges
-
-    @property
-    def decode_only(self) -> bool:
-        return self._backend.decode_only
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self._backend.cu_seqlens
-
-    @property
-    def state_indices(self) -> torch.Tensor:
-        return self._backend.state_indices
-
-    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-        for restore in self._restores:
-            for name in self._token_components:
-                restore.wait(name, layer_index)
-        return self._backend.attend(layer_index, q, k, v, scale)
-
-    def _wait_state(self, component: str, linear_ordinal: int) -> None:
-        for restore in self._restores:
-            restore.wait(component, linear_ordinal)
-
-    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        self._wait_state(component, linear_ordinal)
-        return self._backend.state_pool(component, linear_ordinal)
-
-    def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        self._wait_state(component, linear_ordinal)
-        return self._backend.read_state(component, linear_ordinal)
-
-    def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
-        self._wait_state(component, linear_ordinal)
-        self._backend.write_state(component, linear_ordinal, value)
 
 
 def _final_output(request: Request) -> RequestOutput:
