@@ -15,6 +15,7 @@ from morion.loader.dummy_weights import fill_dummy_weights
 from morion.loader.fp8_block import block_fp8_size, dequantized_weights
 from morion.loader.gguf_loader import GGUFModel, read_gguf
 from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS, pull
+from morion.loader.nvfp4 import dequantized_nvfp4_weights, is_nvfp4_checkpoint
 from morion.loader.safetensors_loader import HFDirectory, read_hf_directory
 from morion.models.presets import is_preset, preset_config
 from morion.models.registry import build_model
@@ -80,7 +81,7 @@ def load_model(
     if weights is None:
         fill_dummy_weights(module, seed)
     else:
-        _load_checkpoint(module, weights, hf_config, path, weight_dtype)
+        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device)
     if device.type == "cuda":
         # Quantization and dequantization temporaries go back to the driver before the KV pool is
         # sized from the memory that is really free (design.md §4).
@@ -94,6 +95,8 @@ def _load_checkpoint(
     hf_config: dict[str, Any],
     path: Path,
     weight_dtype: str,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     progress = Progress(f"loading {path.name}", weights.num_tensors, " tensors")
 
@@ -103,6 +106,9 @@ def _load_checkpoint(
             progress.advance()
 
     tensors = counted(weights.weights())
+    if is_nvfp4_checkpoint(hf_config, path):
+        logger.info("NVFP4 checkpoint: quantized weights dequantized to %s as they load", dtype)
+        tensors = dequantized_nvfp4_weights(tensors, dtype, device)
     block = block_fp8_size(hf_config)
     if block and weight_dtype == "fp8":
         logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
