@@ -331,7 +331,10 @@ class CudaCopyEngine(CopyEngine):
 
                         def copy(storage=storage, layer=layer, src=views[c.name][:, layer], c=c) -> None:
                             flat = src.reshape(n * ps, *c.token_shape)
-                            storage[layer].index_copy_(0, token_slots, flat)
+                            # As bytes: index_copy_ has no float8 kernels (an FP8 K/V pool).
+                            storage[layer].view(torch.uint8).index_copy_(
+                                0, token_slots, flat.view(torch.uint8)
+                            )
 
                         scatters.append((layer / c.num_layers, c.name, layer, copy))
             if snapshot_row is not None:

@@ -86,6 +86,23 @@ def test_host_and_disk_hits_on_cuda_equal_cold(on_cuda, cold, engine_factory, en
     restarted.close()
 
 
+def test_fp8_kv_host_hit_equals_cold(on_cuda, engine_factory, engine_runner, tmp_path):
+    """An FP8 K/V pool restores too (float8 has no index_copy_ kernels: the copy goes as bytes)."""
+    prompt = _prompt(1)
+    cold_engine = engine_factory(
+        on_cuda, page_size=PAGE, device="cuda", enable_prefix_cache=False, kv_cache_dtype="fp8"
+    )
+    engine = _tiered(engine_factory, on_cuda, tmp_path, disk_cache_dir=None, disk_cache_gb=None,
+                     kv_cache_dtype="fp8")  # fmt: skip
+    first = engine_runner(engine, [prompt], GREEDY)[0]
+    follow_up = prompt + first.token_ids + [1, 2, 3]
+    _evict_and_scribble(engine)
+    host = engine_runner(engine, [follow_up], GREEDY)[0]
+    assert host.usage.cached_tokens == 80
+    assert host.token_ids == engine_runner(cold_engine, [follow_up], GREEDY)[0].token_ids
+    engine.check_integrity()
+
+
 def _held_back_restores(monkeypatch, flood_host: bool) -> None:
     """Hold the copy stream back ~50 ms before each restore; optionally flood the host tier right after
     the restore is issued, while its copies certainly wait."""
