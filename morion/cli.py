@@ -120,6 +120,19 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA memory kept free for activations (default: measured by a warm-up forward)",
     )
     parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        help="speculative decoding: ngram drafts from the conversation itself (off)",
+    )
+    parser.add_argument(
+        "--spec-policy", metavar="FILE", help="draft width policy, JSON (docs/speculative.md)"
+    )
+    parser.add_argument(
+        "--spec-width",
+        type=_bounded(int, 1, "--spec-width"),
+        help="a fixed draft width instead of the policy",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_cache",
         action="store_false",
@@ -193,6 +206,20 @@ def _build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--namespace", help="a namespace (or a unique prefix of one)")
     cache.add_argument("--remove-bad", action="store_true", help="verify: delete objects that fail")
     cache.add_argument("--all", action="store_true", help="purge: every namespace")
+
+    frspec = commands.add_parser(
+        "frspec", help="build an FR-Spec reduced draft vocabulary (docs/speculative.md)"
+    )
+    frspec.add_argument("action", choices=("build",))
+    frspec.add_argument("--tokenizer", required=True, help="model directory, .gguf file or known name")
+    frspec.add_argument(
+        "--corpus", nargs="+", required=True, metavar="FILE", help="text files to count tokens in"
+    )
+    frspec.add_argument("--size", type=_bounded(int, 1, "--size"), required=True, help="ids in the map")
+    frspec.add_argument(
+        "--base-count", type=_bounded(int, 0, "--base-count"), help="lowest ids always kept (half of --size)"
+    )
+    frspec.add_argument("--out", required=True, help="the map file to write (JSON)")
     return parser
 
 
@@ -225,6 +252,9 @@ _ENGINE_FLAGS = (
     "cuda_graph",
     "cuda_graph_max_batch",
     "activation_reserve_gb",
+    "speculative",
+    "spec_policy",
+    "spec_width",
 )
 _SERVER_FLAGS = (
     "host",
@@ -350,6 +380,18 @@ def _run_validate(args: argparse.Namespace) -> int:
     return run_validate(args)
 
 
+def _run_frspec(args: argparse.Namespace) -> None:
+    from morion.spec.frspec import build_for_model, write_token_map
+
+    data = build_for_model(args.tokenizer, args.corpus, args.size, args.base_count)
+    write_token_map(data, args.out)
+    corpus = data["corpus"]
+    print(
+        f"{args.out}: {data['size']} token ids ({len(data['special_ids'])} special, {data['base_count']} "
+        f"lowest; corpus of {corpus['tokens']} tokens, SHA-256 {corpus['sha256'][:16]})"
+    )
+
+
 _COMMANDS = {
     "pull": _run_pull,
     "generate": _run_generate,
@@ -358,6 +400,7 @@ _COMMANDS = {
     "cache": _run_cache,
     "bench": _run_bench,
     "validate": _run_validate,
+    "frspec": _run_frspec,
 }
 
 

@@ -11,6 +11,8 @@ from morion.errors import MorionError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", *DTYPES)
+# Speculative decoding drafters selectable by name (the synthetic benchmark drafter is passed in code).
+SPECULATIVE_METHODS = ("off", "ngram")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
+    speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
+    spec_policy: str | None = None  # width policy JSON file; None: the default policy
+    spec_width: int | None = None  # a fixed draft width instead of the policy
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -81,6 +86,12 @@ class EngineConfig:
             )
         if self.activation_reserve_gb is not None and self.activation_reserve_gb < 0:
             raise MorionError(f"activation_reserve_gb must be >= 0, got {self.activation_reserve_gb}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise MorionError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}"
+            )
+        if self.spec_width is not None and self.spec_width < 1:
+            raise MorionError(f"spec_width must be >= 1, got {self.spec_width}")
         if not 0 < self.host_cache_state_fraction < 1:
             raise MorionError(
                 f"host_cache_state_fraction must be in (0, 1), got {self.host_cache_state_fraction}"

@@ -139,6 +139,8 @@ class OneSequenceBackend:
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
         pass
 
+    verify_slots = None  # never a speculative verify forward
+
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         """One zeroed slot per (component, layer), made on first use; what the kernels leave is dropped."""
         key = (component, linear_ordinal)

@@ -7,6 +7,11 @@ logits out. A batch of B sequences replays the smallest bucket >= B; the rows pa
 must not touch anyone's cache, so they write their K/V into a scratch page and their state into a
 scratch state slot that the engine holds for this purpose and never hands out.
 
+Speculative verify forwards replay graphs too: a runner built with `query_len` n > 1 captures batches of
+B sequences with exactly n new tokens each (the last sampled token and n - 1 drafts), and, for models
+with state, the [B, n] `verify_slots` buffer (HybridBackend.verify_slots). Its padding rows write their n
+tokens into the scratch page (n <= page size) and all their states into the scratch slot.
+
 Invariants for capture: the model's decode path makes no host syncs and allocates nothing whose size
 depends on data; all Triton kernels were compiled by an eager warm-up run of the same shapes first.
 """
@@ -51,8 +56,11 @@ class DecodeGraphRunner:
         max_pages_per_sequence: int,
         scratch_page: int,
         scratch_slot: int | None,
+        query_len: int = 1,
     ) -> None:
         device = pool.device
+        if not 1 <= query_len <= pool.page_size:
+            raise ValueError(f"query_len {query_len} must be in [1, page size {pool.page_size}]")
         self._model = model
         self._pool = pool
         self._state_slots = state_slots
@@ -62,18 +70,28 @@ class DecodeGraphRunner:
         self.max_pages = max_pages_per_sequence
         self._scratch_page = scratch_page
         self._scratch_slot = scratch_slot
+        self.query_len = n = query_len
         page_size = pool.page_size
-        rows = max_batch
-        # Padding rows attend to one key in the scratch page and write there (and to the scratch slot).
+        rows = max_batch * n
+        # Padding sequences attend to their n keys in the scratch page and write there (and to the
+        # scratch slot): token i of every padding sequence goes to scratch token slot i.
+        self._padding_slots = scratch_page * page_size + torch.arange(rows, device=device) % n
         self._input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self._positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self._out_slots = torch.full((rows,), scratch_page * page_size, dtype=torch.long, device=device)
-        self._page_table = torch.full((rows, self.max_pages), scratch_page, dtype=torch.int32, device=device)
-        self._cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self._positions = torch.arange(rows, device=device) % n
+        self._out_slots = self._padding_slots.clone()
+        self._page_table = torch.full(
+            (max_batch, self.max_pages), scratch_page, dtype=torch.int32, device=device
+        )
+        self._cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device) * n
+        self._seq_lens = torch.full((max_batch,), n, dtype=torch.int32, device=device)
         self._state_indices = (
-            torch.full((rows,), scratch_slot, dtype=torch.int32, device=device)
+            torch.full((max_batch,), scratch_slot, dtype=torch.int32, device=device)
             if scratch_slot is not None
+            else None
+        )
+        self._verify_slots = (
+            torch.full((max_batch, n), scratch_slot, dtype=torch.int32, device=device)
+            if scratch_slot is not None and n > 1
             else None
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -82,28 +100,35 @@ class DecodeGraphRunner:
         self.replays = 0  # decode steps served from a graph
 
     def _static_batch(self, size: int) -> ForwardBatch:
+        n = self.query_len
         return ForwardBatch(
-            input_ids=self._input_ids[:size],
-            positions=self._positions[:size],
-            out_slots=self._out_slots[:size],
+            input_ids=self._input_ids[: size * n],
+            positions=self._positions[: size * n],
+            out_slots=self._out_slots[: size * n],
             page_table=self._page_table[:size],
             cu_seqlens_q=self._cu_seqlens[: size + 1],
             seq_lens=self._seq_lens[:size],
             state_indices=None if self._state_indices is None else self._state_indices[:size],
-            max_query_len=1,
-            query_ranges=[(row, 1) for row in range(size)],
-            last_rows=list(range(size)),
+            max_query_len=n,
+            query_ranges=[(row * n, n) for row in range(size)],
+            last_rows=[row * n + n - 1 for row in range(size)],
         )
 
     def _forward(self, size: int) -> Callable[[], torch.Tensor]:
         batch = self._static_batch(size)
-        backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales)
+        verify_slots = None if self._verify_slots is None else self._verify_slots[:size]
+        backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales, verify_slots)
 
         def run() -> torch.Tensor:
             hidden = self._model(batch.input_ids, batch.positions, backend)
             return self._model.compute_logits(hidden)
 
         return run
+
+    def share_memory_pool(self, other: DecodeGraphRunner) -> None:
+        """Capture into `other`'s graph memory pool: runners replay one at a time, never concurrently,
+        so their activations may share memory (call before `capture`)."""
+        self._memory_pool = other._memory_pool
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -127,37 +152,46 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self._pool.device).wait_stream(stream)
         torch.cuda.synchronize(self._pool.device)
         free_after, _ = torch.cuda.mem_get_info(self._pool.device)
+        kind = "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens per sequence)"
         print(
-            f"morion: captured decode CUDA graphs for batch sizes {self.buckets} in "
+            f"morion: captured {kind} CUDA graphs for batch sizes {self.buckets} in "
             f"{time.perf_counter() - started:.1f} s ({(free_before - free_after) / 2**30:.2f} GiB)",
             file=sys.stderr,
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        n = self.query_len
         return (
-            batch.decode_only
+            batch.max_query_len == n
+            and all(length == n for _, length in batch.query_ranges)
             and len(batch.query_ranges) <= self.max_batch
             and batch.page_table.shape[1] <= self.max_pages
         )
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) of a decode-only batch of B <= max_batch sequences."""
+    def run(self, batch: ForwardBatch, verify_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B * n, vocab] (fp32) of a batch of B <= max_batch sequences of n new tokens each (n = 1:
+        decode; n > 1: a verify forward, with its `verify_slots` [B, n] for models with state)."""
+        n = self.query_len
         size = len(batch.query_ranges)
         bucket = next(b for b in self.buckets if b >= size)
         width = batch.page_table.shape[1]
-        self._input_ids[:size].copy_(batch.input_ids)
-        self._positions[:size].copy_(batch.positions)
-        self._out_slots[:size].copy_(batch.out_slots)
+        self._input_ids[: size * n].copy_(batch.input_ids)
+        self._positions[: size * n].copy_(batch.positions)
+        self._out_slots[: size * n].copy_(batch.out_slots)
         self._page_table[:size, :width].copy_(batch.page_table)
         self._seq_lens[:size].copy_(batch.seq_lens)
         if self._state_indices is not None and batch.state_indices is not None:
             self._state_indices[:size].copy_(batch.state_indices)
+        if self._verify_slots is not None and verify_slots is not None:
+            self._verify_slots[:size].copy_(verify_slots)
         if bucket > size:  # rows that held a real sequence last time are padding now
-            self._out_slots[size:bucket].fill_(self._scratch_page * self._pool.page_size)
+            self._out_slots[size * n : bucket * n].copy_(self._padding_slots[size * n : bucket * n])
             self._page_table[size:bucket, 0].fill_(self._scratch_page)
-            self._seq_lens[size:bucket].fill_(1)
+            self._seq_lens[size:bucket].fill_(n)
             if self._state_indices is not None:
                 self._state_indices[size:bucket].fill_(self._scratch_slot)
+            if self._verify_slots is not None:
+                self._verify_slots[size:bucket].fill_(self._scratch_slot)
         self._graphs[bucket].replay()
         self.replays += 1
-        return self._logits[bucket][:size]
+        return self._logits[bucket][: size * n]

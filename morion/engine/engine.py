@@ -30,11 +30,15 @@ from morion.engine.request import Request
 from morion.engine.restore_wait import BackendAfterRestores
 from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
-from morion.engine.scheduler import Scheduler
+from morion.engine.scheduler import ScheduledChunk, Scheduler
+from morion.engine.speculative import SpeculativeDecoding
 from morion.engine.stop import StopStringMatcher
 from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel, load_model
+from morion.spec.drafter import Drafter
+from morion.spec.ngram import NgramDrafter
+from morion.spec.policy import fixed_width_policy, load_width_policy
 from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
@@ -43,7 +47,11 @@ _PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight w
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, drafter: Drafter | None = None
+    ) -> None:
+        """`drafter` (e.g. the synthetic benchmark drafter) turns speculative decoding on with it, whatever
+        `config.speculative` says; otherwise `config.speculative` names the drafter."""
         self.config = config
         self.device = config.torch_device
         loaded = loaded or load_model(
@@ -68,11 +76,14 @@ class Engine:
         self.kv_scales = KVScales()
         spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype])
         use_graphs = config.cuda_graph and self.device.type == "cuda"
+        self.speculative = _speculative_decoding(config, drafter, spec.has_state)
         self._activation_reserve = self._activation_reserve_bytes(spec)
         self.state_slots = None
         if spec.has_state:
-            # Each running request holds a working slot and a page-boundary copy; the rest are snapshots.
-            num_slots = config.state_slots or 4 * config.max_running_requests
+            # Each running request holds a working slot and a page-boundary copy (and with speculation a
+            # slot per draft position); the rest are snapshots.
+            per_request = 4 + (self.speculative.policy.max_width if self.speculative else 0)
+            num_slots = config.state_slots or per_request * config.max_running_requests
             self.state_slots = StateSlots(spec, num_slots + int(use_graphs), self.device)
         state_bytes = self.state_slots.num_bytes if self.state_slots else 0
         num_pages = self._num_pages(spec.bytes_per_page, state_bytes) + int(use_graphs)
@@ -116,6 +127,30 @@ class Engine:
             except RuntimeError as error:  # a model path that syncs with the host: decode still works
                 print(f"morion: CUDA graph capture FAILED, decode runs eagerly: {error}", file=sys.stderr)
                 self.graphs = None
+        # Verify forwards of speculative decoding, one runner per draft width the policy may pick.
+        self.verify_graphs: dict[int, DecodeGraphRunner] = {}
+        if self.graphs is not None and self.speculative is not None:
+            self._capture_verify_graphs()
+
+    def _capture_verify_graphs(self) -> None:
+        config, decode = self.config, self.graphs
+        for width in self.speculative.policy.candidate_widths:
+            if width + 1 > config.page_size:
+                continue  # padding rows keep their tokens in one scratch page
+            runner = DecodeGraphRunner(
+                self.model, self.pool, self.state_slots, self.kv_scales, decode.max_batch, decode.max_pages,
+                self._scratch_pages[0], self._scratch_slots[0] if self._scratch_slots else None,
+                query_len=width + 1,
+            )  # fmt: skip
+            runner.share_memory_pool(decode)
+            try:
+                runner.capture()
+            except RuntimeError as error:
+                print(
+                    f"morion: verify CUDA graph capture FAILED, verify runs eagerly: {error}", file=sys.stderr
+                )
+                return
+            self.verify_graphs[width + 1] = runner
 
     def _activation_reserve_bytes(self, spec: CacheSpec) -> int:
         """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk (it also
@@ -305,6 +340,8 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request, "abort")
+        if self.speculative is not None:
+            self.speculative.release(request_id)
         return _final_output(request)
 
     def has_unfinished(self) -> bool:
@@ -326,6 +363,11 @@ class Engine:
                 )
             self.check_integrity()
             return []
+        outputs: list[StepOutput] = []
+        if self.speculative is not None:
+            outputs, chunks = self._speculate(chunks)
+            if not chunks:
+                return outputs
         batch = build_forward_batch(
             [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
             [c.request.state_slot for c in chunks],
@@ -348,11 +390,31 @@ class Engine:
             if chunk.request.num_uncomputed == 0:
                 sampling.append((chunk.request, last_row))
         if not sampling:
-            return []
+            return outputs
         if logits is None:
             logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
         result = sample(logits, [request.sampler for request, _ in sampling])
-        return [self._append_token(request, i, result) for i, (request, _) in enumerate(sampling)]
+        return outputs + [self._append_token(request, i, result) for i, (request, _) in enumerate(sampling)]
+
+    def _speculate(self, chunks: list[ScheduledChunk]) -> tuple[list[StepOutput], list[ScheduledChunk]]:
+        """Verify forward for the eligible decoding requests (engine/speculative.py); returns its outputs
+        and the chunks left for the ordinary forward."""
+        speculative = self.speculative
+        decoding = [
+            c.request
+            for c in chunks
+            if c.request.output_token_ids
+            and c.request.num_uncomputed == 1
+            and speculative.eligible(c.request)
+        ]
+        if not decoding:
+            return [], chunks
+        outputs, plain = speculative.step(
+            decoding, self.model, self.scheduler, self.max_model_len, self.kv_scales, self._append_token,
+            self.verify_graphs,
+        )  # fmt: skip
+        verified = {id(r) for r in decoding} - {id(r) for r in plain}
+        return outputs, [c for c in chunks if id(c.request) not in verified]
 
     def _append_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
         token_id = result.token_ids[index]
@@ -387,6 +449,8 @@ class Engine:
             return StepOutput(request.request_id, [token_id], new_text, False, None)
         self.scheduler.finish(request, reason)
         del self._requests[request.request_id]
+        if self.speculative is not None:
+            self.speculative.release(request.request_id)
         return StepOutput(request.request_id, [token_id], new_text, True, _final_output(request))
 
     # ------------------------------------------------------------- integrity
@@ -421,6 +485,20 @@ class Engine:
         everything). Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def _speculative_decoding(
+    config: EngineConfig, drafter: Drafter | None, has_state: bool
+) -> SpeculativeDecoding | None:
+    if drafter is None and config.speculative == "off":
+        return None
+    if drafter is None:
+        drafter = NgramDrafter()  # the only drafter selectable by name so far (config.SPECULATIVE_METHODS)
+    if config.spec_width is not None:
+        policy = fixed_width_policy(config.spec_width)
+    else:
+        policy = load_width_policy(config.spec_policy)
+    return SpeculativeDecoding(drafter, policy, has_state)
 
 
 def _final_output(request: Request) -> RequestOutput:

@@ -10,7 +10,7 @@ import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
-from morion.ops.paged_attention import paged_attention_reference, store_kv
+from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
 
 
 class ForwardBatch(NamedTuple):
@@ -103,12 +103,15 @@ class PagedAttentionBackend:
         batch: ForwardBatch,
         state_slots: StateSlots | None = None,
         kv_scales: KVScales = UNSCALED,
+        verify_slots: torch.Tensor | None = None,
     ) -> None:
         self._kv = pool.storage("kv")
+        self.verify_slots = verify_slots  # speculative verify forwards only (HybridBackend.verify_slots)
         self._page_size = pool.page_size
         self._batch = batch
         self._state_slots = state_slots
         self._kv_scales = kv_scales
+        self._pool = pool  # every token component, for layers with side caches (TokenCacheBackend)
 
     @property
     def query_ranges(self) -> list[tuple[int, int]]:
@@ -156,3 +159,36 @@ class PagedAttentionBackend:
             q, kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, self._page_size, scale,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+
+    # -- TokenCacheBackend (layers/token_cache_backend.py): side caches and direct K/V access ----------
+
+    def write_tokens(self, component: str, ordinal: int, values: torch.Tensor) -> None:
+        storage = self._pool.storage(component)[ordinal]
+        storage[self._batch.out_slots] = values.to(storage.dtype)
+
+    def read_sequence_tokens(self, component: str, ordinal: int, seq_index: int) -> torch.Tensor:
+        length = int(self._batch.seq_lens[seq_index])  # a host sync on CUDA
+        positions = torch.arange(length, device=self._batch.page_table.device)
+        return self._pool.storage(component)[ordinal][self._token_slots(seq_index, positions)]
+
+    def write_kv(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_scale, v_scale = self._kv_scales
+        store_kv(self._kv[layer_index], self._batch.out_slots, k, v, k_scale, v_scale)
+
+    def read_sequence_kv(
+        self, layer_index: int, seq_index: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv_layer = self._kv[layer_index]
+        slots = self._token_slots(seq_index, positions)
+        if kv_layer.dtype != FP8_KV_DTYPE:
+            kv = kv_layer[slots].float()
+            return kv[:, 0], kv[:, 1]
+        # As store_kv: through a byte view (indexing is defined for uint8 everywhere, not for fp8).
+        kv = kv_layer.view(torch.uint8)[slots].view(FP8_KV_DTYPE).float()
+        return kv[:, 0] * self._kv_scales.k_scale, kv[:, 1] * self._kv_scales.v_scale
+
+    def _token_slots(self, seq_index: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool token slots of sequence `seq_index`'s tokens at `positions` (through its page table)."""
+        positions = positions.to(self._batch.page_table.device).long()
+        pages = self._batch.page_table[seq_index].long()[positions // self._page_size]
+        return pages * self._page_size + positions % self._page_size

@@ -46,6 +46,9 @@ class Request:
     state_slot: int | None = None  # working per-request state (models with state components)
     boundary_slot: int | None = None  # copy of the state at `boundary_position`, the last page boundary
     boundary_position: int = 0
+    # Speculative decoding: slots for the states after each draft token of a verify forward (column t + 1
+    # of `verify_slots`); held while running, swapped with `state_slot` when drafts are accepted.
+    draft_slots: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False

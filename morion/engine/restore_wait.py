@@ -39,6 +39,10 @@ class BackendAfterRestores:
     def state_indices(self) -> torch.Tensor:
         return self._backend.state_indices
 
+    @property
+    def verify_slots(self) -> torch.Tensor | None:
+        return self._backend.verify_slots
+
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         for restore in self._restores:
             for name in self._token_components:
@@ -60,3 +64,33 @@ class BackendAfterRestores:
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
         self._wait_state(component, linear_ordinal)
         self._backend.write_state(component, linear_ordinal, value)
+
+    # TokenCacheBackend: a side cache waits for its own (component, layer) copies; K/V reads and writes
+    # wait for every token component at that layer, as `attend` does.
+
+    def _wait_component(self, component: str, ordinal: int) -> None:
+        for restore in self._restores:
+            restore.wait(component, ordinal)
+
+    def write_tokens(self, component: str, ordinal: int, values: torch.Tensor) -> None:
+        self._wait_component(component, ordinal)
+        self._backend.write_tokens(component, ordinal, values)
+
+    def read_sequence_tokens(self, component: str, ordinal: int, seq_index: int) -> torch.Tensor:
+        self._wait_component(component, ordinal)
+        return self._backend.read_sequence_tokens(component, ordinal, seq_index)
+
+    def _wait_tokens(self, layer_index: int) -> None:
+        for restore in self._restores:
+            for name in self._token_components:
+                restore.wait(name, layer_index)
+
+    def write_kv(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._wait_tokens(layer_index)
+        self._backend.write_kv(layer_index, k, v)
+
+    def read_sequence_kv(
+        self, layer_index: int, seq_index: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._wait_tokens(layer_index)
+        return self._backend.read_sequence_kv(layer_index, seq_index, positions)

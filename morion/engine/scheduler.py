@@ -285,6 +285,33 @@ class Scheduler:
                 return True
         return False
 
+    # ------------------------------------------------------ speculative decoding
+    def reserve_for_verify(self, request: Request, num_tokens: int, num_draft_slots: int) -> bool:
+        """Pages for `num_tokens` more computed tokens and `num_draft_slots` draft state slots (models with
+        state), evicting cached pages and snapshots if needed but never retracting a request (the
+        step's batch is already chosen). False, with nothing taken, when they do not fit."""
+        missing = self._pages_for(request.num_computed + num_tokens) - len(request.pages)
+        if missing > 0:
+            pages = self._alloc(missing)
+            if pages is None:
+                return False
+            request.pages.extend(pages)
+            request.owned_pages.update(pages)
+        if self.slots is not None:
+            while len(request.draft_slots) < num_draft_slots:
+                slot = self._alloc_slot()
+                if slot is None:
+                    return False  # the pages stay with the request: its next steps need them anyway
+                request.draft_slots.append(slot)
+        return True
+
+    def after_verified_token(self, request: Request) -> None:
+        """Bookkeeping once one more token of a verify forward is committed (`num_computed` + 1, the state
+        after it already in `state_slot`): as a decode step, keep the state at a page boundary."""
+        request.num_computed += 1
+        if self.slots is not None and self.enable_prefix_cache and request.num_computed % self.page_size == 0:
+            self._keep_boundary_state(request)
+
     # ------------------------------------------------------ cache hand-over
     def after_forward(self, request: Request, num_tokens: int) -> None:
         """Bookkeeping once `num_tokens` more tokens of `request` are computed."""
@@ -366,9 +393,10 @@ class Scheduler:
         # to the cache, the rest is freed.
         self._cache_computed(request, snapshot_working_state=True, donate=True)
         self.pool.free(sorted(request.owned_pages))
-        for slot in (request.state_slot, request.boundary_slot):
+        for slot in (request.state_slot, request.boundary_slot, *request.draft_slots):
             if slot is not None:
                 self.slots.free(slot)
+        request.draft_slots = []
         self.cache.unlock(request.prefix_node)
         request.pages, request.owned_pages, request.prefix_node = [], set(), None
         request.state_slot, request.boundary_slot, request.boundary_position = None, None, 0
@@ -377,5 +405,5 @@ class Scheduler:
         return [page for request in self.running for page in request.owned_pages]
 
     def slots_held_by_requests(self) -> list[int]:
-        held = [(r.state_slot, r.boundary_slot) for r in self.running]
-        return [slot for pair in held for slot in pair if slot is not None]
+        held = [(r.state_slot, r.boundary_slot, *r.draft_slots) for r in self.running]
+        return [slot for group in held for slot in group if slot is not None]

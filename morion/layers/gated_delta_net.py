@@ -90,6 +90,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
         """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`. Returns [T, hidden]."""
+        verify_slots = backend.verify_slots
+        if verify_slots is not None:
+            return self._forward_verify(x, backend, verify_slots)
         if x.is_cuda:
             return self._forward_cuda(x, backend)
         log_once(logger, f"Gated DeltaNet on {x.device.type}: pure-torch references (no in-place kernels)")
@@ -174,6 +177,70 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(tokens, self.value_dim)
         return self.out_proj(out)
 
+    def _forward_verify(self, x: torch.Tensor, backend: HybridBackend, slots: torch.Tensor) -> torch.Tensor:
+        """A speculative verify forward: every sequence has the same number n of new tokens (its last
+        sampled token, then n - 1 drafts), and the state after each of them is kept: after token t it
+        is in slot `slots[b, t]` (column 0 is the working slot). Whatever number of drafts is accepted,
+        the state after the last accepted token is already in a slot: rollback costs nothing and
+        nothing is recomputed (engine/speculative.py).
+
+        Token by token: the state after token t - 1 is copied into slot t, which the one-token step
+        (the decode kernels on CUDA, the references elsewhere) then advances in place. No host sync:
+        a CUDA graph can capture it.
+        """
+        num_seqs, width = slots.shape
+        weight = self.conv1d.weight[:, 0, :]
+        conv_pool = backend.state_pool("conv", self.linear_ordinal)
+        recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
+        mixed_qkv, z, b, a = self.project(x)
+        mixed_qkv = mixed_qkv.view(num_seqs, width, -1)
+        convolved = torch.empty_like(mixed_qkv)
+        for t in range(width):
+            if t:
+                _copy_slots(conv_pool, slots[:, t - 1], slots[:, t])
+            convolved[:, t] = _conv_step(mixed_qkv[:, t], conv_pool, weight, slots[:, t])
+        q, k, v = convolved.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num_seqs, width, self.num_v_heads, self.head_v_dim)
+        a = a.view(num_seqs, width, self.num_v_heads)
+        b = b.view(num_seqs, width, self.num_v_heads)
+        out = torch.empty_like(v)
+        for t in range(width):
+            if t:
+                _copy_slots(recurrent_pool, slots[:, t - 1], slots[:, t])
+            out[:, t] = self._delta_step(
+                q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], recurrent_pool, slots[:, t]
+            )
+        out = self.norm(out.view(num_seqs * width, self.num_v_heads, self.head_v_dim), z)
+        return self.out_proj(out.reshape(num_seqs * width, self.value_dim))
+
+    def _delta_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        pool: torch.Tensor,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per sequence, the state of sequence n advanced in place in `pool[indices[n]]`."""
+        if q.is_cuda:
+            from morion.ops.gated_delta_rule_triton import fused_gdn_decode_
+
+            return fused_gdn_decode_(
+                q, k, v, a, b, self.A_log, self.dt_bias, pool, indices, self.head_k_dim**-0.5
+            )
+        rows = indices.long()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out, state = recurrent_gated_delta_rule_reference(
+            q[:, None], k[:, None], v[:, None], g[:, None], b.sigmoid()[:, None],
+            initial_state=pool[rows], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        pool[rows] = state.to(pool.dtype)
+        return out[:, 0]
+
     def _conv(
         self,
         mixed_qkv: torch.Tensor,
@@ -203,6 +270,27 @@ class GatedDeltaNet(nn.Module):
                 channels_first[n] = result.final_states[0]
         backend.write_state("conv", self.linear_ordinal, conv_state)
         return out
+
+
+def _copy_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """pool[dst[n]] = pool[src[n]] for every n (distinct destinations); device-side, no host sync."""
+    pool.index_copy_(0, dst.long(), pool.index_select(0, src.long()))
+
+
+def _conv_step(
+    x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """One token per sequence through the causal conv + SiLU, the window of sequence n rolled in place
+    in `pool[indices[n]]` ([W-1, C] token-major)."""
+    if x.is_cuda:
+        from morion.ops.causal_conv1d_triton import causal_conv1d_update_
+
+        return causal_conv1d_update_(x, pool, weight, indices, "silu")
+    rows = indices.long()
+    window = pool[rows]
+    out = causal_conv1d_update_reference(x, window.transpose(1, 2), weight, activation="silu")
+    pool[rows] = window
+    return out
 
 
 def _cu_seqlens(ranges: Sequence[tuple[int, int]], tokens: int) -> torch.Tensor:

@@ -62,3 +62,10 @@ class HybridBackend(AttentionBackend, Protocol):
         """[num_slots, *component shape]: the storage itself. Kernels read row `state_indices[n]` before
         sequence n's tokens and leave it holding the state after them (in place)."""
         ...
+
+    @property
+    def verify_slots(self) -> torch.Tensor | None:
+        """None, except in a speculative verify forward: then [num_sequences, n] int32 on the model's
+        device, every sequence having exactly n new tokens, and a linear layer leaves the state after its
+        token t in slot `verify_slots[b, t]` (column 0 is the working slot, `state_indices`)."""
+        ...

@@ -85,6 +85,8 @@ class ReferenceHybridBackend:
     def state_indices(self) -> torch.Tensor:
         return self._state_indices
 
+    verify_slots = None  # never a speculative verify forward
+
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         return self.states[component][linear_ordinal]
 

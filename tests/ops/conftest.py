@@ -26,6 +26,8 @@ class PoolBackend:
     def write_state(self, component: str, linear_ordinal: int, value: torch.Tensor) -> None:
         self.pools[component][self._rows] = value.to(self.pools[component].dtype)
 
+    verify_slots = None  # never a speculative verify forward
+
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         return self.pools[component]
 

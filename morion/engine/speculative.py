@@ -1,0 +1,226 @@
+"""Speculative decoding in the engine: draft, verify in one target forward, accept, roll back.
+
+Per step, the running requests that decode (one uncomputed token: the last sampled one) and are eligible
+(no grammar, no penalties: both depend on every token before them, so drafts would need their state
+replayed) are handed to `SpeculativeDecoding.step` instead of the ordinary decode forward:
+
+1. Width: the policy (`spec/policy.py`) picks k for this batch size; the drafter proposes up to k tokens
+   per request. With no proposals at all the requests decode normally (CUDA graphs included).
+2. Verify: one target forward over n = 1 + k tokens per request (the last sampled token, then its drafts;
+   a request with fewer drafts is padded with repeats of its last token, which are verified like any
+   draft: accepting one is correct because it is what the target itself would pick). K/V of all n
+   positions go to the request's pages; a hybrid model's linear layers keep the state after every
+   position in a slot (`HybridBackend.verify_slots`: column 0 the working slot, then the request's
+   `draft_slots`).
+3. Accept: greedy drafts while they equal the target's argmax; sampled requests by rejection sampling
+   (`spec/rejection.py`), which keeps the target's distribution.
+4. Commit token by token: the state after the last accepted position becomes the working slot by
+   swapping slot numbers (no copy, no recompute); K/V beyond the accepted tokens stay in the pages
+   and are overwritten later (rollback is `num_computed`). Each committed token goes through the
+   scheduler's decode bookkeeping (a page boundary keeps its state for the prefix cache) and the
+   engine's finish rules, so a stop token inside accepted drafts ends the request right there.
+
+Greedy output with speculation equals output without it, token for token. Seeded sampling is
+reproducible for a given speculation setting, but draws differ from a run without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from morion.engine.cuda_graph import DecodeGraphRunner
+from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.outputs import StepOutput
+from morion.engine.request import Request
+from morion.engine.sampler import SampleResult, sampling_probs
+from morion.engine.scheduler import Scheduler
+from morion.spec.drafter import Drafter, DraftRequest
+from morion.spec.policy import WidthPolicy
+from morion.spec.rejection import greedy_accept, rejection_sample
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (exported as Prometheus counters) and the active width (a gauge)."""
+
+    verify_steps: int = 0
+    drafted_tokens: int = 0  # proposed by the drafter (padding excluded)
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted drafts + one target token per request and verify step
+    accepted_by_position: list[int] = field(default_factory=list)  # position j: drafts j accepted
+    drafted_by_position: list[int] = field(default_factory=list)
+    active_width: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a request gains per verify step (accepted drafts + the target's own token)."""
+        requests = self.emitted_tokens - self.accepted_tokens  # one target token per request-step
+        return self.emitted_tokens / requests if requests else 0.0
+
+    def count(self, drafted: int, accepted: int, emitted: int) -> None:
+        for position in range(drafted):
+            if position >= len(self.drafted_by_position):
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.drafted_by_position[position] += 1
+            self.accepted_by_position[position] += position < accepted
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+
+
+AppendToken = Callable[[Request, int, SampleResult], StepOutput]
+
+
+class SpeculativeDecoding:
+    def __init__(self, drafter: Drafter, policy: WidthPolicy, has_state: bool) -> None:
+        self.drafter = drafter
+        self.policy = policy
+        self.has_state = has_state
+        self.stats = SpecStats()
+
+    @staticmethod
+    def eligible(request: Request) -> bool:
+        params = request.params
+        return (
+            request.sampler.grammar is None
+            and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+        )
+
+    def step(
+        self,
+        requests: Sequence[Request],
+        model: torch.nn.Module,
+        scheduler: Scheduler,
+        max_model_len: int,
+        kv_scales: KVScales,
+        append_token: AppendToken,
+        graphs: Mapping[int, DecodeGraphRunner],
+    ) -> tuple[list[StepOutput], list[Request]]:
+        """Drafts and verifies for `requests` (each decoding, its last token uncomputed). Returns the step
+        outputs and the requests left to decode normally (no drafts, or no room for them)."""
+        width = self.policy.width(len(requests))
+        self.stats.active_width = width
+        # Positions past the context cannot be verified: the widest verify must fit every request.
+        width = min([width, *(max_model_len - r.num_tokens for r in requests)])
+        if width <= 0:
+            return [], list(requests)
+        drafts = self.drafter.propose([DraftRequest(r.request_id, r.token_ids) for r in requests], width)
+        widest = max(len(tokens) for tokens in drafts.tokens)
+        if widest == 0:
+            return [], list(requests)
+        verifying, plain = [], []
+        for request, tokens, probs in zip(requests, drafts.tokens, drafts.probs, strict=True):
+            slots = widest if self.has_state else 0
+            if tokens and scheduler.reserve_for_verify(request, 1 + widest, slots):
+                verifying.append((request, tokens[:widest], probs))
+            else:
+                plain.append(request)
+        if not verifying:
+            return [], plain
+        graph = graphs.get(1 + widest)
+        outputs = self._verify(verifying, widest, model, scheduler, kv_scales, append_token, graph)
+        self.policy.observe(len(requests), width, [accepted for accepted, _ in outputs])
+        return [output for _, emitted in outputs for output in emitted], plain
+
+    def _verify(
+        self,
+        verifying: list[tuple[Request, list[int], torch.Tensor | None]],
+        width: int,
+        model: torch.nn.Module,
+        scheduler: Scheduler,
+        kv_scales: KVScales,
+        append_token: AppendToken,
+        graph: DecodeGraphRunner | None,
+    ) -> list[tuple[int, list[StepOutput]]]:
+        n = 1 + width
+        device = next(model.parameters()).device
+        padded = [
+            tokens + [request.token_ids[-1]] * (width - len(tokens)) for request, tokens, _ in verifying
+        ]
+        batch = build_forward_batch(
+            [
+                (r.token_ids + d, r.pages, r.num_computed, n)
+                for (r, _, _), d in zip(verifying, padded, strict=True)
+            ],
+            [r.state_slot for r, _, _ in verifying],
+            scheduler.page_size,
+            device,
+        )
+        verify_slots = None
+        if self.has_state:
+            columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
+            verify_slots = torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True)
+        if graph is not None and graph.can_run(batch):
+            logits = graph.run(batch, verify_slots)
+        else:
+            backend = PagedAttentionBackend(scheduler.pool, batch, scheduler.slots, kv_scales, verify_slots)
+            logits = model.compute_logits(model(batch.input_ids, batch.positions, backend))
+        logits = logits.float().view(len(verifying), n, -1)
+        self.stats.verify_steps += 1
+        results = []
+        for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
+            accepted, next_token = self._accept(request, logits[row], draft, probs, len(tokens))
+            emitted = [*draft[:accepted], next_token]
+            self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
+            results.append((accepted, self._commit(request, emitted, logits[row], scheduler, append_token)))
+        return results
+
+    @staticmethod
+    def _accept(
+        request: Request, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
+    ) -> tuple[int, int]:
+        drafted = torch.tensor(draft, device=logits.device)
+        params = request.params
+        if params.greedy:
+            return greedy_accept(logits.argmax(dim=-1), drafted)
+        if probs is not None and proposed < len(draft):
+            # Padding positions are deterministic proposals: one-hot rows.
+            padding = torch.nn.functional.one_hot(drafted[proposed:], logits.shape[-1]).to(probs)
+            probs = torch.cat([probs.to(logits.device), padding])
+        target = sampling_probs(logits, [params] * logits.shape[0])
+        return rejection_sample(target, drafted, probs, request.sampler.generator(logits.device))
+
+    def _commit(
+        self,
+        request: Request,
+        emitted: list[int],
+        logits: torch.Tensor,
+        scheduler: Scheduler,
+        append_token: AppendToken,
+    ) -> list[StepOutput]:
+        """Appends `emitted` one by one; before token j, the request has computed its last token and the
+        j drafts before token j, and its working state is the one after them (verify column j)."""
+        columns = [request.state_slot, *request.draft_slots]
+        wants_logprobs = request.params.logprobs is not None
+        raw = logits[: len(emitted)].log_softmax(dim=-1) if wants_logprobs else None
+        outputs = []
+        for j, token in enumerate(emitted):
+            if self.has_state:
+                request.state_slot = columns[j]
+                request.draft_slots = columns[:j] + columns[j + 1 :]
+            scheduler.after_verified_token(request)
+            outputs.append(
+                append_token(request, 0, _one_token(token, raw[j] if raw is not None else None, request))
+            )
+            if request.is_finished:
+                break
+        return outputs
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+
+
+def _one_token(token: int, logprobs: torch.Tensor | None, request: Request) -> SampleResult:
+    """The committed token as the sampler would report it (logprobs of the raw logits at its row)."""
+    if logprobs is None:
+        return SampleResult([token], None, None)
+    top_n = min(request.params.logprobs or 0, logprobs.shape[-1])
+    values, ids = logprobs.topk(top_n) if top_n else (logprobs[:0], logprobs[:0].long())
+    top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampleResult([token], [float(logprobs[token])], [top])

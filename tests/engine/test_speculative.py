@@ -1,0 +1,132 @@
+"""Speculative decoding in the engine: greedy output with speculation equals output without it, token for
+token, whatever the drafter proposes (synthetic drafter at acceptance 0, 0.5 and 1; n-gram lookup), for a
+dense model and a hybrid one (whose Gated DeltaNet state must roll back to the last accepted token);
+prefix-cache hits after speculative runs equal cold runs; sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.sampling_params import SamplingParams
+from morion.spec.ngram import NgramDrafter
+from morion.spec.synthetic import SyntheticDrafter
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _engine(loaded, drafter=None, **options) -> Engine:
+    options = {"device": "cpu", "kv_cache_tokens": 4096, "page_size": 4, "chunk_size": 64, **options}
+    return Engine(EngineConfig(**options), loaded, drafter=drafter)
+
+
+def _prompts(vocab: int, count: int = 3, length: int = 21) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab) for _ in range(length + 3 * i)] for i in range(count)]
+
+
+@pytest.fixture(params=["small_llama", "tiny_qwen3_next"])
+def loaded(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def reference(loaded, engine_runner):
+    """Greedy outputs without speculation (and without prefix caching): the oracle and the expectation."""
+    prompts = _prompts(loaded.model.config.vocab_size)
+    outputs = engine_runner(_engine(loaded, enable_prefix_cache=False), prompts, GREEDY)
+    return prompts, [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_synthetic_drafts_leave_greedy_output_unchanged(loaded, reference, engine_runner, acceptance):
+    prompts, expected = reference
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    drafter = SyntheticDrafter(acceptance, oracle, loaded.model.config.vocab_size, seed=1)
+    engine = _engine(loaded, drafter, spec_width=3)
+    outputs = engine_runner(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    stats = engine.speculative.stats
+    assert stats.verify_steps > 0 and stats.drafted_tokens > 0
+    if acceptance == 0.0:
+        assert stats.accepted_tokens == 0 and stats.mean_accepted_length == 1.0
+    if acceptance == 1.0:
+        # Every draft is the oracle's: each verify step yields width + 1 tokens, bar a request's last step.
+        assert stats.accepted_tokens == stats.drafted_tokens and stats.mean_accepted_length > 3.0
+    if acceptance == 0.5:
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    engine.check_integrity()
+
+
+def test_ngram_drafts_on_a_repetitive_prompt(loaded, engine_runner):
+    vocab = loaded.model.config.vocab_size
+    rng = random.Random(3)
+    motif = [rng.randrange(vocab) for _ in range(7)]
+    prompts = [motif * 4, [rng.randrange(vocab) for _ in range(5)] + motif * 3]
+    expected = [o.token_ids for o in engine_runner(_engine(loaded, enable_prefix_cache=False), prompts, GREEDY)]
+    engine = _engine(loaded, speculative="ngram", spec_width=4)
+    # Whether lookups find anything depends on what the random model generates; equality must hold anyway.
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    engine.check_integrity()
+
+
+def test_stop_token_inside_accepted_drafts_ends_the_request_there(loaded, reference, engine_runner):
+    prompts, expected = reference
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    stop = expected[0][9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    want = engine_runner(_engine(loaded, enable_prefix_cache=False), prompts[:1], params)[0]
+    engine = _engine(loaded, SyntheticDrafter(1.0, oracle, loaded.model.config.vocab_size, seed=0), spec_width=4)
+    got = engine_runner(engine, prompts[:1], params)[0]
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == stop and got.finish_reason == "stop"
+    engine.check_integrity()
+
+
+def test_prefix_hits_after_speculative_runs_equal_cold(loaded, reference, engine_runner):
+    """The follow-up reuses pages and (hybrid) the state kept at a page boundary that a verify step
+    crossed, possibly right before a rejected draft."""
+    prompts, expected = reference
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    drafter = SyntheticDrafter(0.5, oracle, loaded.model.config.vocab_size, seed=2)
+    engine = _engine(loaded, drafter, spec_width=3)
+    engine_runner(engine, prompts, GREEDY)
+    follow_ups = [sequence + [7, 8, 9] for sequence in oracle]
+    cold = _engine(loaded, enable_prefix_cache=False)
+    want = [o.token_ids for o in engine_runner(cold, follow_ups, GREEDY)]
+    got = engine_runner(engine, follow_ups, GREEDY)
+    assert [o.token_ids for o in got] == want
+    for output, prompt in zip(got, prompts, strict=True):
+        assert output.usage.cached_tokens > len(prompt)  # generated tokens were reused too
+    engine.check_integrity()
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution(small_llama, engine_runner):
+    """Two-sample chi-square test on the second sampled token (the first one a verify step decides)."""
+    prompt = _prompts(256, count=1)[0]
+    params = [SamplingParams(max_tokens=2, temperature=0.7, seed=s, ignore_eos=True) for s in range(600)]
+    plain = engine_runner(_engine(small_llama, max_running_requests=64), [prompt] * 600, params)
+    greedy = engine_runner(_engine(small_llama, enable_prefix_cache=False), [prompt], GREEDY)[0].token_ids
+    drafter = SyntheticDrafter(1.0, [prompt + greedy], 256, seed=0)
+    # The oracle's greedy tokens as drafts: accepted with the target's probability, else resampled.
+    speculative = _engine(small_llama, drafter, spec_width=1, max_running_requests=64)
+    params = [SamplingParams(max_tokens=2, temperature=0.7, seed=1000 + s, ignore_eos=True) for s in range(600)]
+    spec = engine_runner(speculative, [prompt] * 600, params)
+    assert speculative.speculative.stats.verify_steps > 0
+    a = torch.bincount(torch.tensor([o.token_ids[1] for o in plain]), minlength=256).double()
+    b = torch.bincount(torch.tensor([o.token_ids[1] for o in spec]), minlength=256).double()
+    # Pool the rare tokens so every cell has a reasonable expected count.
+    common = (a + b) >= 10
+    a = torch.cat([a[common], a[~common].sum(dim=0, keepdim=True)])
+    b = torch.cat([b[common], b[~common].sum(dim=0, keepdim=True)])
+    total = a + b
+    keep = total > 0
+    a, b, total = a[keep], b[keep], total[keep]
+    chi2 = (((a - total / 2) ** 2 + (b - total / 2) ** 2) / (total / 2)).sum().item()
+    dof = len(total) - 1
+    # chi-square upper tail ~ p = 1e-4 via the Wilson-Hilferty approximation.
+    bound = dof * (1 - 2 / (9 * dof) + 3.72 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < bound, (chi2, dof, bound)
