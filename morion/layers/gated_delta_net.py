@@ -189,6 +189,8 @@ class GatedDeltaNet(nn.Module):
         a CUDA graph can capture it.
         """
         num_seqs, width = slots.shape
+        # Column t as a contiguous index vector: the kernels read their indices with unit stride.
+        columns = slots.t().contiguous()
         weight = self.conv1d.weight[:, 0, :]
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
@@ -197,8 +199,8 @@ class GatedDeltaNet(nn.Module):
         convolved = torch.empty_like(mixed_qkv)
         for t in range(width):
             if t:
-                _copy_slots(conv_pool, slots[:, t - 1], slots[:, t])
-            convolved[:, t] = _conv_step(mixed_qkv[:, t], conv_pool, weight, slots[:, t])
+                _copy_slots(conv_pool, columns[t - 1], columns[t])
+            convolved[:, t] = _conv_step(mixed_qkv[:, t], conv_pool, weight, columns[t])
         q, k, v = convolved.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
@@ -208,9 +210,9 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         for t in range(width):
             if t:
-                _copy_slots(recurrent_pool, slots[:, t - 1], slots[:, t])
+                _copy_slots(recurrent_pool, columns[t - 1], columns[t])
             out[:, t] = self._delta_step(
-                q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], recurrent_pool, slots[:, t]
+                q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], recurrent_pool, columns[t]
             )
         out = self.norm(out.view(num_seqs * width, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(out.reshape(num_seqs * width, self.value_dim))

@@ -218,6 +218,7 @@ def causal_conv1d_update_(
     if state_indices.shape != (num_seqs,):
         raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    state_indices = state_indices.contiguous()  # the kernel reads index n at offset n
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out

@@ -165,6 +165,7 @@ def fused_gdn_decode_(
         raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    state_indices = state_indices.contiguous()  # the kernel reads index n at offset n
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     out = torch.empty(num_seqs, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
     if num_seqs == 0:

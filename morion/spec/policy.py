@@ -19,11 +19,12 @@ update per step from the step's requests), so that at any width k
 
     tokens(k) = 1 + sum_{j=1..k} prod_{i<=j} r_i,      throughput(k) = tokens(k) / (1 + c*k)
 
-and picks the candidate with the highest throughput. Per position, because the accepted count at a
-width k' < k is exactly min(A, k'): narrowing is judged on what was observed, not on a model. Positions
-beyond any width used so far take the deepest known r_j (a geometric extrapolation), so when the
-current width is nearly always fully accepted, r_k ~ 1 predicts more tokens from a wider step and the
-policy grows; when acceptance is low, the extra positions do not pay for their cost and it shrinks.
+and picks the candidate with the highest throughput. The estimates are per position because a narrower
+width k' < k would have accepted exactly min(A, k') drafts: narrowing is judged on what was observed,
+not on a model. Positions beyond any width used so far take the deepest known r_j (a geometric
+extrapolation), so when the current width is nearly always fully accepted, r_k ~ 1 predicts more tokens
+from a wider step and the policy grows; when acceptance is low, the extra positions do not pay for
+their cost and it shrinks.
 
 Hysteresis: the policy leaves its current width w for the best candidate b only when throughput(b) >
 (1 + `hysteresis`) * throughput(w). Staying is then never predicted to lose more than that fraction,

@@ -13,7 +13,6 @@ import torch
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
-from morion.spec.ngram import NgramDrafter
 from morion.spec.synthetic import SyntheticDrafter
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -67,7 +66,8 @@ def test_ngram_drafts_on_a_repetitive_prompt(loaded, engine_runner):
     rng = random.Random(3)
     motif = [rng.randrange(vocab) for _ in range(7)]
     prompts = [motif * 4, [rng.randrange(vocab) for _ in range(5)] + motif * 3]
-    expected = [o.token_ids for o in engine_runner(_engine(loaded, enable_prefix_cache=False), prompts, GREEDY)]
+    plain = _engine(loaded, enable_prefix_cache=False)
+    expected = [o.token_ids for o in engine_runner(plain, prompts, GREEDY)]
     engine = _engine(loaded, speculative="ngram", spec_width=4)
     # Whether lookups find anything depends on what the random model generates; equality must hold anyway.
     assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
@@ -80,7 +80,8 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there(loaded, refere
     stop = expected[0][9]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
     want = engine_runner(_engine(loaded, enable_prefix_cache=False), prompts[:1], params)[0]
-    engine = _engine(loaded, SyntheticDrafter(1.0, oracle, loaded.model.config.vocab_size, seed=0), spec_width=4)
+    drafter = SyntheticDrafter(1.0, oracle, loaded.model.config.vocab_size, seed=0)
+    engine = _engine(loaded, drafter, spec_width=4)
     got = engine_runner(engine, prompts[:1], params)[0]
     assert got.token_ids == want.token_ids and got.token_ids[-1] == stop and got.finish_reason == "stop"
     engine.check_integrity()
@@ -94,7 +95,7 @@ def test_prefix_hits_after_speculative_runs_equal_cold(loaded, reference, engine
     drafter = SyntheticDrafter(0.5, oracle, loaded.model.config.vocab_size, seed=2)
     engine = _engine(loaded, drafter, spec_width=3)
     engine_runner(engine, prompts, GREEDY)
-    follow_ups = [sequence + [7, 8, 9] for sequence in oracle]
+    follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
     cold = _engine(loaded, enable_prefix_cache=False)
     want = [o.token_ids for o in engine_runner(cold, follow_ups, GREEDY)]
     got = engine_runner(engine, follow_ups, GREEDY)
@@ -113,7 +114,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution(small_llama, en
     drafter = SyntheticDrafter(1.0, [prompt + greedy], 256, seed=0)
     # The oracle's greedy tokens as drafts: accepted with the target's probability, else resampled.
     speculative = _engine(small_llama, drafter, spec_width=1, max_running_requests=64)
-    params = [SamplingParams(max_tokens=2, temperature=0.7, seed=1000 + s, ignore_eos=True) for s in range(600)]
+    params = [
+        SamplingParams(max_tokens=2, temperature=0.7, seed=1000 + s, ignore_eos=True) for s in range(600)
+    ]
     spec = engine_runner(speculative, [prompt] * 600, params)
     assert speculative.speculative.stats.verify_steps > 0
     a = torch.bincount(torch.tensor([o.token_ids[1] for o in plain]), minlength=256).double()

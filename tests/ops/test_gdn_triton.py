@@ -163,6 +163,25 @@ def test_padding_rows_touch_no_slot():
     assert torch.equal(conv_pool[0], conv_before[0])
 
 
+def test_strided_slot_indices_address_the_right_slots():
+    """A column of a [B, n] index table (a speculative verify's slots) is strided: each kernel must read
+    index n of the view, not element n of the storage."""
+    q, k, v, a, b, a_log, dt_bias = decode_inputs(2, 2, 4, 16, 16, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    table = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32, device=DEVICE)  # column 1 = slots 3, 1
+    pool = randn(4, 4, 16, 16, gen=gen)
+    expected = pool.clone()
+    fused_gdn_decode_(q, k, v, a, b, a_log, dt_bias, expected, table[:, 1].contiguous(), 0.25)
+    fused_gdn_decode_(q, k, v, a, b, a_log, dt_bias, pool, table[:, 1], 0.25)
+    assert torch.equal(pool, expected)
+    x, weight = randn(2, 24, gen=gen), randn(24, WIDTH, gen=gen)
+    conv_pool = randn(4, WIDTH - 1, 24, gen=gen)
+    conv_expected = conv_pool.clone()
+    causal_conv1d_update_(x, conv_expected, weight, table[:, 1].contiguous(), "silu", block_c=16)
+    causal_conv1d_update_(x, conv_pool, weight, table[:, 1], "silu", block_c=16)
+    assert torch.equal(conv_pool, conv_expected)
+
+
 # -- the conv ----------------------------------------------------------------------------------------
 
 

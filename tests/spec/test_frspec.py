@@ -14,6 +14,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from morion.cli import main
 from morion.errors import MorionError
 from morion.loader.tokenizer_loader import load_tokenizer
+from morion.spec import frspec
 from morion.spec.frspec import (
     build_token_map,
     expand_probs,
@@ -65,6 +66,21 @@ def test_map_holds_specials_lowest_ids_and_the_most_frequent_tokens(smollm2_toke
     assert data["corpus"]["files"] == ["code.py"] and data["corpus"]["tokens"] == sum(counts.values())
 
 
+def test_counts_equal_those_of_the_whole_text(smollm2_tokenizer, tmp_path, monkeypatch) -> None:
+    """Large corpora are encoded in chunks; the cuts must not change a single count (indented code
+    has newline-plus-indent tokens that a cut at every line would split)."""
+    text = CORPUS.replace("return", "\n\n        return") + "  trailing \n\n\tspace"
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    monkeypatch.setattr(frspec, "_CHUNK_CHARS", 50)
+    monkeypatch.setattr(frspec, "_CHUNKS_PER_BATCH", 3)
+    assert len(list(frspec._chunks(text))) > 20
+    counts, info = frspec._count_tokens(smollm2_tokenizer, [path], smollm2_tokenizer.vocab_size)
+    whole = Counter(smollm2_tokenizer.encode(text, add_special_tokens=False))
+    assert {i: int(c) for i, c in enumerate(counts) if c} == dict(whole)
+    assert info["tokens"] == sum(whole.values()) and info["bytes"] == len(text.encode())
+
+
 def test_frequency_decides_when_the_map_is_tight(smollm2_tokenizer, corpus) -> None:
     counts = Counter(smollm2_tokenizer.encode(CORPUS, add_special_tokens=False))
     base = 20
@@ -93,7 +109,9 @@ def map_file(smollm2_tokenizer, corpus, tmp_path_factory) -> Path:
 
 def test_load_round_trips(map_file, smollm2_tokenizer) -> None:
     token_map = load_token_map(map_file, 49152, tokenizer_digest(smollm2_tokenizer))
-    assert token_map.dtype == torch.int64 and token_map.tolist() == json.loads(map_file.read_text())["token_ids"]
+    assert (
+        token_map.dtype == torch.int64 and token_map.tolist() == json.loads(map_file.read_text())["token_ids"]
+    )
 
 
 def edited(map_file: Path, tmp_path: Path, **changes) -> Path:
@@ -155,7 +173,7 @@ def test_expand_probs_puts_mass_on_the_mapped_ids_only() -> None:
     assert full.shape == (2, 8)
     assert torch.equal(full[:, token_map], probs)
     assert full.sum().item() == pytest.approx(2.0) and full[:, [0, 2, 3, 5, 7]].abs().sum() == 0
-    assert expand_probs(probs[0], token_map, 8).tolist() == [0, 0.2, 0, 0, 0.5, 0, 0.3, 0]
+    assert torch.equal(expand_probs(probs[0], token_map, 8), torch.tensor([0, 0.2, 0, 0, 0.5, 0, 0.3, 0]))
 
 
 @pytest.fixture
@@ -179,7 +197,8 @@ def test_cli_builds_a_map(tiny_tokenizer_dir, tmp_path, capsys) -> None:
     args = ["frspec", "build", "--tokenizer", str(tiny_tokenizer_dir), "--corpus", str(corpus)]
     assert main([*args, "--size", "7", "--base-count", "2", "--out", str(out)]) == 0
     assert str(out) in capsys.readouterr().out
-    # Specials 0, 1 and the added <tool> (12), lowest 0..1, then the (the, dog: 3 each), ran (2).
-    assert load_token_map(out, 13).tolist() == [0, 1, 2, 7, 8, 9, 12]
+    # Specials 0, 1 and the added <tool> (12); lowest 0, 1; then by count: the, dog (3), ran (2), and of
+    # the words seen once (far, away, fast, sat) the lowest id, sat.
+    assert load_token_map(out, 13).tolist() == [0, 1, 2, 4, 7, 8, 12]
     assert main([*args, "--size", "2", "--out", str(out)]) == 1
     assert "morion: error: --size 2 cannot hold 3 special tokens" in capsys.readouterr().err

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from morion.spec import ngram
 from morion.spec.drafter import DraftRequest
 from morion.spec.ngram import NgramDrafter
 
@@ -123,13 +126,16 @@ sequences = st.lists(st.integers(0, 3), min_size=0, max_size=60)
     cuts=st.lists(st.integers(0, 60), min_size=1, max_size=8),
     bounds=st.sampled_from([(1, 1), (2, 4), (1, 3), (3, 5)]),
     width=st.integers(0, 6),
+    bulk=st.booleans(),
 )
-def test_incremental_index_equals_a_search_from_scratch(tokens, cuts, bounds, width) -> None:
-    """The drafter sees growing prefixes (in chunks of any size) of a random sequence."""
+def test_incremental_index_equals_a_search_from_scratch(tokens, cuts, bounds, width, bulk) -> None:
+    """The drafter sees growing prefixes (in chunks of any size) of a random sequence; `bulk` indexes
+    every chunk with numpy, which must make the same keys as the per-token path."""
     drafter = NgramDrafter(*bounds)
-    for cut in sorted(cuts):
-        prefix = tokens[:cut]
-        assert propose(drafter, prefix, width) == reference(prefix, width, *bounds)
+    with patch.object(ngram, "_BULK_TOKENS", 0 if bulk else 10**9):
+        for cut in sorted(cuts):
+            prefix = tokens[:cut]
+            assert propose(drafter, prefix, width) == reference(prefix, width, *bounds)
 
 
 @settings(max_examples=80, deadline=None)
@@ -144,15 +150,29 @@ def test_incremental_index_equals_a_search_from_scratch(tokens, cuts, bounds, wi
         max_size=12,
     ),
     width=st.integers(1, 5),
+    bulk=st.booleans(),
 )
-def test_retracted_or_rewritten_sequences_are_reindexed(steps, width) -> None:
+def test_retracted_or_rewritten_sequences_are_reindexed(steps, width, bulk) -> None:
     drafter = NgramDrafter()
     tokens: list[int] = []
-    for action, argument in steps:
-        if action == "append":
-            tokens = tokens + argument
-        elif action == "truncate":
-            tokens = tokens[: min(argument, len(tokens))]
-        elif tokens:
-            tokens = [*tokens[:-1], argument]
-        assert propose(drafter, tokens, width) == reference(tokens, width, 2, 4)
+    with patch.object(ngram, "_BULK_TOKENS", 0 if bulk else 10**9):
+        for action, argument in steps:
+            if action == "append":
+                tokens = tokens + argument
+            elif action == "truncate":
+                tokens = tokens[: min(argument, len(tokens))]
+            elif tokens:
+                tokens = [*tokens[:-1], argument]
+            assert propose(drafter, tokens, width) == reference(tokens, width, 2, 4)
+
+
+def test_long_sequences_index_in_bulk_then_token_by_token() -> None:
+    rng = random.Random(5)
+    tokens = [rng.randrange(6) for _ in range(3000)]
+    drafter = NgramDrafter()
+    for cut in (2000, 2001, 2003, 2500, 2501, 3000):  # 2000 and 499 new tokens take the bulk path
+        assert propose(drafter, tokens[:cut], 5) == reference(tokens[:cut], 5, 2, 4)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        propose(drafter, [*tokens, -1, *tokens[:100]], 2)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        propose(NgramDrafter(), [1, 2, 2**32], 2)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -7,7 +8,13 @@ from collections.abc import Callable
 import pytest
 
 from morion.errors import MorionError
-from morion.spec.policy import DEFAULT_POLICY, PolicyConfig, WidthPolicy, load_width_policy
+from morion.spec.policy import (
+    DEFAULT_POLICY,
+    PolicyConfig,
+    WidthPolicy,
+    fixed_width_policy,
+    load_width_policy,
+)
 
 Acceptance = Callable[[int], float]  # draft position (1-based) -> P(accepted | previous accepted)
 
@@ -33,7 +40,7 @@ def run(pol: WidthPolicy, acceptance: Acceptance, steps: int, batch: int, rng: r
 
 
 def switches(widths: list[int]) -> int:
-    return sum(1 for a, b in zip(widths, widths[1:]) if a != b)
+    return sum(1 for a, b in itertools.pairwise(widths) if a != b)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +88,7 @@ def test_loading_files(tmp_path) -> None:
     pol = load_width_policy(path)
     assert pol.max_width == 5 and pol.config.rules[0].cost_per_token == 0.2
     path.write_text("{not json")
-    with pytest.raises(MorionError, match="policy.json: not valid JSON"):
+    with pytest.raises(MorionError, match=r"policy\.json: not valid JSON"):
         load_width_policy(path)
     with pytest.raises(MorionError, match="cannot read spec policy"):
         load_width_policy(tmp_path / "missing.json")
@@ -90,6 +97,7 @@ def test_loading_files(tmp_path) -> None:
 
 def test_batch_size_picks_the_rule_and_starts_at_its_widest() -> None:
     pol = load_width_policy(None)
+    assert pol.max_width == 4 and pol.candidate_widths == (1, 2, 3, 4)
     assert [pol.width(b) for b in (1, 7, 8, 31, 32, 63, 64, 500)] == [4, 4, 2, 2, 1, 1, 0, 0]
     assert pol.active_width == 0
     pol.width(3)
@@ -139,3 +147,11 @@ def test_width_zero_rule_turns_speculation_off() -> None:
     pol = policy(rules=[{"min_batch": 1, "widths": [1, 2]}, {"min_batch": 4, "widths": [0]}])
     run(pol, lambda j: 0.9, 20, 2, random.Random(3))
     assert pol.width(4) == 0 and pol.width(2) == 2
+
+
+def test_fixed_width_policy_always_answers_its_width() -> None:
+    pol = fixed_width_policy(3)
+    assert set(run(pol, lambda j: 0.05, 50, 1, random.Random(4))) == {3}
+    assert pol.width(1000) == 3 and pol.active_width == 3
+    with pytest.raises(MorionError, match="spec width: rules"):
+        fixed_width_policy(-1)
