@@ -95,6 +95,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier budget (half the free space)",
     )
     parser.add_argument(
+        "--disk-cache-direct-io",
+        action="store_true",
+        default=None,
+        help="write disk cache objects with O_DIRECT (default: buffered: a restart reads the page cache)",
+    )
+    parser.add_argument(
         "--weight-dtype", choices=("auto", "fp8"), help="fp8: store linear and expert weights in e4m3 (auto)"
     )
     parser.add_argument(
@@ -121,8 +127,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative",
-        choices=("off", "ngram"),
-        help="speculative decoding: ngram drafts from the conversation itself (off)",
+        choices=("off", "ngram", "mtp"),
+        help="speculative decoding: mtp (the model's own draft head) or ngram (lookups in the conversation)",
+    )
+    parser.add_argument(
+        "--spec-token-map", metavar="FILE", help="FR-Spec draft vocabulary for mtp (morion frspec build)"
     )
     parser.add_argument(
         "--spec-policy", metavar="FILE", help="draft width policy, JSON (docs/speculative.md)"
@@ -131,6 +140,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec-width",
         type=_bounded(int, 1, "--spec-width"),
         help="a fixed draft width instead of the policy",
+    )
+    parser.add_argument(
+        "--ple-placement",
+        choices=("ram", "mmap"),
+        help="Qwen3.8-Flash-Next's n-gram table: host RAM, pinned on CUDA (ram), or memory-mapped files",
     )
     parser.add_argument(
         "--no-prefix-cache",
@@ -247,6 +261,7 @@ _ENGINE_FLAGS = (
     "host_cache_write_policy",
     "disk_cache_dir",
     "disk_cache_gb",
+    "disk_cache_direct_io",
     "weight_dtype",
     "kv_cache_dtype",
     "cuda_graph",
@@ -255,6 +270,7 @@ _ENGINE_FLAGS = (
     "speculative",
     "spec_policy",
     "spec_width",
+    "ple_placement",
 )
 _SERVER_FLAGS = (
     "host",
@@ -318,7 +334,9 @@ def _run_info(args: argparse.Namespace) -> None:
     from morion.loader import load_model
 
     config = EngineConfig(model=args.model, **_engine_options(args))
-    loaded = load_model(config.model, config.torch_dtype, config.torch_device)
+    loaded = load_model(
+        config.model, config.torch_dtype, config.torch_device, host_table_placement=config.ple_placement
+    )
     parameters = sum(p.numel() for p in loaded.model.parameters())
     print(f"path: {loaded.path}")
     print(f"model_type: {loaded.hf_config['model_type']}")

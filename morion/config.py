@@ -12,7 +12,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 WEIGHT_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", *DTYPES)
 # Speculative decoding drafters selectable by name (the synthetic benchmark drafter is passed in code).
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+# Where tables a model keeps in host memory live (Qwen3.8-Flash-Next's PLE table; layers/host_table.py).
+PLE_PLACEMENTS = ("ram", "mmap")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class EngineConfig:
     host_cache_state_fraction: float = 0.25  # share of host_cache_gb for state snapshots (hybrid models)
     disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
     disk_cache_gb: float | None = None  # disk tier budget; None: half the filesystem's free space at start
+    disk_cache_direct_io: bool = False  # write disk objects with O_DIRECT (else buffered: page-cache warm)
     weight_dtype: str = "auto"  # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
@@ -45,6 +48,8 @@ class EngineConfig:
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy
+    spec_token_map: str | None = None  # FR-Spec reduced draft vocabulary for the MTP head (frspec build)
+    ple_placement: str = "ram"  # PLE n-gram table: ram (pinned on CUDA), or mmap of the checkpoint files
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -90,6 +95,8 @@ class EngineConfig:
             raise MorionError(
                 f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}"
             )
+        if self.spec_token_map is not None and self.speculative != "mtp":
+            raise MorionError("spec_token_map is for the MTP drafter: set speculative to mtp")
         if self.spec_width is not None and self.spec_width < 1:
             raise MorionError(f"spec_width must be >= 1, got {self.spec_width}")
         if not 0 < self.host_cache_state_fraction < 1:
@@ -99,6 +106,10 @@ class EngineConfig:
         if self.disk_cache_dir is not None and self.host_cache_gb is None:
             raise MorionError(
                 "disk_cache_dir needs host_cache_gb: disk objects are restored through host memory"
+            )
+        if self.ple_placement not in PLE_PLACEMENTS:
+            raise MorionError(
+                f"ple_placement must be one of {', '.join(PLE_PLACEMENTS)}, got {self.ple_placement!r}"
             )
 
     @property

@@ -258,7 +258,7 @@ def _restore_table(section: dict[str, Any] | None) -> list[str]:
     lines += [f"- FAILED: {failure}" for failure in failures] + ([""] if failures else [])
     restart, disk = section.get("restart_median") or {}, section["disk"]
     fs = disk.get("filesystem") or {}
-    io = "O_DIRECT" if disk["direct_io"] else "buffered (reads may come from the page cache)"
+    io = "O_DIRECT writes" if disk["direct_io"] else "buffered (reads may come from the page cache)"
     ram = " (RAM, not a disk)" if fs.get("fstype") == "tmpfs" else ""
     lines += [
         "Restart (not in the TTFT): closing the engine (its disk writes finish) "

@@ -96,6 +96,8 @@ class DecodeGraphRunner:
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # the final hidden states (an MTP drafter reads them)
+        self._last_bucket = 0
         self._memory_pool = None
         self.replays = 0  # decode steps served from a graph
 
@@ -119,9 +121,9 @@ class DecodeGraphRunner:
         verify_slots = None if self._verify_slots is None else self._verify_slots[:size]
         backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales, verify_slots)
 
-        def run() -> torch.Tensor:
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self._model(batch.input_ids, batch.positions, backend)
-            return self._model.compute_logits(hidden)
+            return hidden, self._model.compute_logits(hidden)
 
         return run
 
@@ -145,10 +147,10 @@ class DecodeGraphRunner:
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._memory_pool, stream=stream):
-                logits = run()
+                hidden, logits = run()
             if self._memory_pool is None:
                 self._memory_pool = graph.pool()
-            self._graphs[size], self._logits[size] = graph, logits
+            self._graphs[size], self._hidden[size], self._logits[size] = graph, hidden, logits
         torch.cuda.current_stream(self._pool.device).wait_stream(stream)
         torch.cuda.synchronize(self._pool.device)
         free_after, _ = torch.cuda.mem_get_info(self._pool.device)
@@ -194,4 +196,10 @@ class DecodeGraphRunner:
                 self._verify_slots[size:bucket].fill_(self._scratch_slot)
         self._graphs[bucket].replay()
         self.replays += 1
+        self._last_bucket = bucket
         return self._logits[bucket][: size * n]
+
+    def last_hidden(self, rows: int) -> torch.Tensor:
+        """The final hidden states [rows, H] of the last replay's first `rows` rows (valid until the next
+        replay of any graph sharing the memory pool)."""
+        return self._hidden[self._last_bucket][:rows]

@@ -37,8 +37,11 @@ from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel, load_model
 from morion.spec.drafter import Drafter
+from morion.spec.frspec import load_token_map
+from morion.spec.mtp import MtpDrafter
 from morion.spec.ngram import NgramDrafter
-from morion.spec.policy import fixed_width_policy, load_width_policy
+from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_policy
+from morion.spec.shaped import CostShapedDrafter
 from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
@@ -50,8 +53,9 @@ class Engine:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel | None = None, drafter: Drafter | None = None
     ) -> None:
-        """`drafter` (e.g. the synthetic benchmark drafter) turns speculative decoding on with it, whatever
-        `config.speculative` says; otherwise `config.speculative` names the drafter."""
+        """`drafter` (the synthetic benchmark drafter) turns speculative decoding on with its proposals;
+        with `config.speculative == "mtp"` the MTP head still runs for its cost (spec/shaped.py).
+        Without it, `config.speculative` names the drafter."""
         self.config = config
         self.device = config.torch_device
         loaded = loaded or load_model(
@@ -61,6 +65,7 @@ class Engine:
             config.load_format,
             config.seed,
             weight_dtype=config.weight_dtype,
+            host_table_placement=config.ple_placement,
         )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -74,15 +79,23 @@ class Engine:
         # FP8 K/V is stored unscaled (scale 1.0, as SGLang and vLLM default to without calibration): K/V
         # of these models stay well inside e4m3's +-448 range after their norms.
         self.kv_scales = KVScales()
-        spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype])
+        if config.speculative == "mtp" and getattr(self.model, "mtp", None) is None:
+            raise MorionError(
+                f"speculative mtp needs a model with an MTP head; {self.model.config.model_type} from "
+                f"{self.model_path} has none (try --speculative ngram)"
+            )
+        # The MTP head's K/V is paged with the trunk's (one more layer of "kv").
+        draft_layers = {"draft_layers": True} if config.speculative == "mtp" else {}
+        spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype], **draft_layers)
         use_graphs = config.cuda_graph and self.device.type == "cuda"
-        self.speculative = _speculative_decoding(config, drafter, spec.has_state)
+        speculating = drafter is not None or config.speculative != "off"
+        policy = _width_policy(config) if speculating else None
         self._activation_reserve = self._activation_reserve_bytes(spec)
         self.state_slots = None
         if spec.has_state:
             # Each running request holds a working slot and a page-boundary copy (and with speculation a
             # slot per draft position); the rest are snapshots.
-            per_request = 4 + (self.speculative.policy.max_width if self.speculative else 0)
+            per_request = 4 + (policy.max_width if policy else 0)
             num_slots = config.state_slots or per_request * config.max_running_requests
             self.state_slots = StateSlots(spec, num_slots + int(use_graphs), self.device)
         state_bytes = self.state_slots.num_bytes if self.state_slots else 0
@@ -91,6 +104,9 @@ class Engine:
         # CUDA-graph padding rows write into a scratch page and slot that nobody else ever gets.
         self._scratch_pages = self.pool.alloc(1) if use_graphs else []
         self._scratch_slots = [self.state_slots.alloc()] if use_graphs and self.state_slots else []
+        self.speculative = None
+        if policy is not None:
+            self.speculative = SpeculativeDecoding(self._drafter(drafter), policy, spec.has_state)
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self._cache_stats = CacheStats()
         self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None
@@ -151,6 +167,21 @@ class Engine:
                 )
                 return
             self.verify_graphs[width + 1] = runner
+
+    def _drafter(self, given: Drafter | None) -> Drafter:
+        config = self.config
+        if config.speculative == "mtp":
+            token_map = None
+            if config.spec_token_map is not None:
+                token_map = load_token_map(config.spec_token_map, self.model.config.vocab_size)
+            try:
+                mtp = MtpDrafter(self.model, self.pool, self.kv_scales, token_map)
+            except ValueError as error:  # a token map with an FP8 LM head
+                raise MorionError(str(error)) from None
+            return mtp if given is None else CostShapedDrafter(given, mtp)
+        if given is not None:
+            return given
+        return NgramDrafter()  # config.speculative == "ngram"
 
     def _activation_reserve_bytes(self, spec: CacheSpec) -> int:
         """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk (it also
@@ -248,7 +279,8 @@ class Engine:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "morion_version": morion.__version__,
             }
-            tiers.attach_disk(open_disk_store(root, identity, info, spec, budget))
+            store = open_disk_store(root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io)
+            tiers.attach_disk(store)
         return tiers
 
     def _report_startup(self, bytes_per_token: int) -> None:
@@ -377,6 +409,7 @@ class Engine:
         restores = self.tiers.take_for_forward() if self.tiers is not None else []
         if self.graphs is not None and not restores and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)  # decode-only: every row is a sequence's last token
+            hidden = self.graphs.last_hidden(len(batch.query_ranges))
         else:
             backend = PagedAttentionBackend(self.pool, batch, self.state_slots, self.kv_scales)
             if restores:
@@ -385,7 +418,11 @@ class Engine:
             hidden = self.model(batch.input_ids, batch.positions, backend)
             logits = None
         sampling: list[tuple[Request, int]] = []
-        for chunk, last_row in zip(chunks, batch.last_rows, strict=True):
+        for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
+            if self.speculative is not None:  # an MTP drafter keeps the hidden states
+                self.speculative.observe(
+                    chunk.request, chunk.request.num_computed, hidden[start : start + length]
+                )
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
             if chunk.request.num_uncomputed == 0:
                 sampling.append((chunk.request, last_row))
@@ -487,18 +524,10 @@ class Engine:
             self.tiers.close()
 
 
-def _speculative_decoding(
-    config: EngineConfig, drafter: Drafter | None, has_state: bool
-) -> SpeculativeDecoding | None:
-    if drafter is None and config.speculative == "off":
-        return None
-    if drafter is None:
-        drafter = NgramDrafter()  # the only drafter selectable by name so far (config.SPECULATIVE_METHODS)
+def _width_policy(config: EngineConfig) -> WidthPolicy:
     if config.spec_width is not None:
-        policy = fixed_width_policy(config.spec_width)
-    else:
-        policy = load_width_policy(config.spec_policy)
-    return SpeculativeDecoding(drafter, policy, has_state)
+        return fixed_width_policy(config.spec_width)
+    return load_width_policy(config.spec_policy)
 
 
 def _final_output(request: Request) -> RequestOutput:

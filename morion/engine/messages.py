@@ -7,6 +7,7 @@ inbox messages handled while idle), so the front end wakes once per step, not on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from morion.cache.tier_stats import CacheStats
@@ -60,6 +61,27 @@ class EngineFailed(NamedTuple):
     error: str
 
 
+@dataclass(frozen=True)
+class SpecSnapshot:
+    """Speculative decoding since the engine started (`SpecStats` of engine/speculative.py), copied per step.
+
+    Index j of the per-position tuples is draft position j + 1 (the first draft of a step is position 1);
+    accepted_by_position[j] <= drafted_by_position[j], and the tuples sum to accepted_tokens and
+    drafted_tokens. A dataclass, not a NamedTuple, so that /v1/server_info writes it with its field names.
+    """
+
+    method: str  # the drafter's name: ngram (synthetic in benchmarks)
+    verify_steps: int
+    drafted_tokens: int  # proposed by the drafter (padding excluded)
+    accepted_tokens: int
+    emitted_tokens: int  # accepted drafts + one target token per request and verify step
+    drafted_by_position: tuple[int, ...]
+    accepted_by_position: tuple[int, ...]
+    active_width: int  # the width policy's last answer (0: no drafts at that batch size)
+    max_width: int  # the widest the policy may choose
+    mean_accepted_length: float  # emitted / (emitted - accepted): tokens a request gains per verify step
+
+
 class EngineStats(NamedTuple):
     """Load and pool usage after the step. Invariant: pages_free + pages_cached + pages_held == num_pages,
     where pages_held are owned by running requests (not yet in the prefix cache)."""
@@ -73,6 +95,7 @@ class EngineStats(NamedTuple):
     integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
     cache: CacheStats  # hits, restores and traffic by tier (a copy)
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
+    spec: SpecSnapshot | None  # None: speculative decoding is off
 
 
 class RequestDelta(NamedTuple):

@@ -28,8 +28,10 @@ from morion.engine.messages import (
     InboxMessage,
     RequestDelta,
     Shutdown,
+    SpecSnapshot,
 )
 from morion.engine.outputs import StepOutput
+from morion.engine.speculative import SpeculativeDecoding
 from morion.errors import InvalidRequestError, MorionError
 from morion.logs import show_morion_logs
 
@@ -144,7 +146,26 @@ class EngineLoop:
             cuda_allocated_bytes=torch.cuda.memory_allocated(self.engine.device)
             if self.engine.device.type == "cuda"
             else 0,
+            spec=_spec_snapshot(self.engine.speculative),
         )
+
+
+def _spec_snapshot(speculative: SpeculativeDecoding | None) -> SpecSnapshot | None:
+    if speculative is None:
+        return None
+    stats = speculative.stats
+    return SpecSnapshot(
+        method=speculative.drafter.name,
+        verify_steps=stats.verify_steps,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        emitted_tokens=stats.emitted_tokens,
+        drafted_by_position=tuple(stats.drafted_by_position),
+        accepted_by_position=tuple(stats.accepted_by_position),
+        active_width=stats.active_width,
+        max_width=speculative.policy.max_width,
+        mean_accepted_length=stats.mean_accepted_length,
+    )
 
 
 def _step_logprobs(

@@ -37,7 +37,7 @@ from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult, sampling_probs
 from morion.engine.scheduler import Scheduler
-from morion.spec.drafter import Drafter, DraftRequest
+from morion.spec.drafter import Drafter, DraftRequest, HiddenStateDrafter
 from morion.spec.policy import WidthPolicy
 from morion.spec.rejection import greedy_accept, rejection_sample
 
@@ -110,23 +110,30 @@ class SpeculativeDecoding:
         width = min([width, *(max_model_len - r.num_tokens for r in requests)])
         if width <= 0:
             return [], list(requests)
-        drafts = self.drafter.propose([DraftRequest(r.request_id, r.token_ids) for r in requests], width)
-        widest = max(len(tokens) for tokens in drafts.tokens)
-        if widest == 0:
-            return [], list(requests)
-        verifying, plain = [], []
-        for request, tokens, probs in zip(requests, drafts.tokens, drafts.probs, strict=True):
-            slots = widest if self.has_state else 0
-            if tokens and scheduler.reserve_for_verify(request, 1 + widest, slots):
-                verifying.append((request, tokens[:widest], probs))
+        # Room first (an MTP drafter writes its K/V at the draft positions while drafting).
+        slots = width if self.has_state else 0
+        room = [r for r in requests if scheduler.reserve_for_verify(r, 1 + width, slots)]
+        plain = [r for r in requests if r not in room]
+        drafts = self.drafter.propose([_draft_request(r) for r in room], width)
+        verifying = []
+        for request, tokens, probs in zip(room, drafts.tokens, drafts.probs, strict=True):
+            if tokens:
+                verifying.append((request, tokens[:width], probs))
             else:
                 plain.append(request)
         if not verifying:
             return [], plain
+        widest = max(len(tokens) for _, tokens, _ in verifying)
         graph = graphs.get(1 + widest)
         outputs = self._verify(verifying, widest, model, scheduler, kv_scales, append_token, graph)
         self.policy.observe(len(requests), width, [accepted for accepted, _ in outputs])
         return [output for _, emitted in outputs for output in emitted], plain
+
+    def observe(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        """The target computed `request`'s positions start .. start + len(hidden) - 1 (an MTP drafter
+        keeps their hidden states)."""
+        if isinstance(self.drafter, HiddenStateDrafter):
+            self.drafter.observe(_draft_request(request), start, hidden)
 
     def _verify(
         self,
@@ -158,17 +165,23 @@ class SpeculativeDecoding:
             verify_slots = torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True)
         if graph is not None and graph.can_run(batch):
             logits = graph.run(batch, verify_slots)
+            hidden = graph.last_hidden(len(verifying) * n)
         else:
             backend = PagedAttentionBackend(scheduler.pool, batch, scheduler.slots, kv_scales, verify_slots)
-            logits = model.compute_logits(model(batch.input_ids, batch.positions, backend))
+            hidden = model(batch.input_ids, batch.positions, backend)
+            logits = model.compute_logits(hidden)
         logits = logits.float().view(len(verifying), n, -1)
+        hidden = hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1
         results = []
         for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
             accepted, next_token = self._accept(request, logits[row], draft, probs, len(tokens))
             emitted = [*draft[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
+            start = request.num_computed
             results.append((accepted, self._commit(request, emitted, logits[row], scheduler, append_token)))
+            if not request.is_finished:
+                self.observe(request, start, hidden[row, : request.num_computed - start])
         return results
 
     @staticmethod
@@ -214,6 +227,10 @@ class SpeculativeDecoding:
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
+
+
+def _draft_request(request: Request) -> DraftRequest:
+    return DraftRequest(request.request_id, request.token_ids, request.pages, request.num_computed)
 
 
 def _one_token(token: int, logprobs: torch.Tensor | None, request: Request) -> SampleResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -11,12 +12,14 @@ import torch
 from torch import nn
 
 from morion.errors import ModelLoadError
+from morion.layers.host_table import PLACEMENTS, host_tables
 from morion.loader.dummy_weights import fill_dummy_weights
 from morion.loader.fp8_block import block_fp8_size, dequantized_weights
 from morion.loader.gguf_loader import GGUFModel, read_gguf
 from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS, pull
 from morion.loader.nvfp4 import dequantized_nvfp4_weights, is_nvfp4_checkpoint
 from morion.loader.safetensors_loader import HFDirectory, read_hf_directory
+from morion.loader.safetensors_mmap import mapped_weights
 from morion.models.presets import is_preset, preset_config
 from morion.models.registry import build_model
 from morion.progress import Progress
@@ -61,15 +64,24 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     weight_dtype: str = "auto",
+    host_table_placement: str = "ram",
 ) -> LoadedModel:
     """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them.
 
     `weight_dtype` "fp8" keeps linear layers, experts and the LM head in e4m3 (layers/fp8_convert.py):
     each weight is quantized on `device` as it is read or drawn, so device memory peaks at about the
     FP8 model plus one tensor's temporaries, and those are freed before this returns.
+
+    Tables a model keeps in host memory and never on `device` (its `host_tables` hook: Qwen3.8-Flash-Next's
+    PLE table) are copied into RAM (page-locked when `device` is CUDA), or with `host_table_placement`
+    "mmap" left in the checkpoint files, memory-mapped (layers/host_table.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    if host_table_placement not in PLACEMENTS:
+        raise ModelLoadError(
+            f"unknown host table placement {host_table_placement!r} (choose {', '.join(PLACEMENTS)})"
+        )
     if is_preset(model):
         hf_config, tokenizer, path, weights = preset_config(model), None, Path(model), None
     else:
@@ -78,10 +90,16 @@ def load_model(
         hf_config, tokenizer = source.hf_config, source.tokenizer
         weights = None if load_format == "dummy" else source
     module = build_model(hf_config, dtype, device, weight_dtype)
+    tables = host_tables(module)
+    for table in tables:
+        table.place(host_table_placement, pin_memory=device.type == "cuda", model_dtype=dtype)
     if weights is None:
         fill_dummy_weights(module, seed)
     else:
-        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device)
+        map_files = bool(tables) and host_table_placement == "mmap"
+        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device, map_files)
+    for table in tables:
+        print(f"morion: host table {table.describe()}", file=sys.stderr)
     if device.type == "cuda":
         # Quantization and dequantization temporaries go back to the driver before the KV pool is
         # sized from the memory that is really free (design.md §4).
@@ -97,7 +115,10 @@ def _load_checkpoint(
     weight_dtype: str,
     dtype: torch.dtype,
     device: torch.device,
+    map_files: bool = False,
 ) -> None:
+    """`map_files`: hand over every tensor as a map of its file (safetensors only) instead of reading it,
+    so host tables placed "mmap" keep those maps; everything else is copied from them as usual."""
     progress = Progress(f"loading {path.name}", weights.num_tensors, " tensors")
 
     def counted(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -105,7 +126,8 @@ def _load_checkpoint(
             yield item
             progress.advance()
 
-    tensors = counted(weights.weights())
+    mapped = map_files and isinstance(weights, HFDirectory)
+    tensors = counted(mapped_weights(weights.shards) if mapped else weights.weights())
     if is_nvfp4_checkpoint(hf_config, path):
         logger.info("NVFP4 checkpoint: quantized weights dequantized to %s as they load", dtype)
         tensors = dequantized_nvfp4_weights(tensors, dtype, device)

@@ -4,7 +4,8 @@ Generated on the model's device with a seeded generator, so building a full-size
 and the same seed gives the same weights. Values are scaled like a trained model's (fan-in scaled
 matrices, norms near their identity) so activations stay finite through many layers; nothing is zero.
 FP8 parameters (`--weight-dtype fp8`) are drawn in the model dtype one matrix (one expert) at a time
-and quantized, so the full-precision model never exists at once.
+and quantized, so the full-precision model never exists at once. Tables the model keeps in host memory
+(`host_tables`) are drawn there, shard by shard, never on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from morion.layers.host_table import HostRowTable, host_tables
 from morion.layers.norm import RMSNorm
 from morion.models.checkpoint import fp8_scales
 from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
@@ -36,6 +38,31 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             else:
                 _fill(name, param, id(param) in unit_norms, generator)
             progress.advance()
+    progress.finish()
+    for table in host_tables(model):
+        _fill_host_table(table, dtype, torch.Generator().manual_seed(seed))
+
+
+def _fill_host_table(table: HostRowTable, model_dtype: torch.dtype, generator: torch.Generator) -> None:
+    """In the table's declared dtype (else the model's), scaled like fan-in scaled weights (std
+    dim^-0.5). FP8 tables get random e4m3 codes with bit 6 cleared (magnitudes up to 1.875, never NaN:
+    byte-wise, which is ~20x faster than drawing normals for a 51 G-value table) and that std as their
+    global scale."""
+    dtype = table.dummy_dtype or model_dtype
+    std = table.dim**-0.5
+    progress = Progress("random host table", table.num_shards, " shards")
+    for index in range(table.num_shards):
+        shard = table.new_shard(index, dtype)
+        if dtype == FP8_DTYPE:
+            size = shard.numel()
+            words = torch.empty(-(-size // 8), dtype=torch.int64)
+            words.random_(-(2**63), 2**63 - 1, generator=generator)
+            shard.view(torch.uint8).view(-1).copy_(words.view(torch.uint8)[:size] & 0xBF)
+        else:
+            shard.normal_(0.0, std, generator=generator)
+        progress.advance()
+    if dtype == FP8_DTYPE:
+        table.scale = std
     progress.finish()
 
 

@@ -1,5 +1,6 @@
 """Full-size configurations for random-weight benchmarking (`--model preset:NAME`): real shapes, no
-checkpoint. Values are the released Qwen3-Next-80B-A3B config.json (see the reference notes, §1)."""
+checkpoint. Values are the released Qwen3-Next-80B-A3B config.json and Qwen3.8-Flash-Next's text_config
+(see the reference notes, §1 and §4.2)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,69 @@ _QWEN3_NEXT_80B_A3B: dict[str, Any] = {
     "eos_token_id": 151645,
 }
 
+# The text model of the RadixArk NVFP4 release (its text_config), with the n-gram (PLE) table declared
+# FP8: random weights draw it in host RAM as e4m3 codes with a global scale, never on the device.
+_QWEN3_8_FLASH_NEXT: dict[str, Any] = {
+    "model_type": "qwen4_exp_text",
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "num_hidden_layers": 48,
+    "full_attention_interval": 4,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attention_bias": False,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 640,
+    "shared_expert_intermediate_size": 640,
+    "norm_topk_prob": True,
+    "hc_count": 4,
+    "hc_lowrank": 320,
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 128,
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+    "ple_layer_ids": [2],
+    "ple_embed_dim": 2560,
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20000000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "split_ngram_parts": 128,
+    "seed": 1234,
+    "ple_embedding_dtype": "float8_e4m3fn",
+    "output_gate_type": "sigmoid",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "mtp_num_hidden_layers": 1,
+    "bos_token_id": 248044,
+    "eos_token_id": 248044,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B_A3B,
     # The same layers, 12 of 48 (3 GDN : 1 attention kept): fits a GPU in BF16 for quick benchmarks.
     "qwen3-next-80b-a3b-12l": {**_QWEN3_NEXT_80B_A3B, "num_hidden_layers": 12},
+    "qwen3.8-flash-next": _QWEN3_8_FLASH_NEXT,
+    # 12 of 48 layers (3 GDN : 1 QSA, PLE at layer 1 kept; the full n-gram table): fits a GPU in BF16.
+    "qwen3.8-flash-next-12l": {**_QWEN3_8_FLASH_NEXT, "num_hidden_layers": 12},
 }
 
 

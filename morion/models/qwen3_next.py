@@ -299,10 +299,37 @@ class Qwen3NextForCausalLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        target_hidden: torch.Tensor,
+        backend: HybridBackend,
+    ) -> torch.Tensor:
+        """The MTP head at flat positions [T]: row t fuses the embedding of `input_ids[t]` (the token
+        after position t) with `target_hidden[t]` (the hidden state at position t that predicted it: the
+        trunk's final-normed output, or this head's own output for a chained draft step) and runs the
+        head's decoder layers (their K/V at the attention ordinals after the trunk's) and norm. Returns
+        [T, hidden]; `compute_logits` gives the draft distribution for the token after input_ids[t]."""
+        mtp = self.mtp
+        if mtp is None:
+            raise RuntimeError("this model has no MTP head (its checkpoint carries no mtp.* weights)")
+        embedded = mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
+        x = mtp.fc(torch.cat((embedded, mtp.pre_fc_norm_hidden(target_hidden)), dim=-1))
+        cos, sin = self.model.rotary(positions)
+        for layer in mtp.layers:
+            x = layer(x, cos, sin, backend)
+        return mtp.norm(x)
+
     def cache_spec(
-        self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+        self,
+        page_size: int,
+        kv_dtype: torch.dtype,
+        state_dtype: torch.dtype = torch.float32,
+        draft_layers: bool = False,
     ) -> CacheSpec:
-        """K/V per token for each full-attention layer; per sequence, for each Gated DeltaNet layer, the
+        """K/V per token for each full-attention layer (and, with `draft_layers`, the MTP head's layers
+        after them: its K/V is paged with the trunk's); per sequence, for each Gated DeltaNet layer, the
         conv window (the last W-1 pre-conv q|k|v vectors, token-major as vLLM keeps it, in the model's
         dtype) and the recurrent state [HV, Dk, Dv] in `state_dtype` (fp32 by default)."""
         config = self.config
@@ -321,9 +348,8 @@ class Qwen3NextForCausalLM(nn.Module):
                     state_dtype,
                 ),
             )
-        kv = TokenComponent(
-            "kv", len(config.attention_layers), (2, config.num_kv_heads, config.head_dim), kv_dtype
-        )
+        kv_layers = len(config.attention_layers) + (len(self.mtp.layers) if draft_layers and self.mtp else 0)
+        kv = TokenComponent("kv", kv_layers, (2, config.num_kv_heads, config.head_dim), kv_dtype)
         return CacheSpec(page_size, (kv,), states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

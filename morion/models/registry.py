@@ -14,6 +14,8 @@ from morion.errors import ModelLoadError
 from morion.layers.fp8_convert import convert_to_fp8
 from morion.models.llama import DenseConfig, DenseForCausalLM
 from morion.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
+from morion.models.qwen4_exp import Qwen4ExpForCausalLM
+from morion.models.qwen4_exp_config import Qwen4ExpConfig
 
 # model_type -> (config parser, model class)
 _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]]] = {
@@ -21,6 +23,8 @@ _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]
     "qwen2": (DenseConfig.from_hf, DenseForCausalLM),
     "qwen3": (DenseConfig.from_hf, DenseForCausalLM),
     "qwen3_next": (Qwen3NextConfig.from_hf, Qwen3NextForCausalLM),
+    "qwen4_exp": (Qwen4ExpConfig.from_hf, Qwen4ExpForCausalLM),  # multimodal config: its text model
+    "qwen4_exp_text": (Qwen4ExpConfig.from_hf, Qwen4ExpForCausalLM),
 }
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
 

@@ -39,6 +39,17 @@ def automatic_decisions(config: EngineConfig, info: EngineInfo) -> list[str]:
     return decisions
 
 
+def speculative_feature(config: EngineConfig) -> dict[str, Any]:
+    """The drafter (`method`: off or ngram) and how the draft width is chosen: `policy` "fixed" with its
+    `width` (--spec-width, which the engine prefers over a policy file), or the policy file ("default":
+    the built-in policy). Live acceptance is in the load stats and /metrics."""
+    if config.speculative == "off":
+        return {"method": "off", "policy": None, "width": None}
+    if config.spec_width is not None:
+        return {"method": config.speculative, "policy": "fixed", "width": config.spec_width}
+    return {"method": config.speculative, "policy": config.spec_policy or "default", "width": None}
+
+
 def startup_summary(options: ServeOptions, served_names: list[str], info: EngineInfo) -> str:
     config = options.engine
     auth = "API key required" if options.api_key else "no API key"
@@ -55,6 +66,10 @@ def startup_summary(options: ServeOptions, served_names: list[str], info: Engine
         f"  requests       body <= {options.max_request_bytes} B, n <= {MAX_N}, "
         f"SIGTERM drains for up to {options.shutdown_timeout:g} s",
     ]
+    speculative = speculative_feature(config)
+    if speculative["method"] != "off":
+        width = f"width {speculative['width']}" if speculative["width"] else f"policy {speculative['policy']}"
+        lines.append(f"  speculative    {speculative['method']} drafts, {width}")
     lines += [f"  auto           {decision}" for decision in automatic_decisions(config, info)]
     return "\n".join(lines)
 
@@ -82,7 +97,7 @@ def server_info(
             "shutdown_timeout": options.shutdown_timeout,
             "profile": options.profile,
         },
-        "features": features or {},
+        "features": {**(features or {}), "speculative": speculative_feature(options.engine)},
         "capacity": None,
         "decisions": [],
         "load": stats._asdict() if stats is not None else None,

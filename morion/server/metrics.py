@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from morion.cache.tier_stats import CacheStats
-from morion.engine.messages import EngineInfo, EngineStats
+from morion.engine.messages import EngineInfo, EngineStats, SpecSnapshot
 from morion.engine.outputs import Usage
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -119,6 +119,7 @@ class _EngineCollector(Collector):
             "morion_retractions", "Running requests sent back to the queue for memory", stats.retractions
         )
         yield from _cache_metrics(stats.cache)
+        yield from _spec_metrics(stats.spec)
 
 
 def _by_label(name: str, documentation: str, label: str, values: dict[str, float], counter: bool) -> Metric:
@@ -203,6 +204,48 @@ def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
         "morion_disk_cache_objects": ("Objects in the disk tier", cache.disk_objects),
         "morion_disk_cache_bytes_used": ("Bytes in the disk tier", cache.disk_bytes_used),
         "morion_disk_cache_bytes_budget": ("The disk tier's budget", cache.disk_bytes_budget),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(name, documentation, value)
+
+
+# What the speculative decoding series read while it is off: zeros, and no draft positions.
+_SPEC_OFF = SpecSnapshot("off", 0, 0, 0, 0, (), (), 0, 0, 0.0)
+
+
+def _spec_metrics(spec: SpecSnapshot | None) -> Iterator[Metric]:
+    """Speculative decoding. Present whether it is on or not (zero when off, as the cache tiers' are), so a
+    dashboard needs no special case. The per-position series exist for positions 1 to the policy's widest
+    (none when off) and read zero until drafted, so accepted / drafted per position is a rate from the
+    start; the windowed mean accepted length is rate(emitted) / (rate(emitted) - rate(accepted))."""
+    yield GaugeMetricFamily("morion_spec_enabled", "1 when speculative decoding is on", spec is not None)
+    spec = spec or _SPEC_OFF
+    counters = {
+        "morion_spec_verify_steps": ("Verify forwards (steps that verified drafts)", spec.verify_steps),
+        "morion_spec_drafted_tokens": ("Draft tokens proposed", spec.drafted_tokens),
+        "morion_spec_accepted_tokens": ("Draft tokens accepted", spec.accepted_tokens),
+        "morion_spec_emitted_tokens": (
+            "Tokens verify steps gave requests: accepted drafts + one target token per request and step",
+            spec.emitted_tokens,
+        ),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(name, documentation, value)
+    positions = range(1, spec.max_width + 1)
+    for outcome, values in (("drafted", spec.drafted_by_position), ("accepted", spec.accepted_by_position)):
+        yield _by_label(
+            f"morion_spec_{outcome}_by_position",
+            f"Draft tokens {outcome} at each draft position (1: a step's first draft)",
+            "position",
+            {str(p): values[p - 1] if p <= len(values) else 0 for p in positions},
+            counter=True,
+        )
+    gauges = {
+        "morion_spec_active_width": ("Draft width the policy chose last", spec.active_width),
+        "morion_spec_mean_accepted_length": (
+            "Tokens a request gained per verify step since start (accepted drafts + the target's own)",
+            spec.mean_accepted_length,
+        ),
     }
     for name, (documentation, value) in gauges.items():
         yield GaugeMetricFamily(name, documentation, value)

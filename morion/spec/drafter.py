@@ -7,14 +7,15 @@ speculation equals output without, and sampled output keeps the target's distrib
 sampling); a drafter only changes how many tokens one target forward yields.
 
 Model-free drafters (n-gram lookup, the synthetic benchmark drafter) see token ids only. The MTP drafter
-also reads the target's hidden states, which the engine passes in `DraftRequest.target_hidden`.
+(`spec/mtp.py`) also reads the target's hidden states, which the engine reports to it after every target
+forward (`HiddenStateDrafter.observe`), and writes its own K/V into the request's pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,13 +26,12 @@ class DraftRequest:
 
     `token_ids` is the whole sequence so far (prompt + generated); its last token has been sampled but
     not yet run through the target (the verify forward runs it first, then the drafts).
-    `target_hidden` is, for drafters that read it (MTP), the target's last hidden state for the
-    sequence's last computed position; None for the others.
     """
 
     request_id: str
     token_ids: Sequence[int]
-    target_hidden: torch.Tensor | None = None
+    pages: Sequence[int] = ()  # the request's pages, already covering the drafts' positions
+    num_computed: int = 0  # tokens whose K/V (and state) are computed: all but the last one
 
 
 @dataclass(frozen=True)
@@ -53,4 +53,15 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: drop anything kept for it."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter that reads the target's hidden states (MTP): the engine reports them after every
+    target forward that computed tokens of a running request."""
+
+    def observe(self, request: DraftRequest, start: int, hidden: torch.Tensor) -> None:
+        """`hidden` [n, H]: the target's final hidden states of `request` at positions start .. start + n - 1
+        (valid only during the call: a CUDA graph's output buffer is overwritten by its next replay)."""
         ...

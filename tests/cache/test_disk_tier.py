@@ -56,7 +56,7 @@ def test_object_files_round_trip_and_detect_damage(tmp_path, direct) -> None:
     path = object_path(tmp_path, KIND_PAGE, _key(1))
     assert disk_format.write_object(path, KIND_PAGE, _key(1), namespace, _payload(1), direct) == 2 * BLOCK
     out = np.zeros(PAYLOAD, dtype=np.uint8)
-    disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out, direct)
+    disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out)
     assert np.array_equal(out, _payload(1))
     for wrong in [
         (KIND_SNAPSHOT, _key(1), namespace),
@@ -64,15 +64,15 @@ def test_object_files_round_trip_and_detect_damage(tmp_path, direct) -> None:
         (KIND_PAGE, _key(1), "cd" * 16),
     ]:
         with pytest.raises(CorruptObject):
-            disk_format.read_object(path, *wrong, out, direct)
+            disk_format.read_object(path, *wrong, out)
     data = bytearray(path.read_bytes())
     data[BLOCK + PAYLOAD - 1] ^= 0x80
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptObject, match="checksum"):
-        disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out, direct)
+        disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out)
     path.write_bytes(bytes(data[: BLOCK + 10]))
     with pytest.raises(CorruptObject):
-        disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out, direct)
+        disk_format.read_object(path, KIND_PAGE, _key(1), namespace, out)
     assert not list(path.parent.glob(".*.tmp"))
 
 

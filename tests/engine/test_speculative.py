@@ -9,11 +9,17 @@ import random
 
 import pytest
 import torch
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.errors import MorionError
+from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.synthetic import SyntheticDrafter
+from morion.text.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -133,3 +139,52 @@ def test_sampling_with_speculation_keeps_the_target_distribution(small_llama, en
     # chi-square upper tail ~ p = 1e-4 via the Wilson-Hilferty approximation.
     bound = dof * (1 - 2 / (9 * dof) + 3.72 * (2 / (9 * dof)) ** 0.5) ** 3
     assert chi2 < bound, (chi2, dof, bound)
+
+
+def test_mtp_drafts_leave_greedy_output_unchanged(tiny_qwen3_next, engine_runner, tmp_path):
+    """The model's own MTP head drafts (random weights: low acceptance, but the extend, the chained
+    steps and their K/V in the pages all run), alone and with a FR-Spec reduced draft vocabulary."""
+    prompts = _prompts(512)
+    plain = _engine(tiny_qwen3_next, enable_prefix_cache=False)
+    expected = [o.token_ids for o in engine_runner(plain, prompts, GREEDY)]
+    engine = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
+    assert engine.pool.spec.token_components[0].num_layers == 3  # 2 attention layers + the MTP layer
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    stats = engine.speculative.stats
+    assert stats.verify_steps > 0 and stats.drafted_tokens == 3 * (
+        stats.emitted_tokens - stats.accepted_tokens
+    )
+    engine.check_integrity()
+    words = [f"w{i}" for i in range(100)]
+    backend = FastTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    backend.pre_tokenizer = Whitespace()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(words[::3]) * 5)
+    token_map = tmp_path / "map.json"
+    write_token_map(build_token_map(Tokenizer(backend, [1]), [corpus], size=64), token_map)
+    reduced = _engine(tiny_qwen3_next, speculative="mtp", spec_width=2, spec_token_map=str(token_map))
+    outputs = engine_runner(reduced, prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_mtp_shaped_synthetic_drafter_and_prefix_hits(tiny_qwen3_next, engine_runner):
+    """The synthetic drafter's proposals through the MTP path (the head runs for its cost), then a
+    follow-up that hits the prefix cache (whose pages also hold the head's K/V) equals cold."""
+    prompts = _prompts(512)
+    plain = _engine(tiny_qwen3_next, enable_prefix_cache=False)
+    expected = [o.token_ids for o in engine_runner(plain, prompts, GREEDY)]
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    drafter = SyntheticDrafter(0.7, oracle, 512, seed=0)
+    engine = _engine(tiny_qwen3_next, drafter, speculative="mtp", spec_width=3)
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    assert engine.speculative.stats.accepted_tokens > 0
+    follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
+    want = [o.token_ids for o in engine_runner(plain, follow_ups, GREEDY)]
+    got = engine_runner(engine, follow_ups, GREEDY)
+    assert [o.token_ids for o in got] == want and all(o.usage.cached_tokens > 0 for o in got)
+    engine.check_integrity()
+
+
+def test_mtp_needs_a_model_with_an_mtp_head(small_llama):
+    with pytest.raises(MorionError, match="MTP head"):
+        _engine(small_llama, speculative="mtp")

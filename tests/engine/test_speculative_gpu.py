@@ -48,3 +48,17 @@ def test_verify_graphs_give_the_plain_greedy_output(on_cuda, engine_runner, acce
     assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
     assert engine.verify_graphs[4].replays > 0
     engine.check_integrity()
+
+
+def test_mtp_drafts_on_cuda_give_the_plain_greedy_output(tiny_qwen3_next, engine_runner):
+    """The MTP head reads the hidden states the decode and verify graphs leave behind."""
+    on_cuda = tiny_qwen3_next._replace(model=copy.deepcopy(tiny_qwen3_next.model).to("cuda"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(30 + 7 * i)] for i in range(3)]
+    expected = [
+        o.token_ids for o in engine_runner(_engine(on_cuda, enable_prefix_cache=False), prompts, GREEDY)
+    ]
+    engine = _engine(on_cuda, speculative="mtp", spec_width=3)
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    assert engine.verify_graphs[4].replays > 0 and engine.speculative.stats.drafted_tokens > 0
+    engine.check_integrity()

@@ -26,6 +26,7 @@ class StubEngine:
         self.prefix_cache = SimpleNamespace(cached_pages=0)
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
+        self.speculative = None
 
     def add_request(self, prompt, params, request_id):
         if not prompt:

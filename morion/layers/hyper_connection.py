@@ -1,0 +1,52 @@
+"""Hyper-connections (transformers' `Qwen4ExpTextGatedResidual`): the residual is `n` streams, not one.
+
+The model carries `streams [T, n * H]` (stream s is columns s*H .. s*H+H-1); the embeddings start as n
+copies. Around every block (the mixer and the MoE of each layer):
+
+    normed = grouped_rmsnorm(streams)                          one RMS per stream, weight (1 + w)
+    gate   = sigmoid(W_up(silu(W_down(normed) / n)))           [T, n * H]
+    input  = mean over streams of (gate * normed)              [T, H]: what the block sees
+    inject = 2 * sigmoid(W_inject(normed) / n)                 [T, n]: each stream's share of the output
+    streams = streams + block(input)[:, None, :] * inject[:, :, None]      (the un-normalised streams)
+
+The trunk ends with a mixer of the same form without the inject weights: its `input` is the final hidden
+state that the LM head reads (there is no final RMSNorm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from morion.layers.grouped_norm import GroupedRMSNorm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float, inject: bool) -> None:
+        super().__init__()
+        self.hc_count = hc_count
+        self.hidden_size = hidden_size
+        width = hc_count * hidden_size
+        self.hc_norm = GroupedRMSNorm(width, hidden_size, eps)
+        self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
+        # None for the final mixer, which feeds the LM head and writes nothing back.
+        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """streams [T, n * H] -> (block input [T, H], inject weights [T, n] or None for the final mixer)."""
+        normed = self.hc_norm(streams)
+        gate = torch.sigmoid(
+            self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc_count))
+        )
+        per_stream = (self.hc_count, self.hidden_size)
+        mixed = (gate.unflatten(-1, per_stream) * normed.unflatten(-1, per_stream)).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+
+
+def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """streams [T, n * H] plus the block's output [T, H] scaled per stream by weights [T, n]."""
+    return streams + (block_out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

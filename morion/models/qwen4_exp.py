@@ -1,0 +1,391 @@
+"""Qwen3.8-Flash-Next (`model_type` qwen4_exp / qwen4_exp_text), the text model.
+
+Qwen3-Next's hybrid of Gated DeltaNet and gated attention layers with a sparse MoE in every layer, with
+four changes (model-architecture.md §4): the residual is `hc_count` hyper-connection streams
+(layers/hyper_connection.py; a final mixer instead of a final norm), Gated DeltaNet takes the Qwen3.5
+head-first projections and a sigmoid output gate (layers/gated_delta_net_35.py), full attention is Qwen
+Sparse Attention (layers/qsa_attention.py), and the layers in `ple_layer_ids` add a hashed n-gram
+embedding whose table stays in host memory (layers/ple.py, layers/host_table.py). RoPE is interleaved
+mRoPE; for text the three position axes are equal, which makes it ordinary partial RoPE.
+
+Module names follow the Hugging Face checkpoints, so checkpoint names are parameter names, except: the
+routed experts (per-expert names or transformers' stacked ones, as in qwen3_next.py), the PLE table
+(`...ple.ple_embedding.ngram_embedding.shard_{i}.weight` [+ `weight_scale`]) and its hash constants,
+which go to the host (`host_tables`), and the multimodal checkpoints' `model.language_model.` prefix.
+`model.visual.*` (the vision tower) is skipped: only text is served.
+
+The native MTP head (`mtp.*`) is loaded into `self.mtp` and not run by `forward`. Its math, for the
+speculative decoder that will run it (vLLM/sglang `qwen4_exp_mtp`): for draft position t, with R_t the
+target's pre-mixer streams [n, H] after token t and e the embedding of token t+1,
+`streams = fc_hidden(pre_fc_norm_hidden(R_t) per stream) + fc_embedding(pre_fc_norm_embedding(e))`
+(`pre_fc_norm_hidden` is one norm over all n*H values), then `mtp.layers` (QSA decoder layers with their
+own hyper-connections, no PLE), `mtp.hyper_connection_mixer`, and the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from morion.cache.spec import CacheSpec, StateComponent, TokenComponent
+from morion.errors import ModelLoadError
+from morion.layers.gated_delta_net_35 import GatedDeltaNet35
+from morion.layers.host_table import FetchedRows, HostRowTable
+from morion.layers.hyper_connection import HyperConnection, inject
+from morion.layers.moe import SparseMoE
+from morion.layers.ngram_hash import CONSTANTS, NGramHash
+from morion.layers.norm_variants import ZeroCentredRMSNorm
+from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
+from morion.layers.qsa_attention import INDEX_KEYS, QSAAttention
+from morion.layers.rotary import RotaryEmbedding
+from morion.layers.token_cache_backend import TokenCacheBackend
+from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, fp8_scales, require_complete
+from morion.models.qwen3_next import _PER_EXPERT, _checkpoint_names
+from morion.models.qwen4_exp_config import LINEAR_ATTENTION, SPARSE_ATTENTION, Qwen4ExpConfig
+
+logger = logging.getLogger(__name__)
+
+_TEXT_PREFIX = "model.language_model."  # multimodal (qwen4_exp) checkpoints
+_VISION_PREFIX = "model.visual."
+
+
+def _ple_module(config: Qwen4ExpConfig, ple_ordinal: int) -> PLELayer:
+    ngram_hash = NGramHash(
+        config.vocab_size,
+        config.ngram_size,
+        config.heads_per_ngram,
+        config.ngram_vocab_size_base,
+        ple_ordinal,
+        config.seed,
+        config.eos_token_id,
+    )
+    divisor = config.ngram_vocab_divisor
+    table_rows = -(-ngram_hash.num_rows // divisor) * divisor
+    head_dim = config.ple_embed_dim // config.ngram_heads
+    table = HostRowTable(table_rows, head_dim, config.split_ngram_parts, config.ple_table_dtype)
+    return PLELayer(
+        ple_ordinal,
+        config.hidden_size,
+        config.hc_count,
+        config.ple_embed_dim,
+        config.ple_conv_kernel_size,
+        ngram_hash,
+        table,
+        config.rms_norm_eps,
+    )
+
+
+class Qwen4ExpDecoderLayer(nn.Module):
+    """[streams += PLE(streams)] -> attention HC: mixer (Gated DeltaNet or QSA) -> MoE HC: sparse MoE.
+    `ordinal` counts layers of the same kind; `ple_ordinal` is None for layers without PLE."""
+
+    def __init__(
+        self, config: Qwen4ExpConfig, layer_type: str, ordinal: int, ple_ordinal: int | None
+    ) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == SPARSE_ATTENTION:
+            self.self_attn = QSAAttention(
+                ordinal,
+                config.hidden_size,
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                config.rms_norm_eps,
+                config.attention_bias,
+                config.indexer_heads,
+                config.indexer_head_dim,
+                config.indexer_budget,
+                config.indexer_compress_ratio,
+            )
+        else:
+            self.linear_attn = GatedDeltaNet35(
+                ordinal,
+                config.hidden_size,
+                config.linear_num_key_heads,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                config.linear_conv_kernel_dim,
+                config.rms_norm_eps,
+                config.output_gate,
+            )
+        self.mlp = SparseMoE(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+            config.norm_topk_prob,
+        )
+        self.ple = None if ple_ordinal is None else _ple_module(config, ple_ordinal)
+        hc = (config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps)
+        self.attn_hyper_connection = HyperConnection(*hc, inject=True)
+        self.mlp_hyper_connection = HyperConnection(*hc, inject=True)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: TokenCacheBackend,
+        ple_rows: FetchedRows | None = None,
+    ) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + self.ple(streams, ple_rows, backend)
+        mixed, weights = self.attn_hyper_connection.mix(streams)
+        if self.layer_type == SPARSE_ATTENTION:
+            out = self.self_attn(mixed, cos, sin, rotary, backend)
+        else:
+            out = self.linear_attn(mixed, backend)
+        streams = inject(streams, out, weights)
+        mixed, weights = self.mlp_hyper_connection.mix(streams)
+        return inject(streams, self.mlp(mixed), weights)
+
+
+class Qwen4ExpModel(nn.Module):
+    def __init__(self, config: Qwen4ExpConfig) -> None:
+        super().__init__()
+        self.hc_count = config.hc_count
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        ordinals = {SPARSE_ATTENTION: 0, LINEAR_ATTENTION: 0}
+        layers = []
+        for index, layer_type in enumerate(config.layer_types):
+            ple = config.ple_layers.index(index) if index in config.ple_layers else None
+            layers.append(Qwen4ExpDecoderLayer(config, layer_type, ordinals[layer_type], ple))
+            ordinals[layer_type] += 1
+        self.layers = nn.ModuleList(layers)
+        self.hyper_connection_mixer = HyperConnection(
+            config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps, inject=False
+        )
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
+    ) -> torch.Tensor:
+        # The PLE rows start moving to the device first, so their copy overlaps the layers before them.
+        ple_rows = {
+            i: layer.ple.fetch(input_ids, backend)
+            for i, layer in enumerate(self.layers)
+            if layer.ple is not None
+        }
+        cos, sin = self.rotary(positions)
+        streams = self.embed_tokens(input_ids).repeat(1, self.hc_count)
+        for index, layer in enumerate(self.layers):
+            streams = layer(streams, cos, sin, self.rotary, backend, ple_rows.get(index))
+        return self.hyper_connection_mixer.mix(streams)[0]
+
+
+class Qwen4ExpMTP(nn.Module):
+    """The multi-token-prediction head's weights (see the module docstring for its math). Its decoder
+    layers are QSA layers without PLE; their attention ordinals continue after the trunk's."""
+
+    def __init__(self, config: Qwen4ExpConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(config.hc_count * hidden, eps)
+        self.fc_embedding = nn.Linear(hidden, hidden, bias=False)
+        self.fc_hidden = nn.Linear(hidden, hidden, bias=False)
+        first = len(config.attention_layers)
+        self.layers = nn.ModuleList(
+            Qwen4ExpDecoderLayer(config, SPARSE_ATTENTION, first + i, None)
+            for i in range(config.num_mtp_layers)
+        )
+        self.hyper_connection_mixer = HyperConnection(
+            hidden, config.hc_count, config.hc_lowrank, eps, inject=False
+        )
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    """Token-flat interface: input_ids and positions are [T]; the backend knows which sequence each is.
+
+    Not capturable in a CUDA graph: the PLE hash and gather run on the host, and QSA's reference selects
+    with host syncs. A capture attempt raises (the engine then decodes eagerly).
+    """
+
+    # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
+    # expert gate and the indexer decide what runs or is read (a flipped choice costs more than their
+    # bytes are worth); in_proj_b/a feed Gated DeltaNet's write and decay gates, whose errors compound;
+    # the hyper-connections scale the whole residual (the released quantized checkpoints keep all of
+    # these in BF16 too, as they keep the PLE projections).
+    fp8_keep: ClassVar[tuple[str, ...]] = (
+        "mlp.gate",
+        "mlp.shared_expert_gate",
+        "linear_attn.in_proj_b",
+        "linear_attn.in_proj_a",
+        "indexer.index_qk_proj",
+        "input_mix_weight_down",
+        "input_mix_weight_up",
+        "block_inject_weight",
+        "ple.key_proj",
+        "ple.value_proj",
+    )
+
+    def __init__(self, config: Qwen4ExpConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen4ExpModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # None when the config has no MTP layers or the checkpoint carries none (see load_weights).
+        self.mtp: Qwen4ExpMTP | None = Qwen4ExpMTP(config) if config.num_mtp_layers > 0 else None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
+    ) -> torch.Tensor:
+        """Returns the final mixer's hidden states [T, hidden]; `compute_logits` turns the ones needed
+        into logits."""
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{self.config.model_type} cannot be captured in a CUDA graph: PLE hashes and gathers on "
+                "the host and QSA selects with host syncs"
+            )
+        if backend.verify_slots is not None:
+            raise NotImplementedError(f"{self.config.model_type}: no speculative verify forward yet")
+        return self.model(input_ids, positions, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def host_tables(self) -> list[HostRowTable]:
+        """The loader's hook: tables kept in host memory, never on the device (the PLE n-gram tables).
+        The loader places them (RAM or memory-mapped files) before loading and fills them with dummy
+        weights; nothing here is a parameter or buffer, so building on the meta device and `to_empty`
+        never touch them."""
+        return [layer.ple.ple_embedding.table for layer in self.model.layers if layer.ple is not None]
+
+    def cache_spec(
+        self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+    ) -> CacheSpec:
+        """Per token, for each QSA layer: K/V, and the raw index key [Di] in the model dtype. Per sequence:
+        for each Gated DeltaNet layer the conv window and the recurrent state [HV, Dk, Dv] in
+        `state_dtype` (as qwen3_next.py); for each PLE layer its conv window [(K-1)*ngram_size, n*H] in
+        the model dtype and the last ngram_size - 1 token ids (int64, stored + 1: see layers/ple.py)."""
+        config = self.config
+        model_dtype = self.model.embed_tokens.weight.dtype
+        num_attention, num_linear, num_ple = (
+            len(config.attention_layers),
+            len(config.linear_layers),
+            len(config.ple_layers),
+        )
+        tokens = (
+            TokenComponent("kv", num_attention, (2, config.num_kv_heads, config.head_dim), kv_dtype),
+            TokenComponent(INDEX_KEYS, num_attention, (config.indexer_head_dim,), model_dtype),
+        )
+        states: list[StateComponent] = []
+        if num_linear:
+            states += [
+                StateComponent(
+                    "conv", num_linear, (config.linear_conv_kernel_dim - 1, config.conv_dim), model_dtype
+                ),
+                StateComponent(
+                    "recurrent",
+                    num_linear,
+                    (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+                    state_dtype,
+                ),
+            ]
+        if num_ple:
+            window = (config.ple_conv_kernel_size - 1) * config.ngram_size
+            states += [
+                StateComponent(
+                    PLE_CONV, num_ple, (window, config.hc_count * config.hidden_size), model_dtype
+                ),
+                StateComponent(NGRAM_HISTORY, num_ple, (config.ngram_size - 1,), torch.int64),
+            ]
+        return CacheSpec(page_size, tokens, tuple(states))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (HF names) into the parameters and the host tables; every parameter
+        and table shard must be covered (the hash constants may be absent: they derive from the config).
+
+        MTP weights are all or nothing: a checkpoint without any `mtp.*` tensor (transformers'
+        `save_pretrained` writes none) leaves the model without its MTP head (`self.mtp = None`).
+        """
+        params = dict(self.named_parameters())
+        scales = fp8_scales(self)
+        host = {
+            f"model.layers.{i}.ple.ple_embedding.": layer.ple.ple_embedding
+            for i, layer in enumerate(self.model.layers)
+            if layer.ple is not None
+        }
+        missing = {unit for name, param in params.items() for unit in _checkpoint_names(name, param)}
+        saw_mtp = False
+        for name, tensor in weights:
+            if name.startswith(_VISION_PREFIX):
+                logger.info("skipping the vision tower (%s...): morion serves the text model", _VISION_PREFIX)
+                continue
+            if name.startswith(_TEXT_PREFIX):
+                name = "model." + name.removeprefix(_TEXT_PREFIX)
+            if carries_nothing(name, self.config.tie_word_embeddings):
+                continue
+            saw_mtp = saw_mtp or name.startswith("mtp.")
+            owner = next((prefix for prefix in host if name.startswith(prefix)), None)
+            if owner is not None:
+                _load_host_tensor(host[owner], name, name.removeprefix(owner), tensor)
+                continue
+            param_name, index, covered = self._weight_target(name, params)
+            scale = scales.get(param_name)
+            copy_checkpoint_tensor(
+                name, tensor, params[param_name][index], None if scale is None else scale[index]
+            )
+            missing.difference_update(covered)
+        if not saw_mtp and self.mtp is not None:
+            logger.info("checkpoint has no mtp.* weights: the model has no MTP head")
+            self.mtp = None
+            missing = {name for name in missing if not name.startswith("mtp.")}
+        for prefix, embedding in host.items():
+            missing.update(f"{prefix}{TABLE}.{name}" for name in embedding.table.missing())
+            table_rows = embedding.table.num_rows
+            if embedding.hash.num_rows > table_rows:
+                raise ModelLoadError(
+                    f"{prefix}: the hash constants address {embedding.hash.num_rows} rows, the table has "
+                    f"{table_rows}"
+                )
+        require_complete(missing)
+
+    def _weight_target(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[str, tuple[int | slice, ...], list[str]]:
+        """The parameter that checkpoint tensor `name` fills, the index of the part it fills (a stacked
+        expert's slice) and the checkpoint names it covers (as qwen3_next.py)."""
+        param = params.get(name)
+        if param is not None:
+            return name, (), _checkpoint_names(name, param)
+        match = _PER_EXPERT.match(name)
+        if match is not None:
+            expert, proj = int(match["expert"]), match["proj"]
+            stacked_name = f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+            stacked = params.get(stacked_name)
+            if stacked is not None and expert < stacked.shape[0]:
+                if proj == "down_proj":
+                    return stacked_name, (expert,), [name]
+                size = stacked.shape[1] // 2
+                rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+                return stacked_name, (expert, rows), [name]
+        raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
+
+
+def _load_host_tensor(embedding: NGramEmbedding, name: str, relative: str, tensor: torch.Tensor) -> None:
+    """A PLE embedding's checkpoint tensor: a hash constant, or a piece of its table."""
+    try:
+        if relative in CONSTANTS:
+            embedding.hash.load_constant(relative, tensor)
+        elif relative.startswith(TABLE + "."):
+            embedding.table.load(relative.removeprefix(TABLE + "."), tensor)
+        else:
+            raise ValueError("is not part of the n-gram embedding")
+    except ValueError as error:
+        raise ModelLoadError(f"checkpoint tensor {name!r} {error}") from None

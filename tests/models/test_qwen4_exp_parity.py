@@ -1,0 +1,241 @@
+"""Qwen3.8-Flash-Next (qwen4_exp) against transformers' Qwen4ExpForCausalLM on the tiny config of
+model-architecture.md §5 (fp32, CPU): QSA's budget (16 tokens) is below the prompts, so block selection
+really happens, and PLE sits at layer index 1. The model runs through the engine's own backend
+(`PagedAttentionBackend` over a page pool and state slots), so the side cache of index keys, the K/V reads
+and the PLE state are the ones the engine uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import transformers
+
+from morion import LLM, SamplingParams
+from morion.cache.page_pool import PagePool
+from morion.cache.state_slots import StateSlots
+from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
+from morion.loader import load_model
+
+# fp32 on tiny random models: only summation order differs (chunked vs recurrent delta rule, the gathered
+# vs masked attention). Measured: at most ~1e-6 on logits of magnitude ~2; using every block instead of
+# the selection moves them by ~3e-2.
+LOGIT_TOLERANCE = 1e-4
+EOS = 5
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    full_attention_interval=4,
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+    hc_count=4,
+    hc_lowrank=32,
+    ple_layer_ids=[2],
+    ple_embed_dim=256,
+    ple_conv_kernel_size=4,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=4,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=16,
+    indexer_compress_ratio=4,
+    output_gate_type="sigmoid",
+    eos_token_id=EOS,
+    bos_token_id=EOS,
+    tie_word_embeddings=False,
+)
+
+
+def _perturb(reference: torch.nn.Module) -> None:
+    """transformers initialises norms at identity, the PLE conv at zero and decays at one scale: make every
+    term count, so a swapped or dropped one changes the logits (scaled to magnitude ~2 by the head)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.add_(noise * 0.2)
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(-5.8, 0.0, generator=generator))
+            elif name.endswith("dt_bias"):
+                param.copy_(noise * 0.5)
+            elif name.endswith("conv1d.weight"):
+                param.copy_(noise * 0.4)
+            elif name == "lm_head.weight":
+                param.mul_(4.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers reference, our model) for the tiny config, saved with save_pretrained."""
+    torch.manual_seed(0)
+    reference = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**TINY)).eval()
+    reference.generation_config.eos_token_id = None  # random models: generate every token asked for
+    _perturb(reference)
+    directory = tmp_path_factory.mktemp("qwen4_exp_tiny")
+    reference.save_pretrained(directory)
+    return directory, reference, load_model(str(directory), torch.float32, torch.device("cpu")).model
+
+
+class PagedRunner:
+    """Sequences run through `PagedAttentionBackend` over a private pool (pages 0, 1, ... of sequence n
+    follow n's own range) and one state slot per sequence; `run({seq: new tokens})` is one forward over
+    the named sequences, concatenated in that order, and returns each one's logits."""
+
+    def __init__(self, model: torch.nn.Module, num_sequences: int = 1, page_size: int = 8) -> None:
+        spec = model.cache_spec(page_size, torch.float32)
+        pages_per_sequence = 32
+        self.model = model
+        self.page_size = page_size
+        self.pool = PagePool(spec, num_sequences * pages_per_sequence)
+        self.slots = StateSlots(spec, num_sequences)
+        self.pages = [
+            list(range(n * pages_per_sequence, (n + 1) * pages_per_sequence)) for n in range(num_sequences)
+        ]
+        self.tokens: list[list[int]] = [[] for _ in range(num_sequences)]
+        for _ in range(num_sequences):
+            self.slots.alloc()
+
+    @torch.inference_mode()
+    def run(self, new_tokens: dict[int, Sequence[int]]) -> dict[int, torch.Tensor]:
+        chunks = []
+        for seq, tokens in new_tokens.items():
+            start = len(self.tokens[seq])
+            self.tokens[seq].extend(tokens)
+            chunks.append((self.tokens[seq], self.pages[seq], start, len(tokens)))
+        batch = build_forward_batch(chunks, list(new_tokens), self.page_size, torch.device("cpu"))
+        hidden = self.model(
+            batch.input_ids, batch.positions, PagedAttentionBackend(self.pool, batch, self.slots)
+        )
+        logits = self.model.compute_logits(hidden)
+        return {seq: logits[s : s + n] for seq, (s, n) in zip(new_tokens, batch.query_ranges, strict=True)}
+
+    def prefill(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+        chunk = chunk or len(tokens)
+        return torch.cat([self.run({0: tokens[i : i + chunk]})[0] for i in range(0, len(tokens), chunk)])
+
+
+def _prompt(length: int, seed: int, eos_at: Sequence[int] = ()) -> list[int]:
+    """Random ids; EOS at `eos_at`, so PLE's n-gram contexts are cut there."""
+    ids = torch.randint(6, TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
+    for position in eos_at:
+        ids[position] = EOS
+    return ids.tolist()
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("length", (1, 7, 40, 70))
+def test_prefill_logits_match_transformers(checkpoint, length):
+    _, reference, ours = checkpoint
+    prompt = _prompt(length, seed=length, eos_at=(5, 6, 30) if length > 30 else ())
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    assert _max_diff(PagedRunner(ours).prefill(prompt), expected) < LOGIT_TOLERANCE
+
+
+def test_block_selection_changes_the_answer(checkpoint, monkeypatch):
+    """The tests above would pass with dense attention unless the selection matters: it does."""
+    _, reference, ours = checkpoint
+    prompt = _prompt(70, seed=70)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    for layer in ours.model.layers:
+        if layer.layer_type == "sparse_attention":
+            monkeypatch.setattr(layer.self_attn, "block_topk", 64)  # every block
+    assert _max_diff(PagedRunner(ours).prefill(prompt), expected) > 100 * LOGIT_TOLERANCE, "selection is moot"
+
+
+def test_decode_logits_match_transformers_cache(checkpoint):
+    _, reference, ours = checkpoint
+    prompt = _prompt(11, seed=1)
+    continuation = _prompt(30, seed=2, eos_at=(3, 4, 12))
+    runner = PagedRunner(ours)
+    with torch.no_grad():
+        out = reference(torch.tensor([prompt]), use_cache=True)
+        assert _max_diff(runner.prefill(prompt), out.logits[0]) < LOGIT_TOLERANCE
+        cache = out.cache
+        for token in continuation:
+            out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache = out.cache
+            assert _max_diff(runner.run({0: [token]})[0], out.logits[0]) < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("chunk", (7, 16))
+def test_chunked_prefill_equals_unchunked(checkpoint, chunk):
+    _, _, ours = checkpoint
+    prompt = _prompt(60, seed=3, eos_at=(15,))
+    whole = PagedRunner(ours).prefill(prompt)
+    assert _max_diff(PagedRunner(ours).prefill(prompt, chunk=chunk), whole) < LOGIT_TOLERANCE
+
+
+def test_sequences_batched_equal_each_alone(checkpoint):
+    """Prefills of different lengths in one flat batch, decode steps together, a prefill chunk next to
+    decodes, then another order with one sequence absent."""
+    _, _, ours = checkpoint
+    prompts = {0: _prompt(9, 10), 1: _prompt(45, 11, eos_at=(20,)), 2: _prompt(26, 12)}
+    steps = [dict(prompts)]
+    steps += [{seq: _prompt(1, 20 + 3 * step + seq) for seq in prompts} for step in range(3)]
+    steps.append({0: _prompt(1, 40), 1: _prompt(1, 41), 2: _prompt(13, 42)})
+    steps.append({2: _prompt(1, 50), 0: _prompt(5, 51)})
+
+    batched = PagedRunner(ours, num_sequences=3)
+    logits: dict[int, list[torch.Tensor]] = {seq: [] for seq in prompts}
+    for step in steps:
+        for seq, rows in batched.run(step).items():
+            logits[seq].append(rows)
+    for seq in prompts:
+        alone = PagedRunner(ours).prefill([t for step in steps for t in step.get(seq, [])])
+        assert _max_diff(torch.cat(logits[seq]), alone) < LOGIT_TOLERANCE, f"sequence {seq}"
+
+
+def test_greedy_through_llm_matches_transformers(checkpoint, greedy_checker):
+    """The checkpoint as users load it (HF names, the n-gram table in `shard_{i}` tensors), through
+    `morion.LLM`: continuous batching, paged K/V, chunked prefill."""
+    directory, reference, _ = checkpoint
+    llm = LLM(model=str(directory), device="cpu", kv_cache_tokens=2048, page_size=8, chunk_size=32)
+    prompts = [_prompt(50, seed=100, eos_at=(10,)), _prompt(13, seed=101)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        greedy_checker(
+            output.token_ids,
+            expected.sequences[0, len(prompt) :].tolist(),
+            lambda step, e=expected: e.logits[step][0],
+            1e-3,
+        )
