@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements the open issues need, in one device call (~10 minutes on an H200):
-# the gpu-marked engine tests (speculative verify graphs #8, FP8 K/V host restores #7, grammar mask #11),
-# FP8-vs-BF16 K/V top-1 agreement with its BF16 control on the 12-layer preset (#6), the 64K restore TTFT
-# cold / device / host / disk (#7), and speculative decoding with the synthetic drafter on the 80B preset
-# (#8). Results go to $OUT, logs into $OUT/logs.tgz (the device tool returns at most 8 files); carry .whl/
-# (scripts/gpu_wheels.sh) and set MORION_SOURCE_COMMIT to the commit.
+# The GPU checks and measurements the open issues need, in one device call (~9 minutes on an H200):
+# the gpu-marked speculative and tier tests and the strided-index kernel test (#8, #7), speculative
+# decoding with the synthetic drafter through the MTP path on the 80B preset (#8), the 64K restore TTFT
+# cold / device / host / disk (#7), and the full-size Qwen3.8-Flash-Next preset's memory breakdown and
+# first decode/prefill numbers (#9). Results go to $OUT, logs into $OUT/logs.tgz (the device tool
+# returns at most 8 files); carry .whl/ (scripts/gpu_wheels.sh) and set MORION_SOURCE_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${OUT:-/tmp/morion-open-checks}
@@ -12,13 +12,17 @@ out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
 trap 'tar czf "$results/logs.tgz" -C "$out" . 2>/dev/null' EXIT
 pytest=(python3 -m pytest -q -p no:cacheprovider)
-step gpu-engine-tests 240 "${pytest[@]}" -m gpu tests/engine
-step kv-agreement 240 python3 scripts/kv_fp8_agreement.py --model preset:qwen3-next-80b-a3b-12l \
-    --weight-dtype fp8 --prompts 4 --steps 256 --out "$results/kv-fp8-agreement.json"
+step gpu-tests 150 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_cache_tiers_gpu.py
+step strided-kernels 60 "${pytest[@]}" tests/ops/test_gdn_triton.py -k "strided or decode"
+step spec 170 python3 scripts/spec_bench.py --model preset:qwen3-next-80b-a3b --weight-dtype fp8 \
+    --kv-cache-dtype fp8 --concurrency 1,4 --output-tokens 256 --repeats 2 --through mtp --out "$results"
 disk=$(mktemp -d /tmp/morion-restore.XXXX)
-step restore 240 python3 -m morion bench --model preset:qwen3-next-80b-a3b --load-format dummy \
+step restore 130 python3 -m morion bench --model preset:qwen3-next-80b-a3b --load-format dummy \
     --weight-dtype fp8 --kv-cache-dtype fp8 --max-running-requests 8 --cuda-graph-max-batch 8 \
-    --workloads restore --restore-length 65536 --restore-repeats 2 --host-cache-gb 8 --disk-cache-dir "$disk" \
-    --label h200-qwen3-next-80b-a3b-fp8-restore --out "$results"
-step spec 240 python3 scripts/spec_bench.py --model preset:qwen3-next-80b-a3b --weight-dtype fp8 \
-    --kv-cache-dtype fp8 --concurrency 1,4 --output-tokens 256 --repeats 2 --out "$results"
+    --workloads restore --restore-length 65536 --restore-repeats 1 --host-cache-gb 8 --disk-cache-dir "$disk" \
+    --label h200-qwen3-next-80b-a3b-fp8-restore-buffered --out "$results"
+free -g | head -2 > "$out/host-memory.txt"
+step flash-next 170 python3 -m morion bench --model preset:qwen3.8-flash-next --load-format dummy \
+    --weight-dtype fp8 --kv-cache-dtype fp8 --max-running-requests 2 --workloads decode,prefill \
+    --concurrency 1 --contexts 1024 --output-tokens 32 --repeats 1 --warmup-runs 1 --prefill-lengths 1024,8192 \
+    --label h200-qwen3.8-flash-next-fp8-first --out "$results"
