@@ -20,6 +20,53 @@ from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 
 
+def generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[list[RequestTiming], list[list[int]]]:
+    """Submits every prompt at once (greedy, EOS ignored, exactly `max_tokens` each) to an idle `engine`
+    and steps it until all have finished: each request's timing and generated ids, in prompt order."""
+    if engine.has_unfinished():
+        raise RuntimeError("the engine has unfinished requests from before this group")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    starts: dict[str, float] = {}
+    firsts: dict[str, float] = {}
+    lasts: dict[str, float] = {}
+    finals = {}
+    order = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        request_id = engine.add_request(prompt, params)
+        starts[request_id] = start
+        order.append(request_id)
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                firsts.setdefault(out.request_id, now)
+                lasts[out.request_id] = now
+            if out.final is not None:
+                finals[out.request_id] = out.final
+    timings, token_ids = [], []
+    for request_id in order:
+        final = finals[request_id]
+        if final.finish_reason == "error":
+            raise RuntimeError(f"request {request_id} failed in the engine: {final.error}")
+        usage = final.usage
+        timings.append(
+            RequestTiming(
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.cached_tokens,
+                starts[request_id],
+                firsts[request_id],
+                lasts[request_id],
+            )
+        )
+        token_ids.append(list(final.token_ids))
+    return timings, token_ids
+
+
 class EngineTarget:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
@@ -30,58 +77,13 @@ class EngineTarget:
         self.vocab_size: int | None = self.engine.model.config.vocab_size
 
     def run_group(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> GroupResult:
-        timings, _ = self._run(prompts, max_tokens)
+        timings, _ = generate(self.engine, prompts, max_tokens)
         return GroupResult(timings)
 
     def run_request(self, prompt: Sequence[int], max_tokens: int) -> tuple[RequestTiming, list[int]]:
         """One request alone (greedy, EOS ignored): its timing and the token ids it generated."""
-        [timing], [token_ids] = self._run([prompt], max_tokens)
+        [timing], [token_ids] = generate(self.engine, [prompt], max_tokens)
         return timing, token_ids
-
-    def _run(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int
-    ) -> tuple[list[RequestTiming], list[list[int]]]:
-        engine = self.engine
-        if engine.has_unfinished():
-            raise RuntimeError("the engine has unfinished requests from before this group")
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        starts: dict[str, float] = {}
-        firsts: dict[str, float] = {}
-        lasts: dict[str, float] = {}
-        finals = {}
-        order = []
-        for prompt in prompts:
-            start = time.perf_counter()
-            request_id = engine.add_request(prompt, params)
-            starts[request_id] = start
-            order.append(request_id)
-        while engine.has_unfinished():
-            outputs = engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                if out.new_token_ids:
-                    firsts.setdefault(out.request_id, now)
-                    lasts[out.request_id] = now
-                if out.final is not None:
-                    finals[out.request_id] = out.final
-        timings, token_ids = [], []
-        for request_id in order:
-            final = finals[request_id]
-            if final.finish_reason == "error":
-                raise RuntimeError(f"request {request_id} failed in the engine: {final.error}")
-            usage = final.usage
-            timings.append(
-                RequestTiming(
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    usage.cached_tokens,
-                    starts[request_id],
-                    firsts[request_id],
-                    lasts[request_id],
-                )
-            )
-            token_ids.append(list(final.token_ids))
-        return timings, token_ids
 
     def restart(self) -> tuple[float, float]:
         """A restart in-process: the engine is closed (its disk writes finish) and freed, and a new one is

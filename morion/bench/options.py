@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from morion.errors import MorionError
 
-WORKLOADS = ("decode", "prefill", "ttft", "restore")
-DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")  # restore needs the cache tiers' flags: only when asked
+WORKLOADS = ("decode", "prefill", "ttft", "spec", "restore")
+# restore needs the cache tiers' flags and spec a draft width: only when asked.
+DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
 BASELINES = ("hf",)
 DEFAULT_BANDWIDTH_GBS = 4300.0  # H200 device-to-device copy, measured (performance-anchors.md)
 DEFAULT_PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM, measured
@@ -32,7 +33,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help="any of decode,prefill,ttft,restore (default decode,prefill,ttft)",
+        help="any of decode,prefill,ttft,spec,restore (default decode,prefill,ttft)",
     )
     work.add_argument("--concurrency", default="1,2,4,8", help="decode: concurrent requests (1,2,4,8)")
     work.add_argument("--contexts", default="1024,32768", help="decode: prompt tokens (1024,32768)")
@@ -50,6 +51,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-lengths", default="1024,8192,32768,65536", help="prefill: prompt tokens, max_tokens 1"
     )
     work.add_argument("--ttft-length", default="1024", help="ttft: prompt tokens (1024)")
+    work.add_argument(
+        "--spec-mean-accepted",
+        default="2.58",
+        help="spec: tokens per verify step the synthetic drafter is set for, the target's own included, "
+        "at --spec-width (2.58)",
+    )
     work.add_argument(
         "--restore-length",
         default="65536",
@@ -91,6 +98,7 @@ class BenchOptions:
     max_cell_prompt_tokens: int
     prefill_lengths: tuple[int, ...]
     ttft_length: int
+    spec_mean_accepted: float
     restore_length: int
     restore_repeats: int
     bandwidth_gbs: float
@@ -117,6 +125,11 @@ class BenchOptions:
                 "--workloads restore needs the offline engine (it evicts the device cache and restarts the "
                 "engine): leave out --url"
             )
+        if url is not None and "spec" in workloads:
+            raise MorionError(
+                "--workloads spec needs the offline engine (its synthetic drafter reads the plain run's "
+                "outputs in-process): leave out --url"
+            )
         api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
         return cls(
             url=url,
@@ -132,6 +145,7 @@ class BenchOptions:
             max_cell_prompt_tokens=_number(args.max_cell_prompt_tokens, "--max-cell-prompt-tokens", int, 0),
             prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
             ttft_length=_number(args.ttft_length, "--ttft-length", int, 1),
+            spec_mean_accepted=_number(args.spec_mean_accepted, "--spec-mean-accepted", float, 1),
             restore_length=_number(args.restore_length, "--restore-length", int, 1),
             restore_repeats=_number(args.restore_repeats, "--restore-repeats", int, 1),
             bandwidth_gbs=_number(args.bandwidth_gbs, "--bandwidth-gbs", float, 1e-9),

@@ -52,7 +52,35 @@ DEFINITIONS = {
         "of the next step, after the first forward (which waits on the copies), so the rate is a lower "
         "bound on the copy rate"
     ),
+    "spec": (
+        "speculative decoding, SYNTHETIC: per run, C fresh prompts decode without speculation (their greedy "
+        "outputs are the oracle), then the same prompts on a second engine on the same weights, whose "
+        "synthetic drafter proposes the oracle's next tokens, each right with probability p given the ones "
+        "before it were (through the MTP head, which then runs for its cost, or through nothing). The "
+        "speculative output must equal the plain output token for token, else the run is FAILED. tok/s as "
+        "[1]; speedup = median speculative / median plain"
+    ),
+    "spec_mean_accepted": (
+        "measured mean accepted length: tokens a request gained per verify step (accepted drafts + the "
+        "target's own token) = emitted / (emitted - accepted), from the change in the speculative engine's "
+        "counters over the measured runs (warm-ups excluded); p is set for 1 + p + ... + p^k. Accepted / "
+        "drafted at draft position j is p^j when every draft is proposed"
+    ),
 }
+
+
+_FOOTNOTES = (
+    "per_request_tok_s",
+    "aggregate_tok_s",
+    "roofline",
+    "mbu",
+    "prefill_tok_s",
+    "prefill_bound",
+    "restore",
+    "restore_gbs",
+    "spec",
+    "spec_mean_accepted",
+)
 
 
 def slug(text: str) -> str:
@@ -105,19 +133,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _decode_table(result)
     lines += _prefill_table(result.get("prefill") or [])
     lines += _ttft_line(result.get("ttft"))
+    lines += _spec_table(result.get("spec"))
     lines += _restore_table(result.get("restore"))
     lines += _roofline_inputs(result.get("roofline") or {})
-    lines += [
-        "---",
-        f"[1] {DEFINITIONS['per_request_tok_s']}.  ",
-        f"[2] {DEFINITIONS['aggregate_tok_s']}.  ",
-        f"[3] {DEFINITIONS['roofline']}.  ",
-        f"[4] {DEFINITIONS['mbu']}.  ",
-        f"[5] {DEFINITIONS['prefill_tok_s']}.  ",
-        f"[6] {DEFINITIONS['prefill_bound']}." + ("  " if result.get("restore") else ""),
-    ]
-    if result.get("restore"):
-        lines += [f"[7] {DEFINITIONS['restore']}.  ", f"[8] {DEFINITIONS['restore_gbs']}."]
+    notes = ["per_request_tok_s", "aggregate_tok_s", "roofline", "mbu", "prefill_tok_s", "prefill_bound"]
+    notes += ["restore", "restore_gbs"] if result.get("restore") else []
+    notes += ["spec", "spec_mean_accepted"] if result.get("spec") else []
+    # Fixed numbers (the tables cite them); a footnote ends in two spaces: a line break but the last.
+    footnotes = [f"[{_FOOTNOTES.index(key) + 1}] {DEFINITIONS[key]}." for key in notes]
+    lines += ["---", *(note + "  " for note in footnotes[:-1]), footnotes[-1]]
     return "\n".join([*lines, ""])
 
 
@@ -269,6 +293,55 @@ def _restore_table(section: dict[str, Any] | None) -> list[str]:
         "the JSON.",
         "",
     ]
+    return lines
+
+
+def _spec_table(section: dict[str, Any] | None) -> list[str]:
+    if not section:
+        return []
+    cost = (
+        "the model's MTP head runs as it would (extend and chained draft steps), its proposals discarded: "
+        "its cost is in the speculative rate"
+        if section["through"] == "mtp"
+        else "no draft model runs: drafting costs nothing, so the speedup is an upper bound for this "
+        "acceptance"
+    )
+    lines = [
+        f"## Speculative decoding, SYNTHETIC drafter: width {section['width']}, "
+        f"p = {section['acceptance_p']:.3f}, set for {section['target_mean_accepted']:g} tokens per verify "
+        "step [9]",
+        "",
+        "**SYNTHETIC**: the drafts are the plain run's own greedy output, each right with probability p; "
+        f"they say nothing about a real drafter's acceptance. Drafter `{section['drafter_name']}`: {cost}. "
+        f"{section['output_tokens']} greedy output tokens per request, EOS ignored; median of "
+        f"{section['repeats']} runs, {section['warmup_runs']} warm-up per point.",
+        "",
+        "| C | context | plain tok/s [1] | speculative tok/s [1] | speedup | mean accepted [10] "
+        "| accepted / drafted by position [10] | verify graph replays | output |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for p in section["points"]:
+        median = p["median"]
+        failed = [str(i + 1) for i, run in enumerate(p["runs"]) if not run["identical"]]
+        failed += [f"warm-up {i + 1}" for i, run in enumerate(p["warmup_runs"]) if not run["identical"]]
+        cells = (
+            str(p["concurrency"]),
+            f"{p['context']:,}",
+            _num(median["plain_per_request_tok_s"]),
+            _num(median["speculative_per_request_tok_s"]),
+            "—" if p["speedup"] is None else f"{p['speedup']:.2f}x",
+            _num(p["measured_mean_accepted"], 2),
+            " / ".join(_num(rate, 2) for rate in p["acceptance_by_position"]) or "—",
+            f"{p['spec_stats']['verify_graph_replays']:,}",
+            f"**FAILED** (run {', '.join(failed)})" if failed else "identical to plain",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    skipped = section.get("skipped") or []
+    if skipped:
+        names = ", ".join(f"C{s['concurrency']} x {s['context']:,}" for s in skipped)
+        lines += ["", f"Skipped (over --max-cell-prompt-tokens): {names}."]
+    failures = section.get("failures") or []
+    lines += [""] + [f"- FAILED: {failure}" for failure in failures] + ([""] if failures else [])
     return lines
 
 

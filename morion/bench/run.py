@@ -46,13 +46,19 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
 
         if "restore" in options.workloads:
             restore.check_flags(config, options)
-        most = max(options.concurrency) if "decode" in options.workloads else 1
+        plain = config
+        if "spec" in options.workloads:
+            from morion.bench import speculative
+
+            speculative.check_flags(config, options)
+            plain = speculative.plain_config(config)  # the engine flags configure its speculative engine
+        most = max(options.concurrency) if {"decode", "spec"} & set(options.workloads) else 1
         if most > config.max_running_requests:
             raise MorionError(
                 f"--concurrency {most} exceeds --max-running-requests {config.max_running_requests}: "
                 "the extra requests would wait, not run concurrently"
             )
-        target = EngineTarget(config)
+        target = EngineTarget(plain)
         _check_lengths(options, target.engine.max_model_len, "the engine's max model len")
         if "restore" in options.workloads:
             restore.check_capacity(target.engine, options.restore_length)
@@ -85,13 +91,14 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         "decode_skipped": [],
         "prefill": [],
         "ttft": None,
+        "spec": None,
         "restore": None,
         "baseline": None,
     }
     bench = Workbench(target, prompts, "server" if options.url else "morion")
     bench.say(f"writing {path}")
     try:
-        _run_workloads(bench, options, cost, result, path)
+        _run_workloads(bench, options, config, cost, result, path)
     except BaseException:
         _write_all(path, result)  # what was measured before the failure, marked partial
         raise
@@ -112,18 +119,24 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             ) from error
     result["status"] = "complete"
     _write_all(path, result)
-    failures = (result["restore"] or {}).get("failures")
-    if failures:
-        raise MorionError(f"restore FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
+    for workload in ("spec", "restore"):
+        failures = (result[workload] or {}).get("failures")
+        if failures:
+            raise MorionError(f"{workload} FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
     return 0
 
 
 def _run_workloads(
-    bench: Workbench, options: BenchOptions, cost: ModelCost | None, result: dict[str, Any], path: Path
+    bench: Workbench,
+    options: BenchOptions,
+    config: EngineConfig,
+    cost: ModelCost | None,
+    result: dict[str, Any],
+    path: Path,
 ) -> None:
     chosen = options.workloads
     lengths = [
-        *(options.contexts if "decode" in chosen else ()),
+        *(options.contexts if {"decode", "spec"} & set(chosen) else ()),
         *(options.prefill_lengths if "prefill" in chosen else ()),
         *((options.ttft_length,) if "ttft" in chosen else ()),
         *((options.restore_length,) if "restore" in chosen else ()),
@@ -157,11 +170,20 @@ def _run_workloads(
         analysis.annotate_prefill(point, cost, options.peak_tflops)
         result["ttft"] = point
         write_json(path, result)
-    if "restore" in options.workloads:  # last: it restarts the engine
+    if "spec" in options.workloads or "restore" in options.workloads:
         from morion.bench.offline import EngineTarget
 
         if not isinstance(bench.target, EngineTarget):
-            raise MorionError("--workloads restore needs the offline engine")
+            raise MorionError("--workloads spec and restore need the offline engine")
+    if "spec" in options.workloads:
+        from morion.bench import speculative
+
+        def keep_spec(section: dict[str, Any]) -> None:
+            result["spec"] = section
+            write_json(path, result)
+
+        speculative.run_spec(bench, bench.target, config, options, keep_spec)
+    if "restore" in options.workloads:  # last: it restarts the engine
 
         def keep_restore(section: dict[str, Any]) -> None:
             result["restore"] = section
@@ -272,7 +294,7 @@ def _remote_target(
 def _check_lengths(options: BenchOptions, max_model_len: int, what: str) -> None:
     """Every prompt plus its output must fit, checked before anything is measured."""
     needs = []
-    if "decode" in options.workloads:
+    if {"decode", "spec"} & set(options.workloads):
         needs.append(("--contexts", max(options.contexts) + options.output_tokens))
     if "prefill" in options.workloads:
         needs.append(("--prefill-lengths", max(options.prefill_lengths) + 1))
@@ -304,6 +326,8 @@ def _default_label(options: BenchOptions, config: EngineConfig, target: Target, 
     device = device.removeprefix("NVIDIA ").split()[0] if device else "device"
     model = Path(str(config.model or "default")).name.removeprefix("preset:")
     suffix = "-fp8" if config.weight_dtype == "fp8" else ""
+    # A results file with synthetic speculative numbers says so in its name too.
+    suffix += "-spec-synthetic" if "spec" in options.workloads else ""
     return f"{device}-{model}{suffix}"
 
 

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from morion.bench.prompts import PromptFactory
 from morion.bench.timing import GroupResult, Target, median_of
 
-_WARMUP_MAX_TOKENS = 32
+WARMUP_MAX_TOKENS = 32  # output tokens of a warm-up run
 
 
 class Workbench:
@@ -57,7 +57,7 @@ class Workbench:
                 f"{label}:decode:{concurrency}:{context}:warmup{w}",
                 concurrency,
                 context,
-                min(output_tokens, _WARMUP_MAX_TOKENS),
+                min(output_tokens, WARMUP_MAX_TOKENS),
             )
         runs = []
         for r in range(repeats):

@@ -233,11 +233,16 @@ class DiskStore:
     # -- completion ------------------------------------------------------------------------------------------
 
     def poll(self, timeout: float | None = 0.0) -> list[DiskResult]:
-        """Results of finished jobs; with a timeout > 0, first waits up to that long for one to finish."""
+        """Results of finished jobs; with a timeout > 0, first waits up to that long for all of them.
+
+        All, not the first: the caller waits because it has nothing else to do, and every return costs it
+        a scheduling pass over the waiting hit's pages while holding the GIL the workers need between
+        their system calls. Returning at each completion made a 4,096-object restore crawl at one
+        object per GIL switch interval (7 ms per object, 0.03 GB/s, on the H200 machine)."""
         if not self._futures:
             return []
         if timeout:
-            wait([f for f, *_ in self._futures], timeout=timeout, return_when="FIRST_COMPLETED")
+            wait([f for f, *_ in self._futures], timeout=timeout, return_when="ALL_COMPLETED")
         results, pending = [], []
         for item in self._futures:
             future, op, kind, key, size = item

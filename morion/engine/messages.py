@@ -70,7 +70,7 @@ class SpecSnapshot:
     drafted_tokens. A dataclass, not a NamedTuple, so that /v1/server_info writes it with its field names.
     """
 
-    method: str  # the drafter's name: ngram (synthetic in benchmarks)
+    method: str  # the drafter's name: ngram or mtp (synthetic ones in benchmarks)
     verify_steps: int
     drafted_tokens: int  # proposed by the drafter (padding excluded)
     accepted_tokens: int

@@ -40,9 +40,9 @@ def automatic_decisions(config: EngineConfig, info: EngineInfo) -> list[str]:
 
 
 def speculative_feature(config: EngineConfig) -> dict[str, Any]:
-    """The drafter (`method`: off or ngram) and how the draft width is chosen: `policy` "fixed" with its
-    `width` (--spec-width, which the engine prefers over a policy file), or the policy file ("default":
-    the built-in policy). Live acceptance is in the load stats and /metrics."""
+    """The drafter (`method`: off, ngram or mtp) and how the draft width is chosen: `policy` "fixed" with
+    its `width` (--spec-width, which the engine prefers over a policy file), or the policy file
+    ("default": the built-in policy). Live acceptance is in the load stats and /metrics."""
     if config.speculative == "off":
         return {"method": "off", "policy": None, "width": None}
     if config.spec_width is not None:

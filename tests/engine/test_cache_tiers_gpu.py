@@ -59,7 +59,11 @@ def _evict_and_scribble(engine) -> None:
     engine.prefix_cache.evict(engine.pool.num_pages)
     torch.cuda.synchronize()
     for component in engine.pool.spec.token_components:
-        engine.pool.storage(component.name).fill_(1e4)
+        storage = engine.pool.storage(component.name)
+        if storage.element_size() == 1:  # FP8 K/V: 1e4 does not fit e4m3; byte 0x77 is 240
+            storage.view(torch.uint8).fill_(0x77)
+        else:
+            storage.fill_(1e4)
     if engine.state_slots is not None:
         for component in engine.pool.spec.state_components:
             engine.state_slots.storage(component.name).fill_(1e4)

@@ -1,0 +1,325 @@
+"""The speculative decoding workload (`--workloads spec`): decode speed with and without speculation at a
+chosen mean accepted length, on the same weights. Its numbers are SYNTHETIC.
+
+A random-weight model gives a real drafter nothing to predict, so the synthetic drafter
+(`morion/spec/synthetic.py`) proposes the target's own greedy continuation, each draft right with
+probability p given the ones before it were, p solved from `--spec-mean-accepted` at `--spec-width`. Each
+run of a point (context L, concurrency C) is two runs on the same C fresh prompts:
+
+1. plain: the bench's engine, the engine flags' config with speculation off; its greedy outputs are
+   the oracle;
+2. speculative: a second engine built from the engine flags' config on the same loaded weights, whose
+   drafter reads that oracle. `--speculative` names the path the synthetic drafts go through. Left out
+   (off): none, no draft model runs and drafting costs nothing, so the speedup is what a drafter with
+   this acceptance could reach at most. mtp: the model's MTP head runs exactly as it would (its extend
+   and chained draft steps, its K/V writes; `spec/shaped.py`) and its proposals are discarded, so its
+   cost is in the measured speed.
+
+In float32 the speculative outputs must equal the plain ones token for token: a run that differs is
+FAILED whatever its speed. In BF16/FP16 (and FP8) a difference is reported, not failed: random weights
+give near-tied logits (and near-tied MoE routing), so a greedy token follows the kernels' rounding, and
+the verify forward's extend attention and MoE batch round differently from a decode step; after such a
+split the oracle is no longer the target's continuation and the measured acceptance drops, which the
+measured mean accepted length shows. Exact equality of the speculative path is what the CPU and CUDA
+fp32 tests check. Per point: the per-request post-first-token rate of both (median over runs of each run's
+median), their ratio, and the mean accepted length and per-position acceptance from the change in the
+speculative engine's `SpecStats` over the measured runs only (warm-ups are excluded), with its verify
+CUDA graph replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from morion.bench.offline import EngineTarget, generate
+from morion.bench.roofline import read_hf_config
+from morion.bench.timing import GroupResult, median_of
+from morion.bench.workloads import WARMUP_MAX_TOKENS
+from morion.engine.engine import Engine
+from morion.errors import MorionError
+from morion.loader import LoadedModel
+from morion.spec.drafter import DraftRequest, Drafts
+from morion.spec.synthetic import SyntheticDrafter, acceptance_for_mean_accepted
+
+if TYPE_CHECKING:
+    from morion.bench.options import BenchOptions
+    from morion.bench.workloads import Workbench
+    from morion.config import EngineConfig
+
+# SpecStats counters whose change over a run is recorded with it (besides the per-position lists).
+COUNTERS = ("verify_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens")
+POSITIONS = ("drafted_by_position", "accepted_by_position")
+# What --speculative means here: the path the synthetic drafts go through (ngram would run no draft cost).
+PATHS = {"off": "none", "mtp": "mtp"}
+
+
+def check_flags(config: EngineConfig, options: BenchOptions) -> None:
+    """The engine flags the workload needs, checked before any engine is built."""
+    if config.speculative not in PATHS:
+        raise MorionError(
+            f"--workloads spec brings its own (synthetic) drafter; --speculative {config.speculative} would "
+            "run nothing of its own: use --speculative mtp (the MTP head runs for its cost) or leave it out"
+        )
+    width, mean = config.spec_width, options.spec_mean_accepted
+    if width is None:
+        raise MorionError(
+            "--workloads spec needs --spec-width N, the synthetic drafter's width: e.g. --spec-width 3 "
+            "--spec-mean-accepted 2.58"
+        )
+    if mean > width + 1:
+        raise MorionError(
+            f"--spec-mean-accepted {mean:g} must be in [1, {width + 1}] at --spec-width {width} (the drafts "
+            "and the target's own token)"
+        )
+    if config.host_cache_gb is not None:
+        raise MorionError(
+            "--workloads spec compares two engines without cache tiers (backups would slow one of them): "
+            "leave out --host-cache-gb and --disk-cache-dir, and run restore on its own"
+        )
+    sized = config.kv_cache_tokens is not None or config.kv_cache_gb is not None
+    if config.torch_device.type == "cuda" and not sized:
+        raise MorionError(
+            "--workloads spec builds a second engine beside the first, and a pool sized from the free "
+            "memory would leave it none: give --kv-cache-tokens (e.g. 65536) or --kv-cache-gb"
+        )
+
+
+def plain_config(config: EngineConfig) -> EngineConfig:
+    """The bench engine's config when the workload runs: the plain engine, without speculation."""
+    return dataclasses.replace(config, speculative="off", spec_token_map=None)
+
+
+class _OracleDrafter:
+    """The speculative engine's drafter for the whole workload (an engine keeps the drafter it was built
+    with): it hands each call to `current`, the `SyntheticDrafter` of the run in progress, whose oracle is
+    that run's plain outputs."""
+
+    name = SyntheticDrafter.name
+
+    def __init__(self, current: SyntheticDrafter) -> None:
+        self.current = current
+
+    def propose(self, requests: Sequence[DraftRequest], width: int) -> Drafts:
+        return self.current.propose(requests, width)
+
+    def release(self, request_id: str) -> None:
+        self.current.release(request_id)
+
+
+class _EnginePair:
+    """The plain engine and a speculative one built from `config` on the same weights."""
+
+    def __init__(self, plain: Engine, config: EngineConfig, acceptance: float, seed: int) -> None:
+        self.plain = plain
+        self.acceptance = acceptance
+        # With the speculative engine's request ids, which follow the order of the runs, the seed fixes
+        # every draft.
+        self.seed = seed
+        self.vocab_size = plain.model.config.vocab_size
+        self.drafter = _OracleDrafter(SyntheticDrafter(acceptance, [], self.vocab_size, seed))
+        self.speculative = Engine(config, _same_weights(plain), drafter=self.drafter)
+        compute_dtype = next(p.dtype for p in plain.model.parameters() if p.dtype.itemsize > 1)
+        self.exact = compute_dtype == torch.float32  # outputs must match (the module doc says why)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        """Both engines on `prompts`, plain first (its outputs are the drafter's oracle)."""
+        plain_timings, expected = generate(self.plain, prompts, max_tokens)
+        oracle = [prompt + output for prompt, output in zip(prompts, expected, strict=True)]
+        self.drafter.current = SyntheticDrafter(self.acceptance, oracle, self.vocab_size, self.seed)
+        before = _counters(self.speculative)
+        timings, outputs = generate(self.speculative, prompts, max_tokens)
+        change = _add(_counters(self.speculative), before, sign=-1)
+        difference = _first_difference(outputs, expected)
+        return {
+            "plain": GroupResult(plain_timings).sample(),
+            "speculative": GroupResult(timings).sample(),
+            "identical": difference is None,
+            "first_difference": difference,  # [request, token], or None
+            "spec_stats": change,
+            "mean_accepted": _mean_accepted(change),
+        }
+
+    def close(self) -> None:
+        self.speculative.close()
+
+
+def run_spec(
+    bench: Workbench,
+    target: EngineTarget,
+    config: EngineConfig,
+    options: BenchOptions,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Runs the workload with `target`'s engine as the plain one and a speculative engine built from
+    `config` (the engine flags); returns the `spec` section of the results, which `on_update` also
+    receives after every point."""
+    width, mean = config.spec_width, options.spec_mean_accepted
+    acceptance = acceptance_for_mean_accepted(mean, width)
+    pair = _EnginePair(target.engine, config, acceptance, bench.prompts.salt)
+    section: dict[str, Any] = {
+        "engine": bench.label,
+        "synthetic": True,
+        "drafter": "synthetic: the plain run's own greedy output, each draft right with probability "
+        "acceptance_p given the ones before it were",
+        "through": PATHS[config.speculative],  # none: drafting costs nothing; mtp: the MTP head runs
+        "drafter_name": pair.speculative.speculative.drafter.name,  # as the engine reports it
+        "width": width,
+        "target_mean_accepted": mean,
+        "acceptance_p": pair.acceptance,
+        "drafter_seed": pair.seed,
+        "outputs_must_match": pair.exact,  # float32 only (see the module doc)
+        "output_tokens": options.output_tokens,
+        "repeats": options.repeats,
+        "warmup_runs": options.warmup_runs,
+        "points": [],
+        "skipped": [],
+        "failures": [],
+    }
+    try:
+        for context in options.contexts:
+            for concurrency in options.concurrency:
+                limit = options.max_cell_prompt_tokens
+                if limit and concurrency * context > limit:
+                    where = f"{bench.label} spec C={concurrency} ctx={context}"
+                    bench.say(f"{where}: skipped (over --max-cell-prompt-tokens)")
+                    section["skipped"].append({"concurrency": concurrency, "context": context})
+                    continue
+                point = _point(bench, pair, concurrency, context, options)
+                section["points"].append(point)
+                if pair.exact:
+                    section["failures"] += _failures(point)
+                if on_update is not None:
+                    on_update(section)
+    finally:
+        pair.close()
+    return section
+
+
+def _point(
+    bench: Workbench, pair: _EnginePair, concurrency: int, context: int, options: BenchOptions
+) -> dict[str, Any]:
+    name = f"{bench.label} spec C={concurrency} ctx={context}"
+    key = f"{bench.label}:spec:{concurrency}:{context}"
+
+    def run(run_key: str, max_tokens: int) -> dict[str, Any]:
+        prompts = [bench.prompts.make(f"{run_key}:{i}", context) for i in range(concurrency)]
+        return {"prompt_key": run_key, **pair.run(prompts, max_tokens)}
+
+    point: dict[str, Any] = {"concurrency": concurrency, "context": context, "warmup_runs": [], "runs": []}
+    for w in range(options.warmup_runs):
+        bench.say(f"{name}: warm-up {w + 1}/{options.warmup_runs}")
+        point["warmup_runs"].append(run(f"{key}:warmup{w}", min(options.output_tokens, WARMUP_MAX_TOKENS)))
+    for r in range(options.repeats):
+        point["runs"].append(run(f"{key}:{r}", options.output_tokens))
+        bench.say(f"{name}: run {r + 1}/{options.repeats}: {_progress(point['runs'][-1])}")
+    _summarize(point)
+    bench.say(f"{name}: {_summary_line(point)}")
+    return point
+
+
+def _same_weights(engine: Engine) -> LoadedModel:
+    """`engine`'s model as a `LoadedModel`, for a second engine on the same weights. An engine keeps the
+    model, tokenizer and path but not the HF config, which is read again (only a disk tier reads it)."""
+    hf_config = read_hf_config(str(engine.model_path))
+    return LoadedModel(engine.model, engine.tokenizer, hf_config, engine.model_path)
+
+
+def _counters(engine: Engine) -> dict[str, Any]:
+    stats = engine.speculative.stats
+    return {
+        **{name: getattr(stats, name) for name in COUNTERS},
+        **{name: list(getattr(stats, name)) for name in POSITIONS},
+        "verify_graph_replays": sum(runner.replays for runner in engine.verify_graphs.values()),
+    }
+
+
+def _add(a: dict[str, Any], b: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """a + sign * b, key by key; per-position lists are padded with zeros to the longer one."""
+    total: dict[str, Any] = {}
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, list):
+            size = max(len(value), len(other))
+            value, other = value + [0] * (size - len(value)), other + [0] * (size - len(other))
+            total[key] = [x + sign * y for x, y in zip(value, other, strict=True)]
+        else:
+            total[key] = value + sign * other
+    return total
+
+
+def _mean_accepted(change: dict[str, Any]) -> float | None:
+    """Tokens a request gained per verify step: emitted / request-steps, where every request-step emits
+    its accepted drafts and one token of the target's own."""
+    steps = change["emitted_tokens"] - change["accepted_tokens"]
+    return change["emitted_tokens"] / steps if steps else None
+
+
+def _first_difference(outputs: list[list[int]], expected: list[list[int]]) -> list[int] | None:
+    for request, (mine, theirs) in enumerate(zip(outputs, expected, strict=True)):
+        if mine != theirs:
+            pairs = zip(mine, theirs, strict=False)
+            token = next((j for j, (a, b) in enumerate(pairs) if a != b), min(len(mine), len(theirs)))
+            return [request, token]
+    return None
+
+
+def _summarize(point: dict[str, Any]) -> None:
+    """Medians, speedup, and the SpecStats change summed over the measured runs."""
+    runs = point["runs"]
+    plain = median_of([run["plain"] for run in runs], "per_request_tok_s")
+    fast = median_of([run["speculative"] for run in runs], "per_request_tok_s")
+    point["median"] = {"plain_per_request_tok_s": plain, "speculative_per_request_tok_s": fast}
+    point["speedup"] = fast / plain if plain and fast is not None else None
+    change = functools.reduce(_add, [run["spec_stats"] for run in runs])
+    point["spec_stats"] = change
+    point["measured_mean_accepted"] = _mean_accepted(change)
+    point["acceptance_by_position"] = [
+        accepted / drafted if drafted else None
+        for accepted, drafted in zip(
+            change["accepted_by_position"], change["drafted_by_position"], strict=True
+        )
+    ]
+    point["identical"] = all(run["identical"] for run in [*point["warmup_runs"], *runs])
+
+
+def _failures(point: dict[str, Any]) -> list[str]:
+    where = f"C{point['concurrency']} ctx {point['context']:,}"
+    failures = []
+    for kind, runs in (("warm-up", point["warmup_runs"]), ("run", point["runs"])):
+        for index, run in enumerate(runs):
+            if run["first_difference"] is not None:
+                request, token = run["first_difference"]
+                at = f"request {request}, token {token}"
+                failures.append(f"{where}, {kind} {index + 1}: output differs from plain at {at}")
+    return failures
+
+
+def _progress(run: dict[str, Any]) -> str:
+    plain, fast = run["plain"]["per_request_tok_s"], run["speculative"]["per_request_tok_s"]
+    ratio = f" ({fast / plain:.2f}x)" if plain and fast else ""
+    mean = run["mean_accepted"]
+    return (
+        f"plain {_rate(plain)} tok/s, speculative {_rate(fast)} tok/s{ratio}, mean accepted "
+        f"{'n/a' if mean is None else f'{mean:.2f}'}, "
+        + ("output identical" if run["identical"] else f"output differs at {run['first_difference']}")
+    )
+
+
+def _summary_line(point: dict[str, Any]) -> str:
+    median, speedup, mean = point["median"], point["speedup"], point["measured_mean_accepted"]
+    line = (
+        f"median per-request plain {_rate(median['plain_per_request_tok_s'])} tok/s, speculative "
+        f"{_rate(median['speculative_per_request_tok_s'])} tok/s"
+    )
+    line += f" ({speedup:.2f}x)" if speedup is not None else ""
+    line += f", measured mean accepted {mean:.2f}" if mean is not None else ""
+    return line + ("" if point["identical"] else ", output differs from plain (see the module doc)")
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
