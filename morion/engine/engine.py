@@ -37,6 +37,7 @@ from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel, load_model
 from morion.spec.drafter import Drafter
+from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import load_token_map
 from morion.spec.mtp import MtpDrafter
 from morion.spec.ngram import NgramDrafter
@@ -51,11 +52,16 @@ _PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight w
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, drafter: Drafter | None = None
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        drafter: Drafter | None = None,
+        forced_acceptance: ForcedAcceptance | None = None,
     ) -> None:
-        """`drafter` (the synthetic benchmark drafter) turns speculative decoding on with its proposals;
-        with `config.speculative == "mtp"` the MTP head still runs for its cost (spec/shaped.py).
-        Without it, `config.speculative` names the drafter."""
+        """`drafter` (e.g. the synthetic drafter of the tests) turns speculative decoding on with its
+        proposals; with `config.speculative == "mtp"` the MTP head still runs for its cost
+        (spec/shaped.py). Without it, `config.speculative` names the drafter. `forced_acceptance`
+        (benchmarks only, spec/forced.py) decides how many drafts each verify step accepts."""
         self.config = config
         self.device = config.torch_device
         loaded = loaded or load_model(
@@ -106,7 +112,8 @@ class Engine:
         self._scratch_slots = [self.state_slots.alloc()] if use_graphs and self.state_slots else []
         self.speculative = None
         if policy is not None:
-            self.speculative = SpeculativeDecoding(self._drafter(drafter), policy, spec.has_state)
+            drafts = self._drafter(drafter)
+            self.speculative = SpeculativeDecoding(drafts, policy, spec.has_state, forced_acceptance)
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self._cache_stats = CacheStats()
         self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None

@@ -38,6 +38,7 @@ from morion.engine.request import Request
 from morion.engine.sampler import SampleResult, sampling_probs
 from morion.engine.scheduler import Scheduler
 from morion.spec.drafter import Drafter, DraftRequest, HiddenStateDrafter
+from morion.spec.forced import ForcedAcceptance
 from morion.spec.policy import WidthPolicy
 from morion.spec.rejection import greedy_accept, rejection_sample
 
@@ -76,10 +77,14 @@ AppendToken = Callable[[Request, int, SampleResult], StepOutput]
 
 
 class SpeculativeDecoding:
-    def __init__(self, drafter: Drafter, policy: WidthPolicy, has_state: bool) -> None:
+    def __init__(
+        self, drafter: Drafter, policy: WidthPolicy, has_state: bool, forced: ForcedAcceptance | None = None
+    ) -> None:
+        """`forced` (benchmarks only, spec/forced.py) replaces the target's verdict on the drafts."""
         self.drafter = drafter
         self.policy = policy
         self.has_state = has_state
+        self.forced = forced
         self.stats = SpecStats()
 
     @staticmethod
@@ -175,7 +180,11 @@ class SpeculativeDecoding:
         self.stats.verify_steps += 1
         results = []
         for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
-            accepted, next_token = self._accept(request, logits[row], draft, probs, len(tokens))
+            if self.forced is not None:
+                accepted = self.forced.num_accepted(len(tokens))
+                next_token = int(logits[row, accepted].argmax())
+            else:
+                accepted, next_token = self._accept(request, logits[row], draft, probs, len(tokens))
             emitted = [*draft[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
             start = request.num_computed

@@ -17,6 +17,7 @@ from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
+from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.synthetic import SyntheticDrafter
 from morion.text.tokenizer import Tokenizer
@@ -188,3 +189,30 @@ def test_mtp_shaped_synthetic_drafter_and_prefix_hits(tiny_qwen3_next, engine_ru
 def test_mtp_needs_a_model_with_an_mtp_head(small_llama):
     with pytest.raises(MorionError, match="MTP head"):
         _engine(small_llama, speculative="mtp")
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.6, 1.0])
+def test_forced_acceptance_commits_exactly_the_emitted_sequence(tiny_qwen3_next, engine_runner, acceptance):
+    """Benchmarks force the acceptance (spec/forced.py): the emitted tokens are then accepted MTP drafts
+    plus target tokens, and the cache must hold exactly that sequence: a follow-up served from the
+    prefix cache (pages and the state at a boundary that a forced verify step crossed) equals a cold run
+    of the same tokens."""
+    prompts = _prompts(512)
+    config = EngineConfig(
+        device="cpu", kv_cache_tokens=4096, page_size=4, chunk_size=64, speculative="mtp", spec_width=3
+    )
+    engine = Engine(config, tiny_qwen3_next, forced_acceptance=ForcedAcceptance(acceptance, seed=0))
+    outputs = engine_runner(engine, prompts, GREEDY)
+    stats = engine.speculative.stats
+    expected_mean = {0.0: 1.0, 1.0: 4.0}.get(acceptance)
+    if expected_mean is not None:  # the last verify step of a request may be cut by max_tokens
+        assert stats.mean_accepted_length == pytest.approx(expected_mean, abs=0.35)
+    follow_ups = [[*p, *o.token_ids, 7, 8] for p, o in zip(prompts, outputs, strict=True)]
+    cold = _engine(tiny_qwen3_next, enable_prefix_cache=False)
+    want = [o.token_ids for o in engine_runner(cold, follow_ups, GREEDY)]
+    got = engine_runner(engine, follow_ups, GREEDY)
+    assert all(o.usage.cached_tokens > len(p) for o, p in zip(got, prompts, strict=True))
+    # The follow-ups ran with forced acceptance too: compare their first token (decided by the target at
+    # the end of the prefill, before any verify step) with the cold run's.
+    assert [o.token_ids[0] for o in got] == [w[0] for w in want]
+    engine.check_integrity()
