@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from morion.errors import MorionError
+from morion.json_file import read_json_file
 from morion.loader import resolve_model_path
 from morion.loader.tokenizer_loader import load_tokenizer
 from morion.text.tokenizer import Tokenizer
@@ -120,12 +121,7 @@ def write_token_map(data: dict[str, Any], path: str | Path) -> None:
 def load_token_map(path: str | Path, vocab_size: int, tokenizer_sha256: str | None = None) -> torch.Tensor:
     """The map's ids as a sorted int64 tensor, after checking the file against itself and against the
     model (`vocab_size`: the LM head's rows) and, when given, the tokenizer's identity."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise MorionError(f"cannot read token map {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise MorionError(f"token map {path}: not valid JSON: {error}") from None
+    data = read_json_file(path, "token map")
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise MorionError(f"token map {path}: not a {FORMAT} version {VERSION} file")
     ids = data.get("token_ids")

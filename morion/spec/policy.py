@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from morion.errors import MorionError
+from morion.json_file import read_json_file
 
 DEFAULT_POLICY: dict[str, Any] = {
     "rules": [
@@ -191,13 +192,7 @@ def load_width_policy(path: str | Path | None) -> WidthPolicy:
     """The policy in `path` (JSON, see the module doc), or `DEFAULT_POLICY` when None."""
     if path is None:
         return WidthPolicy(PolicyConfig.from_dict(DEFAULT_POLICY, "default spec policy"))
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise MorionError(f"cannot read spec policy {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise MorionError(f"{path}: not valid JSON: {error}") from None
-    return WidthPolicy(PolicyConfig.from_dict(data, str(path)))
+    return WidthPolicy(PolicyConfig.from_dict(read_json_file(path, "spec policy"), str(path)))
 
 
 def fixed_width_policy(width: int) -> WidthPolicy:

@@ -17,6 +17,7 @@ from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
+from morion.spec.drafter import Drafts
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.synthetic import SyntheticDrafter
@@ -38,6 +39,16 @@ def _prompts(vocab: int, count: int = 3, length: int = 21) -> list[list[int]]:
 @pytest.fixture(params=["small_llama", "tiny_qwen3_next"])
 def loaded(request):
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference_hybrid(tiny_qwen3_next):
+    """`reference` for the hybrid model alone."""
+    from tests.conftest import run_engine
+
+    prompts = _prompts(512)
+    outputs = run_engine(_engine(tiny_qwen3_next, enable_prefix_cache=False), prompts, GREEDY)
+    return prompts, [o.token_ids for o in outputs]
 
 
 @pytest.fixture
@@ -216,3 +227,74 @@ def test_forced_acceptance_commits_exactly_the_emitted_sequence(tiny_qwen3_next,
     # the end of the prefill, before any verify step) with the cold run's.
     assert [o.token_ids[0] for o in got] == [w[0] for w in want]
     engine.check_integrity()
+
+
+class _BoundaryDrafter:
+    """Oracle drafts accepted exactly up to the next page boundary, then one wrong draft: every verify
+    step of a hybrid model commits a state at a page boundary and rejects the draft right after it."""
+
+    name = "boundary"
+
+    def __init__(self, oracle: list[list[int]], page_size: int, vocab_size: int) -> None:
+        self.oracle, self.page_size, self.vocab_size = oracle, page_size, vocab_size
+
+    def propose(self, requests, width: int) -> Drafts:
+        tokens = []
+        for request in requests:
+            known = [s for s in self.oracle if s[: len(request.token_ids)] == list(request.token_ids)]
+            if not known:  # a follow-up prompt: nothing to propose
+                tokens.append([])
+                continue
+            sequence = known[0]
+            right = (-(request.num_computed + 1)) % self.page_size  # drafts up to the boundary
+            future = sequence[len(request.token_ids) : len(request.token_ids) + width]
+            drafted = future[:right] + [(t + 1) % self.vocab_size for t in future[right : right + 1]]
+            tokens.append(drafted[:width])
+        return Drafts(tokens, [None] * len(tokens))
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def test_rejection_right_after_a_state_snapshot(tiny_qwen3_next, reference_hybrid, engine_runner):
+    prompts, expected = reference_hybrid
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    engine = _engine(tiny_qwen3_next, _BoundaryDrafter(oracle, 4, 512), spec_width=4)
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    stats = engine.speculative.stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    # The follow-ups reuse pages up to the last boundary state a verify step kept.
+    follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
+    want = [
+        o.token_ids
+        for o in engine_runner(_engine(tiny_qwen3_next, enable_prefix_cache=False), follow_ups, GREEDY)
+    ]
+    got = engine_runner(engine, follow_ups, GREEDY)
+    assert [o.token_ids for o in got] == want
+    assert all(
+        o.usage.cached_tokens >= len(p) + len(e) - 4 for o, p, e in zip(got, prompts, expected, strict=True)
+    )
+    engine.check_integrity()
+
+
+def test_host_and_disk_hits_with_speculation_equal_cold(
+    tiny_qwen3_next, reference_hybrid, engine_runner, tmp_path
+):
+    prompts, expected = reference_hybrid
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    tiers = {"host_cache_gb": 0.01, "disk_cache_dir": str(tmp_path / "disk"), "disk_cache_gb": 0.1}
+    engine = _engine(tiny_qwen3_next, SyntheticDrafter(0.6, oracle, 512, seed=3), spec_width=3, **tiers)
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
+    want = [
+        o.token_ids
+        for o in engine_runner(_engine(tiny_qwen3_next, enable_prefix_cache=False), follow_ups, GREEDY)
+    ]
+    engine.evict_device_cache()
+    host = engine_runner(engine, follow_ups, GREEDY)
+    assert [o.token_ids for o in host] == want and engine.cache_stats.host_hit_tokens > 0
+    engine.close()
+    restarted = _engine(tiny_qwen3_next, SyntheticDrafter(0.6, oracle, 512, seed=4), spec_width=3, **tiers)
+    disk = engine_runner(restarted, follow_ups, GREEDY)
+    assert [o.token_ids for o in disk] == want and restarted.cache_stats.disk_hit_tokens > 0
+    restarted.close()

@@ -17,6 +17,7 @@ from morion.engine.sampling_params import SamplingParams
 from morion.errors import ModelLoadError
 from morion.loader import load_model
 from morion.loader.nvfp4 import dequantize_nvfp4, dequantized_nvfp4_weights, is_nvfp4_checkpoint
+from tests.conftest import TINY_QWEN3_NEXT
 from tests.loader.nvfp4_quantize import quantize_nvfp4
 
 CPU = torch.device("cpu")
@@ -175,26 +176,8 @@ def nvfp4_checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """(NVFP4 directory, plain directory holding the same experts already dequantized): a tiny Qwen3-Next
     whose routed experts are rewritten the way ModelOpt exports them, in two shuffled shards."""
     torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        full_attention_interval=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    tiny = {k: v for k, v in TINY_QWEN3_NEXT.items() if k != "model_type"}
+    config = transformers.Qwen3NextConfig(**{**tiny, "num_hidden_layers": 2, "tie_word_embeddings": False})
     root = tmp_path_factory.mktemp("nvfp4")
     transformers.Qwen3NextForCausalLM(config).save_pretrained(root / "source")
     hf_config = json.loads((root / "source" / "config.json").read_text())
