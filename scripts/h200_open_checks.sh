@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements the open issues need, in one device call (~9 minutes on an H200):
 # the gpu-marked speculative and tier tests and the strided-index kernel test (#8, #7), speculative
-# decoding with the synthetic drafter through the MTP path on the 80B preset (#8, `morion bench
-# --workloads spec`), the 64K restore TTFT cold / device / host / disk (#7), and the full-size
+# decoding with the MTP drafter at a forced acceptance on the 80B preset (#8, `morion bench --workloads
+# spec`, SYNTHETIC), the 64K restore TTFT cold / device / host / disk (#7), and the full-size
 # Qwen3.8-Flash-Next preset's memory breakdown and first decode/prefill numbers (#9). Results go to $OUT,
 # logs into $OUT/logs.tgz (the device tool returns at most 8 files); carry .whl/ (scripts/gpu_wheels.sh)
 # and set MORION_SOURCE_COMMIT.

@@ -54,7 +54,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--spec-mean-accepted",
         default="2.58",
-        help="spec: tokens per verify step the synthetic drafter is set for, the target's own included, "
+        help="spec: tokens per verify step the forced acceptance is set for, the target's own included, "
         "at --spec-width (2.58)",
     )
     work.add_argument(
@@ -127,8 +127,8 @@ class BenchOptions:
             )
         if url is not None and "spec" in workloads:
             raise MorionError(
-                "--workloads spec needs the offline engine (its synthetic drafter reads the plain run's "
-                "outputs in-process): leave out --url"
+                "--workloads spec needs the offline engine (it forces the acceptance inside the engine): "
+                "leave out --url"
             )
         api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
         return cls(
