@@ -42,7 +42,6 @@ from morion.spec.frspec import load_token_map
 from morion.spec.mtp import MtpDrafter
 from morion.spec.ngram import NgramDrafter
 from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_policy
-from morion.spec.shaped import CostShapedDrafter
 from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
@@ -58,9 +57,8 @@ class Engine:
         drafter: Drafter | None = None,
         forced_acceptance: ForcedAcceptance | None = None,
     ) -> None:
-        """`drafter` (e.g. the synthetic drafter of the tests) turns speculative decoding on with its
-        proposals; with `config.speculative == "mtp"` the MTP head still runs for its cost
-        (spec/shaped.py). Without it, `config.speculative` names the drafter. `forced_acceptance`
+        """`drafter` (e.g. the synthetic drafter of the tests, or a benchmark's) turns speculative decoding
+        on with its proposals; without it, `config.speculative` names the drafter. `forced_acceptance`
         (benchmarks only, spec/forced.py) decides how many drafts each verify step accepts."""
         self.config = config
         self.device = config.torch_device
@@ -177,6 +175,10 @@ class Engine:
 
     def _drafter(self, given: Drafter | None) -> Drafter:
         config = self.config
+        if given is not None:
+            if config.speculative != "off":
+                raise MorionError(f"a drafter was given, and speculative is {config.speculative!r}: pick one")
+            return given
         if config.speculative == "mtp":
             token_map = None
             if config.spec_token_map is not None:
@@ -185,9 +187,7 @@ class Engine:
                 mtp = MtpDrafter(self.model, self.pool, self.kv_scales, token_map)
             except ValueError as error:  # a token map with an FP8 LM head
                 raise MorionError(str(error)) from None
-            return mtp if given is None else CostShapedDrafter(given, mtp)
-        if given is not None:
-            return given
+            return mtp
         return NgramDrafter()  # config.speculative == "ngram"
 
     def _activation_reserve_bytes(self, spec: CacheSpec) -> int:

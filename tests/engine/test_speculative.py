@@ -179,22 +179,23 @@ def test_mtp_drafts_leave_greedy_output_unchanged(tiny_qwen3_next, engine_runner
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_mtp_shaped_synthetic_drafter_and_prefix_hits(tiny_qwen3_next, engine_runner):
-    """The synthetic drafter's proposals through the MTP path (the head runs for its cost), then a
-    follow-up that hits the prefix cache (whose pages also hold the head's K/V) equals cold."""
-    prompts = _prompts(512)
-    plain = _engine(tiny_qwen3_next, enable_prefix_cache=False)
-    expected = [o.token_ids for o in engine_runner(plain, prompts, GREEDY)]
-    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
-    drafter = SyntheticDrafter(0.7, oracle, 512, seed=0)
-    engine = _engine(tiny_qwen3_next, drafter, speculative="mtp", spec_width=3)
+def test_mtp_drafts_then_prefix_hits_equal_cold(tiny_qwen3_next, reference_hybrid, engine_runner):
+    """After MTP-drafted runs, follow-ups hit the prefix cache (whose pages also hold the head's K/V) and
+    equal cold runs, still drafting with the head."""
+    prompts, expected = reference_hybrid
+    engine = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
     assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
-    assert engine.speculative.stats.accepted_tokens > 0
-    follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
+    follow_ups = [[*p, *e, 7, 8, 9] for p, e in zip(prompts, expected, strict=True)]
+    plain = _engine(tiny_qwen3_next, enable_prefix_cache=False)
     want = [o.token_ids for o in engine_runner(plain, follow_ups, GREEDY)]
     got = engine_runner(engine, follow_ups, GREEDY)
     assert [o.token_ids for o in got] == want and all(o.usage.cached_tokens > 0 for o in got)
     engine.check_integrity()
+
+
+def test_a_drafter_object_and_a_named_method_exclude_each_other(tiny_qwen3_next):
+    with pytest.raises(MorionError, match="pick one"):
+        _engine(tiny_qwen3_next, SyntheticDrafter(0.5, [], 512, seed=0), speculative="mtp")
 
 
 def test_mtp_needs_a_model_with_an_mtp_head(small_llama):
