@@ -126,6 +126,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA memory kept free for activations (default: measured by a warm-up forward)",
     )
     parser.add_argument(
+        "--moe-kernel",
+        choices=("auto", "grouped", "triton"),
+        help="routed experts on CUDA: grouped GEMMs, or fused Triton kernels up to 64 tokens (auto: grouped)",
+    )
+    parser.add_argument(
         "--speculative",
         choices=("off", "ngram", "mtp"),
         help="speculative decoding: mtp (the model's own draft head) or ngram (lookups in the conversation)",
@@ -267,6 +272,7 @@ _ENGINE_FLAGS = (
     "cuda_graph",
     "cuda_graph_max_batch",
     "activation_reserve_gb",
+    "moe_kernel",
     "speculative",
     "spec_policy",
     "spec_width",

@@ -15,6 +15,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", *DTYPES)
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 # Where tables a model keeps in host memory live (Qwen3.8-Flash-Next's PLE table; layers/host_table.py).
 PLE_PLACEMENTS = ("ram", "mmap")
+# Routed-expert kernels on CUDA (layers/moe.py): auto is grouped until H200 measurements favour triton.
+MOE_KERNELS = ("auto", "grouped", "triton")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
+    moe_kernel: str = "auto"  # auto = grouped GEMMs; triton: fused kernels for <= 64 tokens (CUDA)
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy
@@ -107,6 +110,8 @@ class EngineConfig:
             raise MorionError(
                 "disk_cache_dir needs host_cache_gb: disk objects are restored through host memory"
             )
+        if self.moe_kernel not in MOE_KERNELS:
+            raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
         if self.ple_placement not in PLE_PLACEMENTS:
             raise MorionError(
                 f"ple_placement must be one of {', '.join(PLE_PLACEMENTS)}, got {self.ple_placement!r}"

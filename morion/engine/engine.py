@@ -35,6 +35,7 @@ from morion.engine.speculative import SpeculativeDecoding
 from morion.engine.stop import StopStringMatcher
 from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
+from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
 from morion.spec.drafter import Drafter
 from morion.spec.forced import ForcedAcceptance
@@ -72,6 +73,7 @@ class Engine:
             host_table_placement=config.ple_placement,
         )
         self.model = loaded.model
+        set_moe_kernel(self.model, config.moe_kernel)
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self._weight_bytes = sum(

@@ -6,7 +6,8 @@
 
 Routed expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down) so a grouped GEMM can take
 them whole; the loader scatters per-expert checkpoint tensors into them. Under `--weight-dtype fp8` they
-are e4m3 with one fp32 scale per (expert, output channel).
+are e4m3 with one fp32 scale per (expert, output channel). Which kernel runs them on CUDA is the engine's
+`--moe-kernel` choice, set on every `StackedExperts` of a model by `set_moe_kernel`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from morion.config import MOE_KERNELS
 from morion.layers.mlp import SwiGLU
 from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
@@ -24,14 +26,19 @@ from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_r
 
 logger = logging.getLogger(__name__)
 
+# `--moe-kernel triton` runs the fused kernels up to this many tokens (decode and speculative verify
+# batches); larger batches keep the grouped GEMMs, which read the weights faster once most experts are hit.
+TRITON_MAX_TOKENS = 64
+
 
 class StackedExperts(nn.Module):
     """gate_up_proj [E, 2I, H], down_proj [E, H, I]; with `fp8`, e4m3 weights and fp32 scale buffers
     gate_up_proj_scale [E, 2I] and down_proj_scale [E, H] (buffers: derived at load, not checkpoint
-    tensors)."""
+    tensors). `kernel` is one of MOE_KERNELS (`set_moe_kernel`); it matters only on CUDA."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
         super().__init__()
+        self.kernel = "auto"
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -55,10 +62,15 @@ class StackedExperts(nn.Module):
         return self.gate_up_proj_scale is not None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        path = self._path(x)
+        path = self._path(x, topk_ids.numel())
         if path == "dense":
             return moe_experts_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
+        if path == "triton":
+            from morion.ops import moe_decode_triton as fused
+
+            experts = fused.moe_experts_triton
+        else:
+            experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
         return experts(
             x,
             self.gate_up_proj,
@@ -69,14 +81,23 @@ class StackedExperts(nn.Module):
             down_scale=self.down_proj_scale,
         )
 
-    def _path(self, x: torch.Tensor) -> str:
-        """ "grouped" where a kernel exists: CUDA with bf16 or FP8 weights (other dtypes take
-        `_grouped_mm`'s per-expert loop, which syncs with the host) and 16-byte aligned rows; "dense" for
-        other unquantized weights on CUDA (no host sync, so decode stays capturable); else "reference"."""
+    def _path(self, x: torch.Tensor, num_pairs: int) -> str:
+        """ "triton" on CUDA under `kernel == "triton"` for at most TRITON_MAX_TOKENS tokens and the fused
+        kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and shapes); otherwise "grouped" where a
+        grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
+        loop, which syncs with the host) and 16-byte aligned rows; "dense" for other unquantized weights on
+        CUDA (no host sync, so decode stays capturable); else "reference". "auto" is "grouped" until H200
+        measurements show the fused kernels ahead."""
         dtype = self.gate_up_proj.dtype
         if not x.is_cuda:
             log_once(logger, f"MoE experts on {x.device.type}: reference (a loop over the routed experts)")
             return "reference"
+        if self.kernel == "triton" and x.shape[0] <= TRITON_MAX_TOKENS:
+            from morion.ops import moe_decode_triton as fused
+
+            if num_pairs <= fused.MAX_PAIRS:
+                log_once(logger, f"MoE experts on cuda: fused Triton kernels (<= {TRITON_MAX_TOKENS} tokens)")
+                return "triton"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8
         aligned = self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0
@@ -92,6 +113,16 @@ class StackedExperts(nn.Module):
             return "reference"
         log_once(logger, f"MoE experts on cuda: every expert on every token, masked ({why})")
         return "dense"
+
+
+def set_moe_kernel(model: nn.Module, kernel: str) -> None:
+    """Sets which kernel every routed-experts module of `model` (MTP head included) runs on CUDA:
+    EngineConfig.moe_kernel, one of MOE_KERNELS."""
+    if kernel not in MOE_KERNELS:
+        raise ValueError(f"moe kernel must be one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
+    for module in model.modules():
+        if isinstance(module, StackedExperts):
+            module.kernel = kernel
 
 
 class SparseMoE(nn.Module):

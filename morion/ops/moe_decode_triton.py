@@ -1,0 +1,246 @@
+"""Fused Triton MoE experts for small token counts (decode, speculative verify): the contract of
+`ops.moe.moe_experts_reference` in three kernels (four with FP8 experts, whose token rows are first
+quantized per row by `quantize_fp8`, as on the grouped path), instead of the grouped path's two grouped
+GEMMs wrapped in about fifteen sort, gather, activation, quantization and combine kernels.
+
+With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
+
+1. gate_up: act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) over the expert's [2I, H] matrix (gate rows first),
+   SiLU-mul in the epilogue; [P, I] in fp32 for FP8 experts (quantized by the next kernel), else in the
+   weights' dtype (where the reference rounds it too).
+2. down: pair_out[p] = w[t, j] * (act[p] Wd^T), [P, H] fp32; with FP8 experts act[p] is quantized per row
+   in the prologue (two passes over its I values), exactly as `quantize_fp8` does.
+3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype.
+
+Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
+P expert ids and goes on only if p is the first pair routed to its expert (the expert's leader); the
+leader then computes all of that expert's pairs, BLOCK_M rows at a time, so each weight tile is read
+once per call however many tokens chose the expert. Every other program finds no rows and ends.
+
+Invariants:
+- Capturable: every shape and grid depends only on T, k and the weights; nothing is read back on the
+  host. BLOCK_P (the ids vector, next power of two of P) is a compile-time constant, so each CUDA-graph
+  bucket compiles once, in its warm-up.
+- Deterministic: no atomics. Each pair_out row is written by one program per column block, and the sum
+  runs in slot order.
+- Batch invariant: a token's result does not depend on the other tokens of the call. Activation scales
+  are per row, a row of a `tl.dot` tile never mixes with the others, and the tile shapes are fixed (they
+  do not change with T).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from morion.ops.fp8 import quantize_fp8
+
+# The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
+MAX_PAIRS = 1024
+FP8_MAX = 448.0
+_MIN_SCALE = 1e-12  # as ops/fp8.py: an all-zero row quantizes to zeros
+_BLOCK_M = 16  # rows (pairs of one expert) per tile: the smallest `tl.dot` takes
+_SUM_BLOCK = 512
+
+
+class Tiles(NamedTuple):
+    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By the weights' element size in bytes (BLOCK_K spans 128 bytes of a weight row). Untuned first choices
+# (an H200 sweep is to come): at T = 1 and Qwen3-Next's shapes, 10 x 16 programs per kernel, each streaming
+# 128 KiB (gate_up) or 64 KiB (down) of FP8 weights. The same tiles for every T keep results batch
+# invariant.
+GATE_UP_TILES = {1: Tiles(32, 128, 4, 4), 2: Tiles(32, 64, 4, 4), 4: Tiles(32, 32, 4, 4)}
+DOWN_TILES = {1: Tiles(128, 128, 4, 3), 2: Tiles(128, 64, 4, 3), 4: Tiles(128, 32, 4, 3)}
+
+
+@triton.jit
+def _expert_group(ids_ptr, num_pairs, BLOCK_P: tl.constexpr):
+    """This program's expert (that of pair program_id(0)) and its rows: `count` is the number of pairs
+    routed to it if this pair is its first one, else 0; `match` marks those pairs and `rank` numbers them
+    in pair order (valid where `match`)."""
+    pair = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    expert = tl.load(ids_ptr + pair)
+    match = ids == expert
+    matched = tl.cast(match, tl.int32)
+    first = tl.min(tl.where(match, offs, BLOCK_P), axis=0)
+    count = tl.where(first == pair, tl.sum(matched, axis=0), 0)
+    rank = tl.cumsum(matched, axis=0) - 1
+    return tl.cast(expert, tl.int64), count, match, rank
+
+
+@triton.jit
+def _group_rows(match, rank, start, count, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The pairs of the group's rows start .. start + BLOCK_M - 1, and which of those rows exist."""
+    rows = start + tl.arange(0, BLOCK_M)
+    offs = tl.arange(0, BLOCK_P)
+    chosen = match[None, :] & (rank[None, :] == rows[:, None])
+    pairs = tl.sum(tl.where(chosen, offs[None, :], 0), axis=1)
+    return pairs, rows < count
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
+    num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
+    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < inter_size
+    w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    w_up = w_gate + inter_size * stride_wn
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+        tokens = pairs // top_k
+        x_rows = x_ptr + tokens[:, None] * stride_x
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ks_ok = ks < hidden_size
+            w_mask = ks_ok[:, None] & cols_ok[None, :]
+            w_g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+            w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+            x = tl.cast(x, w_g.dtype)
+            acc_gate = tl.dot(x, w_g, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(x, w_u, acc_up, input_precision=DOT_PRECISION)
+        if FP8:
+            x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
+            scales = w_scale_ptr + expert * stride_se + cols
+            acc_gate = acc_gate * x_scale * tl.load(scales, mask=cols_ok, other=0.0)[None, :]
+            acc_up = acc_up * x_scale * tl.load(scales + inter_size, mask=cols_ok, other=0.0)[None, :]
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
+        tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_weights_ptr, pair_out_ptr,
+    num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
+    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < hidden_size
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+        act_rows = act_ptr + pairs[:, None] * inter_size
+        if FP8:
+            # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, inter_size, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    act_rows + ks[None, :], mask=rows_ok[:, None] & (ks < inter_size)[None, :], other=0.0
+                )
+                amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+            # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
+            a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ks_ok = ks < inter_size
+            w = tl.load(w_cols + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+            a = tl.load(act_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+            if FP8:
+                a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
+                a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
+            acc = acc * a_scale[:, None] * w_scale[None, :]
+        routing = tl.cast(tl.load(topk_weights_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
+        out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
+        tl.store(out, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(pair_out_ptr, out_ptr, top_k, hidden_size, stride_out, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols_ok = cols < hidden_size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        acc += tl.load(pair_out_ptr + (token * top_k + slot) * hidden_size + cols, mask=cols_ok, other=0.0)
+    tl.store(out_ptr + token * stride_out + cols, tl.cast(acc, out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+def moe_experts_triton(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    gate_up_tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """The contract of `moe_experts_reference`: hidden [T, H] (unit stride on H); gate_up_proj [E, 2I, H]
+    and down_proj [E, H, I] with unit stride on their last dim, e4m3 with `gate_up_scale` [E, 2I] and
+    `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights, topk_ids [T, k] with T * k <=
+    MAX_PAIRS. Returns [T, H] in hidden's dtype. `*_tiles` override the default tiles (tuning sweeps)."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    if num_pairs > MAX_PAIRS:
+        raise ValueError(f"{tokens} tokens x top-{top_k} = {num_pairs} pairs, more than {MAX_PAIRS}")
+    if tokens == 0:
+        return torch.zeros_like(hidden)
+    hidden_size, inter_size = down_proj.shape[1], down_proj.shape[2]
+    fp8 = gate_up_scale is not None and down_scale is not None
+    width = gate_up_proj.element_size()
+    gate_up_tiles = gate_up_tiles or GATE_UP_TILES[width]
+    down_tiles = down_tiles or DOWN_TILES[width]
+    if fp8:
+        x, x_scale = quantize_fp8(hidden, per_row=True)
+    else:
+        x, x_scale, gate_up_scale, down_scale = hidden, hidden, gate_up_proj, down_proj  # scales unread
+    # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).
+    act_dtype = torch.float32 if fp8 else gate_up_proj.dtype
+    act = torch.empty(num_pairs, inter_size, dtype=act_dtype, device=hidden.device)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    routing = topk_weights.reshape(-1).contiguous()
+    common = dict(
+        FP8=fp8,
+        DOT_PRECISION="ieee" if gate_up_proj.dtype == torch.float32 else "tf32",
+        BLOCK_P=triton.next_power_of_2(num_pairs),
+        BLOCK_M=_BLOCK_M,
+    )
+    t = gate_up_tiles
+    _gate_up_kernel[(num_pairs, triton.cdiv(inter_size, t.block_n))](
+        x, x_scale, gate_up_proj, gate_up_scale, ids, act,
+        num_pairs, top_k, hidden_size, inter_size,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
+        **common, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    t = down_tiles
+    _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
+        act, down_proj, down_scale, ids, routing, pair_out,
+        num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
+        **common, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
+        pair_out, out, top_k, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
+    )
+    return out

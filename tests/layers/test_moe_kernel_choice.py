@@ -1,0 +1,69 @@
+"""`--moe-kernel auto|grouped|triton`: the flag reaches EngineConfig, `set_moe_kernel` reaches every
+routed-experts module, and (on a GPU) the layer runs the fused kernels only up to TRITON_MAX_TOKENS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from morion import cli
+from morion.config import EngineConfig
+from morion.errors import MorionError
+from morion.layers.moe import TRITON_MAX_TOKENS, SparseMoE, StackedExperts, set_moe_kernel
+
+
+def small_moe() -> SparseMoE:
+    torch.manual_seed(0)
+    moe = SparseMoE(64, num_experts=8, top_k=2, intermediate_size=32, shared_expert_intermediate_size=32,
+                    norm_topk_prob=True)  # fmt: skip
+    for weight in (moe.experts.gate_up_proj, moe.experts.down_proj):
+        nn.init.normal_(weight, std=0.1)
+    return moe
+
+
+def test_the_flag_reaches_the_engine_config():
+    args = cli._build_parser().parse_args(["generate", "--prompt", "hi", "--moe-kernel", "triton"])
+    options = cli._engine_options(args)
+    assert options["moe_kernel"] == "triton"
+    assert EngineConfig(**options).moe_kernel == "triton"
+    assert EngineConfig().moe_kernel == "auto"
+    with pytest.raises(MorionError, match="moe_kernel must be one of auto, grouped, triton"):
+        EngineConfig(moe_kernel="cutlass")
+
+
+def test_set_moe_kernel_reaches_every_experts_module():
+    model = nn.ModuleList([small_moe(), nn.Sequential(small_moe())])
+    set_moe_kernel(model, "triton")
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert len(experts) == 2 and all(m.kernel == "triton" for m in experts)
+    with pytest.raises(ValueError, match="moe kernel"):
+        set_moe_kernel(model, "fast")
+
+
+def test_the_choice_does_not_change_the_cpu_path():
+    moe = small_moe()
+    x = torch.randn(3, 64)
+    expected = moe(x)
+    set_moe_kernel(moe, "triton")
+    assert moe.experts._path(x, 6) == "reference"
+    assert torch.equal(moe(x), expected)
+
+
+@pytest.mark.gpu
+def test_triton_runs_up_to_the_threshold_on_cuda():
+    from morion.ops.moe_decode_triton import moe_experts_triton
+
+    moe = small_moe().to("cuda", torch.bfloat16)
+    experts = moe.experts
+    set_moe_kernel(moe, "triton")
+    small = torch.randn(TRITON_MAX_TOKENS, 64, device="cuda")
+    assert experts._path(small, small.shape[0] * 2) == "triton"
+    assert experts._path(torch.randn(TRITON_MAX_TOKENS + 1, 64, device="cuda"), 130) == "grouped"
+    set_moe_kernel(moe, "auto")
+    assert experts._path(small, small.shape[0] * 2) == "grouped"
+    set_moe_kernel(moe, "triton")
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    weights, ids = moe.route(x)
+    direct = moe_experts_triton(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert torch.equal(experts(x, weights, ids), direct)
