@@ -192,3 +192,27 @@ class PagedAttentionBackend:
         positions = positions.to(self._batch.page_table.device).long()
         pages = self._batch.page_table[seq_index].long()[positions // self._page_size]
         return pages * self._page_size + positions % self._page_size
+
+    # -- TokenCacheBackend, in place: storage and paging metadata as device tensors (no host syncs) -----
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self._batch.page_table
+
+    @property
+    def out_slots(self) -> torch.Tensor:
+        return self._batch.out_slots
+
+    def token_pool(self, component: str, ordinal: int) -> torch.Tensor:
+        return self._pool.storage(component)[ordinal]
+
+    def kv_pool(self, layer_index: int) -> torch.Tensor:
+        return self._kv[layer_index]
+
+    @property
+    def kv_scales(self) -> tuple[float, float]:
+        return self._kv_scales.k_scale, self._kv_scales.v_scale

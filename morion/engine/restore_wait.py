@@ -94,3 +94,29 @@ class BackendAfterRestores:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._wait_tokens(layer_index)
         return self._backend.read_sequence_kv(layer_index, seq_index, positions)
+
+    # TokenCacheBackend in place: the storage is handed out after its copies (rule 4), the metadata as is.
+
+    @property
+    def page_size(self) -> int:
+        return self._backend.page_size
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self._backend.page_table
+
+    @property
+    def out_slots(self) -> torch.Tensor:
+        return self._backend.out_slots
+
+    def token_pool(self, component: str, ordinal: int) -> torch.Tensor:
+        self._wait_component(component, ordinal)
+        return self._backend.token_pool(component, ordinal)
+
+    def kv_pool(self, layer_index: int) -> torch.Tensor:
+        self._wait_tokens(layer_index)
+        return self._backend.kv_pool(layer_index)
+
+    @property
+    def kv_scales(self) -> tuple[float, float]:
+        return self._backend.kv_scales

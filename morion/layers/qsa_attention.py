@@ -3,21 +3,44 @@
 The attention itself is Qwen3-Next's gated attention (q_proj yields per-head query | gate halves,
 zero-centred q/k norms, partial RoPE, sigmoid(gate) on the output); what differs is which tokens a query
 sees. An indexer (`index_qk_proj`: H index query heads and one raw key of dim Di per token) scores blocks
-of `compress_ratio` cached tokens and each query attends only to its `budget` best-scoring tokens' blocks
-plus the unfinished block's tail (ops/qsa.py has the rule). Below budget + ratio - 1 tokens every block
-is selected and QSA is ordinary causal attention.
+of `compress_ratio` (r) cached tokens and each query attends only to its `budget` best-scoring tokens'
+blocks plus the unfinished block's tail (ops/qsa.py has the rule). Below budget + r - 1 tokens every
+block is selected and QSA is ordinary causal attention.
 
-Cache: K/V as for any attention layer, and the raw index keys (un-normed, un-rotated) per token in the
-side cache `INDEX_KEYS`, paged with K/V. Each step the layer writes both for its new tokens, then per
-sequence reads all raw keys back, pools the complete blocks (k_norm of the mean, rotated at the block's
-first position), selects, and gathers only the selected tokens' K/V (`TokenCacheBackend`).
+Cache, per token and QSA layer, paged with K/V (so prefix hits, snapshots and the host/disk tiers carry
+them like K/V, and `cache/` knows nothing of QSA):
 
-Cost of this reference: per step and sequence, O(L * Di) to pool every block again and O(rows * blocks)
-scores, plus a host sync per sequence; K/V reads are bounded by the selection. Caching pooled keys per
-block (as vLLM and sglang do) and a sparse attention kernel are the fast path still to build.
+- `INDEX_KEYS`: the raw index key [Di] (un-normed, un-rotated), as computed;
+- `BLOCK_KEYS`: the compressed block keys, one per block of r tokens: the block key
+  rope_at(first position)(k_norm(mean of its r raw keys)) [Di], in the model dtype, is split over the
+  block's r token slots ([ceil(Di / r)] each). Pages hold whole blocks (the page size is a multiple of
+  r, `cache_spec` checks), so a block's r slots are consecutive and one block is one row of the
+  component's storage viewed [num_slots / r, r * ceil(Di / r)]: row = any of its tokens' slot // r.
+
+A block key is computed once, when the block's last token is computed (a prefill chunk, a decode step or
+a verify forward), from the raw keys in the cache (the earlier tokens' may come from earlier steps or a
+prefix hit), and written before any query of the step scores. A block is complete exactly when its last
+token is computed, and a query at position p scores only blocks ending at or before p, so no query ever
+reads a key that was not written for its own tokens: a prefix hit (page-aligned, so block-aligned) brings
+complete blocks' keys with its pages, and a rejected speculative draft's block is rewritten when the real
+token at its end is computed. The raw keys stay cached: the unfinished block's key needs them later.
+
+Two paths (ops/qsa.py):
+
+- decode and verify steps (every sequence has the same n new tokens: `decode_only`, or a speculative
+  `verify_slots` forward): static shapes and no host syncs, so the step can be captured in a CUDA graph.
+  Scores over the page table's whole block capacity (-inf past each query's complete blocks), a top-k
+  of fixed size, the selected tokens' slots through the page table, attention masked to each row's
+  count. On CUDA a Triton scoring kernel and the paged decode kernel (one-token pages) run it; on the CPU
+  torch. Ties among equally scored blocks go to the lower block index, except on the CPU, where both
+  paths break them exactly as transformers does there (`exact_ties_on_cpu`).
+- prefill chunks and mixed batches: the per-sequence reference (shapes that follow the data, host syncs),
+  over the cached block keys; it computes and stores the keys of the blocks its tokens complete.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,9 +48,25 @@ from torch import nn
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding, apply_rotary
 from morion.layers.token_cache_backend import TokenCacheBackend
-from morion.ops.qsa import block_scores, pool_blocks, select_tokens, sparse_attention
+from morion.ops.qsa import (
+    block_scores,
+    gather_token_kv,
+    pool_blocks,
+    select_blocks,
+    select_tokens,
+    selected_tokens,
+    sparse_attention,
+    static_block_scores,
+    static_sparse_attention,
+)
 
 INDEX_KEYS = "qsa_index_keys"  # the token component holding each token's raw index key [Di]
+BLOCK_KEYS = "qsa_block_keys"  # the token component holding the block keys, ceil(Di / r) per token
+
+
+def block_key_slice(head_dim: int, ratio: int) -> int:
+    """Values of a block key each of the block's token slots holds (`BLOCK_KEYS`' token shape)."""
+    return -(-head_dim // ratio)
 
 
 class QSAIndexer(nn.Module):
@@ -52,8 +91,18 @@ class QSAIndexer(nn.Module):
         )
         return apply_rotary(self.q_layernorm(q), cos, sin), raw_keys[:, 0]
 
+    def keys_of_blocks(
+        self, raw_blocks: torch.Tensor, starts: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        """Block keys [N, Di] from each block's raw keys [N, r, Di] and first position [N]: the mean in
+        fp32 rounded to the keys' dtype (as transformers), k_norm, RoPE at the block's first position."""
+        pooled = self.k_layernorm(raw_blocks.float().mean(dim=1).to(raw_blocks.dtype))
+        cos, sin = rotary(starts)
+        return apply_rotary(pooled[:, None], cos, sin)[:, 0]
+
     def block_keys(self, raw_keys: torch.Tensor, ratio: int, rotary: RotaryEmbedding) -> torch.Tensor:
-        """Keys [L // ratio, Di] of a sequence's complete blocks, from its raw keys [L, Di]."""
+        """Keys [L // ratio, Di] of a sequence's complete blocks, recomputed from its raw keys [L, Di] (what
+        the `BLOCK_KEYS` cache must hold; tests compare the two)."""
         pooled = self.k_layernorm(pool_blocks(raw_keys, ratio))
         starts = torch.arange(pooled.shape[0], device=raw_keys.device) * ratio
         cos, sin = rotary(starts)
@@ -61,6 +110,12 @@ class QSAIndexer(nn.Module):
 
 
 class QSAAttention(nn.Module):
+    # On the CPU, break top-k ties among equally scored blocks exactly as transformers does (per-row
+    # top-k over exactly the complete blocks: reads their count on the host, which costs nothing there).
+    # Off: ties go to the lower block on every path, as on CUDA (ops/qsa.py), with the fixed-size top-k
+    # a graph captures (tests switch it off to check that path syncs nothing, and to compare devices).
+    exact_ties_on_cpu: ClassVar[bool] = True
+
     def __init__(
         self,
         attention_ordinal: int,
@@ -96,13 +151,14 @@ class QSAAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         rotary: RotaryEmbedding,
         backend: TokenCacheBackend,
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, rotary_dim] at the tokens' positions; `rotary` rotates the block
-        keys at theirs. Returns [T, hidden]."""
+        """x: [T, hidden]; positions [T]; cos, sin: [T, rotary_dim] at those positions; `rotary` rotates
+        the block keys at theirs. Returns [T, hidden]."""
         tokens = x.shape[0]
         ordinal = self.attention_ordinal
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -113,20 +169,105 @@ class QSAAttention(nn.Module):
         backend.write_kv(ordinal, k, v)
         backend.write_tokens(INDEX_KEYS, ordinal, raw_keys)
 
+        # Decode and verify: every sequence has the same number of new tokens (the static path).
+        static = backend.decode_only or backend.verify_slots is not None
+        self._store_block_keys(positions, rotary, backend, static)
+        if static:
+            out = self._attend_static(q, index_q, positions, backend)
+        else:
+            out = self._attend_reference(q, index_q, backend)
+        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(out)
+
+    def _block_rows(self, backend: TokenCacheBackend) -> torch.Tensor:
+        """The `BLOCK_KEYS` storage of this layer as one row per block slot [num_slots / r, r * slice]."""
+        pool = backend.token_pool(BLOCK_KEYS, self.attention_ordinal)
+        return pool.view(-1, self.compress_ratio * pool.shape[-1])
+
+    def _store_block_keys(
+        self, positions: torch.Tensor, rotary: RotaryEmbedding, backend: TokenCacheBackend, static: bool
+    ) -> None:
+        """Computes and stores the key of every block whose last token is among this step's tokens."""
+        ratio, dim = self.compress_ratio, self.indexer.head_dim
+        raw_blocks = backend.token_pool(INDEX_KEYS, self.attention_ordinal).view(-1, ratio, dim)
+        key_rows = self._block_rows(backend)
+        rows = backend.out_slots // ratio  # a token's block slot (pages hold whole blocks)
+        ends_block = (positions + 1) % ratio == 0
+        if not static:
+            done = ends_block.nonzero()[:, 0]
+            block = rows[done]
+            keys = self.indexer.keys_of_blocks(raw_blocks[block], positions[done] + 1 - ratio, rotary)
+            key_rows[block, :dim] = keys.to(key_rows.dtype)
+            return
+        # Without data-dependent shapes: one column of the n tokens per sequence at a time (sequences own
+        # distinct blocks, so no two rows of a write collide), every row rewriting its block with the new
+        # key where its token ends it and with the key as it was elsewhere. Columns go in order, so a block
+        # a later column ends is written after the earlier columns rewrote it unchanged.
+        width = backend.query_ranges[0][1] if backend.query_ranges else 1
+        for column in range(width):
+            block = rows[column::width]
+            at = positions[column::width]
+            keys = self.indexer.keys_of_blocks(raw_blocks[block], at - at % ratio, rotary)
+            ends = ends_block[column::width, None]
+            key_rows[block, :dim] = torch.where(ends, keys.to(key_rows.dtype), key_rows[block, :dim])
+
+    def _attend_static(
+        self,
+        q: torch.Tensor,
+        index_q: torch.Tensor,
+        positions: torch.Tensor,
+        backend: TokenCacheBackend,
+    ) -> torch.Tensor:
+        """Decode / verify: rows b * n .. b * n + n - 1 are sequence b's n new tokens. No host syncs."""
+        ratio, dim = self.compress_ratio, self.indexer.head_dim
+        page_table, page_size = backend.page_table, backend.page_size
+        num_seqs, rows = page_table.shape[0], q.shape[0]
+        num_complete = torch.div(positions + 1, ratio, rounding_mode="floor")
+        key_rows = self._block_rows(backend)
+        if q.is_cuda:
+            from morion.ops import qsa_triton
+
+            scores = qsa_triton.block_scores(index_q, key_rows, page_table, num_complete, page_size, ratio)
+        else:
+            # Each page holds page_size / r consecutive block rows: gather whole pages of block keys.
+            per_page = key_rows.view(-1, page_size // ratio, key_rows.shape[-1])
+            keys = per_page[page_table.long()].view(num_seqs, -1, key_rows.shape[-1])[..., :dim]
+            scores = static_block_scores(index_q, keys, num_complete)
+        exact = not q.is_cuda and self.exact_ties_on_cpu
+        blocks = select_blocks(scores, num_complete, self.block_topk, exact)
+        tokens, counts = selected_tokens(blocks, num_complete, positions, ratio)
+        sequence = torch.div(torch.arange(rows, device=q.device), rows // num_seqs, rounding_mode="floor")
+        pages = page_table.long()[sequence[:, None], tokens // page_size]
+        slots = pages * page_size + tokens % page_size
+        kv_layer = backend.kv_pool(self.attention_ordinal)
+        k_scale, v_scale = backend.kv_scales
+        if q.is_cuda:
+            from morion.ops import qsa_triton
+
+            return qsa_triton.sparse_attention(q, kv_layer, slots, counts, self.scale, k_scale, v_scale)
+        k, v = gather_token_kv(kv_layer, slots, k_scale, v_scale)
+        return static_sparse_attention(q, k, v, counts, self.scale)
+
+    def _attend_reference(
+        self, q: torch.Tensor, index_q: torch.Tensor, backend: TokenCacheBackend
+    ) -> torch.Tensor:
+        """Prefill / mixed batches: one sequence at a time over its cached block keys (host syncs)."""
+        ratio, dim, ordinal = self.compress_ratio, self.indexer.head_dim, self.attention_ordinal
         out = torch.zeros_like(q)
         for n, (start, length) in enumerate(backend.query_ranges):
             if length == 0:
                 continue
             rows = slice(start, start + length)
-            keys = backend.read_sequence_tokens(INDEX_KEYS, ordinal, n)
-            block_keys = self.indexer.block_keys(keys, self.compress_ratio, rotary)
+            cached = backend.read_sequence_tokens(BLOCK_KEYS, ordinal, n)
+            num_blocks = cached.shape[0] // ratio
+            block_keys = cached[: num_blocks * ratio].reshape(num_blocks, ratio * cached.shape[-1])[:, :dim]
             scores = block_scores(index_q[rows], block_keys)
-            selected = select_tokens(scores, keys.shape[0] - length, self.compress_ratio, self.block_topk)
+            exact = not q.is_cuda and self.exact_ties_on_cpu
+            selected = select_tokens(scores, cached.shape[0] - length, ratio, self.block_topk, exact)
             out[rows] = sparse_attention(
                 q[rows],
                 selected,
                 lambda positions, n=n: backend.read_sequence_kv(ordinal, n, positions),
                 self.scale,
             )
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return out

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.cache.spec import CacheSpec, StateComponent, TokenComponent
-from morion.errors import ModelLoadError
+from morion.errors import ModelLoadError, MorionError
 from morion.layers.gated_delta_net_35 import GatedDeltaNet35
 from morion.layers.host_table import FetchedRows, HostRowTable
 from morion.layers.hyper_connection import HyperConnection, inject
@@ -41,7 +41,8 @@ from morion.layers.moe import SparseMoE
 from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
-from morion.layers.qsa_attention import INDEX_KEYS, QSAAttention
+from morion.layers.ple_static import device_gather_ok, fetch_static, forward_verify
+from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, block_key_slice
 from morion.layers.rotary import RotaryEmbedding
 from morion.layers.token_cache_backend import TokenCacheBackend
 from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, fp8_scales, require_complete
@@ -131,6 +132,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
     def forward(
         self,
         streams: torch.Tensor,
+        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         rotary: RotaryEmbedding,
@@ -138,10 +140,13 @@ class Qwen4ExpDecoderLayer(nn.Module):
         ple_rows: FetchedRows | None = None,
     ) -> torch.Tensor:
         if self.ple is not None:
-            streams = streams + self.ple(streams, ple_rows, backend)
+            if backend.verify_slots is not None:  # the state after every token, in its verify slot
+                streams = streams + forward_verify(self.ple, streams, ple_rows, backend)
+            else:
+                streams = streams + self.ple(streams, ple_rows, backend)
         mixed, weights = self.attn_hyper_connection.mix(streams)
         if self.layer_type == SPARSE_ATTENTION:
-            out = self.self_attn(mixed, cos, sin, rotary, backend)
+            out = self.self_attn(mixed, positions, cos, sin, rotary, backend)
         else:
             out = self.linear_attn(mixed, backend)
         streams = inject(streams, out, weights)
@@ -170,15 +175,18 @@ class Qwen4ExpModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
     ) -> torch.Tensor:
         # The PLE rows start moving to the device first, so their copy overlaps the layers before them.
+        # Decode and verify steps (the same number of new tokens per sequence) hash and gather on the
+        # device (layers/ple_static.py: no host work, capturable); prefill on the host.
+        static = backend.decode_only or backend.verify_slots is not None
         ple_rows = {
-            i: layer.ple.fetch(input_ids, backend)
+            i: fetch_static(layer.ple, input_ids, backend) if static else layer.ple.fetch(input_ids, backend)
             for i, layer in enumerate(self.layers)
             if layer.ple is not None
         }
         cos, sin = self.rotary(positions)
         streams = self.embed_tokens(input_ids).repeat(1, self.hc_count)
         for index, layer in enumerate(self.layers):
-            streams = layer(streams, cos, sin, self.rotary, backend, ple_rows.get(index))
+            streams = layer(streams, positions, cos, sin, self.rotary, backend, ple_rows.get(index))
         return self.hyper_connection_mixer.mix(streams)[0]
 
 
@@ -206,8 +214,11 @@ class Qwen4ExpMTP(nn.Module):
 class Qwen4ExpForCausalLM(nn.Module):
     """Token-flat interface: input_ids and positions are [T]; the backend knows which sequence each is.
 
-    Not capturable in a CUDA graph: the PLE hash and gather run on the host, and QSA's reference selects
-    with host syncs. A capture attempt raises (the engine then decodes eagerly).
+    Decode and speculative verify forwards (every sequence with the same number of new tokens) make no
+    host syncs and have static shapes: QSA's static path, PLE hashed and gathered on the device, Gated
+    DeltaNet's in-place kernels; a CUDA graph captures them. Except with the PLE table in memory-mapped
+    files (`--ple-placement mmap`): the GPU cannot read those, its rows are gathered on the host, and a
+    capture attempt raises (the engine then decodes eagerly). Prefill runs eagerly, with host syncs.
     """
 
     # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
@@ -245,13 +256,12 @@ class Qwen4ExpForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final mixer's hidden states [T, hidden]; `compute_logits` turns the ones needed
         into logits."""
-        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and not all(device_gather_ok(t, input_ids.device) for t in self.host_tables()):
             raise RuntimeError(
-                f"{self.config.model_type} cannot be captured in a CUDA graph: PLE hashes and gathers on "
-                "the host and QSA selects with host syncs"
+                f"{self.config.model_type} cannot be captured in a CUDA graph with its n-gram table in "
+                "memory-mapped files: the rows are gathered on the host (--ple-placement ram avoids it)"
             )
-        if backend.verify_slots is not None:
-            raise NotImplementedError(f"{self.config.model_type}: no speculative verify forward yet")
         return self.model(input_ids, positions, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -269,7 +279,8 @@ class Qwen4ExpForCausalLM(nn.Module):
     def cache_spec(
         self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
     ) -> CacheSpec:
-        """Per token, for each QSA layer: K/V, and the raw index key [Di] in the model dtype. Per sequence:
+        """Per token, for each QSA layer: K/V, the raw index key [Di] and a 1/ratio share of its block's key
+        ([ceil(Di / ratio)]; layers/qsa_attention.py), both in the model dtype. Per sequence:
         for each Gated DeltaNet layer the conv window and the recurrent state [HV, Dk, Dv] in
         `state_dtype` (as qwen3_next.py); for each PLE layer its conv window [(K-1)*ngram_size, n*H] in
         the model dtype and the last ngram_size - 1 token ids (int64, stored + 1: see layers/ple.py)."""
@@ -280,9 +291,18 @@ class Qwen4ExpForCausalLM(nn.Module):
             len(config.linear_layers),
             len(config.ple_layers),
         )
+        ratio = config.indexer_compress_ratio
+        if page_size % ratio:
+            raise MorionError(
+                f"{config.model_type} needs a page size that is a multiple of its QSA compress ratio {ratio} "
+                f"(pages hold whole blocks of keys); got page size {page_size}"
+            )
         tokens = (
             TokenComponent("kv", num_attention, (2, config.num_kv_heads, config.head_dim), kv_dtype),
             TokenComponent(INDEX_KEYS, num_attention, (config.indexer_head_dim,), model_dtype),
+            TokenComponent(
+                BLOCK_KEYS, num_attention, (block_key_slice(config.indexer_head_dim, ratio),), model_dtype
+            ),
         )
         states: list[StateComponent] = []
         if num_linear:

@@ -83,7 +83,7 @@ def cold(loaded, engine_factory, engine_runner):
 
 def test_cache_spec_has_every_component(loaded, engine_factory):
     spec = engine_factory(loaded, page_size=PAGE).pool.spec
-    assert [c.name for c in spec.token_components] == ["kv", "qsa_index_keys"]
+    assert [c.name for c in spec.token_components] == ["kv", "qsa_index_keys", "qsa_block_keys"]
     assert [c.name for c in spec.state_components] == ["conv", "recurrent", "ple_conv", "ple_ngram"]
     (table,) = loaded.model.host_tables()
     assert table.dtype == torch.float8_e4m3fn and table.scale is not None  # drawn on the host, FP8

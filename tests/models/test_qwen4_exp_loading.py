@@ -99,8 +99,9 @@ def test_full_size_presets_have_the_released_shapes():
         assert list(model.buffers()) == []  # nothing that to_empty would leave uninitialised
         spec = model.cache_spec(64, torch.bfloat16)
         attention = len(config.attention_layers)
-        # model-architecture.md §4.11: 2 KiB of bf16 K/V per token and QSA layer, plus its raw index key.
-        assert spec.bytes_per_token == attention * (2048 + 256)
+        # model-architecture.md §4.11: 2 KiB of bf16 K/V per token and QSA layer, plus its raw index key
+        # and its share of a compressed block key (128 / 4 values, 64 B).
+        assert spec.bytes_per_token == attention * (2048 + 256 + 64)
         linear = layers - attention
         assert spec.bytes_per_slot == linear * (3 * 10240 * 2 + 48 * 128 * 128 * 4) + 9 * 10240 * 2 + 2 * 8
     full = build_model(preset_config("preset:qwen3.8-flash-next"), torch.bfloat16, torch.device("meta"))

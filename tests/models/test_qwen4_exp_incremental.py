@@ -1,0 +1,304 @@
+"""Qwen3.8-Flash-Next's incremental QSA and its decode / verify steps (seeded random weights of the tiny
+config, model-architecture.md §5; QSA budget 16, below every sequence here, so selection happens):
+
+- the compressed block keys cached per block always equal what recomputing them from the cached raw keys
+  gives, after prefill chunks that split blocks, decode steps, prefix hits on the device and from the
+  host tier, and speculative verify forwards;
+- speculative decoding (verify forwards of 1 + 3 tokens, PLE and Gated DeltaNet state kept per position)
+  gives exactly the plain greedy output, and prefix hits after it equal cold runs;
+- decode and verify steps of QSA and PLE make no host sync and no data-dependent shape (what a CUDA graph
+  needs), checked on the CPU by making every syncing call raise inside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+import morion.models.qwen4_exp as qwen4_exp
+from morion.cache.page_pool import PagePool
+from morion.cache.state_slots import StateSlots
+from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
+from morion.engine.sampling_params import SamplingParams
+from morion.errors import MorionError
+from morion.layers.ple import PLELayer
+from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention
+from morion.loader import load_model
+from morion.spec.synthetic import SyntheticDrafter
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+EOS = 5
+VOCAB = 4096
+CONFIG = {
+    "model_type": "qwen4_exp_text",
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    "hc_count": 4,
+    "hc_lowrank": 32,
+    "ple_layer_ids": [2],
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 1000,
+    "make_ngram_vocab_size_divisible_by": 8,
+    "split_ngram_parts": 4,
+    "ple_embedding_dtype": "float8_e4m3fn",
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 64,
+    "indexer_budget": 16,
+    "indexer_compress_ratio": 4,
+    "output_gate_type": "sigmoid",
+    "eos_token_id": EOS,
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen4_exp_incremental")
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    return load_model(str(directory), torch.float32, torch.device("cpu"), "dummy")
+
+
+def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [EOS if rng.random() < 0.05 else rng.randrange(VOCAB) for _ in range(rng.randint(*lengths))]
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture
+def block_key_checks(monkeypatch) -> list[tuple[bool, bool]]:
+    """After every QSA layer forward, each sequence's cached block keys must equal the keys recomputed
+    from its cached raw keys (bit for bit: the same ops on the same values). Records (static step, the
+    sequence had tokens before this step) per check."""
+    checks: list[tuple[bool, bool]] = []
+    forward = QSAAttention.forward
+
+    def checked(self, x, positions, cos, sin, rotary, backend):
+        out = forward(self, x, positions, cos, sin, rotary, backend)
+        static = backend.decode_only or backend.verify_slots is not None
+        ratio, dim = self.compress_ratio, self.indexer.head_dim
+        for n, (_, length) in enumerate(backend.query_ranges):
+            raw = backend.read_sequence_tokens(INDEX_KEYS, self.attention_ordinal, n)
+            cached = backend.read_sequence_tokens(BLOCK_KEYS, self.attention_ordinal, n)
+            blocks = raw.shape[0] // ratio
+            expected = self.indexer.block_keys(raw, ratio, rotary)
+            got = cached[: blocks * ratio].reshape(blocks, -1)[:, :dim]
+            assert torch.equal(got, expected), f"layer {self.attention_ordinal}, sequence {n}"
+            checks.append((static, raw.shape[0] > length))
+        return out
+
+    monkeypatch.setattr(QSAAttention, "forward", checked)
+    return checks
+
+
+def test_block_keys_equal_recomputation_through_prefill_decode_and_hits(
+    loaded, engine_factory, engine_runner, block_key_checks
+):
+    """Chunks of 7 end mid-block; follow-ups hit their prefix on the device, then from host memory."""
+    engine = engine_factory(loaded, page_size=8, chunk_size=7, host_cache_gb=8 / 1024)
+    prompts = _prompts(3, seed=4, lengths=(20, 45))
+    first = engine_runner(engine, prompts, GREEDY)
+    follow_ups = [p + o.token_ids + [7, 8, 9] for p, o in zip(prompts, first, strict=True)]
+    on_device = engine_runner(engine, follow_ups, GREEDY)
+    assert all(o.usage.cached_tokens > 0 for o in on_device)
+    engine.evict_device_cache()
+    from_host = engine_runner(engine, follow_ups, GREEDY)
+    assert all(o.usage.cached_tokens > 0 for o in from_host) and engine.cache_stats.host_hit_tokens > 0
+    assert [o.token_ids for o in from_host] == [o.token_ids for o in on_device]
+    assert {(True, True), (False, True), (False, False)} <= set(block_key_checks)
+    engine.check_integrity()
+    engine.close()
+
+
+def test_pages_must_hold_whole_blocks(loaded):
+    spec = loaded.model.cache_spec(8, torch.float32)
+    assert [c.token_shape for c in spec.token_components][1:] == [(64,), (16,)]  # raw key, 1/4 block key
+    with pytest.raises(MorionError, match="page size that is a multiple of its QSA compress ratio 4"):
+        loaded.model.cache_spec(2, torch.float32)
+
+
+def _spec_engine(loaded, drafter=None, **options) -> Engine:
+    options = {"device": "cpu", "kv_cache_tokens": 4096, "page_size": 4, "chunk_size": 64, **options}
+    return Engine(EngineConfig(**options), loaded, drafter=drafter)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(loaded, engine_runner):
+    prompts = _prompts(3, seed=5, lengths=(21, 30))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outputs = engine_runner(_spec_engine(loaded, enable_prefix_cache=False), prompts, params)
+    return prompts, [o.token_ids for o in outputs], params
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_speculative_verify_gives_the_plain_greedy_output(
+    loaded, engine_runner, plain_greedy, block_key_checks, acceptance
+):
+    prompts, expected, params = plain_greedy
+    oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
+    engine = _spec_engine(loaded, SyntheticDrafter(acceptance, oracle, VOCAB, seed=1), spec_width=3)
+    assert [o.token_ids for o in engine_runner(engine, prompts, params)] == expected
+    stats = engine.speculative.stats
+    assert stats.verify_steps > 0 and stats.drafted_tokens > 0
+    if acceptance == 0.5:
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+        # Follow-ups reuse pages and states that verify steps wrote (some right before a rejection).
+        follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
+        cold = engine_runner(_spec_engine(loaded, enable_prefix_cache=False), follow_ups, params)
+        hit = engine_runner(engine, follow_ups, params)
+        assert [o.token_ids for o in hit] == [o.token_ids for o in cold]
+        assert all(o.usage.cached_tokens > len(p) for o, p in zip(hit, prompts, strict=True))
+    assert any(static for static, _ in block_key_checks)
+    engine.check_integrity()
+
+
+# -- no host sync in decode and verify steps ---------------------------------------------------------
+
+
+def _refuse(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} in a decode / verify step: a host sync or a data-dependent shape")
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _no_host_sync() -> Iterator[None]:
+    """Every call that reads a tensor's values on the host (a sync on CUDA) or makes a shape from them
+    raises while inside: item, tolist, numpy, cpu, bool / int / float / index conversions, nonzero,
+    unique, masked_select and indexing with a boolean mask."""
+    patches = {
+        (torch.Tensor, name): _refuse(f"Tensor.{name}")
+        for name in (
+            "item", "tolist", "numpy", "cpu", "nonzero", "unique", "masked_select",
+            "__bool__", "__int__", "__float__", "__index__",
+        )
+    }  # fmt: skip
+    patches.update(
+        {(torch, name): _refuse(f"torch.{name}") for name in ("nonzero", "unique", "masked_select")}
+    )
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def _boolean(index) -> bool:
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+    def checked_getitem(self, index):
+        if _boolean(index):
+            raise AssertionError("boolean-mask indexing in a decode / verify step")
+        return getitem(self, index)
+
+    def checked_setitem(self, index, value):
+        if _boolean(index):
+            raise AssertionError("boolean-mask indexing in a decode / verify step")
+        return setitem(self, index, value)
+
+    patches[(torch.Tensor, "__getitem__")] = checked_getitem
+    patches[(torch.Tensor, "__setitem__")] = checked_setitem
+    saved = {key: getattr(*key) for key in patches}
+    try:
+        for (owner, name), replacement in patches.items():
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for (owner, name), original in saved.items():
+            setattr(owner, name, original)
+
+
+class _Runner:
+    """Sequences over a private page pool: a working state slot each and `drafts` more for verify."""
+
+    def __init__(self, model: torch.nn.Module, num_sequences: int, drafts: int = 0, page_size: int = 8):
+        spec = model.cache_spec(page_size, torch.float32)
+        self.model, self.page_size = model, page_size
+        self.pool = PagePool(spec, num_sequences * 16)
+        self.slots = StateSlots(spec, num_sequences * (1 + drafts))
+        self.working = [self.slots.alloc() for _ in range(num_sequences)]
+        self.draft = [[self.slots.alloc() for _ in range(drafts)] for _ in range(num_sequences)]
+        self.pages = [list(range(n * 16, (n + 1) * 16)) for n in range(num_sequences)]
+        self.tokens: list[list[int]] = [[] for _ in range(num_sequences)]
+
+    @torch.inference_mode()
+    def run(self, new_tokens: dict[int, Sequence[int]], verify: bool = False) -> dict[int, torch.Tensor]:
+        chunks = []
+        for seq, tokens in new_tokens.items():
+            start = len(self.tokens[seq])
+            self.tokens[seq].extend(tokens)
+            chunks.append((self.tokens[seq], self.pages[seq], start, len(tokens)))
+        working = [self.working[seq] for seq in new_tokens]
+        batch = build_forward_batch(chunks, working, self.page_size, torch.device("cpu"))
+        verify_slots = None
+        if verify:
+            width = len(next(iter(new_tokens.values())))
+            columns = [[self.working[seq], *self.draft[seq][: width - 1]] for seq in new_tokens]
+            verify_slots = torch.tensor(columns, dtype=torch.int32)
+        backend = PagedAttentionBackend(self.pool, batch, self.slots, verify_slots=verify_slots)
+        logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, backend))
+        return {seq: logits[s : s + n] for seq, (s, n) in zip(new_tokens, batch.query_ranges, strict=True)}
+
+
+def test_decode_and_verify_steps_make_no_host_sync(loaded, monkeypatch):
+    """QSA's and PLE's decode and verify steps run with every syncing call refused (the fixed-size top-k:
+    ties to the lower block, as on CUDA), and give the logits a one-shot prefill of the same tokens
+    gives (the per-sequence reference path, told to break ties the same way)."""
+    monkeypatch.setattr(QSAAttention, "exact_ties_on_cpu", False)
+    strict_calls = []
+
+    def strict(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            backend = next(a for a in (*args, *kwargs.values()) if hasattr(a, "query_ranges"))
+            # (A PLE layer inside a verify forward sees one token column, a backend without these.)
+            verify = getattr(backend, "verify_slots", None) is not None
+            if not (getattr(backend, "decode_only", True) or verify):
+                return function(*args, **kwargs)
+            strict_calls.append(function.__name__)
+            with _no_host_sync():
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(QSAAttention, "forward", strict(QSAAttention.forward))
+    monkeypatch.setattr(PLELayer, "forward", strict(PLELayer.forward))
+    monkeypatch.setattr(qwen4_exp, "fetch_static", strict(qwen4_exp.fetch_static))
+    monkeypatch.setattr(qwen4_exp, "forward_verify", strict(qwen4_exp.forward_verify))
+
+    model = loaded.model
+    prompts = {0: _prompts(1, seed=6, lengths=(30, 30))[0], 1: _prompts(1, seed=7, lengths=(19, 19))[0]}
+    runner = _Runner(model, 2, drafts=2)
+    logits = {seq: [rows] for seq, rows in runner.run(prompts).items()}
+    steps = [
+        ({0: [11], 1: [EOS]}, False),
+        ({0: [12], 1: [13]}, False),
+        ({0: [14, 15, 16], 1: [17, 18, 19]}, True),
+    ]
+    for new_tokens, verify in steps:
+        for seq, rows in runner.run(new_tokens, verify).items():
+            logits[seq].append(rows)
+    assert {"forward", "fetch_static", "forward_verify"} <= set(strict_calls)
+    for seq in prompts:
+        whole = _Runner(model, 1).run({0: runner.tokens[seq]})[0]
+        assert (torch.cat(logits[seq]) - whole).abs().max() < 1e-4, f"sequence {seq}"

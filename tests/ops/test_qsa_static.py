@@ -1,0 +1,157 @@
+"""QSA's static path (decode and verify steps; ops/qsa.py) against its per-sequence reference, and its CUDA
+kernels against the torch code: the block-score kernel, attention through the paged decode kernel with
+one-token pages, and the gather of host-table rows by the device. Without a GPU the kernels run under
+TRITON_INTERPRET=1 (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from morion.ops.host_gather_triton import device_addresses, gather_host_rows
+from morion.ops.paged_attention import FP8_KV_DTYPE, store_kv
+from morion.ops.qsa import (
+    block_scores,
+    gather_token_kv,
+    select_blocks,
+    select_tokens,
+    selected_tokens,
+    sparse_attention,
+    static_block_scores,
+    static_sparse_attention,
+    top_blocks,
+)
+from morion.ops.qsa_triton import block_scores as block_scores_triton
+from morion.ops.qsa_triton import sparse_attention as sparse_attention_triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_top_blocks_ranks_zero_scores_by_lower_index_on_any_padding():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 3.0, float("-inf"), float("-inf")]])
+    assert top_blocks(scores, 4, exact_ties=False).tolist() == [[5, 1, 3, 0]]
+    padded = torch.cat([scores, torch.full((1, 57), float("-inf"))], dim=1)
+    assert top_blocks(padded, 4, exact_ties=False).tolist() == [[5, 1, 3, 0]]
+    # Past the finite entries: -1, not an index of a real block.
+    assert top_blocks(scores, 8, exact_ties=False).tolist() == [[5, 1, 3, 0, 2, 4, -1, -1]]
+    # -0.0 (and NaN garbage) rank as zeros.
+    assert top_blocks(torch.tensor([[-0.0, float("nan"), 0.0]]), 3, exact_ties=False).tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("exact_ties", [True, False])
+def test_static_selection_equals_the_reference_per_sequence(exact_ties):
+    """Two sequences of three queries each (a verify-shaped step) over their cached block keys: the
+    static scores, blocks and tokens against `block_scores` + `select_tokens` of each sequence alone.
+    Many blocks score exactly zero (keys opposite to every query: the ties that happen), so ties decide:
+    either tie rule gives the very same tokens as the reference told to use it."""
+    generator = torch.Generator().manual_seed(0)
+    ratio, block_topk, dim, heads, width = 4, 3, 16, 2, 3
+    seq_lens = [23, 38]
+    max_blocks = 12  # the page table's capacity, past every sequence's blocks
+    keys = torch.randn(2, max_blocks, dim, generator=generator)
+    zero = torch.rand(2, max_blocks, 1, generator=generator) < 0.6
+    keys = torch.where(zero, -keys.abs(), keys)
+    index_q = torch.randn(2 * width, heads, dim, generator=generator).abs()
+    positions = torch.tensor([n - width + i for n in seq_lens for i in range(width)])
+    num_complete = (positions + 1) // ratio
+    scores = static_block_scores(index_q, keys, num_complete)
+    assert torch.isinf(scores[0, (seq_lens[0] - width + 1) // ratio :]).all()
+    assert (scores == 0).sum() > 10
+    blocks = select_blocks(scores, num_complete, block_topk, exact_ties)
+    tokens, counts = selected_tokens(blocks, num_complete, positions, ratio)
+    for seq, length in enumerate(seq_lens):
+        rows = slice(seq * width, seq * width + width)
+        num_blocks = length // ratio
+        reference_scores = block_scores(index_q[rows], keys[seq, :num_blocks])
+        assert torch.equal(scores[rows, :num_blocks], reference_scores)
+        expected = select_tokens(reference_scores, length - width, ratio, block_topk, exact_ties)
+        for row in range(width):
+            want = expected[row][expected[row] >= 0]
+            got = tokens[seq * width + row, : counts[seq * width + row]]
+            assert sorted(got.tolist()) == sorted(want.tolist()), (seq, row)
+
+
+def test_selection_without_enough_blocks_takes_them_all_and_the_tail():
+    positions = torch.tensor([0, 2, 5, 9])
+    num_complete = (positions + 1) // 4
+    scores = static_block_scores(torch.ones(4, 1, 8), torch.ones(4, 6, 8), num_complete)
+    for exact in (True, False):
+        blocks = select_blocks(scores, num_complete, 8, exact)
+        tokens, counts = selected_tokens(blocks, num_complete, positions, 4)
+        assert counts.tolist() == [1, 3, 6, 10]
+        for row, position in enumerate(positions.tolist()):
+            assert sorted(tokens[row, : counts[row]].tolist()) == list(range(position + 1))
+
+
+def _pool(num_slots: int, kv_heads: int, dim: int, kv_dtype: torch.dtype, generator) -> torch.Tensor:
+    kv = torch.zeros(num_slots, 2, kv_heads, dim, dtype=kv_dtype, device=DEVICE)
+    k = torch.randn(num_slots, kv_heads, dim, generator=generator).to(DEVICE)
+    v = torch.randn(num_slots, kv_heads, dim, generator=generator).to(DEVICE)
+    store_kv(kv, torch.arange(num_slots, device=DEVICE), k, v, 0.5, 2.0)
+    return kv
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8_KV_DTYPE])
+def test_static_attention_equals_the_reference_and_the_kernel(kv_dtype):
+    """Rows attending to scattered pool slots: the masked torch attention against the reference's
+    gather + mask (`sparse_attention`) and against the paged decode kernel with one-token pages."""
+    generator = torch.Generator().manual_seed(1)
+    rows, width, q_heads, kv_heads, dim = 5, 11, 4, 2, 32
+    kv = _pool(64, kv_heads, dim, kv_dtype, generator)
+    q = torch.randn(rows, q_heads, dim, generator=generator).to(DEVICE)
+    # Distinct per row, as selected tokens are.
+    slots = torch.stack([torch.randperm(64, generator=generator)[:width] for _ in range(rows)]).to(DEVICE)
+    counts = torch.tensor([1, 4, 7, 11, 9], device=DEVICE)
+    slots = torch.where(torch.arange(width, device=DEVICE)[None] < counts[:, None], slots, 0)
+    k, v = gather_token_kv(kv, slots, 0.5, 2.0)
+    scale = dim**-0.5
+    ours = static_sparse_attention(q, k, v, counts, scale)
+    selected = torch.where(torch.arange(width, device=DEVICE)[None] < counts[:, None], slots, -1)
+    for row in range(rows):
+
+        def gather(positions, row=row):  # the "sequence" of a row is the pool itself
+            return gather_token_kv(kv, positions, 0.5, 2.0)
+
+        reference = sparse_attention(q[row : row + 1], selected[row : row + 1], gather, scale)
+        assert torch.allclose(ours[row], reference[0], atol=1e-5, rtol=1e-5)
+    kernel = sparse_attention_triton(q, kv, slots, counts, scale, 0.5, 2.0)
+    assert torch.allclose(kernel, ours, atol=2e-5, rtol=1e-4)
+
+
+def test_block_score_kernel_equals_torch():
+    """Block keys on scattered pages (rows per page = page_size / ratio), three queries per sequence."""
+    generator = torch.Generator().manual_seed(2)
+    ratio, page_size, heads, dim, width = 4, 8, 2, 24, 3
+    num_pages, max_pages = 10, 4
+    pool = torch.randn(num_pages * page_size // ratio, dim + 8, generator=generator).to(DEVICE)  # padded
+    page_table = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 8]], dtype=torch.int32, device=DEVICE)
+    index_q = torch.randn(2 * width, heads, dim, generator=generator).to(DEVICE)
+    positions = torch.tensor([5, 6, 7, 27, 28, 29], device=DEVICE)
+    num_complete = (positions + 1) // ratio
+    per_page = pool.view(num_pages, page_size // ratio, -1)
+    keys = per_page[page_table.long()].view(2, max_pages * page_size // ratio, -1)[..., :dim]
+    expected = static_block_scores(index_q, keys, num_complete)
+    got = block_scores_triton(index_q, pool, page_table, num_complete, page_size, ratio)
+    assert got.shape == expected.shape == (6, 8)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = ~torch.isinf(expected)
+    assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+    assert math.isclose(float(got[0, 0]), float(expected[0, 0]), rel_tol=1e-5)
+
+
+def test_host_rows_gathered_by_the_device():
+    """Shards addressed by their base addresses (page-locked host memory on CUDA; any CPU tensor in the
+    interpreter), rows of any byte width, the last shard shorter."""
+    generator = torch.Generator().manual_seed(3)
+    shard_rows, dim = 7, 5
+    shards = [torch.randn(n, dim, generator=generator) for n in (7, 7, 3)]
+    pointers = [s.data_ptr() for s in shards]
+    if DEVICE.type == "cuda":
+        shards = [s.pin_memory() for s in shards]
+        pointers = device_addresses(shards, DEVICE)
+    addresses = torch.tensor(pointers, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([0, 16, 7, 13, 6, 15, 15], device=DEVICE)
+    got = gather_host_rows(rows, addresses, shard_rows, dim * 4).view(torch.float32)
+    assert torch.equal(got.cpu(), torch.cat(shards)[rows.cpu()])
