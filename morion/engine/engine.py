@@ -428,10 +428,10 @@ class Engine:
             logits = None
         sampling: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
-            if self.speculative is not None:  # an MTP drafter keeps the hidden states
-                self.speculative.observe(
-                    chunk.request, chunk.request.num_computed, hidden[start : start + length]
-                )
+            if self.speculative is not None and self.speculative.eligible(chunk.request):
+                # An MTP drafter keeps the hidden states of the requests it may draft for.
+                rows = hidden[start : start + length]
+                self.speculative.observe(chunk.request, chunk.request.num_computed, rows)
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
             if chunk.request.num_uncomputed == 0:
                 sampling.append((chunk.request, last_row))
