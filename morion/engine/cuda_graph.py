@@ -127,6 +127,11 @@ class DecodeGraphRunner:
 
         return run
 
+    @property
+    def memory_pool(self) -> object | None:
+        """The graph memory pool handle (None before capture)."""
+        return self._memory_pool
+
     def share_memory_pool(self, other: DecodeGraphRunner) -> None:
         """Capture into `other`'s graph memory pool: runners replay one at a time, never concurrently,
         so their activations may share memory (call before `capture`)."""

@@ -41,6 +41,7 @@ from morion.spec.drafter import Drafter
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import load_token_map
 from morion.spec.mtp import MtpDrafter
+from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.spec.ngram import NgramDrafter
 from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_policy
 from morion.text.detokenizer import IncrementalDetokenizer
@@ -174,6 +175,26 @@ class Engine:
                 )
                 return
             self.verify_graphs[width + 1] = runner
+            drafter = self.speculative.drafter
+            if isinstance(drafter, MtpDrafter):
+                self._capture_draft_graphs(drafter, width, decode)
+
+    def _capture_draft_graphs(self, drafter: MtpDrafter, width: int, decode: DecodeGraphRunner) -> None:
+        """The MTP head's after-verify draft of this width as CUDA graphs (spec/mtp_graph.py), in the
+        decode graphs' memory pool; eager where capture fails."""
+        embedding = self.model.model.embed_tokens.weight
+        graphs = MtpDraftGraphs(
+            drafter.draft_after_verify, width, decode.max_batch, decode.max_pages, embedding.shape[1],
+            embedding.dtype, self._scratch_pages[0], self.device,
+        )  # fmt: skip
+        try:
+            graphs.capture(decode.memory_pool)
+        except RuntimeError as error:
+            print(
+                f"morion: MTP draft CUDA graph capture FAILED, drafts run eagerly: {error}", file=sys.stderr
+            )
+            return
+        drafter.graphs[width] = graphs
 
     def _drafter(self, given: Drafter | None) -> Drafter:
         config = self.config

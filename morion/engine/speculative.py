@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,7 @@ from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult, sampling_probs
 from morion.engine.scheduler import Scheduler
-from morion.spec.drafter import Drafter, DraftRequest, HiddenStateDrafter
+from morion.spec.drafter import Drafter, DraftRequest, HiddenStateDrafter, VerifyAwareDrafter, VerifyResult
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.policy import WidthPolicy
 from morion.spec.rejection import greedy_accept, rejection_sample
@@ -179,6 +180,7 @@ class SpeculativeDecoding:
         hidden = hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1
         results = []
+        survivors: list[_Verified] = []
         for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
             if self.forced is not None:
                 accepted = self.forced.num_accepted(len(tokens))
@@ -190,8 +192,49 @@ class SpeculativeDecoding:
             start = request.num_computed
             results.append((accepted, self._commit(request, emitted, logits[row], scheduler, append_token)))
             if not request.is_finished:
-                self.observe(request, start, hidden[row, : request.num_computed - start])
+                survivors.append(_Verified(row, request, start, accepted, next_token))
+        self._after_verify(survivors, batch.input_ids.view(-1, n), hidden, width, scheduler)
         return results
+
+    def _after_verify(
+        self,
+        survivors: list[_Verified],
+        inputs: torch.Tensor,
+        hidden: torch.Tensor,
+        width: int,
+        scheduler: Scheduler,
+    ) -> None:
+        """Hands the verify step's hidden states to a drafter that reads them: a verify-aware one (MTP)
+        drafts for the next step right away, for the requests that have room for it (the drafts' K/V
+        positions); the others' states are kept for their next proposal."""
+        drafter = self.drafter
+        if not survivors or not isinstance(drafter, HiddenStateDrafter):
+            return
+        ready: list[_Verified] = []
+        if isinstance(drafter, VerifyAwareDrafter):
+            slots = width if self.has_state else 0
+            ready = [v for v in survivors if scheduler.reserve_for_verify(v.request, 1 + width, slots)]
+        waiting = [v for v in survivors if all(v is not r for r in ready)]
+        for v in waiting:
+            drafter.observe(
+                _draft_request(v.request), v.start, hidden[v.row, : v.request.num_computed - v.start]
+            )
+        if not ready:
+            return
+        device = hidden.device
+        rows = torch.tensor([v.row for v in ready], device=device)
+        drafter.after_verify(
+            VerifyResult(
+                requests=[_draft_request(v.request) for v in ready],
+                width=width,
+                inputs=inputs.index_select(0, rows),
+                hidden=hidden.index_select(0, rows),
+                accepted=torch.tensor([v.accepted for v in ready], device=device),
+                next_tokens=torch.tensor([v.next_token for v in ready], device=device),
+                starts=[v.start for v in ready],
+                page_table=_page_table([v.request.pages for v in ready], device),
+            )
+        )
 
     @staticmethod
     def _accept(
@@ -236,6 +279,24 @@ class SpeculativeDecoding:
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
+
+
+class _Verified(NamedTuple):
+    """A request still running after a verify step: its row in the step, computed tokens before it,
+    drafts accepted and the target's own token after them."""
+
+    row: int
+    request: Request
+    start: int
+    accepted: int
+    next_token: int
+
+
+def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
+    table = torch.zeros(len(pages), max(len(p) for p in pages), dtype=torch.int32)
+    for row, used in enumerate(pages):
+        table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    return table.to(device, non_blocking=True)
 
 
 def _draft_request(request: Request) -> DraftRequest:

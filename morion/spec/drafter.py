@@ -65,3 +65,28 @@ class HiddenStateDrafter(Drafter, Protocol):
         """`hidden` [n, H]: the target's final hidden states of `request` at positions start .. start + n - 1
         (valid only during the call: a CUDA graph's output buffer is overwritten by its next replay)."""
         ...
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A verify step of `width` drafts, for the requests still running, in batch order: `inputs` [B, n]
+    the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final hidden
+    states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after them, all on
+    the device; `starts` each request's computed tokens before the step; `page_table` [B, pages]."""
+
+    requests: Sequence[DraftRequest]
+    width: int
+    inputs: torch.Tensor
+    hidden: torch.Tensor
+    accepted: torch.Tensor
+    next_tokens: torch.Tensor
+    starts: list[int]
+    page_table: torch.Tensor
+
+
+@runtime_checkable
+class VerifyAwareDrafter(HiddenStateDrafter, Protocol):
+    """A drafter that makes the next step's drafts right after a verify step, from its hidden states
+    (the MTP head: one fixed-shape draft per batch and width)."""
+
+    def after_verify(self, verified: VerifyResult) -> None: ...

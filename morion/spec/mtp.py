@@ -35,9 +35,32 @@ import torch
 import torch.nn.functional as F
 
 from morion.cache.page_pool import PagePool
-from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
-from morion.spec.drafter import DraftRequest, Drafts
+from morion.engine.forward_batch import ForwardBatch, KVScales, PagedAttentionBackend, build_forward_batch
+from morion.spec.drafter import DraftRequest, Drafts, VerifyResult
 from morion.spec.frspec import to_full_ids
+from morion.spec.mtp_graph import MtpDraftGraphs
+
+
+def _fixed_batch(
+    tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, page_size: int
+) -> ForwardBatch:
+    """The MTP head's batch for [B, n] tokens at [B, n] consecutive positions, its K/V slots looked up in
+    `page_table` on the device (no host work that depends on the values)."""
+    num, n = tokens.shape
+    slots = page_table.gather(1, positions // page_size) * page_size + positions % page_size
+    return ForwardBatch(
+        input_ids=tokens.flatten(),
+        positions=positions.flatten(),
+        out_slots=slots.flatten(),
+        page_table=page_table.int(),
+        cu_seqlens_q=torch.arange(num + 1, dtype=torch.int32, device=tokens.device) * n,
+        seq_lens=(positions[:, -1] + 1).int(),
+        state_indices=None,
+        max_query_len=n,
+        query_ranges=[(b * n, n) for b in range(num)],
+        last_rows=[b * n + n - 1 for b in range(num)],
+    )
+
 
 _MAX_PENDING = 256  # hidden states kept per request before the MTP K/V of known positions is written
 
@@ -72,6 +95,9 @@ class MtpDrafter:
         self._pool = pool
         self._kv_scales = kv_scales
         self._pending: dict[str, _Pending] = {}
+        # Drafts made right after a verify step (after_verify): request -> (its computed tokens then, drafts)
+        self._ready: dict[str, tuple[int, list[int]]] = {}
+        self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (engine.py)
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)
         self._reduced_head: torch.Tensor | None = None
@@ -97,14 +123,77 @@ class MtpDrafter:
 
     def release(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._ready.pop(request_id, None)
 
     def propose(self, requests: Sequence[DraftRequest], width: int) -> Drafts:
-        ready = [r for r in requests if self._extendable(r)]
         tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        if ready and width > 0:
-            for request, drafted in zip(ready, self._draft(ready, width), strict=True):
+        for request in requests:
+            made = self._ready.pop(request.request_id, None)
+            if made is not None and made[0] == request.num_computed:
+                tokens[request.request_id] = made[1][:width]
+        extendable = [r for r in requests if not tokens[r.request_id] and self._extendable(r)]
+        if extendable and width > 0:
+            for request, drafted in zip(extendable, self._draft(extendable, width), strict=True):
                 tokens[request.request_id] = drafted
         return Drafts([tokens[r.request_id] for r in requests], [None] * len(requests))
+
+    @torch.inference_mode()
+    def after_verify(self, verified: VerifyResult) -> None:
+        """Drafts for the next step, made right after a verify step from its hidden states, in shapes
+        fixed by the batch and width alone (so the whole draft could replay as one CUDA graph):
+
+        - extend over all n verify positions c0 .. c0 + n - 1 of each request (c0 = its computed
+          tokens before the verify), input at row t the token at c0 + t + 1: the draft the verify ran
+          at row t + 1, except at row a (the accepted drafts) where it is the target's own token. Rows
+          past a write MTP K/V at positions no query reads before the next extend rewrites them;
+        - the output at row a (position c - 1, c = c0 + 1 + a) gives draft 1, then the chained steps.
+        """
+        device = verified.hidden.device
+        starts = torch.tensor(verified.starts, dtype=torch.long).to(device, non_blocking=True)
+        args = (verified.inputs, verified.hidden, verified.accepted, verified.next_tokens, starts)
+        graphs = self.graphs.get(verified.width)
+        if graphs is not None and graphs.fits(verified.page_table):
+            drafted = graphs.run(*args, verified.page_table)
+        else:
+            drafted = self.draft_after_verify(*args, verified.page_table.long(), verified.width)
+        tokens = drafted.tolist()
+        for request, start, accepted, drafts in zip(
+            verified.requests, verified.starts, verified.accepted.tolist(), tokens, strict=True
+        ):
+            computed = start + 1 + accepted
+            self._ready[request.request_id] = (computed, drafts)
+            self._pending[request.request_id] = _Pending(computed)  # MTP K/V written up to c - 1
+
+    def draft_after_verify(
+        self,
+        inputs: torch.Tensor,
+        hidden: torch.Tensor,
+        accepted: torch.Tensor,
+        next_tokens: torch.Tensor,
+        starts: torch.Tensor,
+        page_table: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        """`after_verify`'s computation on device tensors alone (see there): [B, width] draft tokens.
+        Shapes depend only on B, n and width, and nothing reads back to the host: a CUDA graph can
+        capture it (`spec/mtp_graph.py`)."""
+        model, page_size = self._model, self._pool.page_size
+        num, n = inputs.shape
+        rows = torch.arange(num, device=inputs.device)
+        shifted = torch.cat((inputs[:, 1:], next_tokens[:, None]), dim=1)
+        shifted[rows, accepted] = next_tokens
+        positions = starts[:, None] + torch.arange(n, device=inputs.device)
+        batch = _fixed_batch(shifted, positions, page_table, page_size)
+        out = model.mtp_forward(batch.input_ids, batch.positions, hidden.flatten(0, 1), self._backend(batch))
+        last = out.view(num, n, -1)[rows, accepted]
+        drafts = [self._argmax_device(last)]
+        position = starts + accepted  # c - 1
+        for _ in range(1, width):
+            position = position + 1
+            batch = _fixed_batch(drafts[-1][:, None], position[:, None], page_table, page_size)
+            last = model.mtp_forward(batch.input_ids, batch.positions, last, self._backend(batch))
+            drafts.append(self._argmax_device(last))
+        return torch.stack(drafts, dim=1)
 
     def _extendable(self, request: DraftRequest) -> bool:
         """The hidden states of every position up to the last computed one are here."""
@@ -153,7 +242,9 @@ class MtpDrafter:
         return PagedAttentionBackend(self._pool, batch, None, self._kv_scales)
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
+        return self._argmax_device(hidden).tolist()
+
+    def _argmax_device(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._reduced_head is None:
-            return self._model.compute_logits(hidden).argmax(dim=-1).tolist()
-        reduced = F.linear(hidden, self._reduced_head).argmax(dim=-1)
-        return to_full_ids(reduced, self._token_map).tolist()
+            return self._model.compute_logits(hidden).argmax(dim=-1)
+        return to_full_ids(F.linear(hidden, self._reduced_head).argmax(dim=-1), self._token_map)

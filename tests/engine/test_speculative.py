@@ -20,6 +20,7 @@ from morion.errors import MorionError
 from morion.spec.drafter import Drafts
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import build_token_map, write_token_map
+from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.spec.synthetic import SyntheticDrafter
 from morion.text.tokenizer import Tokenizer
 
@@ -299,3 +300,73 @@ def test_host_and_disk_hits_with_speculation_equal_cold(
     disk = engine_runner(restarted, follow_ups, GREEDY)
     assert [o.token_ids for o in disk] == want and restarted.cache_stats.disk_hit_tokens > 0
     restarted.close()
+
+
+class _PendingOnly:
+    """The MTP drafter without its after-verify path: every draft goes through extend-on-propose."""
+
+    name = "mtp (pending path)"
+
+    def __init__(self, drafter) -> None:
+        self._drafter = drafter
+
+    def observe(self, request, start, hidden) -> None:
+        self._drafter.observe(request, start, hidden)
+
+    def propose(self, requests, width):
+        return self._drafter.propose(requests, width)
+
+    def release(self, request_id) -> None:
+        self._drafter.release(request_id)
+
+
+def _recorded_proposals(engine) -> list:
+    record, drafter = [], engine.speculative.drafter
+    original = drafter.propose
+
+    def propose(requests, width):
+        drafts = original(requests, width)
+        record.append([(r.request_id, tokens) for r, tokens in zip(requests, drafts.tokens, strict=True)])
+        return drafts
+
+    drafter.propose = propose
+    return record
+
+
+def test_mtp_drafts_made_after_verify_equal_those_made_on_propose(
+    tiny_qwen3_next, reference_hybrid, engine_runner
+):
+    """The fixed-shape draft right after a verify step (extend over all verify rows, the accepted row's
+    output, chained steps) proposes exactly what extending the accepted positions on demand does."""
+    prompts, expected = reference_hybrid
+    fixed = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
+    on_demand = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
+    on_demand.speculative.drafter = _PendingOnly(on_demand.speculative.drafter)
+    records = [_recorded_proposals(fixed), _recorded_proposals(on_demand)]
+    calls = []
+    original = fixed.speculative.drafter.after_verify
+    fixed.speculative.drafter.after_verify = lambda verified: (calls.append(1), original(verified))
+    for engine in (fixed, on_demand):
+        assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    assert calls and records[0] == records[1]
+
+
+def test_mtp_draft_graph_buffers_and_padding_give_the_same_drafts(
+    tiny_qwen3_next, reference_hybrid, engine_runner
+):
+    """The draft-graph runner's static buffers, bucket padding and slicing (spec/mtp_graph.py), run
+    eagerly on the CPU in place of a replay: the same proposals as the plain after-verify draft."""
+    prompts, expected = reference_hybrid
+    plain = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
+    staged = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3, max_running_requests=8)
+    drafter = staged.speculative.drafter
+    [scratch] = staged.pool.alloc(1)  # padding rows write here, as into the engine's scratch page on CUDA
+    graphs = MtpDraftGraphs(
+        drafter.draft_after_verify, 3, 8, 128, 64, torch.float32, scratch, torch.device("cpu")
+    )
+    graphs.prepare_eager()
+    drafter.graphs[3] = graphs
+    records = [_recorded_proposals(plain), _recorded_proposals(staged)]
+    for engine in (plain, staged):
+        assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    assert graphs.replays > 0 and records[0] == records[1]
