@@ -15,7 +15,10 @@ from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
 
 
-class GatedAttention(nn.Module):
+class GatedAttentionProjections(nn.Module):
+    """The projections, norms and output gate of gated attention, for layers that differ in what they
+    attend to: `project` gives the heads, `gate_output` finishes the attention's output."""
+
     def __init__(
         self,
         attention_ordinal: int,
@@ -39,16 +42,28 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(head_dim, rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns [T, hidden]."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns q [T, H, D] and k [T, Hkv, D], normed and
+        rotated, v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.attend(self.attention_ordinal, q, k, v, self.scale)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def gate_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, H, D] times sigmoid(gate), through o_proj: [T, hidden]."""
+        tokens = out.shape[0]
+        return self.o_proj(out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+class GatedAttention(GatedAttentionProjections):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns [T, hidden]."""
+        q, k, v, gate = self.project(x, cos, sin)
+        return self.gate_output(backend.attend(self.attention_ordinal, q, k, v, self.scale), gate)

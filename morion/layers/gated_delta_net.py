@@ -3,7 +3,7 @@
 Per token: project to q, k (H key heads), v, z (HV = r*H value heads), b, a (per value head); run q, k, v
 through a causal depthwise conv (window W) + SiLU; beta = sigmoid(b), g = -exp(A_log) * softplus(a +
 dt_bias); apply the gated delta rule (q, k L2-normalised, head h of q/k serving value heads h*r ..
-h*r+r-1); normalise each value head and gate it by silu(z); out_proj.
+h*r+r-1); normalise each value head and gate it by silu(z) (or sigmoid(z): `output_gate`); out_proj.
 
 Each sequence carries two states between forwards (design.md §3): the conv window (its last W-1
 pre-conv q|k|v vectors) and the recurrent state (HV x Dk x Dv). Both come from and go back to the
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.hybrid_backend import HybridBackend
-from morion.layers.norm_variants import GatedRMSNorm
+from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
@@ -34,8 +34,13 @@ from morion.ops.log_once import log_once
 
 logger = logging.getLogger(__name__)
 
+OUTPUT_GATES = ("sigmoid", "silu")
+
 
 class GatedDeltaNet(nn.Module):
+    """`output_gate` "sigmoid" gates the normalised heads by sigmoid(z) instead of silu(z) (Qwen3.5's
+    option). Subclasses with other projections override `_add_projections` and `project`."""
+
     def __init__(
         self,
         linear_ordinal: int,
@@ -46,10 +51,13 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: int,
         conv_kernel_size: int,
         rms_norm_eps: float,
+        output_gate: str = "silu",
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"{num_v_heads} value heads do not group over {num_k_heads} key heads")
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output gate {output_gate!r} is not one of {', '.join(OUTPUT_GATES)}")
         self.linear_ordinal = linear_ordinal
         self.num_k_heads = num_k_heads
         self.num_v_heads = num_v_heads
@@ -58,16 +66,21 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = num_k_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self._add_projections(hidden_size)
         # Only its weight [conv_dim, 1, W] is used (the checkpoint's layout); the conv runs in ops/.
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False
         )
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, rms_norm_eps)
+        norm = SigmoidGatedRMSNorm if output_gate == "sigmoid" else GatedRMSNorm
+        self.norm = norm(head_v_dim, rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def _add_projections(self, hidden_size: int) -> None:
+        """The input projections `project` reads (Qwen3-Next's group-first layout)."""
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Splits the group-first projections: mixed_qkv [T, conv_dim] (q | k | v, each head-major),

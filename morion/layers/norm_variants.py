@@ -3,9 +3,10 @@
 - `ZeroCentredRMSNorm`: the weight is stored as an offset from one and applied as (1 + w), all in fp32,
   cast once at the end (Gemma-style). Every norm of the decoder trunk, q/k norms and the MTP norms.
 - `GatedRMSNorm`: the Gated DeltaNet output norm, rmsnorm(x) * w * silu(z); *not* zero-centred.
+- `SigmoidGatedRMSNorm`: the same with sigmoid(z), Qwen3.5's Gated DeltaNet output norm.
 
-On CUDA each runs as one fused Triton kernel (ops/row_kernels_triton.py) with the same rounding points;
-the torch code here is its reference.
+On CUDA the first two run as one fused Triton kernel each (ops/row_kernels_triton.py) with the same
+rounding points; the torch code here is its reference. The sigmoid-gated one is pure torch everywhere.
 """
 
 from __future__ import annotations
@@ -53,3 +54,18 @@ class GatedRMSNorm(nn.Module):
         # normalised x is cast to the input dtype before the weight, the gate is applied in fp32.
         normed = self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
         return (normed * F.silu(z.float())).to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """rmsnorm(x) * w * sigmoid(z) per value head. Rounding points as transformers'
+    `Qwen4ExpTextRMSNormGated`: the normalised x is cast to the input dtype before the weight, the gate is
+    applied in fp32, the product cast once. Pure torch on every device (no fused kernel yet)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
+        return (normed * torch.sigmoid(z.float())).to(x.dtype)

@@ -1,11 +1,11 @@
 """Qwen Sparse Attention (QSA): Qwen3.8-Flash-Next's full-attention layers.
 
 The attention itself is Qwen3-Next's gated attention (q_proj yields per-head query | gate halves,
-zero-centred q/k norms, partial RoPE, sigmoid(gate) on the output); what differs is which tokens a query
-sees. An indexer (`index_qk_proj`: H index query heads and one raw key of dim Di per token) scores blocks
-of `compress_ratio` (r) cached tokens and each query attends only to its `budget` best-scoring tokens'
-blocks plus the unfinished block's tail (ops/qsa.py has the rule). Below budget + r - 1 tokens every
-block is selected and QSA is ordinary causal attention.
+zero-centred q/k norms, partial RoPE, sigmoid(gate) on the output: `GatedAttentionProjections`); what
+differs is which tokens a query sees. An indexer (`index_qk_proj`: H index query heads and one raw key
+of dim Di per token) scores blocks of `compress_ratio` (r) cached tokens and each query attends only to
+its `budget` best-scoring tokens' blocks plus the unfinished block's tail (ops/qsa.py has the rule).
+Below budget + r - 1 tokens every block is selected and QSA is ordinary causal attention.
 
 Cache, per token and QSA layer, paged with K/V (so prefix hits, snapshots and the host/disk tiers carry
 them like K/V, and `cache/` knows nothing of QSA):
@@ -40,11 +40,12 @@ Two paths (ops/qsa.py):
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from morion.layers.gated_attention import GatedAttentionProjections
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding, apply_rotary
 from morion.layers.token_cache_backend import TokenCacheBackend
@@ -109,7 +110,7 @@ class QSAIndexer(nn.Module):
         return apply_rotary(pooled[:, None], cos, sin)[:, 0]
 
 
-class QSAAttention(nn.Module):
+class QSAAttention(GatedAttentionProjections):
     # On the CPU, break top-k ties among equally scored blocks exactly as transformers does (per-row
     # top-k over exactly the complete blocks: reads their count on the host, which costs nothing there).
     # Off: ties go to the lower block on every path, as on CUDA (ops/qsa.py), with the fixed-size top-k
@@ -118,34 +119,22 @@ class QSAAttention(nn.Module):
 
     def __init__(
         self,
-        attention_ordinal: int,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rms_norm_eps: float,
-        bias: bool,
+        *args: Any,
         index_heads: int,
         index_head_dim: int,
         budget: int,
         compress_ratio: int,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        """`args` and `kwargs` are `GatedAttentionProjections`'; the indexer has `index_heads` query heads
+        of `index_head_dim`, and each query attends to its `budget` best tokens in blocks of
+        `compress_ratio`."""
         if budget % compress_ratio:
             raise ValueError(f"QSA budget {budget} is not a multiple of the compress ratio {compress_ratio}")
-        self.attention_ordinal = attention_ordinal
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(*args, **kwargs)
         self.compress_ratio = compress_ratio
         self.block_topk = budget // compress_ratio
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = ZeroCentredRMSNorm(head_dim, rms_norm_eps)
-        self.k_norm = ZeroCentredRMSNorm(head_dim, rms_norm_eps)
+        hidden_size, rms_norm_eps = self.q_proj.in_features, self.q_norm.eps
         self.indexer = QSAIndexer(hidden_size, index_heads, index_head_dim, rms_norm_eps)
 
     def forward(
@@ -159,12 +148,8 @@ class QSAAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden]; positions [T]; cos, sin: [T, rotary_dim] at those positions; `rotary` rotates
         the block keys at theirs. Returns [T, hidden]."""
-        tokens = x.shape[0]
         ordinal = self.attention_ordinal
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v, gate = self.project(x, cos, sin)
         index_q, raw_keys = self.indexer.project(x, cos, sin)
         backend.write_kv(ordinal, k, v)
         backend.write_tokens(INDEX_KEYS, ordinal, raw_keys)
@@ -176,8 +161,7 @@ class QSAAttention(nn.Module):
             out = self._attend_static(q, index_q, positions, backend)
         else:
             out = self._attend_reference(q, index_q, backend)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.gate_output(out, gate)
 
     def _block_rows(self, backend: TokenCacheBackend) -> torch.Tensor:
         """The `BLOCK_KEYS` storage of this layer as one row per block slot [num_slots / r, r * slice]."""

@@ -9,7 +9,7 @@ embedding whose table stays in host memory (layers/ple.py, layers/host_table.py)
 mRoPE; for text the three position axes are equal, which makes it ordinary partial RoPE.
 
 Module names follow the Hugging Face checkpoints, so checkpoint names are parameter names, except: the
-routed experts (per-expert names or transformers' stacked ones, as in qwen3_next.py), the PLE table
+routed experts (per-expert names or transformers' stacked ones, models/moe_checkpoint.py), the PLE table
 (`...ple.ple_embedding.ngram_embedding.shard_{i}.weight` [+ `weight_scale`]) and its hash constants,
 which go to the host (`host_tables`), and the multimodal checkpoints' `model.language_model.` prefix.
 `model.visual.*` (the vision tower) is skipped: only text is served.
@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from morion.cache.spec import CacheSpec, StateComponent, TokenComponent
@@ -37,7 +36,6 @@ from morion.errors import ModelLoadError, MorionError
 from morion.layers.gated_delta_net_35 import GatedDeltaNet35
 from morion.layers.host_table import FetchedRows, HostRowTable
 from morion.layers.hyper_connection import HyperConnection, inject
-from morion.layers.moe import SparseMoE
 from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
@@ -45,8 +43,15 @@ from morion.layers.ple_static import device_gather_ok, fetch_static, forward_ver
 from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, block_key_slice
 from morion.layers.rotary import RotaryEmbedding
 from morion.layers.token_cache_backend import TokenCacheBackend
-from morion.models.checkpoint import carries_nothing, copy_checkpoint_tensor, fp8_scales, require_complete
-from morion.models.qwen3_next import _PER_EXPERT, _checkpoint_names
+from morion.models.checkpoint import carries_nothing, require_complete
+from morion.models.hybrid_model import (
+    HybridForCausalLM,
+    attention,
+    gated_delta_net,
+    gated_delta_net_states,
+    sparse_moe,
+)
+from morion.models.moe_checkpoint import MoECheckpointLoader
 from morion.models.qwen4_exp_config import LINEAR_ATTENTION, SPARSE_ATTENTION, Qwen4ExpConfig
 
 logger = logging.getLogger(__name__)
@@ -91,39 +96,20 @@ class Qwen4ExpDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == SPARSE_ATTENTION:
-            self.self_attn = QSAAttention(
+            self.self_attn = attention(
+                config,
                 ordinal,
-                config.hidden_size,
-                config.num_heads,
-                config.num_kv_heads,
-                config.head_dim,
-                config.rms_norm_eps,
-                config.attention_bias,
-                config.indexer_heads,
-                config.indexer_head_dim,
-                config.indexer_budget,
-                config.indexer_compress_ratio,
+                QSAAttention,
+                index_heads=config.indexer_heads,
+                index_head_dim=config.indexer_head_dim,
+                budget=config.indexer_budget,
+                compress_ratio=config.indexer_compress_ratio,
             )
         else:
-            self.linear_attn = GatedDeltaNet35(
-                ordinal,
-                config.hidden_size,
-                config.linear_num_key_heads,
-                config.linear_num_value_heads,
-                config.linear_key_head_dim,
-                config.linear_value_head_dim,
-                config.linear_conv_kernel_dim,
-                config.rms_norm_eps,
-                config.output_gate,
+            self.linear_attn = gated_delta_net(
+                config, ordinal, GatedDeltaNet35, output_gate=config.output_gate
             )
-        self.mlp = SparseMoE(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            config.shared_expert_intermediate_size,
-            config.norm_topk_prob,
-        )
+        self.mlp = sparse_moe(config)
         self.ple = None if ple_ordinal is None else _ple_module(config, ple_ordinal)
         hc = (config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps)
         self.attn_hyper_connection = HyperConnection(*hc, inject=True)
@@ -211,7 +197,7 @@ class Qwen4ExpMTP(nn.Module):
         )
 
 
-class Qwen4ExpForCausalLM(nn.Module):
+class Qwen4ExpForCausalLM(HybridForCausalLM):
     """Token-flat interface: input_ids and positions are [T]; the backend knows which sequence each is.
 
     Decode and speculative verify forwards (every sequence with the same number of new tokens) make no
@@ -239,17 +225,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         "ple.value_proj",
     )
 
+    config: Qwen4ExpConfig
+    mtp: Qwen4ExpMTP | None
+
     def __init__(self, config: Qwen4ExpConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Qwen4ExpModel(config)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        # None when the config has no MTP layers or the checkpoint carries none (see load_weights).
-        self.mtp: Qwen4ExpMTP | None = Qwen4ExpMTP(config) if config.num_mtp_layers > 0 else None
+        super().__init__(config, Qwen4ExpModel(config), Qwen4ExpMTP)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
@@ -263,11 +243,6 @@ class Qwen4ExpForCausalLM(nn.Module):
                 "memory-mapped files: the rows are gathered on the host (--ple-placement ram avoids it)"
             )
         return self.model(input_ids, positions, backend)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
 
     def host_tables(self) -> list[HostRowTable]:
         """The loader's hook: tables kept in host memory, never on the device (the PLE n-gram tables).
@@ -286,11 +261,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         the model dtype and the last ngram_size - 1 token ids (int64, stored + 1: see layers/ple.py)."""
         config = self.config
         model_dtype = self.model.embed_tokens.weight.dtype
-        num_attention, num_linear, num_ple = (
-            len(config.attention_layers),
-            len(config.linear_layers),
-            len(config.ple_layers),
-        )
+        num_attention, num_ple = len(config.attention_layers), len(config.ple_layers)
         ratio = config.indexer_compress_ratio
         if page_size % ratio:
             raise MorionError(
@@ -304,19 +275,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                 BLOCK_KEYS, num_attention, (block_key_slice(config.indexer_head_dim, ratio),), model_dtype
             ),
         )
-        states: list[StateComponent] = []
-        if num_linear:
-            states += [
-                StateComponent(
-                    "conv", num_linear, (config.linear_conv_kernel_dim - 1, config.conv_dim), model_dtype
-                ),
-                StateComponent(
-                    "recurrent",
-                    num_linear,
-                    (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-                    state_dtype,
-                ),
-            ]
+        states = [*gated_delta_net_states(config, model_dtype, state_dtype)]
         if num_ple:
             window = (config.ple_conv_kernel_size - 1) * config.ngram_size
             states += [
@@ -334,15 +293,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         MTP weights are all or nothing: a checkpoint without any `mtp.*` tensor (transformers'
         `save_pretrained` writes none) leaves the model without its MTP head (`self.mtp = None`).
         """
-        params = dict(self.named_parameters())
-        scales = fp8_scales(self)
+        loader = MoECheckpointLoader(self, self.config.model_type)
         host = {
             f"model.layers.{i}.ple.ple_embedding.": layer.ple.ple_embedding
             for i, layer in enumerate(self.model.layers)
             if layer.ple is not None
         }
-        missing = {unit for name, param in params.items() for unit in _checkpoint_names(name, param)}
-        saw_mtp = False
         for name, tensor in weights:
             if name.startswith(_VISION_PREFIX):
                 logger.info("skipping the vision tower (%s...): morion serves the text model", _VISION_PREFIX)
@@ -351,21 +307,12 @@ class Qwen4ExpForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(_TEXT_PREFIX)
             if carries_nothing(name, self.config.tie_word_embeddings):
                 continue
-            saw_mtp = saw_mtp or name.startswith("mtp.")
             owner = next((prefix for prefix in host if name.startswith(prefix)), None)
             if owner is not None:
                 _load_host_tensor(host[owner], name, name.removeprefix(owner), tensor)
                 continue
-            param_name, index, covered = self._weight_target(name, params)
-            scale = scales.get(param_name)
-            copy_checkpoint_tensor(
-                name, tensor, params[param_name][index], None if scale is None else scale[index]
-            )
-            missing.difference_update(covered)
-        if not saw_mtp and self.mtp is not None:
-            logger.info("checkpoint has no mtp.* weights: the model has no MTP head")
-            self.mtp = None
-            missing = {name for name in missing if not name.startswith("mtp.")}
+            loader.copy(name, tensor)
+        missing = loader.finish()
         for prefix, embedding in host.items():
             missing.update(f"{prefix}{TABLE}.{name}" for name in embedding.table.missing())
             table_rows = embedding.table.num_rows
@@ -375,27 +322,6 @@ class Qwen4ExpForCausalLM(nn.Module):
                     f"{table_rows}"
                 )
         require_complete(missing)
-
-    def _weight_target(
-        self, name: str, params: dict[str, nn.Parameter]
-    ) -> tuple[str, tuple[int | slice, ...], list[str]]:
-        """The parameter that checkpoint tensor `name` fills, the index of the part it fills (a stacked
-        expert's slice) and the checkpoint names it covers (as qwen3_next.py)."""
-        param = params.get(name)
-        if param is not None:
-            return name, (), _checkpoint_names(name, param)
-        match = _PER_EXPERT.match(name)
-        if match is not None:
-            expert, proj = int(match["expert"]), match["proj"]
-            stacked_name = f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-            stacked = params.get(stacked_name)
-            if stacked is not None and expert < stacked.shape[0]:
-                if proj == "down_proj":
-                    return stacked_name, (expert,), [name]
-                size = stacked.shape[1] // 2
-                rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-                return stacked_name, (expert, rows), [name]
-        raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
 
 
 def _load_host_tensor(embedding: NGramEmbedding, name: str, relative: str, tensor: torch.Tensor) -> None:

@@ -5,14 +5,14 @@ message naming the value (`ModelLoadError`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from morion.errors import ModelLoadError
-from morion.layers.gated_delta_net_35 import OUTPUT_GATES
+from morion.layers.gated_delta_net import OUTPUT_GATES
+from morion.models.hybrid_config import LINEAR_ATTENTION, HybridConfig, unsupported
 
-LINEAR_ATTENTION = "linear_attention"
 SPARSE_ATTENTION = "sparse_attention"
 # Names checkpoints use for QSA layers: the release's config says full_attention, transformers 5.16
 # qwen_sparse_attention, later ones indexed_attention.
@@ -21,39 +21,16 @@ _FP8_TABLE = "float8_e4m3fn"
 
 
 @dataclass(frozen=True)
-class Qwen4ExpConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    layer_types: tuple[str, ...]
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+class Qwen4ExpConfig(HybridConfig):
+    attention_type: ClassVar[str] = SPARSE_ATTENTION
+
     # attention (QSA)
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope: dict[str, Any]
-    attention_bias: bool
     indexer_heads: int
     indexer_head_dim: int
     indexer_budget: int
     indexer_compress_ratio: int
     # Gated DeltaNet
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
     output_gate: str
-    # MoE (every layer)
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool
     # hyper-connections
     hc_count: int
     hc_lowrank: int
@@ -69,7 +46,6 @@ class Qwen4ExpConfig:
     seed: int
     eos_token_id: int | None
     ple_table_dtype: torch.dtype | None  # what random tables are drawn in; None: the model dtype
-    num_mtp_layers: int
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Qwen4ExpConfig:
@@ -88,38 +64,21 @@ class Qwen4ExpConfig:
     @classmethod
     def _from_text(cls, model_type: str, hf: dict[str, Any]) -> Qwen4ExpConfig:
         def fail(reason: str) -> ModelLoadError:
-            return ModelLoadError(f"unsupported {model_type} config: {reason}")
+            return unsupported(model_type, reason)
 
-        if hf.get("hidden_act", "silu") != "silu":
-            raise fail(f"hidden_act {hf['hidden_act']!r} (need silu)")
-        num_layers = hf["num_hidden_layers"]
-        layer_types = hf.get("layer_types")
-        if layer_types is None:
-            interval = hf.get("full_attention_interval", 4)
-            layer_types = [
-                SPARSE_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)
-            ]
-        unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, SPARSE_ATTENTION, *_SPARSE_ATTENTION_NAMES})
-        if unknown:
-            raise fail(f"layer_types {unknown}")
-        layer_types = tuple(
-            LINEAR_ATTENTION if t == LINEAR_ATTENTION else SPARSE_ATTENTION for t in layer_types
+        common = cls.common_fields(
+            model_type, hf, partial_rotary_factor=1.0, attention_names=_SPARSE_ATTENTION_NAMES
         )
-        if len(layer_types) != num_layers:
-            raise fail(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+        num_layers, layer_types, rotary_dim = (
+            common["num_layers"],
+            common["layer_types"],
+            common["rotary_dim"],
+        )
         if SPARSE_ATTENTION not in layer_types:
             raise fail("no attention layer (the K/V cache needs at least one)")
-
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-        partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         # Interleaved mRoPE sections only matter when the three position axes differ (images, video).
-        rope.pop("mrope_section", None)
-        rope.pop("mrope_interleaved", None)
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        rotary_dim = int(head_dim * partial)
-        if rotary_dim < 2 or rotary_dim % 2:
-            raise fail(f"partial_rotary_factor {partial} gives an odd rotary dim {rotary_dim}")
+        common["rope"].pop("mrope_section", None)
+        common["rope"].pop("mrope_interleaved", None)
 
         qsa = {name: hf.get(f"indexer_{name}") for name in ("n_heads", "kv_heads", "head_dim", "budget")}
         qsa["compress_ratio"] = hf.get("indexer_compress_ratio")
@@ -138,14 +97,11 @@ class Qwen4ExpConfig:
         output_gate = hf.get("output_gate_type") or hf.get("hidden_act", "silu")
         if output_gate not in OUTPUT_GATES:
             raise fail(f"output_gate_type {output_gate!r} (need {' or '.join(OUTPUT_GATES)})")
-        num_v_heads, num_k_heads = hf["linear_num_value_heads"], hf["linear_num_key_heads"]
-        if num_v_heads % num_k_heads:
-            raise fail(f"linear_num_value_heads {num_v_heads} is not a multiple of {num_k_heads}")
         hc_count = hf.get("hc_count", 4)
         if hc_count <= 1:
             raise fail(f"hc_count {hc_count} (hyper-connections need at least 2 streams)")
 
-        hidden = hf["hidden_size"]
+        hidden = common["hidden_size"]
         ple_ids = sorted(set(hf.get("ple_layer_ids") or ()))
         ple_embed_dim = hf.get("ple_embed_dim") or hidden
         ngram_size = hf.get("ngram_size", 3)
@@ -169,35 +125,18 @@ class Qwen4ExpConfig:
             raise fail(f"ple_embedding_dtype {table_dtype!r}")
 
         return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            num_layers=num_layers,
-            layer_types=layer_types,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            rope=rope,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            **common,
             indexer_heads=qsa["n_heads"],
             indexer_head_dim=qsa["head_dim"],
             indexer_budget=qsa["budget"],
             indexer_compress_ratio=qsa["compress_ratio"],
-            linear_num_key_heads=num_k_heads,
-            linear_num_value_heads=num_v_heads,
             linear_key_head_dim=hf.get("linear_key_head_dim", 128),
             linear_value_head_dim=hf.get("linear_value_head_dim", 128),
-            linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
             output_gate=output_gate,
             num_experts=hf["num_experts"],
             num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
             shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             hc_count=hc_count,
             hc_lowrank=hf.get("hc_lowrank", 320),
             ple_layers=tuple(i - 1 for i in ple_ids),
@@ -212,20 +151,6 @@ class Qwen4ExpConfig:
             eos_token_id=eos if isinstance(eos, int) else None,
             ple_table_dtype=None if table_dtype is None else getattr(torch, table_dtype),
             num_mtp_layers=hf.get("mtp_num_hidden_layers", 1),
-        )
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == SPARSE_ATTENTION)
-
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
-            self.linear_num_value_heads * self.linear_value_head_dim
         )
 
     @property

@@ -1,7 +1,10 @@
-"""Fixtures for hybrid models: a reference cache backend and a registry-like builder."""
+"""Fixtures for hybrid models: a reference cache backend, a registry-like builder, the engine's paged
+backend driven directly, and the tiny Qwen3-Next and Qwen3.8-Flash-Next (qwen4_exp) configs."""
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -9,8 +12,11 @@ import pytest
 import torch
 import transformers
 
+from morion.cache.page_pool import PagePool
 from morion.cache.spec import CacheSpec
-from morion.loader import load_model
+from morion.cache.state_slots import StateSlots
+from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
+from morion.loader import LoadedModel, load_model
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.ops.attention import causal_attention_reference
 
@@ -249,3 +255,134 @@ def qwen3_next_checkpoint(tmp_path_factory) -> Callable[[str], tuple[Path, torch
         return made[name]
 
     return make
+
+
+# -- Qwen3.8-Flash-Next (qwen4_exp) ------------------------------------------------------------------
+
+QWEN4_EXP_EOS = 5
+# model-architecture.md §5's tiny config (transformers' Qwen4ExpTextConfig arguments): QSA budget 16, below
+# most prompts, so block selection happens; PLE at layer index 1.
+QWEN4_EXP_TINY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    hc_count=4,
+    hc_lowrank=32,
+    ple_layer_ids=[2],
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=4,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=16,
+    indexer_compress_ratio=4,
+    output_gate_type="sigmoid",
+    eos_token_id=QWEN4_EXP_EOS,
+)
+# The tiny config as a config.json for seeded dummy weights, the n-gram table drawn as FP8 with a scale
+# (as in the release).
+QWEN4_EXP_TINY_CONFIG = {
+    "model_type": "qwen4_exp_text",
+    **QWEN4_EXP_TINY,
+    "ple_embedding_dtype": "float8_e4m3fn",
+}
+
+
+@pytest.fixture(scope="module")
+def qwen4_exp_tiny(tmp_path_factory) -> LoadedModel:
+    """Seeded dummy weights of `QWEN4_EXP_TINY_CONFIG` on the CPU, loaded once per test module."""
+    directory = tmp_path_factory.mktemp("qwen4_exp_tiny_config")
+    (directory / "config.json").write_text(json.dumps(QWEN4_EXP_TINY_CONFIG))
+    return load_model(str(directory), torch.float32, torch.device("cpu"), "dummy")
+
+
+def qwen4_exp_prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    """Random prompts of the tiny config's vocabulary with an EOS here and there (PLE's n-gram context
+    stops at one)."""
+    rng = random.Random(seed)
+    vocab = QWEN4_EXP_TINY["vocab_size"]
+    return [
+        [QWEN4_EXP_EOS if rng.random() < 0.05 else rng.randrange(vocab) for _ in range(rng.randint(*lengths))]
+        for _ in range(count)
+    ]
+
+
+@torch.inference_mode()
+def one_shot_logits(model: torch.nn.Module, tokens: list[int], page_size: int) -> torch.Tensor:
+    """One sequence, one forward, through the engine's backend (`PagedAttentionBackend`) on the CPU."""
+    spec = model.cache_spec(page_size, torch.float32)
+    pages = -(-len(tokens) // page_size)
+    slots = StateSlots(spec, 1)
+    slots.alloc()
+    batch = build_forward_batch(
+        [(tokens, list(range(pages)), 0, len(tokens))], [0], page_size, torch.device("cpu")
+    )
+    hidden = model(
+        batch.input_ids, batch.positions, PagedAttentionBackend(PagePool(spec, pages), batch, slots)
+    )
+    return model.compute_logits(hidden)
+
+
+class PagedRunner:
+    """Sequences run through `PagedAttentionBackend` over a private pool (sequence n owns pages
+    n * pages_per_sequence ...) with a working state slot each and `drafts` more for verify forwards.
+    `run({seq: new tokens})` is one forward over the named sequences, concatenated in that order, and
+    returns each one's logits; with `verify`, every sequence has the same number n of new tokens and the
+    state after its token t is kept in its slot t (0: the working slot, then its draft slots)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_sequences: int = 1,
+        page_size: int = 8,
+        drafts: int = 0,
+        pages_per_sequence: int = 32,
+    ) -> None:
+        spec = model.cache_spec(page_size, torch.float32)
+        self.model, self.page_size = model, page_size
+        self.pool = PagePool(spec, num_sequences * pages_per_sequence)
+        self.slots = StateSlots(spec, num_sequences * (1 + drafts))
+        self.working = [self.slots.alloc() for _ in range(num_sequences)]
+        self.draft = [[self.slots.alloc() for _ in range(drafts)] for _ in range(num_sequences)]
+        self.pages = [
+            list(range(n * pages_per_sequence, (n + 1) * pages_per_sequence)) for n in range(num_sequences)
+        ]
+        self.tokens: list[list[int]] = [[] for _ in range(num_sequences)]
+
+    @torch.inference_mode()
+    def run(self, new_tokens: dict[int, Sequence[int]], verify: bool = False) -> dict[int, torch.Tensor]:
+        chunks = []
+        for seq, tokens in new_tokens.items():
+            start = len(self.tokens[seq])
+            self.tokens[seq].extend(tokens)
+            chunks.append((self.tokens[seq], self.pages[seq], start, len(tokens)))
+        working = [self.working[seq] for seq in new_tokens]
+        batch = build_forward_batch(chunks, working, self.page_size, torch.device("cpu"))
+        verify_slots = None
+        if verify:
+            width = len(next(iter(new_tokens.values())))
+            columns = [[self.working[seq], *self.draft[seq][: width - 1]] for seq in new_tokens]
+            verify_slots = torch.tensor(columns, dtype=torch.int32)
+        backend = PagedAttentionBackend(self.pool, batch, self.slots, verify_slots=verify_slots)
+        logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, backend))
+        return {seq: logits[s : s + n] for seq, (s, n) in zip(new_tokens, batch.query_ranges, strict=True)}
+
+    def prefill(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+        """Sequence 0's logits for every token, fed `chunk` tokens per forward (all at once if None)."""
+        chunk = chunk or len(tokens)
+        return torch.cat([self.run({0: tokens[i : i + chunk]})[0] for i in range(0, len(tokens), chunk)])

@@ -14,53 +14,26 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.host_table import HostRowTable, shard_name
 from morion.layers.qsa_attention import QSAAttention
 from morion.loader import load_model
 from morion.spec.synthetic import SyntheticDrafter
+from tests.models.conftest import QWEN4_EXP_TINY_CONFIG, one_shot_logits
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 TIE_GAP = 1e-3
 CONFIG = {
-    "model_type": "qwen4_exp_text",
+    **QWEN4_EXP_TINY_CONFIG,
     "vocab_size": 1024,
     "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 6,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-    "hc_count": 4,
-    "hc_lowrank": 32,
-    "ple_layer_ids": [2],
-    "heads_per_ngram": 2,
-    "ngram_vocab_size_base": 1000,
-    "make_ngram_vocab_size_divisible_by": 8,
-    "split_ngram_parts": 4,
-    "ple_embedding_dtype": "float8_e4m3fn",
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": 64,
-    "indexer_budget": 16,
-    "indexer_compress_ratio": 4,
-    "output_gate_type": "sigmoid",
-    "eos_token_id": 5,
+    "max_position_embeddings": 32768,  # the default
 }
 
 
@@ -92,17 +65,15 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-@torch.inference_mode()
-def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    spec = model.cache_spec(8, torch.float32)
-    pages = -(-len(tokens) // 8)
-    slots = StateSlots(spec, 1)
-    slots.alloc()
-    batch = build_forward_batch([(tokens, list(range(pages)), 0, len(tokens))], [0], 8, torch.device("cpu"))
-    hidden = model(
-        batch.input_ids, batch.positions, PagedAttentionBackend(PagePool(spec, pages), batch, slots)
-    )
-    return model.compute_logits(hidden)
+def _check_greedy(greedy_checker, cpu_model: torch.nn.Module, prompts, outputs, expected) -> None:
+    """`outputs` equal `expected` token for token, or diverge only at a near-tie of the CPU's logits."""
+    for prompt, a, b in zip(prompts, outputs, expected, strict=True):
+        greedy_checker(
+            a.token_ids,
+            b.token_ids,
+            lambda s, p=prompt, r=b: one_shot_logits(cpu_model, p + r.token_ids[:s], page_size=8)[-1],
+            TIE_GAP,
+        )
 
 
 def test_cuda_equals_cpu(checkpoint, engine_factory, engine_runner, greedy_checker, monkeypatch):
@@ -119,13 +90,7 @@ def test_cuda_equals_cpu(checkpoint, engine_factory, engine_runner, greedy_check
     assert engine.graphs is not None  # decode captured: QSA's static path, PLE hashed and gathered on the GPU
     cuda_out = engine_runner(engine, prompts, GREEDY)
     assert engine.graphs.replays > 0
-    for prompt, a, b in zip(prompts, cuda_out, cpu_out, strict=True):
-        greedy_checker(
-            a.token_ids,
-            b.token_ids,
-            lambda s, p=prompt, r=b: _logits(on_cpu.model, p + r.token_ids[:s])[-1],
-            TIE_GAP,
-        )
+    _check_greedy(greedy_checker, on_cpu.model, prompts, cuda_out, cpu_out)
     again = engine_runner(engine, prompts, GREEDY)  # device prefix-cache hits
     assert [o.token_ids for o in again] == [o.token_ids for o in cuda_out]
     engine.evict_device_cache()
@@ -159,13 +124,7 @@ def test_decode_graphs_equal_eager_decode(
     assert graphed.graphs is not None
     graphed_out = engine_runner(graphed, prompts, GREEDY)
     assert graphed.graphs.replays > 0
-    for prompt, a, b in zip(prompts, graphed_out, eager_out, strict=True):
-        greedy_checker(
-            a.token_ids,
-            b.token_ids,
-            lambda s, p=prompt, r=b: _logits(on_cpu.model, p + r.token_ids[:s])[-1],
-            TIE_GAP,
-        )
+    _check_greedy(greedy_checker, on_cpu.model, prompts, graphed_out, eager_out)
     graphed.check_integrity()  # padding rows wrote only to the scratch page and slot
     bf16 = load_model(str(checkpoint), torch.bfloat16, torch.device("cuda"))
     fp8 = engine_factory(bf16, page_size=8, device="cuda", kv_cache_dtype="fp8", cuda_graph_max_batch=8)

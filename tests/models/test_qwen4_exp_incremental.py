@@ -14,78 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import morion.models.qwen4_exp as qwen4_exp
-from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
 from morion.layers.ple import PLELayer
 from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention
-from morion.loader import load_model
 from morion.spec.synthetic import SyntheticDrafter
+from tests.models.conftest import QWEN4_EXP_EOS as EOS
+from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, qwen4_exp_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-EOS = 5
-VOCAB = 4096
-CONFIG = {
-    "model_type": "qwen4_exp_text",
-    "vocab_size": VOCAB,
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 6,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "max_position_embeddings": 4096,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-    "hc_count": 4,
-    "hc_lowrank": 32,
-    "ple_layer_ids": [2],
-    "heads_per_ngram": 2,
-    "ngram_vocab_size_base": 1000,
-    "make_ngram_vocab_size_divisible_by": 8,
-    "split_ngram_parts": 4,
-    "ple_embedding_dtype": "float8_e4m3fn",
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": 64,
-    "indexer_budget": 16,
-    "indexer_compress_ratio": 4,
-    "output_gate_type": "sigmoid",
-    "eos_token_id": EOS,
-}
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen4_exp_incremental")
-    (directory / "config.json").write_text(json.dumps(CONFIG))
-    return load_model(str(directory), torch.float32, torch.device("cpu"), "dummy")
-
-
-def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [EOS if rng.random() < 0.05 else rng.randrange(VOCAB) for _ in range(rng.randint(*lengths))]
-        for _ in range(count)
-    ]
+VOCAB = QWEN4_EXP_TINY["vocab_size"]
 
 
 @pytest.fixture
@@ -115,11 +61,11 @@ def block_key_checks(monkeypatch) -> list[tuple[bool, bool]]:
 
 
 def test_block_keys_equal_recomputation_through_prefill_decode_and_hits(
-    loaded, engine_factory, engine_runner, block_key_checks
+    qwen4_exp_tiny, engine_factory, engine_runner, block_key_checks
 ):
     """Chunks of 7 end mid-block; follow-ups hit their prefix on the device, then from host memory."""
-    engine = engine_factory(loaded, page_size=8, chunk_size=7, host_cache_gb=8 / 1024)
-    prompts = _prompts(3, seed=4, lengths=(20, 45))
+    engine = engine_factory(qwen4_exp_tiny, page_size=8, chunk_size=7, host_cache_gb=8 / 1024)
+    prompts = qwen4_exp_prompts(3, seed=4, lengths=(20, 45))
     first = engine_runner(engine, prompts, GREEDY)
     follow_ups = [p + o.token_ids + [7, 8, 9] for p, o in zip(prompts, first, strict=True)]
     on_device = engine_runner(engine, follow_ups, GREEDY)
@@ -133,11 +79,11 @@ def test_block_keys_equal_recomputation_through_prefill_decode_and_hits(
     engine.close()
 
 
-def test_pages_must_hold_whole_blocks(loaded):
-    spec = loaded.model.cache_spec(8, torch.float32)
+def test_pages_must_hold_whole_blocks(qwen4_exp_tiny):
+    spec = qwen4_exp_tiny.model.cache_spec(8, torch.float32)
     assert [c.token_shape for c in spec.token_components][1:] == [(64,), (16,)]  # raw key, 1/4 block key
     with pytest.raises(MorionError, match="page size that is a multiple of its QSA compress ratio 4"):
-        loaded.model.cache_spec(2, torch.float32)
+        qwen4_exp_tiny.model.cache_spec(2, torch.float32)
 
 
 def _spec_engine(loaded, drafter=None, **options) -> Engine:
@@ -146,20 +92,20 @@ def _spec_engine(loaded, drafter=None, **options) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(loaded, engine_runner):
-    prompts = _prompts(3, seed=5, lengths=(21, 30))
+def plain_greedy(qwen4_exp_tiny, engine_runner):
+    prompts = qwen4_exp_prompts(3, seed=5, lengths=(21, 30))
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    outputs = engine_runner(_spec_engine(loaded, enable_prefix_cache=False), prompts, params)
+    outputs = engine_runner(_spec_engine(qwen4_exp_tiny, enable_prefix_cache=False), prompts, params)
     return prompts, [o.token_ids for o in outputs], params
 
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
 def test_speculative_verify_gives_the_plain_greedy_output(
-    loaded, engine_runner, plain_greedy, block_key_checks, acceptance
+    qwen4_exp_tiny, engine_runner, plain_greedy, block_key_checks, acceptance
 ):
     prompts, expected, params = plain_greedy
     oracle = [p + o for p, o in zip(prompts, expected, strict=True)]
-    engine = _spec_engine(loaded, SyntheticDrafter(acceptance, oracle, VOCAB, seed=1), spec_width=3)
+    engine = _spec_engine(qwen4_exp_tiny, SyntheticDrafter(acceptance, oracle, VOCAB, seed=1), spec_width=3)
     assert [o.token_ids for o in engine_runner(engine, prompts, params)] == expected
     stats = engine.speculative.stats
     assert stats.verify_steps > 0 and stats.drafted_tokens > 0
@@ -167,7 +113,7 @@ def test_speculative_verify_gives_the_plain_greedy_output(
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
         # Follow-ups reuse pages and states that verify steps wrote (some right before a rejection).
         follow_ups = [[*sequence, 7, 8, 9] for sequence in oracle]
-        cold = engine_runner(_spec_engine(loaded, enable_prefix_cache=False), follow_ups, params)
+        cold = engine_runner(_spec_engine(qwen4_exp_tiny, enable_prefix_cache=False), follow_ups, params)
         hit = engine_runner(engine, follow_ups, params)
         assert [o.token_ids for o in hit] == [o.token_ids for o in cold]
         assert all(o.usage.cached_tokens > len(p) for o, p in zip(hit, prompts, strict=True))
@@ -228,39 +174,7 @@ def _no_host_sync() -> Iterator[None]:
             setattr(owner, name, original)
 
 
-class _Runner:
-    """Sequences over a private page pool: a working state slot each and `drafts` more for verify."""
-
-    def __init__(self, model: torch.nn.Module, num_sequences: int, drafts: int = 0, page_size: int = 8):
-        spec = model.cache_spec(page_size, torch.float32)
-        self.model, self.page_size = model, page_size
-        self.pool = PagePool(spec, num_sequences * 16)
-        self.slots = StateSlots(spec, num_sequences * (1 + drafts))
-        self.working = [self.slots.alloc() for _ in range(num_sequences)]
-        self.draft = [[self.slots.alloc() for _ in range(drafts)] for _ in range(num_sequences)]
-        self.pages = [list(range(n * 16, (n + 1) * 16)) for n in range(num_sequences)]
-        self.tokens: list[list[int]] = [[] for _ in range(num_sequences)]
-
-    @torch.inference_mode()
-    def run(self, new_tokens: dict[int, Sequence[int]], verify: bool = False) -> dict[int, torch.Tensor]:
-        chunks = []
-        for seq, tokens in new_tokens.items():
-            start = len(self.tokens[seq])
-            self.tokens[seq].extend(tokens)
-            chunks.append((self.tokens[seq], self.pages[seq], start, len(tokens)))
-        working = [self.working[seq] for seq in new_tokens]
-        batch = build_forward_batch(chunks, working, self.page_size, torch.device("cpu"))
-        verify_slots = None
-        if verify:
-            width = len(next(iter(new_tokens.values())))
-            columns = [[self.working[seq], *self.draft[seq][: width - 1]] for seq in new_tokens]
-            verify_slots = torch.tensor(columns, dtype=torch.int32)
-        backend = PagedAttentionBackend(self.pool, batch, self.slots, verify_slots=verify_slots)
-        logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, backend))
-        return {seq: logits[s : s + n] for seq, (s, n) in zip(new_tokens, batch.query_ranges, strict=True)}
-
-
-def test_decode_and_verify_steps_make_no_host_sync(loaded, monkeypatch):
+def test_decode_and_verify_steps_make_no_host_sync(qwen4_exp_tiny, monkeypatch):
     """QSA's and PLE's decode and verify steps run with every syncing call refused (the fixed-size top-k:
     ties to the lower block, as on CUDA), and give the logits a one-shot prefill of the same tokens
     gives (the per-sequence reference path, told to break ties the same way)."""
@@ -286,9 +200,12 @@ def test_decode_and_verify_steps_make_no_host_sync(loaded, monkeypatch):
     monkeypatch.setattr(qwen4_exp, "fetch_static", strict(qwen4_exp.fetch_static))
     monkeypatch.setattr(qwen4_exp, "forward_verify", strict(qwen4_exp.forward_verify))
 
-    model = loaded.model
-    prompts = {0: _prompts(1, seed=6, lengths=(30, 30))[0], 1: _prompts(1, seed=7, lengths=(19, 19))[0]}
-    runner = _Runner(model, 2, drafts=2)
+    model = qwen4_exp_tiny.model
+    prompts = {
+        0: qwen4_exp_prompts(1, seed=6, lengths=(30, 30))[0],
+        1: qwen4_exp_prompts(1, seed=7, lengths=(19, 19))[0],
+    }
+    runner = PagedRunner(model, 2, drafts=2, pages_per_sequence=16)
     logits = {seq: [rows] for seq, rows in runner.run(prompts).items()}
     steps = [
         ({0: [11], 1: [EOS]}, False),
@@ -300,5 +217,5 @@ def test_decode_and_verify_steps_make_no_host_sync(loaded, monkeypatch):
             logits[seq].append(rows)
     assert {"forward", "fetch_static", "forward_verify"} <= set(strict_calls)
     for seq in prompts:
-        whole = _Runner(model, 1).run({0: runner.tokens[seq]})[0]
+        whole = PagedRunner(model, pages_per_sequence=16).run({0: runner.tokens[seq]})[0]
         assert (torch.cat(logits[seq]) - whole).abs().max() < 1e-4, f"sequence {seq}"

@@ -11,16 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
 from morion.config import EngineConfig
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.errors import ModelLoadError, MorionError
 from morion.loader import load_model
 from morion.models.presets import preset_config
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
 from morion.models.qwen4_exp_config import Qwen4ExpConfig
 from morion.models.registry import build_model
+from tests.models.conftest import one_shot_logits
 
 TABLE = "model.layers.1.ple.ple_embedding.ngram_embedding"
 SMALL = {
@@ -66,18 +64,9 @@ def _directory(tmp_path: Path, name: str, config: dict, tensors: dict[str, torch
     return directory
 
 
-@torch.inference_mode()
 def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """One sequence, one forward, through the engine's backend."""
-    spec = model.cache_spec(4, torch.float32)
-    pages = -(-len(tokens) // 4)
-    slots = StateSlots(spec, 1)
-    slots.alloc()
-    batch = build_forward_batch([(tokens, list(range(pages)), 0, len(tokens))], [0], 4, torch.device("cpu"))
-    hidden = model(
-        batch.input_ids, batch.positions, PagedAttentionBackend(PagePool(spec, pages), batch, slots)
-    )
-    return model.compute_logits(hidden)
+    return one_shot_logits(model, tokens, page_size=4)
 
 
 @pytest.fixture(scope="module")

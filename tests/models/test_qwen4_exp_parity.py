@@ -13,58 +13,27 @@ import torch
 import transformers
 
 from morion import LLM, SamplingParams
-from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.loader import load_model
+from tests.models.conftest import QWEN4_EXP_EOS as EOS
+from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner
 
 # fp32 on tiny random models: only summation order differs (chunked vs recurrent delta rule, the gathered
 # vs masked attention). Measured: at most ~1e-6 on logits of magnitude ~2; using every block instead of
 # the selection moves them by ~3e-2.
 LOGIT_TOLERANCE = 1e-4
-EOS = 5
 TINY = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=6,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
+    QWEN4_EXP_TINY,
+    # morion's defaults, set for transformers as well, and interleaved mRoPE sections (moot for text)
     linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    shared_expert_intermediate_size=128,
     full_attention_interval=4,
-    max_position_embeddings=4096,
     rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 1e4,
-        "partial_rotary_factor": 0.25,
+        **QWEN4_EXP_TINY["rope_parameters"],
         "mrope_section": [2, 3, 3],
         "mrope_interleaved": True,
     },
-    hc_count=4,
-    hc_lowrank=32,
-    ple_layer_ids=[2],
     ple_embed_dim=256,
     ple_conv_kernel_size=4,
     ngram_size=3,
-    heads_per_ngram=2,
-    ngram_vocab_size_base=1000,
-    make_ngram_vocab_size_divisible_by=8,
-    split_ngram_parts=4,
-    indexer_n_heads=2,
-    indexer_kv_heads=1,
-    indexer_head_dim=64,
-    indexer_budget=16,
-    indexer_compress_ratio=4,
-    output_gate_type="sigmoid",
-    eos_token_id=EOS,
     bos_token_id=EOS,
     tie_word_embeddings=False,
 )
@@ -99,44 +68,6 @@ def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen4_exp_tiny")
     reference.save_pretrained(directory)
     return directory, reference, load_model(str(directory), torch.float32, torch.device("cpu")).model
-
-
-class PagedRunner:
-    """Sequences run through `PagedAttentionBackend` over a private pool (pages 0, 1, ... of sequence n
-    follow n's own range) and one state slot per sequence; `run({seq: new tokens})` is one forward over
-    the named sequences, concatenated in that order, and returns each one's logits."""
-
-    def __init__(self, model: torch.nn.Module, num_sequences: int = 1, page_size: int = 8) -> None:
-        spec = model.cache_spec(page_size, torch.float32)
-        pages_per_sequence = 32
-        self.model = model
-        self.page_size = page_size
-        self.pool = PagePool(spec, num_sequences * pages_per_sequence)
-        self.slots = StateSlots(spec, num_sequences)
-        self.pages = [
-            list(range(n * pages_per_sequence, (n + 1) * pages_per_sequence)) for n in range(num_sequences)
-        ]
-        self.tokens: list[list[int]] = [[] for _ in range(num_sequences)]
-        for _ in range(num_sequences):
-            self.slots.alloc()
-
-    @torch.inference_mode()
-    def run(self, new_tokens: dict[int, Sequence[int]]) -> dict[int, torch.Tensor]:
-        chunks = []
-        for seq, tokens in new_tokens.items():
-            start = len(self.tokens[seq])
-            self.tokens[seq].extend(tokens)
-            chunks.append((self.tokens[seq], self.pages[seq], start, len(tokens)))
-        batch = build_forward_batch(chunks, list(new_tokens), self.page_size, torch.device("cpu"))
-        hidden = self.model(
-            batch.input_ids, batch.positions, PagedAttentionBackend(self.pool, batch, self.slots)
-        )
-        logits = self.model.compute_logits(hidden)
-        return {seq: logits[s : s + n] for seq, (s, n) in zip(new_tokens, batch.query_ranges, strict=True)}
-
-    def prefill(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
-        chunk = chunk or len(tokens)
-        return torch.cat([self.run({0: tokens[i : i + chunk]})[0] for i in range(0, len(tokens), chunk)])
 
 
 def _prompt(length: int, seed: int, eos_at: Sequence[int] = ()) -> list[int]:

@@ -11,65 +11,38 @@ from torch import nn
 
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.loader import load_model
-from morion.ops.fp8 import fp8_linear_reference, quantize_fp8, quantize_fp8_
+from morion.ops.fp8 import fp8_linear_reference, quantize_fp8_
 from morion.ops.moe import moe_experts_grouped, moe_experts_reference
+from tests.ops.conftest import (
+    CUDA,
+    HIDDEN,
+    graph_replays_with_new_routings,
+    make_moe_batch,
+    rel_l2,
+    run_experts,
+)
 
 pytestmark = pytest.mark.gpu
 
-EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 512, 2048, 512, 10
-CUDA = torch.device("cuda")
 GIB = 1 << 30
 
 
-def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
-@pytest.fixture(scope="module")
-def experts() -> dict[str, dict[str, torch.Tensor]]:
-    """The same random experts in bf16 and in FP8 with per-(expert, row) scales."""
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    shapes = {"gate_up": (EXPERTS, 2 * INTERMEDIATE, HIDDEN), "down": (EXPERTS, HIDDEN, INTERMEDIATE)}
-    bf16 = {
-        name: torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen) * shape[-1] ** -0.5
-        for name, shape in shapes.items()
-    }
-    gate_up, gate_up_scale = quantize_fp8(bf16["gate_up"], per_row=True)
-    down, down_scale = quantize_fp8(bf16["down"], per_row=True)
-    fp8 = {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
-    return {"bf16": bf16, "fp8": fp8}
-
-
-def make_batch(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [T, H] bf16 and a softmax top-k routing over random router logits."""
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    hidden = torch.randn(tokens, HIDDEN, device=CUDA, generator=gen).to(torch.bfloat16)
-    logits = torch.randn(tokens, EXPERTS, device=CUDA, generator=gen)
-    weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
-    return hidden, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16), ids
-
-
-def run_experts(fn, weights: dict[str, torch.Tensor], hidden, topk_weights, topk_ids) -> torch.Tensor:
-    scales = {k: weights[k] for k in ("gate_up_scale", "down_scale") if k in weights}
-    return fn(hidden, weights["gate_up"], weights["down"], topk_weights, topk_ids, **scales)
-
-
 @pytest.mark.parametrize("tokens", (1, 16, 256, 2048))
-def test_grouped_bf16_matches_reference(experts, tokens):
-    batch = make_batch(tokens, seed=tokens)
-    out = run_experts(moe_experts_grouped, experts["bf16"], *batch)
-    expected = run_experts(moe_experts_reference, experts["bf16"], *batch)
+def test_grouped_bf16_matches_reference(moe_experts, tokens):
+    batch = make_moe_batch(tokens, seed=tokens)
+    out = run_experts(moe_experts_grouped, moe_experts["bf16"], *batch)
+    expected = run_experts(moe_experts_reference, moe_experts["bf16"], *batch)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, HIDDEN)
     # bf16 on both sides, rounded in different places (a CPU run of both at H=2048, I=512: 5.5e-3).
     assert rel_l2(out, expected) < 1.5e-2
 
 
 @pytest.mark.parametrize("tokens", (1, 16, 256, 2048))
-def test_scaled_grouped_fp8_matches_reference(experts, tokens):
-    batch = make_batch(tokens, seed=tokens)
-    out = run_experts(moe_experts_grouped, experts["fp8"], *batch)
-    same_math = rel_l2(out, run_experts(moe_experts_reference, experts["fp8"], *batch))
-    to_bf16 = rel_l2(out, run_experts(moe_experts_reference, experts["bf16"], *batch))
+def test_scaled_grouped_fp8_matches_reference(moe_experts, tokens):
+    batch = make_moe_batch(tokens, seed=tokens)
+    out = run_experts(moe_experts_grouped, moe_experts["fp8"], *batch)
+    same_math = rel_l2(out, run_experts(moe_experts_reference, moe_experts["fp8"], *batch))
+    to_bf16 = rel_l2(out, run_experts(moe_experts_reference, moe_experts["bf16"], *batch))
     # The reference computes the same quantized math in fp32; the kernel returns the gate/up product in
     # bf16 before SiLU and the second quantization, so some values land on the other side of an e4m3
     # rounding boundary. A CPU emulation with bf16 rounding at that point measured 1.9%.
@@ -80,34 +53,14 @@ def test_scaled_grouped_fp8_matches_reference(experts, tokens):
 
 
 @pytest.mark.parametrize("kind", ("bf16", "fp8"))
-def test_grouped_moe_replays_in_a_cuda_graph_with_new_routing(experts, kind):
-    tokens = 16
-    static = [t.clone() for t in make_batch(tokens, seed=0)]
-    weights = experts[kind]
-
-    def step() -> torch.Tensor:
-        return run_experts(moe_experts_grouped, weights, *static)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture, as torch.cuda.graph asks
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    previous = None
-    for seed in (1, 2, 3):
-        batch = make_batch(tokens, seed)
-        for buffer, value in zip(static, batch, strict=True):
-            buffer.copy_(value)
-        graph.replay()
+def test_grouped_moe_replays_in_a_cuda_graph_with_new_routing(moe_experts, kind):
+    weights = moe_experts[kind]
+    replays = graph_replays_with_new_routings(
+        lambda batch: run_experts(moe_experts_grouped, weights, *batch), warmups=3
+    )
+    for batch, replayed in replays:
         eager = run_experts(moe_experts_grouped, weights, *batch)
-        assert rel_l2(static_out, eager) < 1e-3  # same kernels, same shapes: expected bit-identical
-        if previous is not None:
-            assert rel_l2(static_out, previous) > 0.5  # the new routing was used
-        previous = static_out.clone()
+        assert rel_l2(replayed, eager) < 1e-3  # same kernels, same shapes: expected bit-identical
 
 
 @pytest.mark.parametrize("rows", (1, 7, 300))

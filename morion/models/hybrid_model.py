@@ -1,0 +1,109 @@
+"""What the Qwen3-Next-family models (qwen3_next.py, qwen4_exp.py) build alike from their config
+(models/hybrid_config.py): their Gated DeltaNet, attention and sparse-MoE layers, the Gated DeltaNet
+layers' per-sequence state, and the causal LM around the trunk (a tied or separate LM head, an optional
+MTP head)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from morion.cache.spec import StateComponent
+from morion.layers.gated_delta_net import GatedDeltaNet
+from morion.layers.moe import SparseMoE
+from morion.models.hybrid_config import HybridConfig
+
+Attention = TypeVar("Attention", bound=nn.Module)
+
+
+def attention(config: HybridConfig, ordinal: int, layer: type[Attention], **options: Any) -> Attention:
+    """Attention layer number `ordinal`: `layer` (a `GatedAttentionProjections`) with the config's
+    shapes, and `options` for what the subclass adds."""
+    return layer(
+        ordinal,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.rms_norm_eps,
+        config.attention_bias,
+        **options,
+    )
+
+
+def gated_delta_net(
+    config: HybridConfig, ordinal: int, layer: type[GatedDeltaNet] = GatedDeltaNet, **options: Any
+) -> GatedDeltaNet:
+    """Gated DeltaNet layer number `ordinal` (`layer`: the class, for its projection layout)."""
+    return layer(
+        ordinal,
+        config.hidden_size,
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        config.linear_conv_kernel_dim,
+        config.rms_norm_eps,
+        **options,
+    )
+
+
+def sparse_moe(config: HybridConfig) -> SparseMoE:
+    return SparseMoE(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        config.shared_expert_intermediate_size,
+        config.norm_topk_prob,
+    )
+
+
+def gated_delta_net_states(
+    config: HybridConfig, model_dtype: torch.dtype, state_dtype: torch.dtype
+) -> tuple[StateComponent, ...]:
+    """Per sequence, for each Gated DeltaNet layer: the conv window (the last W-1 pre-conv q|k|v vectors,
+    token-major as vLLM keeps it) in the model's dtype and the recurrent state [HV, Dk, Dv] in
+    `state_dtype`. None without Gated DeltaNet layers."""
+    num_linear = len(config.linear_layers)
+    if not num_linear:
+        return ()
+    return (
+        StateComponent("conv", num_linear, (config.linear_conv_kernel_dim - 1, config.conv_dim), model_dtype),
+        StateComponent(
+            "recurrent",
+            num_linear,
+            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+            state_dtype,
+        ),
+    )
+
+
+class HybridForCausalLM(nn.Module):
+    """The trunk `model` (with `embed_tokens`), the LM head and the MTP head (`mtp`, None when the config
+    has no MTP layers or the checkpoint carries none: see models/moe_checkpoint.py)."""
+
+    def __init__(
+        self, config: HybridConfig, model: nn.Module, mtp: Callable[[HybridConfig], nn.Module]
+    ) -> None:
+        """`mtp` builds the MTP head from the config (not called when the config has no MTP layers)."""
+        super().__init__()
+        self.config = config
+        self.model = model
+        # Tied checkpoints read logits through the embedding matrix itself (as in llama.py).
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.mtp = mtp(config) if config.num_mtp_layers > 0 else None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Through the module, not its weight: under --weight-dtype fp8 the head is an Fp8Linear.
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
