@@ -59,9 +59,7 @@ def build_forward_batch(
         out_slots.append(page_of_token * page_size + new_positions % page_size)
         seq_lens.append(end)
         used_pages.append(used)
-    page_table = torch.zeros(len(chunks), max(len(p) for p in used_pages), dtype=torch.int32)
-    for row, used in enumerate(used_pages):
-        page_table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    page_table = page_table_tensor(used_pages)
     cu_seqlens = [0]
     for _, length in query_ranges:
         cu_seqlens.append(cu_seqlens[-1] + length)
@@ -80,6 +78,14 @@ def build_forward_batch(
         query_ranges=query_ranges,
         last_rows=[start + length - 1 for start, length in query_ranges],
     )
+
+
+def page_table_tensor(pages: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B, max pages] int32 on the host: row b lists sequence b's pages, zero-padded."""
+    table = torch.zeros(len(pages), max(len(p) for p in pages), dtype=torch.int32)
+    for row, used in enumerate(pages):
+        table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    return table
 
 
 class KVScales(NamedTuple):

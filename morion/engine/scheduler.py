@@ -158,17 +158,24 @@ class Scheduler:
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Makes room for `num_tokens` more computed tokens, retracting newer requests if it must."""
-        missing = self._pages_for(request.num_computed + num_tokens) - len(request.pages)
-        while missing > 0:
-            pages = self._alloc(missing)
-            if pages is not None:
-                request.pages.extend(pages)
-                request.owned_pages.update(pages)
-                return True
+        while not self._add_pages(request, num_tokens):
             victim = self.running[-1]
             self.retract(victim)
             if victim is request:
                 return False
+        return True
+
+    def _add_pages(self, request: Request, num_tokens: int) -> bool:
+        """Pages for `num_tokens` more computed tokens, evicting cached pages if needed (never retracting);
+        False, with nothing taken, when the pool is short."""
+        missing = self._pages_for(request.num_computed + num_tokens) - len(request.pages)
+        if missing <= 0:
+            return True
+        pages = self._alloc(missing)
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        request.owned_pages.update(pages)
         return True
 
     def _admit(self, request: Request) -> _Admission:
@@ -289,19 +296,15 @@ class Scheduler:
     def reserve_for_verify(self, request: Request, num_tokens: int, num_draft_slots: int) -> bool:
         """Pages for `num_tokens` more computed tokens and `num_draft_slots` draft state slots (models with
         state), evicting cached pages and snapshots if needed but never retracting a request (the
-        step's batch is already chosen). False, with nothing taken, when they do not fit."""
-        missing = self._pages_for(request.num_computed + num_tokens) - len(request.pages)
-        if missing > 0:
-            pages = self._alloc(missing)
-            if pages is None:
-                return False
-            request.pages.extend(pages)
-            request.owned_pages.update(pages)
+        step's batch is already chosen). False when they do not fit; what was taken stays with the
+        request (its next steps need the pages, a later verify the slots)."""
+        if not self._add_pages(request, num_tokens):
+            return False
         if self.slots is not None:
             while len(request.draft_slots) < num_draft_slots:
                 slot = self._alloc_slot()
                 if slot is None:
-                    return False  # the pages stay with the request: its next steps need them anyway
+                    return False
                 request.draft_slots.append(slot)
         return True
 

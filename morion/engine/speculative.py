@@ -33,7 +33,12 @@ from typing import NamedTuple
 import torch
 
 from morion.engine.cuda_graph import DecodeGraphRunner
-from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.forward_batch import (
+    KVScales,
+    PagedAttentionBackend,
+    build_forward_batch,
+    page_table_tensor,
+)
 from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult, sampling_probs
@@ -226,13 +231,12 @@ class SpeculativeDecoding:
         drafter.after_verify(
             VerifyResult(
                 requests=[_draft_request(v.request) for v in ready],
-                width=width,
                 inputs=inputs.index_select(0, rows),
                 hidden=hidden.index_select(0, rows),
                 accepted=torch.tensor([v.accepted for v in ready], device=device),
                 next_tokens=torch.tensor([v.next_token for v in ready], device=device),
                 starts=[v.start for v in ready],
-                page_table=_page_table([v.request.pages for v in ready], device),
+                page_table=page_table_tensor([v.request.pages for v in ready]).to(device, non_blocking=True),
             )
         )
 
@@ -290,13 +294,6 @@ class _Verified(NamedTuple):
     start: int
     accepted: int
     next_token: int
-
-
-def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
-    table = torch.zeros(len(pages), max(len(p) for p in pages), dtype=torch.int32)
-    for row, used in enumerate(pages):
-        table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
-    return table.to(device, non_blocking=True)
 
 
 def _draft_request(request: Request) -> DraftRequest:

@@ -69,13 +69,12 @@ class HiddenStateDrafter(Drafter, Protocol):
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """A verify step of `width` drafts, for the requests still running, in batch order: `inputs` [B, n]
+    """A verify step of n - 1 drafts, for the requests still running, in batch order: `inputs` [B, n]
     the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final hidden
     states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after them, all on
     the device; `starts` each request's computed tokens before the step; `page_table` [B, pages]."""
 
     requests: Sequence[DraftRequest]
-    width: int
     inputs: torch.Tensor
     hidden: torch.Tensor
     accepted: torch.Tensor

@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from morion.cache.page_pool import PagePool
-from morion.engine.forward_batch import ForwardBatch, KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.forward_batch import (
+    ForwardBatch,
+    KVScales,
+    PagedAttentionBackend,
+    build_forward_batch,
+    page_table_tensor,
+)
 from morion.spec.drafter import DraftRequest, Drafts, VerifyResult
 from morion.spec.frspec import to_full_ids
 from morion.spec.mtp_graph import MtpDraftGraphs
@@ -151,11 +157,12 @@ class MtpDrafter:
         device = verified.hidden.device
         starts = torch.tensor(verified.starts, dtype=torch.long).to(device, non_blocking=True)
         args = (verified.inputs, verified.hidden, verified.accepted, verified.next_tokens, starts)
-        graphs = self.graphs.get(verified.width)
+        width = verified.inputs.shape[1] - 1
+        graphs = self.graphs.get(width)
         if graphs is not None and graphs.fits(verified.page_table):
             drafted = graphs.run(*args, verified.page_table)
         else:
-            drafted = self.draft_after_verify(*args, verified.page_table.long(), verified.width)
+            drafted = self.draft_after_verify(*args, verified.page_table.long(), width)
         tokens = drafted.tolist()
         for request, start, accepted, drafts in zip(
             verified.requests, verified.starts, verified.accepted.tolist(), tokens, strict=True
@@ -185,13 +192,18 @@ class MtpDrafter:
         positions = starts[:, None] + torch.arange(n, device=inputs.device)
         batch = _fixed_batch(shifted, positions, page_table, page_size)
         out = model.mtp_forward(batch.input_ids, batch.positions, hidden.flatten(0, 1), self._backend(batch))
-        last = out.view(num, n, -1)[rows, accepted]
+        return self._chain(out.view(num, n, -1)[rows, accepted], starts + accepted, page_table, width)
+
+    def _chain(
+        self, last: torch.Tensor, position: torch.Tensor, page_table: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """[B, width] drafts from the head's output `last` [B, H] at `position` [B] (c - 1): draft 1 is
+        its argmax, then each chained step runs the head at the next position on the previous draft."""
         drafts = [self._argmax_device(last)]
-        position = starts + accepted  # c - 1
         for _ in range(1, width):
             position = position + 1
-            batch = _fixed_batch(drafts[-1][:, None], position[:, None], page_table, page_size)
-            last = model.mtp_forward(batch.input_ids, batch.positions, last, self._backend(batch))
+            batch = _fixed_batch(drafts[-1][:, None], position[:, None], page_table, self._pool.page_size)
+            last = self._model.mtp_forward(batch.input_ids, batch.positions, last, self._backend(batch))
             drafts.append(self._argmax_device(last))
         return torch.stack(drafts, dim=1)
 
@@ -222,27 +234,14 @@ class MtpDrafter:
 
     @torch.inference_mode()
     def _draft(self, requests: list[DraftRequest], width: int) -> list[list[int]]:
-        model, page_size = self._model, self._pool.page_size
-        device = next(model.parameters()).device
         last = self._extend(requests, [r.num_computed for r in requests])
-        drafts = [[token] for token in self._argmax(last)]
-        for j in range(1, width):
-            # Draft j at position c - 1 + j: appended to the shifted tokens, it is that position's input.
-            chunks = [
-                ([*r.token_ids[1:], *d], r.pages, r.num_computed - 1 + j, 1)
-                for r, d in zip(requests, drafts, strict=True)
-            ]
-            batch = build_forward_batch(chunks, [None] * len(requests), page_size, device)
-            last = model.mtp_forward(batch.input_ids, batch.positions, last, self._backend(batch))
-            for d, token in zip(drafts, self._argmax(last), strict=True):
-                d.append(token)
-        return drafts
+        device = last.device
+        position = torch.tensor([r.num_computed - 1 for r in requests], device=device)
+        table = page_table_tensor([r.pages for r in requests]).to(device, non_blocking=True).long()
+        return self._chain(last, position, table, width).tolist()
 
     def _backend(self, batch) -> PagedAttentionBackend:
         return PagedAttentionBackend(self._pool, batch, None, self._kv_scales)
-
-    def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        return self._argmax_device(hidden).tolist()
 
     def _argmax_device(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._reduced_head is None:
