@@ -254,6 +254,8 @@ def causal_conv1d_varlen_(
     if cu_seqlens.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    # The kernels read index n at offset n.
+    state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 # An all-zero tensor or row gets this scale instead of 0, so it quantizes to zeros rather than NaNs.
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
 # quantize_fp8_ converts at most this many elements at a time, bounding its fp32 temporaries (64 MiB).
 _CHUNK_ELEMENTS = 1 << 24
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """The fp32 scale that maps `amax` onto the largest e4m3 value."""
-    return (amax.float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def _expand(scale: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

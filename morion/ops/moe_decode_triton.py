@@ -36,12 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import quantize_fp8
+from morion.ops.fp8 import FP8_MAX, MIN_SCALE, quantize_fp8
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
 MAX_PAIRS = 1024
-FP8_MAX = 448.0
-_MIN_SCALE = 1e-12  # as ops/fp8.py: an all-zero row quantizes to zeros
 _BLOCK_M = 16  # rows (pairs of one expert) per tile: the smallest `tl.dot` takes
 _SUM_BLOCK = 512
 
@@ -237,7 +235,7 @@ def moe_experts_triton(
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+        **common, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from morion.ops.attention import causal_attention_reference
+from morion.ops.fp8 import FP8_MAX
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # largest finite e4m3fn value; casting anything larger gives NaN, hence the clamp
 
 
 def store_kv(
@@ -39,8 +39,9 @@ def store_kv(
     out_slots [T] (int64). FP8 pools store value / scale, clamped to the e4m3 range; other pools ignore
     the scales. Pure tensor ops (no host sync), so it can be captured in a CUDA graph."""
     if kv_layer.dtype == FP8_KV_DTYPE:
-        k = (k.float() / k_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        v = (v.float() / v_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        # Clamped: casting anything past the largest finite e4m3fn value gives NaN.
+        k = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)
+        v = (v.float() / v_scale).clamp(-FP8_MAX, FP8_MAX)
         kv = torch.stack((k, v), dim=1).to(FP8_KV_DTYPE)
         # Through byte views: index_put is defined for uint8 everywhere, not for fp8 on every backend.
         kv_layer.view(torch.uint8)[out_slots] = kv.view(torch.uint8)

@@ -148,15 +148,13 @@ def _attend_block(
     pos = start_n + offs_n
     if MODE == MODE_FULL:
         page = tl.load(page_row_ptr + pos // PAGE_SIZE)
-        slot = tl.cast(page, tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_offsets = slot[:, None] * stride_kv_tok + kv_head_offset + offs_d[None, :]
         kv_mask = d_mask[None, :]
     else:
         key_valid = pos < key_end
         page = tl.load(page_row_ptr + pos // PAGE_SIZE, mask=key_valid, other=0)
-        slot = tl.cast(page, tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_offsets = slot[:, None] * stride_kv_tok + kv_head_offset + offs_d[None, :]
         kv_mask = key_valid[:, None] & d_mask[None, :]
+    slot = tl.cast(page, tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    kv_offsets = slot[:, None] * stride_kv_tok + kv_head_offset + offs_d[None, :]
     k = tl.load(kv_ptr + kv_offsets, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(tl.cast(k, compute_dtype)), input_precision=DOT_PRECISION) * qk_scale
     if MODE == MODE_KEY_BOUND:

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 MAX_ROW = 16384
-FP8_MAX = 448.0
-_MIN_SCALE = 1e-12
 
 # RMSNorm variants (`mode`):
 LLAMA = 0  # weight * round(x * r): the product in the weight's dtype (layers/norm.py)
@@ -28,9 +28,11 @@ GATED = 2  # round(round(weight * round(x * r)) * silu(z)) (layers/norm_variants
 
 
 @triton.jit
-def _row_offset(row, inner, stride_outer, stride_inner):
+def _load_row(ptr, row, inner, stride_outer, stride_inner, cols, mask):
+    """Row `row` of a [R, K] or [T, H, K] tensor (see `_rows`), its columns `cols`, in fp32."""
     row64 = tl.cast(row, tl.int64)
-    return (row64 // inner) * stride_outer + (row64 % inner) * stride_inner
+    offset = (row64 // inner) * stride_outer + (row64 % inner) * stride_inner
+    return tl.cast(tl.load(ptr + offset + cols, mask=mask, other=0.0), tl.float32)
 
 
 @triton.jit
@@ -43,8 +45,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
-    x = tl.load(x_ptr + _row_offset(row, inner, stride_xo, stride_xi) + cols, mask=mask, other=0.0)
-    x = tl.cast(x, tl.float32)
+    x = _load_row(x_ptr, row, inner, stride_xo, stride_xi, cols, mask)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     w = tl.cast(tl.load(w_ptr + cols, mask=mask, other=0.0), tl.float32)
     out_dtype = out_ptr.dtype.element_ty
@@ -53,8 +54,7 @@ def _rms_norm_kernel(
     elif MODE == 1:
         out = normed * (1.0 + w)
     else:
-        z = tl.load(z_ptr + _row_offset(row, inner, stride_zo, stride_zi) + cols, mask=mask, other=0.0)
-        z = tl.cast(z, tl.float32)
+        z = _load_row(z_ptr, row, inner, stride_zo, stride_zi, cols, mask)
         gated = tl.cast(tl.cast(w * tl.cast(tl.cast(normed, out_dtype), tl.float32), out_dtype), tl.float32)
         out = gated * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, tl.cast(out, out_dtype), mask=mask)
@@ -68,8 +68,7 @@ def _quantize_fp8_rows_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
-    x = tl.load(x_ptr + _row_offset(row, inner, stride_xo, stride_xi) + cols, mask=mask, other=0.0)
-    x = tl.cast(x, tl.float32)
+    x = _load_row(x_ptr, row, inner, stride_xo, stride_xi, cols, mask)
     # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
@@ -114,13 +113,13 @@ def rms_norm_rows(
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], fp32 scale [R]), the values of `ops.fp8.quantize_fp8(x, per_row=True)`."""
     num_rows, inner, stride_xo, stride_xi = _rows(x)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return q, scale
     key = x.shape[-1]
     _quantize_fp8_rows_kernel[(num_rows,)](
         x, q, scale, key, inner, stride_xo, stride_xi,
-        FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK=triton.next_power_of_2(key),
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
     return q, scale

@@ -9,7 +9,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from morion.ops.paged_attention import FP8_E4M3_MAX, FP8_KV_DTYPE, paged_attention_reference, store_kv
+from morion.ops.fp8 import FP8_MAX
+from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
 from morion.ops.paged_attention_triton import (
     _INTERPRET,
     decode_workspace,
@@ -165,9 +166,9 @@ def test_store_kv_fp8_divides_by_the_scale_and_clamps() -> None:
     stored_v = kv_layer[[4, 1], 1].float()
     assert not stored_k.isnan().any() and not stored_v.isnan().any()
     # Out-of-range values saturate at the largest e4m3 value instead of becoming NaN.
-    assert stored_k[0, 0, 2] == FP8_E4M3_MAX and stored_k[0, 0, 3] == -FP8_E4M3_MAX
-    assert stored_v[0, 0, 0] == FP8_E4M3_MAX
-    in_range = (k / 0.5).abs() <= FP8_E4M3_MAX
+    assert stored_k[0, 0, 2] == FP8_MAX and stored_k[0, 0, 3] == -FP8_MAX
+    assert stored_v[0, 0, 0] == FP8_MAX
+    in_range = (k / 0.5).abs() <= FP8_MAX
     assert torch.allclose(stored_k[in_range], (k / 0.5)[in_range], rtol=1 / 16, atol=1e-2)
     assert torch.allclose(stored_v[1], v[1] / 4.0, rtol=1 / 16)
 
