@@ -22,11 +22,11 @@ answer is the worst failure, so a differing row is FAILED whatever its speed.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from morion.bench.timing import median_of
 from morion.cache.disk_format import object_file_size
 from morion.errors import MorionError
 
@@ -244,7 +244,7 @@ def summarize(section: dict[str, Any]) -> None:
     for kind in KINDS:
         samples = [run[kind] for run in runs if kind in run]
         medians[kind] = {
-            key: _median([s[key] for s in samples])
+            key: median_of(samples, key)
             for key in ("ttft_s", "cached_tokens", "restore_gbs", "restore_bytes", "restore_s")
         }
         medians[kind]["runs"] = len(samples)
@@ -276,7 +276,7 @@ def summarize(section: dict[str, Any]) -> None:
             "met": None if ratio is None else bool(ok and ratio < limit),
         }
     restarts = [run["restart"] for run in runs if "restart" in run]
-    section["restart_median"] = {key: _median([r[key] for r in restarts]) for key in ("close_s", "build_s")}
+    section["restart_median"] = {key: median_of(restarts, key) for key in ("close_s", "build_s")}
 
 
 def summary_line(section: dict[str, Any]) -> str:
@@ -322,11 +322,6 @@ def _progress(kind: str, sample: dict[str, Any]) -> str:
     if sample["problems"]:
         line += f": FAILED ({'; '.join(sample['problems'])})"
     return line
-
-
-def _median(values: list[Any]) -> Any:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def _size(num_bytes: float) -> str:

@@ -41,7 +41,7 @@ from morion.bench.offline import EngineTarget, generate
 from morion.bench.report import SPEC_METHOD
 from morion.bench.roofline import read_hf_config
 from morion.bench.timing import GroupResult, median_of
-from morion.bench.workloads import WARMUP_MAX_TOKENS
+from morion.bench.workloads import WARMUP_MAX_TOKENS, grid, rate_text
 from morion.engine.engine import Engine
 from morion.errors import MorionError
 from morion.loader import LoadedModel
@@ -119,8 +119,6 @@ class _EnginePair:
 
     def __init__(self, plain: Engine, config: EngineConfig, acceptance: float, seed: int) -> None:
         self.plain = plain
-        self.acceptance = acceptance
-        self.seed = seed
         drafter = None if config.speculative == "mtp" else CostFreeDrafter()  # None: the engine's MTP
         forced = ForcedAcceptance(acceptance, seed)
         self.speculative = Engine(config, _same_weights(plain), drafter=drafter, forced_acceptance=forced)
@@ -155,7 +153,8 @@ def run_spec(
     receives after every point."""
     width, mean = config.spec_width, options.spec_mean_accepted
     acceptance = acceptance_for_mean_accepted(mean, width)
-    pair = _EnginePair(target.engine, config, acceptance, bench.prompts.salt)
+    seed = bench.prompts.salt
+    pair = _EnginePair(target.engine, config, acceptance, seed)
     section: dict[str, Any] = {
         "engine": bench.label,
         "synthetic": True,
@@ -166,26 +165,22 @@ def run_spec(
         "drafter_name": pair.speculative.speculative.drafter.name,  # as the engine reports it
         "width": width,
         "target_mean_accepted": mean,
-        "acceptance_p": pair.acceptance,
-        "acceptance_seed": pair.seed,  # one generator for the engine's life, warm-ups included
+        "acceptance_p": acceptance,
+        "acceptance_seed": seed,  # one generator for the engine's life, warm-ups included
         "output_tokens": options.output_tokens,
         "repeats": options.repeats,
         "warmup_runs": options.warmup_runs,
         "points": [],
         "skipped": [],
     }
+    limit = options.max_cell_prompt_tokens
     try:
-        for context in options.contexts:
-            for concurrency in options.concurrency:
-                limit = options.max_cell_prompt_tokens
-                if limit and concurrency * context > limit:
-                    where = f"{bench.label} spec C={concurrency} ctx={context}"
-                    bench.say(f"{where}: skipped (over --max-cell-prompt-tokens)")
-                    section["skipped"].append({"concurrency": concurrency, "context": context})
-                    continue
-                section["points"].append(_point(bench, pair, concurrency, context, options))
-                if on_update is not None:
-                    on_update(section)
+        for concurrency, context in grid(
+            bench, "spec", options.concurrency, options.contexts, limit, section["skipped"]
+        ):
+            section["points"].append(_point(bench, pair, concurrency, context, options))
+            if on_update is not None:
+                on_update(section)
     finally:
         pair.close()
     return section
@@ -273,7 +268,7 @@ def _progress(run: dict[str, Any]) -> str:
     ratio = f" ({fast / plain:.2f}x)" if plain and fast else ""
     mean = run["mean_accepted"]
     return (
-        f"plain {_rate(plain)} tok/s, speculative {_rate(fast)} tok/s{ratio}, mean accepted "
+        f"plain {rate_text(plain)} tok/s, speculative {rate_text(fast)} tok/s{ratio}, mean accepted "
         f"{'n/a' if mean is None else f'{mean:.2f}'}"
     )
 
@@ -281,12 +276,8 @@ def _progress(run: dict[str, Any]) -> str:
 def _summary_line(point: dict[str, Any]) -> str:
     median, speedup, mean = point["median"], point["speedup"], point["measured_mean_accepted"]
     line = (
-        f"median per-request plain {_rate(median['plain_per_request_tok_s'])} tok/s, speculative "
-        f"{_rate(median['speculative_per_request_tok_s'])} tok/s"
+        f"median per-request plain {rate_text(median['plain_per_request_tok_s'])} tok/s, speculative "
+        f"{rate_text(median['speculative_per_request_tok_s'])} tok/s"
     )
     line += f" ({speedup:.2f}x)" if speedup is not None else ""
     return line + (f", measured mean accepted {mean:.2f}" if mean is not None else "")
-
-
-def _rate(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from morion.bench.prompts import PromptFactory
@@ -67,8 +67,8 @@ class Workbench:
             run = group.sample()
             runs.append(run)
             self.say(
-                f"{name}: run {r + 1}/{repeats}: per-request {_fmt(run['per_request_tok_s'])} tok/s, "
-                f"aggregate {_fmt(run['aggregate_tok_s'])} tok/s, TTFT {run['ttft_s'] * 1e3:.0f} ms"
+                f"{name}: run {r + 1}/{repeats}: per-request {rate_text(run['per_request_tok_s'])} tok/s, "
+                f"aggregate {rate_text(run['aggregate_tok_s'])} tok/s, TTFT {run['ttft_s'] * 1e3:.0f} ms"
             )
         return {
             "engine": label,
@@ -124,20 +124,34 @@ def run_decode_sweep(
 ) -> tuple[list[dict[str, Any]], list[dict[str, int]]]:
     """Every (context, concurrency) point, contexts outermost; returns (points, skipped points)."""
     points, skipped = [], []
+    for c, context in grid(bench, "decode", concurrency, contexts, max_cell_prompt_tokens, skipped):
+        point = bench.decode_point(c, context, output_tokens, repeats, warmups)
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+    return points, skipped
+
+
+def grid(
+    bench: Workbench,
+    workload: str,
+    concurrency: tuple[int, ...],
+    contexts: tuple[int, ...],
+    max_cell_prompt_tokens: int,
+    skipped: list[dict[str, int]],
+) -> Iterator[tuple[int, int]]:
+    """(concurrency, context) of every point, contexts outermost. A point of more than
+    `max_cell_prompt_tokens` prompt tokens in all (0: no limit) is announced and appended to `skipped`."""
     for context in contexts:
         for c in concurrency:
             if max_cell_prompt_tokens and c * context > max_cell_prompt_tokens:
                 bench.say(
-                    f"{bench.label} decode C={c} ctx={context}: skipped (over --max-cell-prompt-tokens)"
+                    f"{bench.label} {workload} C={c} ctx={context}: skipped (over --max-cell-prompt-tokens)"
                 )
                 skipped.append({"concurrency": c, "context": context})
                 continue
-            point = bench.decode_point(c, context, output_tokens, repeats, warmups)
-            points.append(point)
-            if on_point is not None:
-                on_point(point)
-    return points, skipped
+            yield c, context
 
 
-def _fmt(value: float | None) -> str:
+def rate_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"

@@ -113,8 +113,7 @@ class _EngineCollector(Collector):
                 stats.cuda_allocated_bytes,
             ),
         }
-        for name, (documentation, value) in gauges.items():
-            yield GaugeMetricFamily(name, documentation, value)
+        yield from _unlabelled(GaugeMetricFamily, gauges)
         yield CounterMetricFamily(
             "morion_retractions", "Running requests sent back to the queue for memory", stats.retractions
         )
@@ -122,12 +121,16 @@ class _EngineCollector(Collector):
         yield from _spec_metrics(stats.spec)
 
 
-def _by_label(name: str, documentation: str, label: str, values: dict[str, float], counter: bool) -> Metric:
-    family = (
-        CounterMetricFamily(name, documentation, labels=[label])
-        if counter
-        else GaugeMetricFamily(name, documentation, labels=[label])
-    )
+def _unlabelled(
+    family: type[CounterMetricFamily | GaugeMetricFamily], series: dict[str, tuple[str, float]]
+) -> Iterator[Metric]:
+    """One family of the type `family` per `name: (documentation, value)` of `series`."""
+    for name, (documentation, value) in series.items():
+        yield family(name, documentation, value)
+
+
+def _counter_by_label(name: str, documentation: str, label: str, values: dict[str, float]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=[label])
     for value_label, value in values.items():
         family.add_metric([value_label], value)
     return family
@@ -135,22 +138,14 @@ def _by_label(name: str, documentation: str, label: str, values: dict[str, float
 
 def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
     """The cache tiers (device / host / disk): hits and restored tokens, traffic, latency and faults."""
-    tiers = ("device", "host", "disk")
-    yield _by_label(
-        "morion_cache_hits",
-        "Requests whose cached prefix came from each tier (counted at first admission)",
-        "tier",
-        {tier: getattr(cache, f"{tier}_hits") for tier in tiers},
-        counter=True,
-    )
-    yield _by_label(
-        "morion_cache_hit_tokens",
-        "Prompt tokens served from each tier (their sum is the reported cached_tokens)",
-        "tier",
-        {tier: getattr(cache, f"{tier}_hit_tokens") for tier in tiers},
-        counter=True,
-    )
-    yield _by_label(
+    hits = {
+        "hits": "Requests whose cached prefix came from each tier (counted at first admission)",
+        "hit_tokens": "Prompt tokens served from each tier (their sum is the reported cached_tokens)",
+    }
+    for field, documentation in hits.items():
+        values = {tier: getattr(cache, f"{tier}_{field}") for tier in ("device", "host", "disk")}
+        yield _counter_by_label(f"morion_cache_{field}", documentation, "tier", values)
+    yield _counter_by_label(
         "morion_cache_bytes_moved",
         "Bytes copied between the tiers",
         "direction",
@@ -160,14 +155,12 @@ def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
             "disk_to_host": cache.bytes_disk_read,
             "host_to_disk": cache.bytes_disk_written,
         },
-        counter=True,
     )
-    yield _by_label(
+    yield _counter_by_label(
         "morion_cache_evictions",
         "Pages or objects evicted from each lower tier",
         "tier",
         {"host": cache.host_evictions, "disk": cache.disk_evictions},
-        counter=True,
     )
     counters = {
         "morion_cache_restores": ("Load-backs from host memory into the device", cache.restores),
@@ -193,8 +186,7 @@ def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
         ),
         "morion_cache_disk_write_errors": ("Disk writes that failed (disk full...)", cache.disk_write_errors),
     }
-    for name, (documentation, value) in counters.items():
-        yield CounterMetricFamily(name, documentation, value)
+    yield from _unlabelled(CounterMetricFamily, counters)
     gauges = {
         "morion_cache_restore_seconds_max": ("Longest restore so far", cache.restore_seconds_max),
         "morion_host_cache_pages_used": ("Host-tier page rows in use", cache.host_pages_used),
@@ -205,8 +197,7 @@ def _cache_metrics(cache: CacheStats) -> Iterator[Metric]:
         "morion_disk_cache_bytes_used": ("Bytes in the disk tier", cache.disk_bytes_used),
         "morion_disk_cache_bytes_budget": ("The disk tier's budget", cache.disk_bytes_budget),
     }
-    for name, (documentation, value) in gauges.items():
-        yield GaugeMetricFamily(name, documentation, value)
+    yield from _unlabelled(GaugeMetricFamily, gauges)
 
 
 # What the speculative decoding series read while it is off: zeros, and no draft positions.
@@ -229,16 +220,14 @@ def _spec_metrics(spec: SpecSnapshot | None) -> Iterator[Metric]:
             spec.emitted_tokens,
         ),
     }
-    for name, (documentation, value) in counters.items():
-        yield CounterMetricFamily(name, documentation, value)
+    yield from _unlabelled(CounterMetricFamily, counters)
     positions = range(1, spec.max_width + 1)
     for outcome, values in (("drafted", spec.drafted_by_position), ("accepted", spec.accepted_by_position)):
-        yield _by_label(
+        yield _counter_by_label(
             f"morion_spec_{outcome}_by_position",
             f"Draft tokens {outcome} at each draft position (1: a step's first draft)",
             "position",
             {str(p): values[p - 1] if p <= len(values) else 0 for p in positions},
-            counter=True,
         )
     gauges = {
         "morion_spec_active_width": ("Draft width the policy chose last", spec.active_width),
@@ -247,5 +236,4 @@ def _spec_metrics(spec: SpecSnapshot | None) -> Iterator[Metric]:
             spec.mean_accepted_length,
         ),
     }
-    for name, (documentation, value) in gauges.items():
-        yield GaugeMetricFamily(name, documentation, value)
+    yield from _unlabelled(GaugeMetricFamily, gauges)

@@ -12,6 +12,7 @@ import pytest
 from morion.bench.plot import matplotlib_available
 from morion.bench.prompts import PromptFactory
 from morion.cli import main
+from tests.bench.conftest import run_bench
 
 TINY_SWEEP = [
     "--device",
@@ -37,16 +38,11 @@ TINY_SWEEP = [
 def qwen3_next_result(tiny_qwen3_next_config_dir, tmp_path_factory) -> tuple[dict, Path, str]:
     """One bench of the tiny Qwen3-Next (random weights) through the CLI: (JSON, its path, stderr)."""
     out = tmp_path_factory.mktemp("bench")
-    capture = pytest.MonkeyPatch()
-    stderr = out / "stderr.txt"
-    with stderr.open("w") as sink:
-        capture.setattr("sys.stderr", sink)
-        model = ["--model", str(tiny_qwen3_next_config_dir), "--load-format", "dummy"]
-        status = main(["bench", *model, *TINY_SWEEP, "--out", str(out), "--label", "tiny"])
-        capture.undo()
-    assert status == 0, stderr.read_text()
+    model = ["--model", str(tiny_qwen3_next_config_dir), "--load-format", "dummy"]
+    status, stderr = run_bench([*model, *TINY_SWEEP, "--label", "tiny"], out)
+    assert status == 0, stderr
     [path] = out.glob("*-tiny.json")
-    return json.loads(path.read_text()), path, stderr.read_text()
+    return json.loads(path.read_text()), path, stderr
 
 
 def test_json_records_provenance_config_and_settings(qwen3_next_result):

@@ -17,6 +17,7 @@ from morion.bench.report import markdown
 from morion.cli import main
 from morion.config import EngineConfig
 from morion.engine.sampling_params import SamplingParams
+from tests.bench.conftest import run_bench
 
 LENGTH, PAGE = 96, 16
 TINY_RESTORE = [
@@ -27,16 +28,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _bench(flags: list[str], out: Path) -> tuple[int, str]:
-    """Runs `morion bench` with stderr captured in a file: (exit status, stderr)."""
-    capture = pytest.MonkeyPatch()
-    stderr = out / "stderr.txt"
-    with stderr.open("w") as sink:
-        capture.setattr("sys.stderr", sink)
-        try:
-            status = main(["bench", *flags, "--disk-cache-dir", str(out / "disk"), "--out", str(out)])
-        finally:
-            capture.undo()
-    return status, stderr.read_text()
+    """Runs `morion bench` with its disk tier under `out`: (exit status, stderr)."""
+    return run_bench([*flags, "--disk-cache-dir", str(out / "disk")], out)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from morion.bench.report import markdown
 from morion.cli import main
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.synthetic import acceptance_for_mean_accepted
+from tests.bench.conftest import run_bench
 
 WIDTH, OUTPUT, MEAN = 3, 48, 2.58
 TINY_SPEC = [
@@ -29,17 +30,8 @@ SIGMAS = 4.5
 
 
 def _bench(model_dir: Path, flags: list[str], out: Path) -> tuple[int, str]:
-    """Runs `morion bench` on the tiny model with stderr captured in a file: (exit status, stderr)."""
-    capture = pytest.MonkeyPatch()
-    stderr = out / "stderr.txt"
-    model = ["--model", str(model_dir), "--load-format", "dummy"]
-    with stderr.open("w") as sink:
-        capture.setattr("sys.stderr", sink)
-        try:
-            status = main(["bench", *model, *TINY_SPEC, *flags, "--out", str(out)])
-        finally:
-            capture.undo()
-    return status, stderr.read_text()
+    """Runs `morion bench` on the tiny model with the TINY_SPEC flags: (exit status, stderr)."""
+    return run_bench(["--model", str(model_dir), "--load-format", "dummy", *TINY_SPEC, *flags], out)
 
 
 @pytest.fixture(scope="module")
