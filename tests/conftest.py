@@ -217,3 +217,20 @@ def engine_runner() -> Callable[..., list]:
 @pytest.fixture(scope="session")
 def prefill_logits() -> Callable[..., torch.Tensor]:
     return full_prefill_logits
+
+
+def assert_outputs_agree(model, prompts, outputs, references, tie_gap: float) -> None:
+    """Each output's greedy tokens equal its reference's, except where `model`'s logits (a full prefill of
+    the prompt and the reference's tokens so far) nearly tie, within `tie_gap`."""
+    for prompt, output, reference in zip(prompts, outputs, references, strict=True):
+        assert_same_greedy(
+            output.token_ids,
+            reference.token_ids,
+            lambda step, p=prompt, r=reference: full_prefill_logits(model, p + r.token_ids[:step])[-1],
+            tie_gap,
+        )
+
+
+@pytest.fixture(scope="session")
+def outputs_agree() -> Callable[..., None]:
+    return assert_outputs_agree

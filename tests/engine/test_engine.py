@@ -26,37 +26,23 @@ def _prompts(count: int, seed: int, lengths: tuple[int, int] = (1, 70)) -> list[
     return [[rng.randrange(128) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
-def _assert_outputs_agree(model, prompts, outputs, references, prefill_logits, greedy_checker):
-    for prompt, output, reference in zip(prompts, outputs, references, strict=True):
-        greedy_checker(
-            output.token_ids,
-            reference.token_ids,
-            lambda step, p=prompt, r=reference: prefill_logits(model, p + r.token_ids[:step])[-1],
-            TIE_GAP,
-        )
-
-
 def _single(engine, engine_runner, prompts, params=GREEDY):
     return [engine_runner(engine, [prompt], params)[0] for prompt in prompts]
 
 
-def test_batched_greedy_equals_one_at_a_time(
-    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
-):
+def test_batched_greedy_equals_one_at_a_time(tiny, engine_factory, engine_runner, outputs_agree):
     prompts = _prompts(8, seed=0)
     alone = _single(engine_factory(tiny, enable_prefix_cache=False), engine_runner, prompts)
     batched = engine_runner(engine_factory(tiny), prompts, GREEDY)
-    _assert_outputs_agree(tiny.model, prompts, batched, alone, prefill_logits, greedy_checker)
+    outputs_agree(tiny.model, prompts, batched, alone, TIE_GAP)
 
 
-def test_chunked_prefill_equals_unchunked(
-    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
-):
+def test_chunked_prefill_equals_unchunked(tiny, engine_factory, engine_runner, outputs_agree):
     prompts = _prompts(6, seed=1, lengths=(20, 90))
     whole = engine_runner(engine_factory(tiny), prompts, GREEDY)
     chunked_engine = engine_factory(tiny, chunk_size=16)
     chunked = engine_runner(chunked_engine, prompts, GREEDY)
-    _assert_outputs_agree(tiny.model, prompts, chunked, whole, prefill_logits, greedy_checker)
+    outputs_agree(tiny.model, prompts, chunked, whole, TIE_GAP)
     chunked_engine.check_integrity()
 
 
@@ -92,7 +78,7 @@ def test_shared_prefix_batch_reuses_pages(tiny, engine_factory, engine_runner):
 
 
 def test_pool_pressure_finishes_everything_and_leaks_nothing(
-    tiny, engine_factory, engine_runner, prefill_logits, greedy_checker
+    tiny, engine_factory, engine_runner, outputs_agree
 ):
     rng = random.Random(5)
     prompts = _prompts(50, seed=6, lengths=(1, 60))
@@ -103,7 +89,7 @@ def test_pool_pressure_finishes_everything_and_leaks_nothing(
     tight = engine_factory(tiny, page_size=8, kv_cache_tokens=96, max_running_requests=16)
     pressured = engine_runner(tight, prompts, params)
     assert tight.scheduler.num_retractions > 0, "the pool was meant to be too small for all at once"
-    _assert_outputs_agree(tiny.model, prompts, pressured, relaxed, prefill_logits, greedy_checker)
+    outputs_agree(tiny.model, prompts, pressured, relaxed, TIE_GAP)
     tight.check_integrity()
     tight.prefix_cache.evict(tight.pool.num_pages)
     assert tight.pool.num_free == tight.pool.num_pages

@@ -16,19 +16,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 TIE_GAP = 1e-3  # fp32 on both devices: only summation order differs
 
 
-def _agree(cpu_model, prompts, outputs, references, greedy_checker, prefill_logits) -> None:
-    """Each output's greedy tokens equal its reference's but where `cpu_model`'s logits nearly tie."""
-    for prompt, a, b in zip(prompts, outputs, references, strict=True):
-        greedy_checker(
-            a.token_ids,
-            b.token_ids,
-            lambda s, p=prompt, r=b: prefill_logits(cpu_model, p + r.token_ids[:s])[-1],
-            TIE_GAP,
-        )
-
-
 @pytest.mark.parametrize("model", ["small_llama", "tiny_qwen3_next"])
-def test_cuda_equals_cpu(model, request, engine_factory, engine_runner, greedy_checker, prefill_logits):
+def test_cuda_equals_cpu(model, request, engine_factory, engine_runner, outputs_agree):
     on_cpu = request.getfixturevalue(model)
     # The same weights on the GPU (dummy weights drawn on each device would differ).
     on_cuda = on_cpu._replace(model=copy.deepcopy(on_cpu.model).to("cuda"))
@@ -37,7 +26,7 @@ def test_cuda_equals_cpu(model, request, engine_factory, engine_runner, greedy_c
     cpu_out = engine_runner(engine_factory(on_cpu, page_size=8), prompts, GREEDY)
     cuda_engine = engine_factory(on_cuda, page_size=8, device="cuda", chunk_size=32)
     cuda_out = engine_runner(cuda_engine, prompts, GREEDY)
-    _agree(on_cpu.model, prompts, cuda_out, cpu_out, greedy_checker, prefill_logits)
+    outputs_agree(on_cpu.model, prompts, cuda_out, cpu_out, TIE_GAP)
     again = engine_runner(cuda_engine, prompts, GREEDY)  # prefix-cache hits on the GPU
     assert [o.token_ids for o in again] == [o.token_ids for o in cuda_out]
     assert sum(o.usage.cached_tokens for o in again) > 0
@@ -53,9 +42,7 @@ def test_bf16_on_cuda_runs(small_llama, engine_factory, engine_runner):
 
 
 @pytest.mark.parametrize("model", ["small_llama", "tiny_qwen3_next"])
-def test_cuda_graph_decode_equals_eager(
-    model, request, engine_factory, engine_runner, greedy_checker, prefill_logits
-):
+def test_cuda_graph_decode_equals_eager(model, request, engine_factory, engine_runner, outputs_agree):
     on_cpu = request.getfixturevalue(model)
     loaded = on_cpu._replace(model=copy.deepcopy(on_cpu.model).to("cuda"))
     rng = random.Random(1)
@@ -69,7 +56,7 @@ def test_cuda_graph_decode_equals_eager(
     graphed = engine_factory(loaded, page_size=8, device="cuda", cuda_graph_max_batch=8)
     graphed_out = engine_runner(graphed, prompts, params)
     assert graphed.graphs is not None and graphed.graphs.replays > 0
-    _agree(on_cpu.model, prompts, graphed_out, eager_out, greedy_checker, prefill_logits)
+    outputs_agree(on_cpu.model, prompts, graphed_out, eager_out, TIE_GAP)
     # Padding rows wrote only to the scratch page and slot: nothing leaked, the cache is consistent.
     graphed.check_integrity()
 

@@ -28,16 +28,6 @@ def _prompts(count: int, seed: int, lengths: tuple[int, int], vocab_size: int) -
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
-def _agree(loaded, prompts, outputs, references, prefill_logits, greedy_checker):
-    for prompt, output, reference in zip(prompts, outputs, references, strict=True):
-        greedy_checker(
-            output.token_ids,
-            reference.token_ids,
-            lambda step, p=prompt, r=reference: prefill_logits(loaded.model, p + r.token_ids[:step])[-1],
-            TIE_GAP,
-        )
-
-
 @pytest.fixture(scope="module")
 def cold(loaded, engine_factory, engine_runner):
     """Each prompt alone, no prefix cache: the reference every other run must equal."""
@@ -53,20 +43,18 @@ def test_cache_spec_reports_state(loaded, engine_factory):
     assert engine.state_slots.num_slots == 4 * engine.config.max_running_requests
 
 
-def test_batched_equals_single(loaded, engine_factory, engine_runner, cold, prefill_logits, greedy_checker):
+def test_batched_equals_single(loaded, engine_factory, engine_runner, cold, outputs_agree):
     prompts = _prompts(6, seed=0, lengths=(1, 50), vocab_size=loaded.model.config.vocab_size)
     batched = engine_runner(engine_factory(loaded, page_size=PAGE), prompts, GREEDY)
-    _agree(loaded, prompts, batched, cold(prompts), prefill_logits, greedy_checker)
+    outputs_agree(loaded.model, prompts, batched, cold(prompts), TIE_GAP)
 
 
 @pytest.mark.parametrize("chunk", [7, 16, 64])
-def test_chunked_prefill_equals_unchunked(
-    loaded, engine_factory, engine_runner, cold, prefill_logits, greedy_checker, chunk
-):
+def test_chunked_prefill_equals_unchunked(loaded, engine_factory, engine_runner, cold, chunk, outputs_agree):
     prompts = _prompts(3, seed=1, lengths=(30, 90), vocab_size=loaded.model.config.vocab_size)
     engine = engine_factory(loaded, page_size=PAGE, chunk_size=chunk)
     chunked = engine_runner(engine, prompts, GREEDY)
-    _agree(loaded, prompts, chunked, cold(prompts), prefill_logits, greedy_checker)
+    outputs_agree(loaded.model, prompts, chunked, cold(prompts), TIE_GAP)
     engine.check_integrity()
 
 
@@ -105,14 +93,14 @@ def test_hit_past_the_deepest_snapshot_resumes_from_it(loaded, engine_factory, e
     engine.check_integrity()
 
 
-def test_pool_and_slot_pressure(loaded, engine_factory, engine_runner, cold, prefill_logits, greedy_checker):
+def test_pool_and_slot_pressure(loaded, engine_factory, engine_runner, cold, outputs_agree):
     prompts = _prompts(16, seed=4, lengths=(1, 40), vocab_size=loaded.model.config.vocab_size)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     engine = engine_factory(
         loaded, page_size=PAGE, kv_cache_tokens=128, max_running_requests=6, state_slots=8
     )
     pressured = engine_runner(engine, prompts, params)
-    _agree(loaded, prompts, pressured, cold(prompts, params), prefill_logits, greedy_checker)
+    outputs_agree(loaded.model, prompts, pressured, cold(prompts, params), TIE_GAP)
     engine.check_integrity()
     engine.prefix_cache.evict(engine.pool.num_pages)
     assert engine.pool.num_free == engine.pool.num_pages
