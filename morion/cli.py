@@ -128,7 +128,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe-kernel",
         choices=("auto", "grouped", "triton"),
-        help="routed experts on CUDA: grouped GEMMs, or fused Triton kernels up to 64 tokens (auto: grouped)",
+        help="routed experts on CUDA: fused Triton kernels to 16 tokens (auto), 64 (triton), or grouped GEMM",
     )
     parser.add_argument(
         "--speculative",

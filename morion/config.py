@@ -47,7 +47,7 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
-    moe_kernel: str = "auto"  # auto = grouped GEMMs; triton: fused kernels for <= 64 tokens (CUDA)
+    moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy

@@ -17,6 +17,7 @@ WORKLOADS = ("decode", "prefill", "ttft", "spec", "restore")
 # restore needs the cache tiers' flags and spec a draft width: only when asked.
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
 BASELINES = ("hf",)
+RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
 DEFAULT_BANDWIDTH_GBS = 4300.0  # H200 device-to-device copy, measured (performance-anchors.md)
 DEFAULT_PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM, measured
 
@@ -65,6 +66,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--restore-repeats", default="3", help="restore: conversations (cold, device, host, disk each) (3)"
     )
+    work.add_argument(
+        "--restore-page-cache",
+        default="evict",
+        help="restore: evict|keep the disk cache directory's files in the OS page cache before the disk "
+        "hit (evict: posix_fadvise DONTNEED after the restart, not in the TTFT, so the hit reads the disk) "
+        "(evict)",
+    )
 
     roof = parser.add_argument_group("roofline")
     roof.add_argument("--bandwidth-gbs", default=str(DEFAULT_BANDWIDTH_GBS), help="memory GB/s (4300)")
@@ -101,6 +109,7 @@ class BenchOptions:
     spec_mean_accepted: float
     restore_length: int
     restore_repeats: int
+    restore_page_cache: str
     bandwidth_gbs: float
     peak_tflops: float
     roofline_config: str | None
@@ -130,6 +139,11 @@ class BenchOptions:
                 "--workloads spec needs the offline engine (it forces the acceptance inside the engine): "
                 "leave out --url"
             )
+        if args.restore_page_cache not in RESTORE_PAGE_CACHE:
+            raise MorionError(
+                f"--restore-page-cache must be one of {', '.join(RESTORE_PAGE_CACHE)}, "
+                f"got {args.restore_page_cache!r}"
+            )
         api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
         return cls(
             url=url,
@@ -148,6 +162,7 @@ class BenchOptions:
             spec_mean_accepted=_number(args.spec_mean_accepted, "--spec-mean-accepted", float, 1),
             restore_length=_number(args.restore_length, "--restore-length", int, 1),
             restore_repeats=_number(args.restore_repeats, "--restore-repeats", int, 1),
+            restore_page_cache=args.restore_page_cache,
             bandwidth_gbs=_number(args.bandwidth_gbs, "--bandwidth-gbs", float, 1e-9),
             peak_tflops=_number(args.peak_tflops, "--peak-tflops", float, 1e-9),
             roofline_config=args.roofline_config,

@@ -44,10 +44,11 @@ DEFINITIONS = {
     "restore": (
         "restore: per repeat one fresh conversation of N tokens + 1 new token, 8 greedy tokens per request: "
         "cold (nothing cached), device hit (the same prompt again), host hit (after evicting the device "
-        "cache), disk hit (after closing the engine and building a new one on the same disk directory; "
-        "the rebuild is not in the TTFT). TTFT as above, median over repeats; ratio = median TTFT / median "
-        "cold TTFT. A hit must report exactly N cached tokens, all from its tier, and generate exactly the "
-        "cold output, else it is FAILED"
+        "cache), disk hit (after closing the engine and building a new one on the same disk directory, "
+        "then evicting that directory's files from the OS page cache where the text under the table says "
+        "so; none of it in the TTFT). TTFT as above, median over repeats; ratio = median TTFT / "
+        "median cold TTFT. A hit must report exactly N cached tokens, all from its tier, and generate "
+        "exactly the cold output, else it is FAILED"
     ),
     "restore_gbs": (
         "restore GB/s: bytes restored (host hit: host to device; disk hit: read from disk) / restore "
@@ -290,7 +291,10 @@ def _restore_table(section: dict[str, Any] | None) -> list[str]:
     lines += [f"- FAILED: {failure}" for failure in failures] + ([""] if failures else [])
     restart, disk = section.get("restart_median") or {}, section["disk"]
     fs = disk.get("filesystem") or {}
+    page_cache = section.get("page_cache")  # absent from results made before --restore-page-cache
     io = "O_DIRECT writes" if disk["direct_io"] else "buffered (reads may come from the page cache)"
+    if page_cache is not None:
+        io = "O_DIRECT writes" if disk["direct_io"] else "buffered writes"
     ram = " (RAM, not a disk)" if fs.get("fstype") == "tmpfs" else ""
     lines += [
         "Restart (not in the TTFT): closing the engine (its disk writes finish) "
@@ -301,7 +305,48 @@ def _restore_table(section: dict[str, Any] | None) -> list[str]:
         "the JSON.",
         "",
     ]
+    if page_cache is not None:
+        lines += [_page_cache_text(section, fs.get("fstype") == "tmpfs"), ""]
     return lines
+
+
+def _page_cache_text(section: dict[str, Any], tmpfs: bool) -> str:
+    """What `--restore-page-cache` did to the disk directory's files before each disk hit."""
+    runs = [run["page_cache"] for run in section["runs"] if "page_cache" in run]
+    median = section.get("page_cache_median") or {}
+    flag = f"`--restore-page-cache {section['page_cache']}`"
+    resident = median.get("resident_bytes_after")
+    if section["page_cache"] == "keep":
+        text = (
+            f"Page cache kept ({flag}): the disk directory's files were not evicted before the disk hit, "
+            "so it may read them from memory, not the disk"
+        )
+        return text + (f" ({_mib(resident)} resident, median)." if resident is not None else ".")
+    if not runs or not all(run["evicted"] for run in runs):
+        reason = next((run["reason"] for run in runs if run.get("reason")), "not run yet")
+        return f"Page cache **not evicted** ({flag}, but {reason}): the disk hit may read from memory."
+    text = (
+        f"Disk objects evicted from the page cache before the disk hit ({flag}; written back and dropped "
+        "with posix_fadvise DONTNEED after the restart, not in the TTFT): "
+        f"{median['files']:,.{0 if median['files'] == int(median['files']) else 1}f} files, "
+        f"{_mib(median['bytes'])} (median per repeat)"
+    )
+    if resident is None:
+        text += "; page-cache residency not measured"
+    else:
+        text += f"; resident before {_mib(median['resident_bytes_before'])}, after {_mib(resident)}"
+        if resident and tmpfs:
+            text += " (a tmpfs is the page cache: nothing leaves memory)"
+        elif resident:
+            text += " (not all dropped: the disk hit reads that part from memory)"
+    errors = sum(run["errors"] for run in runs)
+    if errors:
+        text += f"; {errors} files failed, e.g. {next(run['first_error'] for run in runs if run['errors'])}"
+    return text + "."
+
+
+def _mib(num_bytes: float | None) -> str:
+    return "—" if num_bytes is None else f"{num_bytes / 2**20:,.2f} MiB"
 
 
 def _spec_table(section: dict[str, Any] | None) -> list[str]:

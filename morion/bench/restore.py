@@ -7,7 +7,10 @@ prompt of four requests, each generating `OUTPUT_TOKENS` greedy tokens:
 2. device hit: the same prompt again;
 3. host hit: after `Engine.evict_device_cache()` (the device copy gone, the host tier's kept);
 4. disk hit after a restart: the engine is closed (its disk writes finish), freed and built again from
-   the same config: empty device cache and host tier, the same disk directory.
+   the same config: empty device cache and host tier, the same disk directory. Then, not in the TTFT,
+   with `--restore-page-cache evict` (the default) every file of the disk directory is written back and
+   dropped from the OS page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so the disk hit reads the disk
+   rather than memory; what was evicted, and how much of it was still resident after, is recorded.
 
 Why the one new token: a request always computes at least its last token (its logits give the next one),
 so a prompt ending on a page boundary could reuse all but its last page; and a hybrid model's state is
@@ -21,11 +24,20 @@ answer is the worst failure, so a differing row is FAILED whatever its speed.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
+import os
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from morion.bench.options import RESTORE_PAGE_CACHE
 from morion.bench.timing import median_of
 from morion.cache.disk_format import object_file_size
 from morion.errors import MorionError
@@ -60,6 +72,9 @@ COUNTERS = (
     "checksum_failures",
     "disk_read_errors",
 )
+# --restore-page-cache: evict the disk directory's files from the OS page cache before the disk hit, or not.
+PAGE_CACHE_MODES = RESTORE_PAGE_CACHE
+PAGE_CACHE_KEYS = ("files", "bytes", "resident_bytes_before", "resident_bytes_after", "seconds")
 SUGGESTED_FLAGS = "e.g. --host-cache-gb 8 --disk-cache-dir /tmp/morion-restore, a directory on a local disk"
 
 
@@ -115,9 +130,16 @@ def run_restore(
     length: int,
     repeats: int,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    page_cache: str = "evict",
 ) -> dict[str, Any]:
     """Runs the workload on `target` (restarting its engine once per repeat); returns the `restore`
-    section of the results, which `on_update` also receives after every request."""
+    section of the results, which `on_update` also receives after every request. `page_cache`
+    (`--restore-page-cache`): "evict" drops the disk directory's files from the OS page cache before each
+    disk hit, "keep" leaves them (the disk hit may then read memory)."""
+    if page_cache not in PAGE_CACHE_MODES:
+        raise MorionError(
+            f"--restore-page-cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}"
+        )
     config = target.config
     disk = target.engine.tiers.disk
     section: dict[str, Any] = {
@@ -131,6 +153,7 @@ def run_restore(
         "chunk_size": config.chunk_size,
         "host_cache_gb": config.host_cache_gb,
         "host_cache_write_policy": config.host_cache_write_policy,
+        "page_cache": page_cache,
         "disk": {
             "dir": str(disk.dir),
             "direct_io": disk.direct_io,
@@ -180,6 +203,10 @@ def _run_conversation(
         f"{name}: restart: close {close_s:.1f} s (disk writes finish), build {build_s:.1f} s, "
         f"{found} objects on disk"
     )
+    # Not in the TTFT: the buffered writes of the old engine (and earlier disk hits' reads) left the objects
+    # in the page cache, where the disk hit would find them without reading the disk.
+    run["page_cache"] = prepare_page_cache(target.engine.tiers.disk.dir, section["page_cache"])
+    bench.say(f"{name}: {_page_cache_progress(run['page_cache'])}")
     keep("disk", measure(target, prompt, reference, length, "disk"))
 
 
@@ -277,6 +304,133 @@ def summarize(section: dict[str, Any]) -> None:
         }
     restarts = [run["restart"] for run in runs if "restart" in run]
     section["restart_median"] = {key: median_of(restarts, key) for key in ("close_s", "build_s")}
+    passes = [run["page_cache"] for run in runs if "page_cache" in run]
+    section["page_cache_median"] = {key: median_of(passes, key) for key in PAGE_CACHE_KEYS}
+
+
+def prepare_page_cache(directory: Path, mode: str) -> dict[str, Any]:
+    """The OS page cache before a disk hit. Every file under `directory` (the disk tier's namespace: its
+    object files and manifest) is, with `mode` "evict", written back (`os.fsync`: dirty pages cannot be
+    dropped) and dropped from the page cache with `posix_fadvise(POSIX_FADV_DONTNEED)`, which needs no
+    root for clean pages; with "keep" it is left alone. Its page-cache residency before and after
+    (`mincore`, Linux, files this user owns or may write; else None) says what actually left memory: a
+    tmpfs keeps everything, being memory. Where the platform has no `posix_fadvise`, nothing is evicted and
+    `reason` says why."""
+    started = time.perf_counter()
+    supported = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+    evict = mode == "evict" and supported
+    record: dict[str, Any] = {
+        "mode": mode,
+        "evicted": evict,
+        "reason": None if evict or mode == "keep" else "os.posix_fadvise is unavailable on this platform",
+        "files": 0,  # files evicted (none under keep)
+        "bytes": 0,  # their sizes
+        "files_in_dir": 0,
+        "bytes_in_dir": 0,
+        "resident_bytes_before": 0,  # in the page cache before the eviction (None: not measurable)
+        "resident_bytes_after": 0,  # and when the disk hit starts
+        "errors": 0,
+        "first_error": None,
+    }
+    for folder, _, names in os.walk(directory):
+        for file_name in sorted(names):
+            path = os.path.join(folder, file_name)
+            try:
+                before, after, size = _page_cache_file(path, evict)
+            except OSError as error:  # a file gone meanwhile (a temp file), or one we may not open
+                record["errors"] += 1
+                record["first_error"] = record["first_error"] or f"{path}: {error}"
+                continue
+            record["files_in_dir"] += 1
+            record["bytes_in_dir"] += size
+            if evict:
+                record["files"] += 1
+                record["bytes"] += size
+            for key, value in (("resident_bytes_before", before), ("resident_bytes_after", after)):
+                record[key] = None if value is None or record[key] is None else record[key] + value
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def _page_cache_file(path: str, evict: bool) -> tuple[int | None, int | None, int]:
+    """(resident bytes before, resident bytes after, size) of one file, evicted from the page cache first
+    when `evict`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stat = os.fstat(fd)
+        # mincore reports every page resident for a file the caller neither owns nor may write.
+        measurable = stat.st_uid == os.geteuid() or os.access(path, os.W_OK)
+        before = _resident_bytes(fd, stat.st_size) if measurable else None
+        if not evict:
+            return before, before, stat.st_size
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        after = _resident_bytes(fd, stat.st_size) if measurable else None
+        return before, after, stat.st_size
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's mmap, munmap and mincore (Linux only: elsewhere mincore means other things)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _resident_bytes(fd: int, size: int) -> int | None:
+    """Bytes of the open file `fd` in the page cache (whole pages, at most `size`), from `mincore` on a
+    read-only shared mapping that touches no page; None where that cannot be asked."""
+    libc = _libc()
+    if size == 0 or libc is None:
+        return 0 if size == 0 else None
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(address, size, vector) != 0:
+            return None
+        resident = int(np.count_nonzero(np.frombuffer(vector, dtype=np.uint8) & 1))
+    finally:
+        libc.munmap(address, size)
+    return min(resident * mmap.PAGESIZE, size)
+
+
+def _page_cache_progress(record: dict[str, Any]) -> str:
+    resident = record["resident_bytes_after"]
+    if record["evicted"]:
+        line = (
+            f"page cache: evicted {record['files']} files ({_size(record['bytes'])}) "
+            f"in {record['seconds']:.2f} s"
+        )
+        if resident is not None:
+            line += f", resident {_size(record['resident_bytes_before'])} before, {_size(resident)} after"
+    elif record["mode"] == "keep":
+        line = f"page cache: kept ({record['files_in_dir']} files"
+        line += f", {_size(resident)} resident)" if resident is not None else ")"
+    else:
+        line = f"page cache NOT evicted: {record['reason']}"
+    if record["errors"]:
+        line += f"; {record['errors']} files failed: {record['first_error']}"
+    return line
 
 
 def summary_line(section: dict[str, Any]) -> str:

@@ -189,7 +189,9 @@ def _run_workloads(
             write_json(path, result)
 
         length, repeats = options.restore_length, options.restore_repeats
-        restore.run_restore(bench, bench.target, length, repeats, keep_restore)
+        restore.run_restore(
+            bench, bench.target, length, repeats, keep_restore, page_cache=options.restore_page_cache
+        )
 
 
 def _run_baseline(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -149,7 +150,7 @@ class Engine:
             try:
                 self.graphs.capture()
             except RuntimeError as error:  # a model path that syncs with the host: decode still works
-                print(f"morion: CUDA graph capture FAILED, decode runs eagerly: {error}", file=sys.stderr)
+                _report_capture_failure("CUDA graph capture FAILED, decode runs eagerly", error)
                 self.graphs = None
         # Verify forwards of speculative decoding, one runner per draft width the policy may pick.
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}
@@ -170,9 +171,7 @@ class Engine:
             try:
                 runner.capture()
             except RuntimeError as error:
-                print(
-                    f"morion: verify CUDA graph capture FAILED, verify runs eagerly: {error}", file=sys.stderr
-                )
+                _report_capture_failure("verify CUDA graph capture FAILED, verify runs eagerly", error)
                 return
             self.verify_graphs[width + 1] = runner
             drafter = self.speculative.drafter
@@ -190,9 +189,7 @@ class Engine:
         try:
             graphs.capture(decode.memory_pool)
         except RuntimeError as error:
-            print(
-                f"morion: MTP draft CUDA graph capture FAILED, drafts run eagerly: {error}", file=sys.stderr
-            )
+            _report_capture_failure("MTP draft CUDA graph capture FAILED, drafts run eagerly", error)
             return
         drafter.graphs[width] = graphs
 
@@ -572,3 +569,11 @@ def _final_output(request: Request) -> RequestOutput:
         logprobs=list(request.output_logprobs) if wants_logprobs else None,
         top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
     )
+
+
+def _report_capture_failure(what: str, error: RuntimeError) -> None:
+    """One line for the operator, then where it failed (the innermost frames: the op that synced or
+    faulted), so a failed capture can be traced without a rerun."""
+    print(f"morion: {what}: {error}", file=sys.stderr)
+    frames = traceback.extract_tb(error.__traceback__)[-6:]
+    print("".join(traceback.format_list(frames)).rstrip(), file=sys.stderr)

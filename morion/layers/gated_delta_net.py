@@ -197,17 +197,48 @@ class GatedDeltaNet(nn.Module):
         the state after the last accepted token is already in a slot: rollback costs nothing and
         nothing is recomputed (engine/speculative.py).
 
-        Token by token: the state after token t - 1 is copied into slot t, which the one-token step
-        (the decode kernels on CUDA, the references elsewhere) then advances in place. No host sync:
-        a CUDA graph can capture it.
+        On CUDA one conv launch and one gated-delta-rule launch cover all n tokens, each carrying the
+        window and state from token to token and writing them to every token's slot. Elsewhere the
+        references go token by token: the state after token t - 1 is copied into slot t, which the
+        one-token step then advances in place. No host sync: a CUDA graph can capture it.
         """
         num_seqs, width = slots.shape
-        # Column t as a contiguous index vector: the kernels read their indices with unit stride.
-        columns = slots.t().contiguous()
         weight = self.conv1d.weight[:, 0, :]
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
         mixed_qkv, z, b, a = self.project(x)
+        tokens = num_seqs * width
+        if x.is_cuda:
+            from morion.ops.causal_conv1d_triton import causal_conv1d_steps_
+            from morion.ops.gated_delta_rule_triton import fused_gdn_steps_
+
+            convolved = causal_conv1d_steps_(mixed_qkv, conv_pool, weight, slots, "silu")
+            q, k, v = convolved.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            out = fused_gdn_steps_(
+                q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                v.reshape(tokens, self.num_v_heads, self.head_v_dim),
+                a, b, self.A_log, self.dt_bias, recurrent_pool, slots, self.head_k_dim**-0.5,
+            )  # fmt: skip
+        else:
+            out = self._verify_reference(mixed_qkv, a, b, conv_pool, recurrent_pool, weight, slots)
+        out = self.norm(out.view(tokens, self.num_v_heads, self.head_v_dim), z)
+        return self.out_proj(out.reshape(tokens, self.value_dim))
+
+    def _verify_reference(
+        self,
+        mixed_qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        recurrent_pool: torch.Tensor,
+        weight: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The verify forward's conv and gated delta rule by the references, token column by column;
+        returns out [B * n, HV, V]."""
+        num_seqs, width = slots.shape
+        columns = slots.t().long()
         mixed_qkv = mixed_qkv.view(num_seqs, width, -1)
         convolved = torch.empty_like(mixed_qkv)
         for t in range(width):
@@ -224,37 +255,15 @@ class GatedDeltaNet(nn.Module):
         for t in range(width):
             if t:
                 _copy_slots(recurrent_pool, columns[t - 1], columns[t])
-            out[:, t] = self._delta_step(
-                q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], recurrent_pool, columns[t]
-            )
-        out = self.norm(out.view(num_seqs * width, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(out.reshape(num_seqs * width, self.value_dim))
-
-    def _delta_step(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        pool: torch.Tensor,
-        indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """One token per sequence, the state of sequence n advanced in place in `pool[indices[n]]`."""
-        if q.is_cuda:
-            from morion.ops.gated_delta_rule_triton import fused_gdn_decode_
-
-            return fused_gdn_decode_(
-                q, k, v, a, b, self.A_log, self.dt_bias, pool, indices, self.head_k_dim**-0.5
-            )
-        rows = indices.long()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out, state = recurrent_gated_delta_rule_reference(
-            q[:, None], k[:, None], v[:, None], g[:, None], b.sigmoid()[:, None],
-            initial_state=pool[rows], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
-        pool[rows] = state.to(pool.dtype)
-        return out[:, 0]
+            rows = columns[t]
+            g = -self.A_log.float().exp() * F.softplus(a[:, t].float() + self.dt_bias)
+            step_out, state = recurrent_gated_delta_rule_reference(
+                q[:, t, None], k[:, t, None], v[:, t, None], g[:, None], b[:, t].sigmoid()[:, None],
+                initial_state=recurrent_pool[rows], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            recurrent_pool[rows] = state.to(recurrent_pool.dtype)
+            out[:, t] = step_out[:, 0]
+        return out.view(num_seqs * width, self.num_v_heads, self.head_v_dim)
 
     def _conv(
         self,
@@ -295,12 +304,8 @@ def _copy_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
 def _conv_step(
     x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
-    """One token per sequence through the causal conv + SiLU, the window of sequence n rolled in place
-    in `pool[indices[n]]` ([W-1, C] token-major)."""
-    if x.is_cuda:
-        from morion.ops.causal_conv1d_triton import causal_conv1d_update_
-
-        return causal_conv1d_update_(x, pool, weight, indices, "silu")
+    """One token per sequence through the causal conv + SiLU (the reference), the window of sequence n
+    rolled in place in `pool[indices[n]]` ([W-1, C] token-major)."""
     rows = indices.long()
     window = pool[rows]
     out = causal_conv1d_update_reference(x, window.transpose(1, 2), weight, activation="silu")

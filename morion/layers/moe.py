@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # `--moe-kernel triton` runs the fused kernels up to this many tokens (decode and speculative verify
 # batches); larger batches keep the grouped GEMMs, which read the weights faster once most experts are hit.
 TRITON_MAX_TOKENS = 64
+# `auto` runs them up to the largest batch where the H200 measured them ahead of the grouped GEMMs at the
+# 80B preset's expert shapes (tests/ops/test_moe_decode_triton_gpu.py, FP8: 2.3x at 1 token, 1.45x at 4,
+# 1.14x at 16; results/2026-11-30-h200-moe-kernels.md).
+AUTO_TRITON_MAX_TOKENS = 16
 
 
 class StackedExperts(nn.Module):
@@ -82,21 +86,22 @@ class StackedExperts(nn.Module):
         )
 
     def _path(self, x: torch.Tensor, num_pairs: int) -> str:
-        """ "triton" on CUDA under `kernel == "triton"` for at most TRITON_MAX_TOKENS tokens and the fused
-        kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and shapes); otherwise "grouped" where a
+        """ "triton" on CUDA for at most TRITON_MAX_TOKENS tokens under `kernel == "triton"` (at most
+        AUTO_TRITON_MAX_TOKENS under "auto") and the fused kernels' MAX_PAIRS (token, expert) pairs (any
+        weight dtype and shapes); otherwise "grouped" where a
         grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
         loop, which syncs with the host) and 16-byte aligned rows; "dense" for other unquantized weights on
-        CUDA (no host sync, so decode stays capturable); else "reference". "auto" is "grouped" until H200
-        measurements show the fused kernels ahead."""
+        CUDA (no host sync, so decode stays capturable); else "reference"."""
         dtype = self.gate_up_proj.dtype
         if not x.is_cuda:
             log_once(logger, f"MoE experts on {x.device.type}: reference (a loop over the routed experts)")
             return "reference"
-        if self.kernel == "triton" and x.shape[0] <= TRITON_MAX_TOKENS:
+        fused_limit = {"triton": TRITON_MAX_TOKENS, "auto": AUTO_TRITON_MAX_TOKENS}.get(self.kernel, 0)
+        if x.shape[0] <= fused_limit:
             from morion.ops import moe_decode_triton as fused
 
             if num_pairs <= fused.MAX_PAIRS:
-                log_once(logger, f"MoE experts on cuda: fused Triton kernels (<= {TRITON_MAX_TOKENS} tokens)")
+                log_once(logger, f"MoE experts on cuda: fused Triton kernels (<= {fused_limit} tokens)")
                 return "triton"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8

@@ -6,9 +6,10 @@ of the last W-1 pre-conv inputs, row W-2 the newest (zeros for a new sequence). 
 bias: out[t, c] = act(sum_i weight[c, i] * input[t - W + 1 + i, c]), inputs before a sequence's first new
 token coming from its window. Arithmetic is fp32; the output is in x's dtype, the window in the pool's.
 
-- `causal_conv1d_update_`: one token per sequence (decode). Capturable in a CUDA graph: no host sync,
-  only the output is allocated. A negative slot index marks a padding row: it reads a zero window and
-  writes no slot.
+- `causal_conv1d_steps_`: a few tokens per sequence (a speculative verify forward), the window after
+  each token written to that token's slot; `causal_conv1d_update_` is its one-token case (decode).
+  Capturable in a CUDA graph: no host sync, only the output is allocated. A negative slot index marks a
+  padding row: it reads a zero window and writes no slot.
 - `causal_conv1d_varlen_`: any number of tokens per sequence (prefill, packed by `cu_seqlens`). Two
   launches: the conv reads every old window, then a second kernel rewrites the windows, so no program
   can overwrite a window another program still has to read.
@@ -27,11 +28,11 @@ def _silu(x):
 
 
 @triton.jit
-def _conv_update_kernel(
+def _conv_steps_kernel(
     x_ptr,
     pool_ptr,
     weight_ptr,
-    indices_ptr,
+    slots_ptr,
     out_ptr,
     C,
     stride_xn,
@@ -41,35 +42,43 @@ def _conv_update_kernel(
     stride_wi,
     stride_on,
     W: tl.constexpr,
+    STEPS: tl.constexpr,
     SILU: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """One program: sequence n, channels [ic*BC, ic*BC + BC). Rolls the window while convolving."""
+    """One program: sequence n, channels [ic*BC, ic*BC + BC), over its STEPS tokens (rows n * STEPS + t).
+    Token t reads the window in slot slots[n, t - 1] (slots[n, 0] for t = 0) and writes the window rolled
+    past it to slot slots[n, t] (t = 0: in place)."""
     n = tl.cast(tl.program_id(0), tl.int64)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0)
-    window_ptrs = pool_ptr + slot * stride_ps + offs_c
     weight_ptrs = weight_ptr + offs_c * stride_wc
-
-    acc = tl.zeros([BC], dtype=tl.float32)
-    for i in tl.static_range(W - 1):
-        # Row i is loaded before row i-1 is overwritten with it: each channel's rows are read and
-        # written by the same thread, in this order, so the in-place shift is safe.
-        row = tl.load(window_ptrs + i * stride_pw, mask=mask_c & live, other=0.0)
-        w = tl.cast(tl.load(weight_ptrs + i * stride_wi, mask=mask_c, other=0.0), tl.float32)
-        acc += tl.cast(row, tl.float32) * w
-        if i > 0:
-            tl.store(window_ptrs + (i - 1) * stride_pw, row, mask=mask_c & live)
-    x = tl.load(x_ptr + n * stride_xn + offs_c, mask=mask_c, other=0.0)
-    w = tl.cast(tl.load(weight_ptrs + (W - 1) * stride_wi, mask=mask_c, other=0.0), tl.float32)
-    acc += tl.cast(x, tl.float32) * w
-    tl.store(window_ptrs + (W - 2) * stride_pw, tl.cast(x, pool_ptr.dtype.element_ty), mask=mask_c & live)
-    if SILU:
-        acc = _silu(acc)
-    tl.store(out_ptr + n * stride_on + offs_c, tl.cast(acc, out_ptr.dtype.element_ty), mask=mask_c)
+    source = tl.cast(tl.load(slots_ptr + n * STEPS), tl.int64)
+    for t in tl.static_range(STEPS):
+        row_in = n * STEPS + t
+        target = tl.cast(tl.load(slots_ptr + row_in), tl.int64)
+        read_mask = mask_c & (source >= 0)
+        write_mask = mask_c & (target >= 0)
+        source_ptrs = pool_ptr + tl.maximum(source, 0) * stride_ps + offs_c
+        target_ptrs = pool_ptr + tl.maximum(target, 0) * stride_ps + offs_c
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for i in tl.static_range(W - 1):
+            # Row i is loaded before row i-1 of the target is written with it: each channel's rows are
+            # read and written by the same thread, in this order, so the in-place shift (t = 0) is safe,
+            # and token t + 1 reads what token t wrote.
+            row = tl.load(source_ptrs + i * stride_pw, mask=read_mask, other=0.0)
+            w = tl.cast(tl.load(weight_ptrs + i * stride_wi, mask=mask_c, other=0.0), tl.float32)
+            acc += tl.cast(row, tl.float32) * w
+            if i > 0:
+                tl.store(target_ptrs + (i - 1) * stride_pw, row, mask=write_mask)
+        x = tl.load(x_ptr + row_in * stride_xn + offs_c, mask=mask_c, other=0.0)
+        w = tl.cast(tl.load(weight_ptrs + (W - 1) * stride_wi, mask=mask_c, other=0.0), tl.float32)
+        acc += tl.cast(x, tl.float32) * w
+        tl.store(target_ptrs + (W - 2) * stride_pw, tl.cast(x, pool_ptr.dtype.element_ty), mask=write_mask)
+        if SILU:
+            acc = _silu(acc)
+        tl.store(out_ptr + row_in * stride_on + offs_c, tl.cast(acc, out_ptr.dtype.element_ty), mask=mask_c)
+        source = target
 
 
 @triton.jit
@@ -211,24 +220,43 @@ def causal_conv1d_update_(
     block_c: int = 256,
 ) -> torch.Tensor:
     """The decode step: x [N, C] (one token per sequence) continues window `conv_pool[state_indices[n]]`
-    ([S, W-1, C]), which is shifted in place to end with x. weight: [C, W]; state_indices: [N] int32.
-    Returns [N, C] in x's dtype."""
+    ([S, W-1, C]), which is shifted in place to end with x: `causal_conv1d_steps_` with one token per
+    sequence. weight: [C, W]; state_indices: [N] int32. Returns [N, C] in x's dtype."""
+    if state_indices.dim() != 1:
+        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [N]")
+    return causal_conv1d_steps_(x, conv_pool, weight, state_indices[:, None], activation, block_c=block_c)
+
+
+def causal_conv1d_steps_(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    block_c: int = 256,
+) -> torch.Tensor:
+    """T tokens per sequence in one launch (a speculative verify forward; T = 1 is a decode step): x
+    [N * T, C], sequence n's tokens in rows n * T .. n * T + T - 1, continue the window in
+    `conv_pool[slots[n, 0]]`; the window after token t is written to `conv_pool[slots[n, t]]` (column 0:
+    in place). slots: [N, T] int32, distinct within a row (negative = padding row: zero window, no slot
+    written). weight: [C, W]. Returns [N * T, C] in x's dtype."""
     width, silu = _check(x, conv_pool, weight, activation)
-    num_seqs, channels = x.shape
-    if state_indices.shape != (num_seqs,):
-        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
+    rows, channels = x.shape
+    if slots.dim() != 2 or slots.shape[0] * slots.shape[1] != rows:
+        raise ValueError(f"slots {tuple(slots.shape)} must be [N, T] with N * T = {rows} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    state_indices = state_indices.contiguous()  # the kernel reads index n at offset n
+    slots = slots.contiguous()  # the kernel reads slot (n, t) at offset n * T + t
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
+    if rows == 0:
         return out
     block_c = min(block_c, triton.next_power_of_2(channels))
-    grid = (num_seqs, triton.cdiv(channels, block_c))
-    _conv_update_kernel[grid](
-        x, conv_pool, weight, state_indices, out, channels,
+    grid = (slots.shape[0], triton.cdiv(channels, block_c))
+    _conv_steps_kernel[grid](
+        x, conv_pool, weight, slots, out, channels,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0),
-        W=width, SILU=silu, BC=block_c,
+        W=width, STEPS=slots.shape[1], SILU=silu, BC=block_c,
     )  # fmt: skip
     return out
 

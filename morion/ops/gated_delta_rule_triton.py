@@ -3,10 +3,12 @@
 Two entry points, both taking the layer's raw per-head inputs (q, k before L2 normalisation; a, b before
 the gate and the sigmoid) and a state pool `[num_slots, HV, K, V]` addressed by `state_indices`:
 
-- `fused_gdn_decode_`: one token per sequence, our own Triton kernel. Everything of one step is fused:
-  q/k L2 norm, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the state decay, the delta
-  update, the output, and the write-back of the state into its slot. It allocates only its output and
-  never syncs with the host, so a CUDA graph can capture it.
+- `fused_gdn_steps_`: a few tokens per sequence (a speculative verify forward), our own Triton kernel;
+  `fused_gdn_decode_` is its one-token case. Everything of a step is fused: q/k L2 norm, beta =
+  sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the state decay, the delta update, the output,
+  and the write-back of the state into its slot (after each token into that token's slot, the state
+  kept in registers between tokens). It allocates only its output and never syncs with the host, so a
+  CUDA graph can capture it.
 - `gdn_prefill_`: any number of tokens per sequence, through fla-core's chunked kernel (varlen), with the
   initial states gathered from the pool and the final states scattered back.
 
@@ -30,7 +32,7 @@ L2_NORM_EPS = 1e-6
 
 
 @triton.jit
-def _gdn_decode_kernel(
+def _gdn_steps_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -39,7 +41,7 @@ def _gdn_decode_kernel(
     a_log_ptr,
     dt_bias_ptr,
     pool_ptr,
-    indices_ptr,
+    slots_ptr,
     out_ptr,
     stride_qn,
     stride_qh,
@@ -60,11 +62,14 @@ def _gdn_decode_kernel(
     eps,
     K,
     V,
+    STEPS: tl.constexpr,
     HEADS_PER_QK: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV) of the state.
+    """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV) of the state, over the
+    sequence's STEPS tokens (rows n * STEPS + t). The state is read once from slot slots[n, 0], kept in
+    registers, and written after token t to slot slots[n, t].
 
     The state tile [K, BV] is read and written by this program only (columns of one head of one slot),
     so the in-place update needs no synchronisation between programs, given distinct slots per row.
@@ -74,47 +79,56 @@ def _gdn_decode_kernel(
     iv = tl.program_id(2)
     h = hv // HEADS_PER_QK  # grouped value heads: q/k head h serves value heads h*r .. h*r + r-1
 
-    # int64: slot * stride_ps overflows int32 beyond ~4k slots of a 32x128x128 state.
-    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0)
-
     offs_k = tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
     mask_k = offs_k < K
     mask_v = offs_v < V
+    head_offsets = hv * stride_ph + offs_k[:, None] * stride_pk + offs_v[None, :]
+    tile_mask = mask_k[:, None] & mask_v[None, :]
 
-    q = tl.cast(tl.load(q_ptr + n * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0), tl.float32)
-    k = tl.cast(tl.load(k_ptr + n * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0), tl.float32)
-    v = tl.cast(tl.load(v_ptr + n * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0), tl.float32)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
-
-    # The gate, in fp32 whatever the input dtype: softplus as torch's (threshold 20); the exp argument
-    # is clamped so the branch that `where` discards cannot overflow.
-    a = tl.cast(tl.load(a_ptr + n * stride_an + hv * stride_ah), tl.float32)
-    b = tl.cast(tl.load(b_ptr + n * stride_bn + hv * stride_bh), tl.float32)
+    # int64: slot * stride_ps overflows int32 beyond ~4k slots of a 32x128x128 state.
+    first = tl.cast(tl.load(slots_ptr + n * STEPS), tl.int64)
+    state = tl.load(
+        pool_ptr + tl.maximum(first, 0) * stride_ps + head_offsets, mask=tile_mask & (first >= 0), other=0.0
+    )
+    state = tl.cast(state, tl.float32)
     a_log = tl.cast(tl.load(a_log_ptr + hv), tl.float32)
     dt_bias = tl.cast(tl.load(dt_bias_ptr + hv), tl.float32)
-    x = a + dt_bias
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    decay = tl.exp(-tl.exp(a_log) * softplus)
-    beta = 1.0 / (1.0 + tl.exp(-b))
+    for t in tl.static_range(STEPS):
+        row = n * STEPS + t
+        q = tl.load(q_ptr + row * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + row * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
+        q, k, v = tl.cast(q, tl.float32), tl.cast(k, tl.float32), tl.cast(v, tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
 
-    state_ptrs = pool_ptr + slot * stride_ps + hv * stride_ph + offs_k[:, None] * stride_pk + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :] & live
-    state = tl.cast(tl.load(state_ptrs, mask=state_mask, other=0.0), tl.float32)
+        # The gate, in fp32 whatever the input dtype: softplus as torch's (threshold 20); the exp
+        # argument is clamped so the branch that `where` discards cannot overflow.
+        a = tl.cast(tl.load(a_ptr + row * stride_an + hv * stride_ah), tl.float32)
+        b = tl.cast(tl.load(b_ptr + row * stride_bn + hv * stride_bh), tl.float32)
+        x = a + dt_bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        decay = tl.exp(-tl.exp(a_log) * softplus)
+        beta = 1.0 / (1.0 + tl.exp(-b))
 
-    state = state * decay
-    predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BV]
-    delta = (v - predicted) * beta
-    state = state + k[:, None] * delta[None, :]
-    out = tl.sum(state * q[:, None], axis=0)  # S^T (scale * q)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BV]
+        delta = (v - predicted) * beta
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], axis=0)  # S^T (scale * q)
 
-    tl.store(state_ptrs, tl.cast(state, pool_ptr.dtype.element_ty), mask=state_mask)
-    tl.store(
-        out_ptr + n * stride_on + hv * stride_oh + offs_v, tl.cast(out, out_ptr.dtype.element_ty), mask=mask_v
-    )
+        # The state stored is the one the next token continues from, rounded like the pool's dtype.
+        stored = tl.cast(state, pool_ptr.dtype.element_ty)
+        state = tl.cast(stored, tl.float32)
+        slot = tl.cast(tl.load(slots_ptr + n * STEPS + t), tl.int64)
+        state_ptrs = pool_ptr + tl.maximum(slot, 0) * stride_ps + head_offsets
+        tl.store(state_ptrs, stored, mask=tile_mask & (slot >= 0))
+        tl.store(
+            out_ptr + row * stride_on + hv * stride_oh + offs_v,
+            tl.cast(out, out_ptr.dtype.element_ty),
+            mask=mask_v,
+        )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -136,20 +150,52 @@ def fused_gdn_decode_(
     block_v: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """One gated-delta-rule step for N sequences, updating `state_pool[state_indices[n]]` in place.
+    """One gated-delta-rule step for N sequences, updating `state_pool[state_indices[n]]` in place:
+    `fused_gdn_steps_` with one token per sequence. state_indices: [N] int32 (negative = padding row: no
+    slot is read or written)."""
+    if state_indices.dim() != 1:
+        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [N]")
+    return fused_gdn_steps_(
+        q, k, v, a, b, A_log, dt_bias, state_pool, state_indices[:, None], scale,
+        block_v=block_v, num_warps=num_warps,
+    )  # fmt: skip
 
-    q, k: [N, H, K]; v: [N, HV, V] (HV a multiple of H); a, b: [N, HV] (raw gate and beta logits);
-    A_log, dt_bias: [HV]; state_pool: [S, HV, K, V] fp32 or bf16 with unit stride over V;
-    state_indices: [N] int32 (negative = padding row: no slot is read or written).
-    Returns out [N, HV, V] in v's dtype. Shapes are checked; index values are not (that would sync).
+
+def fused_gdn_steps_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """T gated-delta-rule steps for each of N sequences in one launch (a speculative verify forward; T = 1
+    is a decode step): sequence n starts from the state in `state_pool[slots[n, 0]]` and the state after
+    its token t is written to `state_pool[slots[n, t]]` (column 0: in place), so every intermediate state
+    is kept and the one after any accepted prefix is already in a slot.
+
+    q, k: [N * T, H, K]; v: [N * T, HV, V] (HV a multiple of H); a, b: [N * T, HV] (raw gate and beta
+    logits), sequence n's tokens in rows n * T .. n * T + T - 1; A_log, dt_bias: [HV]; state_pool:
+    [S, HV, K, V] fp32 or bf16 with unit stride over V; slots: [N, T] int32, distinct within a row
+    (negative = padding row: no slot is read or written). Returns out [N * T, HV, V] in v's dtype. Shapes
+    are checked; index values are not (that would sync).
     """
-    num_seqs, num_qk_heads, key_dim = q.shape
+    rows, num_qk_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1:]
-    if k.shape != q.shape or v.shape[0] != num_seqs or num_v_heads % num_qk_heads:
+    if slots.dim() != 2 or slots.shape[0] * slots.shape[1] != rows:
+        raise ValueError(f"slots {tuple(slots.shape)} must be [N, T] with N * T = {rows} rows")
+    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if a.shape != (num_seqs, num_v_heads) or b.shape != a.shape:
+    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
         raise ValueError(
-            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [N, HV] = {(num_seqs, num_v_heads)}"
+            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [N * T, HV] = {(rows, num_v_heads)}"
         )
     if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
         raise ValueError(
@@ -161,26 +207,25 @@ def fused_gdn_decode_(
         )
     if state_pool.stride(-1) != 1:
         raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
-    if state_indices.shape != (num_seqs,):
-        raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [{num_seqs}]")
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    state_indices = state_indices.contiguous()  # the kernel reads index n at offset n
+    slots = slots.contiguous()  # the kernel reads slot (n, t) at offset n * T + t
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    out = torch.empty(num_seqs, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
-    if num_seqs == 0:
+    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
+    if rows == 0:
         return out
     block_k = triton.next_power_of_2(key_dim)
     block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
-    grid = (num_seqs, num_v_heads, triton.cdiv(value_dim, block_v))
-    _gdn_decode_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, state_pool, state_indices, out,
+    grid = (slots.shape[0], num_v_heads, triton.cdiv(value_dim, block_v))
+    _gdn_steps_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state_pool, slots, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         out.stride(0), out.stride(1),
         scale, L2_NORM_EPS, key_dim, value_dim,
-        HEADS_PER_QK=num_v_heads // num_qk_heads, BK=block_k, BV=block_v, num_warps=num_warps,
+        STEPS=slots.shape[1], HEADS_PER_QK=num_v_heads // num_qk_heads, BK=block_k, BV=block_v,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 

@@ -53,7 +53,7 @@ def gather_host_rows(
     return out
 
 
-_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute: 2 is MEMORY_TYPE
 
 
 @functools.cache

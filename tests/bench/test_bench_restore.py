@@ -4,8 +4,13 @@ device, host and disk tiers, each output compared with the cold one), its errors
 
 from __future__ import annotations
 
+import argparse
+import copy
+import io
 import json
+import os
 import statistics
+import sys
 import weakref
 from pathlib import Path
 
@@ -13,10 +18,14 @@ import pytest
 
 from morion.bench import restore
 from morion.bench.offline import EngineTarget
+from morion.bench.options import BenchOptions, add_bench_arguments
+from morion.bench.prompts import PromptFactory
 from morion.bench.report import markdown
+from morion.bench.workloads import Workbench
 from morion.cli import main
 from morion.config import EngineConfig
 from morion.engine.sampling_params import SamplingParams
+from morion.errors import MorionError
 from tests.bench.conftest import run_bench
 
 LENGTH, PAGE = 96, 16
@@ -79,6 +88,32 @@ def test_every_hit_restores_the_whole_conversation_from_its_tier(qwen3_next_rest
         assert run["restart"]["build_s"] > 0 and run["restart"]["disk_objects_found"] > 0
 
 
+def test_the_disk_hit_reads_objects_evicted_from_the_page_cache(qwen3_next_restore):
+    """The default --restore-page-cache evict: after the restart, before the disk hit, every file of the
+    disk directory (the objects and the manifest) left the page cache; the output is still the cold one."""
+    result, _, stderr = qwen3_next_restore
+    section = result["restore"]
+    assert result["settings"]["restore_page_cache"] == "evict" and section["page_cache"] == "evict"
+    tmpfs = section["disk"]["filesystem"]["fstype"] == "tmpfs"
+    for run in section["runs"]:
+        record = run["page_cache"]
+        assert record["mode"] == "evict" and record["evicted"] is True and record["reason"] is None
+        assert record["errors"] == 0 and record["seconds"] >= 0
+        assert record["files"] == record["files_in_dir"] >= run["restart"]["disk_objects_found"] + 1
+        assert record["bytes"] == record["bytes_in_dir"] > 0
+        if sys.platform.startswith("linux"):  # residency from mincore
+            # The old engine's buffered writes were in the page cache; after the eviction none (a tmpfs,
+            # being the page cache, keeps them).
+            assert 0 < record["resident_bytes_before"] <= record["bytes"]
+            assert record["resident_bytes_after"] == (record["resident_bytes_before"] if tmpfs else 0)
+        assert run["disk"]["identical"] is True and run["disk"]["problems"] == []
+        assert run["disk"]["output_token_ids"] == run["cold"]["output_token_ids"]
+    median = section["page_cache_median"]
+    assert median["files"] == statistics.median(run["page_cache"]["files"] for run in section["runs"])
+    assert median["bytes"] == statistics.median(run["page_cache"]["bytes"] for run in section["runs"])
+    assert f"run 2/2: page cache: evicted {section['runs'][1]['page_cache']['files']} files" in stderr
+
+
 def test_medians_ratios_and_targets(qwen3_next_restore):
     section = qwen3_next_restore[0]["restore"]
     runs = section["runs"]
@@ -111,6 +146,15 @@ def test_markdown_table_and_progress_lines(qwen3_next_restore):
     assert all(f"| {LENGTH} |" in row for row in rows[1:]) and rows[0].endswith("| reference |")
     assert "| < 0.1 |" in rows[2] and "| < 1 |" in rows[3]
     assert "[7] restore: per repeat one fresh conversation" in text
+    assert "then evicting that directory's files from the OS page cache where the text under" in text
+    median = result["restore"]["page_cache_median"]
+    files = f"{median['files']:.0f}" if median["files"] == int(median["files"]) else f"{median['files']:.1f}"
+    assert (
+        "Disk objects evicted from the page cache before the disk hit (`--restore-page-cache evict`; "
+        "written back and dropped with posix_fadvise DONTNEED after the restart, not in the TTFT): "
+        f"{files} files, {median['bytes'] / 2**20:.2f} MiB (median per repeat)"
+    ) in text
+    assert "buffered writes;" in text and "reads may come from the page cache" not in text
     assert f"restore {LENGTH}: run 2/2: disk hit after restart: TTFT" in stderr
     assert "run 1/2: restart: close" in stderr and "output identical to cold" in stderr
     assert f"restore {LENGTH}: median TTFT cold" in stderr
@@ -152,6 +196,133 @@ def test_an_output_that_differs_from_cold_fails(tiny_qwen3_next_config_dir, tmp_
     assert section["targets"]["host"]["met"] is False and section["targets"]["disk"]["met"] is False
     text = path.with_suffix(".md").read_text()
     assert text.count("**FAILED** (run 1)") == 3 and "- FAILED: host hit, run 1: output differs" in text
+
+
+def _direct_restore(config_dir: Path, disk: Path, page_cache: str) -> tuple[dict, str]:
+    """`run_restore` called directly (one repeat) with `page_cache`: its section and progress lines."""
+    config = EngineConfig(
+        model=str(config_dir),
+        load_format="dummy",
+        device="cpu",
+        kv_cache_tokens=2048,
+        page_size=PAGE,
+        host_cache_gb=0.01,
+        disk_cache_dir=str(disk),
+        disk_cache_gb=0.1,
+    )
+    target = EngineTarget(config)
+    stream = io.StringIO()
+    try:
+        restore.check_capacity(target.engine, LENGTH)
+        bench = Workbench(target, PromptFactory(target.vocab_size), "morion", stream=stream)
+        section = restore.run_restore(bench, target, LENGTH, 1, page_cache=page_cache)
+    finally:
+        target.close()
+    return section, stream.getvalue()
+
+
+def _with_restore(result: dict, section: dict) -> str:
+    """The Markdown of the fixture's results with its restore section replaced by `section`."""
+    return markdown({**copy.deepcopy(result), "restore": section})
+
+
+def test_keep_leaves_the_page_cache_alone(qwen3_next_restore, tiny_qwen3_next_config_dir, tmp_path):
+    """Through the CLI flag: the setting and the workload's own record agree."""
+    model = ["--model", str(tiny_qwen3_next_config_dir), "--load-format", "dummy"]
+    flags = [
+        *model,
+        *TINY_RESTORE,
+        "--restore-repeats",
+        "1",
+        "--restore-page-cache",
+        "keep",
+        "--label",
+        "keep",
+    ]
+    status, progress = _bench(flags, tmp_path)
+    assert status == 0, progress
+    [path] = tmp_path.glob("*-keep.json")
+    result = json.loads(path.read_text())
+    section = result["restore"]
+    assert result["settings"]["restore_page_cache"] == "keep"
+    assert section["page_cache"] == "keep" and section["failures"] == []
+    [run] = section["runs"]
+    record = run["page_cache"]
+    assert record["mode"] == "keep" and record["evicted"] is False and record["reason"] is None
+    assert record["files"] == 0 and record["bytes"] == 0  # nothing evicted
+    assert record["files_in_dir"] >= run["restart"]["disk_objects_found"] + 1 and record["bytes_in_dir"] > 0
+    if sys.platform.startswith("linux"):  # the old engine's buffered writes are still in memory
+        assert record["resident_bytes_after"] == record["resident_bytes_before"] > 0
+    assert run["disk"]["identical"] is True and run["disk"]["cached_tokens"] == LENGTH
+    assert run["disk"]["output_token_ids"] == run["cold"]["output_token_ids"]
+    assert run["disk"]["stats_delta"]["disk_hit_tokens"] == LENGTH
+    assert f"run 1/1: page cache: kept ({record['files_in_dir']} files" in progress
+    text = _with_restore(qwen3_next_restore[0], section)
+    assert (
+        "Page cache kept (`--restore-page-cache keep`): the disk directory's files were not evicted before "
+        "the disk hit, so it may read them from memory, not the disk"
+    ) in text
+    assert "Disk objects evicted from the page cache" not in text
+
+
+def test_without_posix_fadvise_nothing_is_evicted_and_the_report_says_so(
+    qwen3_next_restore, tiny_qwen3_next_config_dir, tmp_path, monkeypatch
+):
+    monkeypatch.delattr(os, "posix_fadvise")
+    section, progress = _direct_restore(tiny_qwen3_next_config_dir, tmp_path / "disk", "evict")
+    [run] = section["runs"]
+    record = run["page_cache"]
+    assert record["mode"] == "evict" and record["evicted"] is False
+    assert record["reason"] == "os.posix_fadvise is unavailable on this platform"
+    assert record["files"] == 0 and record["bytes"] == 0 and record["files_in_dir"] > 0
+    assert run["disk"]["identical"] is True and section["failures"] == []
+    assert "page cache NOT evicted: os.posix_fadvise is unavailable on this platform" in progress
+    text = _with_restore(qwen3_next_restore[0], section)
+    assert (
+        "Page cache **not evicted** (`--restore-page-cache evict`, but os.posix_fadvise is unavailable on "
+        "this platform): the disk hit may read from memory."
+    ) in text
+
+
+def test_results_from_before_the_option_render_as_before(qwen3_next_restore):
+    section = copy.deepcopy(qwen3_next_restore[0]["restore"])
+    del section["page_cache"], section["page_cache_median"]
+    for run in section["runs"]:
+        del run["page_cache"]
+    text = _with_restore(qwen3_next_restore[0], section)
+    assert "buffered (reads may come from the page cache)" in text and "Page cache" not in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="residency comes from Linux mincore")
+def test_prepare_page_cache_drops_a_file_and_measures_it(tmp_path):
+    if restore.filesystem_of(tmp_path)["fstype"] == "tmpfs":
+        pytest.skip("a tmpfs file is the page cache: it cannot be dropped")
+    folder = tmp_path / "objects" / "ab"
+    folder.mkdir(parents=True)
+    data = os.urandom(3 * 2**20 + 5)
+    (folder / "x.page").write_bytes(data)
+    size = len(data)
+    kept = restore.prepare_page_cache(tmp_path, "keep")  # just written: all of it in the page cache
+    assert (kept["files"], kept["files_in_dir"], kept["bytes_in_dir"]) == (0, 1, size)
+    assert kept["resident_bytes_before"] == kept["resident_bytes_after"] == size
+    evicted = restore.prepare_page_cache(tmp_path, "evict")
+    assert (evicted["files"], evicted["bytes"]) == (1, size)
+    assert evicted["resident_bytes_before"] == size and evicted["resident_bytes_after"] == 0
+    assert restore.prepare_page_cache(tmp_path, "keep")["resident_bytes_after"] == 0
+    assert (folder / "x.page").read_bytes() == data  # dropped from memory, not from the disk
+    assert restore.prepare_page_cache(tmp_path, "keep")["resident_bytes_after"] == size
+
+
+def test_the_page_cache_flag_is_parsed_and_checked():
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert BenchOptions.from_args(parser.parse_args([])).restore_page_cache == "evict"
+    assert (
+        BenchOptions.from_args(parser.parse_args(["--restore-page-cache", "keep"])).restore_page_cache
+        == "keep"
+    )
+    with pytest.raises(MorionError, match="--restore-page-cache must be one of evict, keep, got 'drop'"):
+        BenchOptions.from_args(parser.parse_args(["--restore-page-cache", "drop"]))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,13 @@ from torch import nn
 from morion import cli
 from morion.config import EngineConfig
 from morion.errors import MorionError
-from morion.layers.moe import TRITON_MAX_TOKENS, SparseMoE, StackedExperts, set_moe_kernel
+from morion.layers.moe import (
+    AUTO_TRITON_MAX_TOKENS,
+    TRITON_MAX_TOKENS,
+    SparseMoE,
+    StackedExperts,
+    set_moe_kernel,
+)
 
 
 def small_moe() -> SparseMoE:
@@ -61,7 +67,10 @@ def test_triton_runs_up_to_the_threshold_on_cuda():
     assert experts._path(small, small.shape[0] * 2) == "triton"
     assert experts._path(torch.randn(TRITON_MAX_TOKENS + 1, 64, device="cuda"), 130) == "grouped"
     set_moe_kernel(moe, "auto")
-    assert experts._path(small, small.shape[0] * 2) == "grouped"
+    assert experts._path(small[:AUTO_TRITON_MAX_TOKENS], AUTO_TRITON_MAX_TOKENS * 2) == "triton"
+    assert experts._path(small[: AUTO_TRITON_MAX_TOKENS + 1], AUTO_TRITON_MAX_TOKENS * 2 + 2) == "grouped"
+    set_moe_kernel(moe, "grouped")
+    assert experts._path(small[:1], 2) == "grouped"
     set_moe_kernel(moe, "triton")
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     weights, ids = moe.route(x)

@@ -18,6 +18,7 @@ from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.host_table import HostRowTable, shard_name
+from morion.layers.ple_static import device_gather_ok, gather_rows
 from morion.layers.qsa_attention import QSAAttention
 from morion.loader import load_model
 from morion.spec.synthetic import SyntheticDrafter
@@ -37,7 +38,7 @@ CONFIG = {
 }
 
 
-def test_table_rows_reach_the_device_from_page_locked_memory():
+def _page_locked_table() -> HostRowTable:
     table = HostRowTable(num_rows=1000, dim=16, parts=3)
     table.place("ram", pin_memory=True, model_dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -47,12 +48,28 @@ def test_table_rows_reach_the_device_from_page_locked_memory():
             torch.randn(table.shard_shape(index), generator=generator).to(torch.float8_e4m3fn),
         )
     table.load("weight_scale", torch.tensor([0.5], dtype=torch.bfloat16))
+    return table
+
+
+def test_table_rows_reach_the_device_from_page_locked_memory():
+    table = _page_locked_table()
     assert all(shard.is_pinned() for shard in table.shards)
     rows = torch.tensor([0, 999, 333, 334, 667, 5, 5])
     fetched = table.fetch(rows, torch.device("cuda"))
     assert fetched.ready is not None and fetched.staging.is_pinned()
     on_device = fetched.wait(torch.float32)
     assert on_device.is_cuda and torch.equal(on_device.cpu(), table.gather(rows).float() * 0.5)
+
+
+def test_the_device_gathers_rows_from_page_locked_shards_itself():
+    """The decode step's UVA gather reads the shards at the addresses the driver gives (a wrong pointer
+    attribute once handed the kernel a memory type instead: an illegal address)."""
+    table = _page_locked_table()
+    cuda = torch.device("cuda")
+    assert device_gather_ok(table, cuda)
+    rows = torch.tensor([0, 999, 333, 334, 667, 5, 5])
+    gathered = gather_rows(table, rows.to(cuda)).view(torch.uint8)
+    assert gathered.is_cuda and torch.equal(gathered.cpu(), table.gather(rows).view(torch.uint8))
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,16 @@ import torch.nn.functional as F
 
 from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
-from morion.ops.causal_conv1d_triton import causal_conv1d_update_, causal_conv1d_varlen_
+from morion.ops.causal_conv1d_triton import (
+    causal_conv1d_steps_,
+    causal_conv1d_update_,
+    causal_conv1d_varlen_,
+)
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, gdn_prefill_
+from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, fused_gdn_steps_, gdn_prefill_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WIDTH = 4
@@ -180,6 +184,49 @@ def test_strided_slot_indices_address_the_right_slots():
     causal_conv1d_update_(x, conv_expected, weight, table[:, 1].contiguous(), "silu", block_c=16)
     causal_conv1d_update_(x, conv_pool, weight, table[:, 1], "silu", block_c=16)
     assert torch.equal(conv_pool, conv_expected)
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_verify_steps_keep_the_state_after_every_token(state_dtype):
+    """A verify forward of 3 tokens per sequence in one launch of each kernel: the window and state
+    after token t land in slot slots[n, t] (column 0 in place), equal to running the one-token kernels
+    column by column with the previous column's slot copied forward; a padding row (-1) writes nothing;
+    every other slot is untouched."""
+    heads, v_heads, k_dim, v_dim, channels, steps = 2, 4, 16, 16, 24, 3
+    slots = torch.tensor([[2, 5, 0], [-1, -1, -1], [4, 1, 6]], dtype=torch.int32, device=DEVICE)
+    rows = slots.shape[0] * steps
+    q, k, v, a, b, a_log, dt_bias = decode_inputs(rows, heads, v_heads, k_dim, v_dim, torch.float32)
+    x, weight, conv_pool = conv_inputs(rows, channels, 8, torch.float32, seed=4)
+    gen = torch.Generator().manual_seed(6)
+    pool = randn(8, v_heads, k_dim, v_dim, gen=gen, scale=0.5, dtype=state_dtype)
+    expected_pool, expected_conv = pool.clone(), conv_pool.clone()
+    expected_out = torch.empty(slots.shape[0], steps, v_heads, v_dim, device=DEVICE)
+    expected_x = torch.empty(slots.shape[0], steps, channels, device=DEVICE)
+    by_token = torch.arange(rows, device=DEVICE).view(-1, steps)
+    live = slots[:, 0] >= 0
+    for t in range(steps):
+        column, token_rows = slots[:, t].contiguous(), by_token[:, t]
+        if t:
+            source, target = slots[live, t - 1].long(), slots[live, t].long()
+            expected_pool[target], expected_conv[target] = expected_pool[source], expected_conv[source]
+        expected_x[:, t] = causal_conv1d_update_(
+            x[token_rows], expected_conv, weight, column, "silu", block_c=16
+        )
+        expected_out[:, t] = fused_gdn_decode_(
+            *(tensor[token_rows] for tensor in (q, k, v, a, b)), a_log, dt_bias, expected_pool, column, 0.25
+        )
+    before_pool, before_conv = pool.clone(), conv_pool.clone()
+    convolved = causal_conv1d_steps_(x, conv_pool, weight, slots, "silu", block_c=16)
+    out = fused_gdn_steps_(q, k, v, a, b, a_log, dt_bias, pool, slots, 0.25)
+    # Live rows only: a padding row's outputs are unspecified (the one-token kernels restart it from zeros
+    # every column, the fused ones carry its state).
+    convolved, out = convolved.view_as(expected_x)[live], out.view_as(expected_out)[live]
+    torch.testing.assert_close(convolved, expected_x[live], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out, expected_out[live], atol=1e-5, rtol=0)
+    written = slots[live].flatten().tolist()
+    torch.testing.assert_close(conv_pool[written], expected_conv[written], atol=1e-6, rtol=0)
+    torch.testing.assert_close(pool[written].float(), expected_pool[written].float(), atol=1e-5, rtol=0)
+    assert untouched(pool, before_pool, written) and untouched(conv_pool, before_conv, written)
 
 
 # -- the conv ----------------------------------------------------------------------------------------
