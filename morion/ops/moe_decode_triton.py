@@ -30,13 +30,12 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX, MIN_SCALE, quantize_fp8
+from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
 MAX_PAIRS = 1024
@@ -44,19 +43,10 @@ _BLOCK_M = 16  # rows (pairs of one expert) per tile: the smallest `tl.dot` take
 _SUM_BLOCK = 512
 
 
-class Tiles(NamedTuple):
-    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# By the weights' element size in bytes (BLOCK_K spans 128 bytes of a weight row). Untuned first choices
-# (an H200 sweep is to come): at T = 1 and Qwen3-Next's shapes, 10 x 16 programs per kernel, each streaming
-# 128 KiB (gate_up) or 64 KiB (down) of FP8 weights. The same tiles for every T keep results batch
-# invariant.
+# Defaults by the weights' element size in bytes (BLOCK_K spans 128 bytes of a weight row), for shapes
+# without a tuned file (ops/moe_tiles.py): at T = 1 and Qwen3-Next's shapes, 10 x 16 programs per kernel,
+# each streaming 128 KiB (gate_up) or 64 KiB (down) of FP8 weights. The same tiles for every T keep
+# results batch invariant.
 GATE_UP_TILES = {1: Tiles(32, 128, 4, 4), 2: Tiles(32, 64, 4, 4), 4: Tiles(32, 32, 4, 4)}
 DOWN_TILES = {1: Tiles(128, 128, 4, 3), 2: Tiles(128, 64, 4, 3), 4: Tiles(128, 32, 4, 3)}
 
@@ -195,7 +185,8 @@ def moe_experts_triton(
     """The contract of `moe_experts_reference`: hidden [T, H] (unit stride on H); gate_up_proj [E, 2I, H]
     and down_proj [E, H, I] with unit stride on their last dim, e4m3 with `gate_up_scale` [E, 2I] and
     `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights, topk_ids [T, k] with T * k <=
-    MAX_PAIRS. Returns [T, H] in hidden's dtype. `*_tiles` override the default tiles (tuning sweeps)."""
+    MAX_PAIRS. Returns [T, H] in hidden's dtype. Tiles: the device's tuned file for this shape
+    (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep)."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     if num_pairs > MAX_PAIRS:
@@ -205,8 +196,12 @@ def moe_experts_triton(
     hidden_size, inter_size = down_proj.shape[1], down_proj.shape[2]
     fp8 = gate_up_scale is not None and down_scale is not None
     width = gate_up_proj.element_size()
-    gate_up_tiles = gate_up_tiles or GATE_UP_TILES[width]
-    down_tiles = down_tiles or DOWN_TILES[width]
+    tuned = None
+    if hidden.is_cuda:
+        index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+    gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else GATE_UP_TILES[width])
+    down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
     if fp8:
         x, x_scale = quantize_fp8(hidden, per_row=True)
     else:

@@ -7,10 +7,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from morion.ops.fp8 import quantize_fp8
+from morion.ops.moe_tiles import ExpertShape
+from morion.ops.moe_tune import capture_graph, random_batch, random_experts
 
 # The MoE kernels' GPU tests run at Qwen3-Next shapes: E=512, top-10, H=2048, I=512.
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 512, 2048, 512, 10
+SHAPE = ExpertShape(EXPERTS, HIDDEN, INTERMEDIATE, "fp8")
+MOE_KINDS = {"bf16": "bfloat16", "fp8": "fp8"}
 CUDA = torch.device("cuda")
 MoEBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -65,48 +68,12 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def moe_experts() -> dict[str, dict[str, torch.Tensor]]:
     """The same random experts of the real shapes in bf16 and in FP8 with per-(expert, row) scales, on the
     GPU: {"bf16": {"gate_up", "down"}, "fp8": {"gate_up", "down", "gate_up_scale", "down_scale"}}."""
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    shapes = {"gate_up": (EXPERTS, 2 * INTERMEDIATE, HIDDEN), "down": (EXPERTS, HIDDEN, INTERMEDIATE)}
-    bf16 = {
-        name: torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen) * shape[-1] ** -0.5
-        for name, shape in shapes.items()
-    }
-    gate_up, gate_up_scale = quantize_fp8(bf16["gate_up"], per_row=True)
-    down, down_scale = quantize_fp8(bf16["down"], per_row=True)
-    fp8 = {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
-    return {"bf16": bf16, "fp8": fp8}
+    return {kind: random_experts(SHAPE._replace(dtype=dtype), CUDA) for kind, dtype in MOE_KINDS.items()}
 
 
 def make_moe_batch(tokens: int, seed: int) -> MoEBatch:
     """hidden [T, H] bf16 and a softmax top-k routing over random router logits, on the GPU."""
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    hidden = torch.randn(tokens, HIDDEN, device=CUDA, generator=gen).to(torch.bfloat16)
-    logits = torch.randn(tokens, EXPERTS, device=CUDA, generator=gen)
-    weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
-    return hidden, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16), ids
-
-
-def run_experts(
-    fn, weights: dict[str, torch.Tensor], hidden, topk_weights, topk_ids, **options
-) -> torch.Tensor:
-    """`fn` (a `moe_experts_*` op) over one of `moe_experts`' sets, with its scales where it has them."""
-    scales = {k: weights[k] for k in ("gate_up_scale", "down_scale") if k in weights}
-    return fn(hidden, weights["gate_up"], weights["down"], topk_weights, topk_ids, **scales, **options)
-
-
-def capture_graph(step: Callable[[], object], warmups: int = 2) -> torch.cuda.CUDAGraph:
-    """`step` warmed up on a side stream (compiles the kernels; torch.cuda.graph asks for a warm-up
-    outside the capture), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
+    return random_batch(SHAPE, tokens, TOP_K, CUDA, seed)
 
 
 def graph_replays_with_new_routings(

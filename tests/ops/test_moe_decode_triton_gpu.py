@@ -1,27 +1,25 @@
 """The fused Triton MoE kernels at Qwen3-Next shapes (E=512, top-10, H=2048, I=512) on a GPU: against the
 reference and the grouped path (bf16 and FP8 experts), replayed in a CUDA graph with new routing, batch
-invariance, and CUDA-graph timings against `moe_experts_grouped`, printed (never asserted).
-
-`MORION_MOE_TILE_SWEEP=1` also times a few tile choices per kernel at T = 1 and 16 (FP8), for tuning.
+invariance, CUDA-graph timings against `moe_experts_grouped`, printed (never asserted), and the tile
+tuner (`morion.ops.moe_tune`) end to end.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import statistics
 
 import pytest
 import torch
 
 from morion.ops.moe import moe_experts_grouped, moe_experts_reference
+from morion.ops.moe_tune import run_experts, time_in_graph
 from tests.ops.conftest import (
     HIDDEN,
     MoEBatch,
-    capture_graph,
     graph_replays_with_new_routings,
     make_moe_batch,
     rel_l2,
-    run_experts,
 )
 
 pytestmark = pytest.mark.gpu
@@ -71,21 +69,6 @@ def test_a_token_result_does_not_depend_on_the_batch(moe_experts):
         assert torch.equal(alone[0], batched[t])
 
 
-def time_in_graph(fn, weights: dict[str, torch.Tensor], batches: list[MoEBatch], **options) -> float:
-    """Microseconds per call: one graph calls `fn` once per batch (different routings, so the weights
-    come from HBM as in a decode step, not from L2); median over replays, timed with CUDA events."""
-    graph = capture_graph(lambda: [run_experts(fn, weights, *batch, **options) for batch in batches])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(batches))
-    return statistics.median(times)
-
-
 def weight_bytes(weights: dict[str, torch.Tensor], batches: list[MoEBatch]) -> float:
     """Mean bytes of expert weights (and scales) a call must read: its distinct experts' matrices."""
     per_expert = sum(t[0].numel() * t.element_size() for t in weights.values())
@@ -108,22 +91,33 @@ def test_timings_against_grouped(moe_experts, kind, capsys):
         print("\n" + "\n".join(lines))
 
 
-@pytest.mark.skipif(os.environ.get("MORION_MOE_TILE_SWEEP") != "1", reason="set MORION_MOE_TILE_SWEEP=1")
-def test_tile_sweep(moe_experts, capsys):
-    from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, Tiles
+def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypatch, capsys):
+    """`python -m morion.ops.moe_tune` over two candidates per kernel: the file names this device and the
+    shape, holds candidates, and `tuned_tiles` hands them to the kernels (whose output they do not change
+    beyond a different summation order)."""
+    from morion.ops import moe_tiles, moe_tune
 
-    lines = []
-    for tokens in (1, 16):
-        batches = [make_moe_batch(tokens, seed=200 + i) for i in range(20)]
-        for block_n in (16, 32, 64):
-            for block_k in (128, 256):
-                tiles = Tiles(block_n, block_k, 4, 4)
-                us = time_in_graph(triton_experts, moe_experts["fp8"], batches, gate_up_tiles=tiles)
-                lines.append(f"fp8 T={tokens} gate_up {tiles}: {us:.1f} us (down {DOWN_TILES[1]})")
-        for block_n in (64, 128, 256):
-            for block_k in (128, 256):
-                tiles = Tiles(block_n, block_k, 4, 3)
-                us = time_in_graph(triton_experts, moe_experts["fp8"], batches, down_tiles=tiles)
-                lines.append(f"fp8 T={tokens} down {tiles}: {us:.1f} us (gate_up {GATE_UP_TILES[1]})")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+    monkeypatch.setattr(moe_tune, "GATE_UP_CANDIDATES", moe_tune.GATE_UP_CANDIDATES[:2])
+    monkeypatch.setattr(moe_tune, "DOWN_CANDIDATES", moe_tune.DOWN_CANDIDATES[:2])
+    flags = ["--experts", "512", "--hidden", "2048", "--intermediate", "512", "--top-k", "10"]
+    moe_tune.main([*flags, "--tokens", "1", "--out", str(tmp_path)])
+    [path] = tmp_path.glob("*.json")
+    config = json.loads(path.read_text())
+    assert config["device"] == torch.cuda.get_device_name() and config["experts"] == 512
+    assert tuple(config["gate_up"]) in moe_tune.GATE_UP_CANDIDATES[:2]
+    assert tuple(config["down"]) in moe_tune.DOWN_CANDIDATES[:2]
+    assert set(config["us_per_call"]) == {"1"} and config["us_per_call"]["1"] > 0
+    monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
+    moe_tiles.tuned_tiles.cache_clear()
+    try:
+        shape = moe_tiles.expert_shape(moe_experts["fp8"]["gate_up"], moe_experts["fp8"]["down"])
+        assert moe_tiles.tuned_tiles(torch.cuda.get_device_name(), shape) == (
+            moe_tiles.Tiles(*config["gate_up"]),
+            moe_tiles.Tiles(*config["down"]),
+        )
+        batch = make_moe_batch(4, seed=7)
+        tuned = run_experts(triton_experts, moe_experts["fp8"], *batch)
+        reference = run_experts(moe_experts_reference, moe_experts["fp8"], *batch)
+        assert rel_l2(tuned, reference) < 1e-2  # as the default tiles
+    finally:
+        moe_tiles.tuned_tiles.cache_clear()

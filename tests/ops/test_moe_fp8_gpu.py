@@ -13,13 +13,13 @@ from morion.layers.linear_fp8 import Fp8Linear
 from morion.loader import load_model
 from morion.ops.fp8 import fp8_linear_reference, quantize_fp8_
 from morion.ops.moe import moe_experts_grouped, moe_experts_reference
+from morion.ops.moe_tune import run_experts
 from tests.ops.conftest import (
     CUDA,
     HIDDEN,
     graph_replays_with_new_routings,
     make_moe_batch,
     rel_l2,
-    run_experts,
 )
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,65 @@
+"""The fused MoE kernels' tiles per device and expert shape (ops/moe_decode_triton.py).
+
+Tiles are tuned on the device by `python -m morion.ops.moe_tune` and kept as JSON files in
+`morion/ops/moe_configs/`, one per (device name, E, H, I, weight dtype), as SGLang and vLLM keep their
+fused-MoE configs. A shape without a file runs the kernels' default tiles. One file holds one tile per
+kernel for every token count: tiles never depend on T, so a token's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "moe_configs"
+
+
+class Tiles(NamedTuple):
+    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class ExpertShape(NamedTuple):
+    experts: int
+    hidden: int
+    intermediate: int
+    dtype: str  # "fp8", "bfloat16", ...
+
+
+def expert_shape(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertShape:
+    """The shape of stacked experts gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    dtype = "fp8" if gate_up_proj.element_size() == 1 else str(gate_up_proj.dtype).removeprefix("torch.")
+    return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2], dtype)
+
+
+def config_path(device_name: str, shape: ExpertShape, directory: Path | None = None) -> Path:
+    """The file of this device and shape in `directory` (default CONFIG_DIR)."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    return (
+        directory or CONFIG_DIR
+    ) / f"{slug}_E{shape.experts}_H{shape.hidden}_I{shape.intermediate}_{shape.dtype}.json"
+
+
+@functools.cache
+def device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def tuned_tiles(device: str, shape: ExpertShape) -> tuple[Tiles, Tiles] | None:
+    """(gate_up, down) tiles from the tuned file of this device and shape; None without one. Read once per
+    process (the first call is in a warm-up forward, never inside a CUDA-graph capture)."""
+    path = config_path(device, shape)
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    return Tiles(*config["gate_up"]), Tiles(*config["down"])

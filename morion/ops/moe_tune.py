@@ -1,0 +1,176 @@
+"""Tunes the fused MoE kernels' tiles for this GPU and one expert shape; writes ops/moe_tiles.py's file.
+
+    python -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 --dtype fp8
+
+Random experts of the shape (FP8: quantized per (expert, row), as the loader does), and for each token
+count of `--tokens` 20 random routings (different experts per call, so weights come from HBM as in a
+decode step, not from L2). A candidate's cost is the sum over those token counts of the microseconds per
+call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with the
+default down tile, then the down tile with the best gate/up one. One tile per kernel for every token
+count (batch invariance: see ops/moe_tiles.py). Prints one line per candidate, writes the JSON with the
+default tiles' and the chosen tiles' timings, and prints its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import triton
+
+from morion.ops.fp8 import quantize_fp8
+from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, moe_experts_triton
+from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
+
+# Candidates: BLOCK_N x BLOCK_K x stages (4 warps). The defaults are among them.
+GATE_UP_CANDIDATES = [Tiles(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]
+DOWN_CANDIDATES = [Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)]
+ROUTINGS = 20
+
+Experts = dict[str, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def random_experts(shape: ExpertShape, device: torch.device, seed: int = 0) -> Experts:
+    """gate_up [E, 2I, H], down [E, H, I] (fan-in scaled), with per-row scales when `shape.dtype` is fp8."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    experts, hidden, inter = shape.experts, shape.hidden, shape.intermediate
+    dtype = torch.bfloat16 if shape.dtype == "fp8" else getattr(torch, shape.dtype)
+    weights = {
+        name: torch.randn(size, device=device, dtype=dtype, generator=generator) * size[-1] ** -0.5
+        for name, size in (("gate_up", (experts, 2 * inter, hidden)), ("down", (experts, hidden, inter)))
+    }
+    if shape.dtype != "fp8":
+        return weights
+    gate_up, gate_up_scale = quantize_fp8(weights["gate_up"], per_row=True)
+    down, down_scale = quantize_fp8(weights["down"], per_row=True)
+    return {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+
+
+def random_batch(shape: ExpertShape, tokens: int, top_k: int, device: torch.device, seed: int) -> Batch:
+    """hidden [T, H] bf16 and a renormalised softmax top-k routing over random router logits."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(tokens, shape.hidden, device=device, generator=generator).to(torch.bfloat16)
+    logits = torch.randn(tokens, shape.experts, device=device, generator=generator)
+    weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return hidden, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16), ids
+
+
+def run_experts(
+    fn: Callable[..., torch.Tensor],
+    experts: Experts,
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    **options,
+) -> torch.Tensor:
+    """`fn` (a `moe_experts_*` op) on one batch, with the experts' scales where they have them."""
+    scales = {k: experts[k] for k in ("gate_up_scale", "down_scale") if k in experts}
+    return fn(hidden, experts["gate_up"], experts["down"], topk_weights, topk_ids, **scales, **options)
+
+
+def capture_graph(step: Callable[[], object], warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """`step` warmed up on a side stream (compiles the kernels; a capture must not), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def time_in_graph(
+    fn: Callable[..., torch.Tensor], experts: Experts, batches: Sequence[Batch], **options
+) -> float:
+    """Microseconds per call: one graph calls `fn` once per batch; median over 10 replays (CUDA events)."""
+    graph = capture_graph(lambda: [run_experts(fn, experts, *batch, **options) for batch in batches])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(batches))
+    return statistics.median(times)
+
+
+def _sweep(
+    kernel: str,
+    candidates: Sequence[Tiles],
+    fixed: dict[str, Tiles],
+    experts: Experts,
+    batches: dict[int, list[Batch]],
+) -> tuple[Tiles, dict[int, float]]:
+    """The candidate with the least summed time over the token counts, and its time per token count."""
+    best: tuple[float, Tiles, dict[int, float]] | None = None
+    for tiles in candidates:
+        options = {**fixed, f"{kernel}_tiles": tiles}
+        times = {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
+        listed = ", ".join(f"T={t} {us:.1f} us" for t, us in times.items())
+        print(f"moe tune {kernel} {tuple(tiles)}: {listed}", file=sys.stderr)
+        if best is None or sum(times.values()) < best[0]:
+            best = (sum(times.values()), tiles, times)
+    return best[1], best[2]
+
+
+def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device) -> dict:
+    """The tuned config (the JSON written by `main`)."""
+    experts = random_experts(shape, device)
+    batches = {
+        t: [random_batch(shape, t, top_k, device, seed=1000 * t + i) for i in range(ROUTINGS)] for t in tokens
+    }
+    width = experts["gate_up"].element_size()
+    defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
+    default_us = {t: time_in_graph(moe_experts_triton, experts, b, **defaults) for t, b in batches.items()}
+    fixed_down = {"down_tiles": defaults["down_tiles"]}
+    gate_up, _ = _sweep("gate_up", GATE_UP_CANDIDATES, fixed_down, experts, batches)
+    down, chosen_us = _sweep("down", DOWN_CANDIDATES, {"gate_up_tiles": gate_up}, experts, batches)
+    return {
+        "device": torch.cuda.get_device_name(device),
+        **shape._asdict(),
+        "top_k": top_k,
+        "gate_up": list(gate_up),
+        "down": list(down),
+        "us_per_call": {str(t): round(us, 2) for t, us in chosen_us.items()},
+        "default_us_per_call": {str(t): round(us, 2) for t, us in default_us.items()},
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m morion.ops.moe_tune", description=__doc__.split("\n")[0])
+    parser.add_argument("--experts", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--intermediate", type=int, required=True)
+    parser.add_argument("--top-k", type=int, required=True)
+    parser.add_argument("--dtype", default="fp8", choices=("fp8", "bfloat16"))
+    parser.add_argument("--tokens", default="1,4", help="token counts whose summed time is minimised")
+    parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="directory of the JSON file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("tuning needs a CUDA device")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shape = ExpertShape(args.experts, args.hidden, args.intermediate, args.dtype)
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = tune(shape, args.top_k, tokens, device)
+    path = config_path(config["device"], shape, args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    chosen = ", ".join(f"T={t} {us} us (default {config['default_us_per_call'][t]})" for t, us in
+                       config["us_per_call"].items())  # fmt: skip
+    print(f"moe tune: gate_up {config['gate_up']}, down {config['down']}: {chosen}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
