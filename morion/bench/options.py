@@ -136,7 +136,7 @@ class BenchOptions:
             )
         if url is not None and "spec" in workloads:
             raise MorionError(
-                "--workloads spec needs the offline engine (it forces the acceptance inside the engine): "
+                "--workloads spec needs the offline engine (a speculative engine on the same weights): "
                 "leave out --url"
             )
         if args.restore_page_cache not in RESTORE_PAGE_CACHE:

@@ -13,6 +13,8 @@ from morion.bench.restore import KIND_NAMES, KINDS
 # The spec workload's method (morion/bench/speculative.py); a spec section without it was measured with
 # the oracle drafter that forced acceptance replaced.
 SPEC_METHOD = "forced acceptance"
+# Its real mode (`--speculative ngram`): the target's own verdict on a model-free drafter's proposals.
+SPEC_METHOD_REAL = "real acceptance"
 
 DEFINITIONS = {
     "per_request_tok_s": (
@@ -75,6 +77,24 @@ DEFINITIONS = {
         "where max_tokens cuts it); p is set for 1 + p + ... + p^k. Every step drafts k tokens, so accepted "
         "/ drafted at draft position j is p^j"
     ),
+    "spec_real": (
+        "speculative decoding, REAL acceptance (not synthetic): per run, C code-edit prompts decode greedily "
+        "on the plain engine, then on a second engine on the same weights with the n-gram drafter at width "
+        "k; each verify step keeps the drafts while they equal the target's argmax, then adds the target's "
+        "own token; nothing is forced. Every speculative output must equal its plain output token for "
+        "token. tok/s as [1]; speedup = median speculative / median plain; prompt tokens: median over the "
+        "measured runs' requests"
+    ),
+    "spec_real_mean_accepted": (
+        "measured mean accepted length: tokens a request gained per verify step (accepted drafts + the "
+        "target's own token) = emitted / (emitted - accepted), from the change in the speculative engine's "
+        "counters over the measured runs (warm-ups excluded; a request's last step counts in full even "
+        "where max_tokens cuts it); steps without a proposal decode plainly and are not verify steps. "
+        "Accepted / drafted per draft position: drafts accepted at position j / drafts proposed there. "
+        "Proposal rate: request-steps the drafter proposed for / request-steps it was asked for (each one "
+        "target forward); decode tokens per step: the speculative requests' tokens after the first / "
+        "those request-steps (plain decode: 1)"
+    ),
 }
 
 
@@ -89,6 +109,8 @@ _FOOTNOTES = (
     "restore_gbs",
     "spec",
     "spec_mean_accepted",
+    "spec_real",
+    "spec_real_mean_accepted",
 )
 
 
@@ -148,6 +170,7 @@ def markdown(result: dict[str, Any]) -> str:
     notes = ["per_request_tok_s", "aggregate_tok_s", "roofline", "mbu", "prefill_tok_s", "prefill_bound"]
     notes += ["restore", "restore_gbs"] if result.get("restore") else []
     notes += ["spec", "spec_mean_accepted"] if _forced(result.get("spec")) else []
+    notes += ["spec_real", "spec_real_mean_accepted"] if _real(result.get("spec")) else []
     # Fixed numbers (the tables cite them); a footnote ends in two spaces: a line break but the last.
     footnotes = [f"[{_FOOTNOTES.index(key) + 1}] {DEFINITIONS[key]}." for key in notes]
     lines += ["---", *(note + "  " for note in footnotes[:-1]), footnotes[-1]]
@@ -352,6 +375,8 @@ def _mib(num_bytes: float | None) -> str:
 def _spec_table(section: dict[str, Any] | None) -> list[str]:
     if not section:
         return []
+    if _real(section):
+        return _spec_real_table(section)
     heading = (
         f"## Speculative decoding, SYNTHETIC ({section.get('method', 'oracle drafter')}): width "
         f"{section['width']}, p = {section['acceptance_p']:.3f}, set for {section['target_mean_accepted']:g} "
@@ -407,8 +432,63 @@ def _spec_table(section: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _spec_real_table(section: dict[str, Any]) -> list[str]:
+    """The real-acceptance mode (`--speculative ngram`): measured acceptance, outputs checked."""
+    prompts = section["prompt_set"]
+    low, high = section["ngram"]
+    failures = section.get("failures") or []
+    checked = sum(len(run["identical"]) for p in section["points"] for run in [*p["warmup_runs"], *p["runs"]])
+    verdict = (
+        f"all {checked} requests (warm-ups included) identical"
+        if not failures
+        else f"**FAILED**: {len(failures)} of {checked} requests differ (listed below)"
+    )
+    lines = [
+        f"## Speculative decoding, REAL acceptance (not synthetic): `{section['drafter_name']}` drafter, "
+        f"width {section['width']}, {prompts['name']} prompts [11]",
+        "",
+        f"**REAL**: the n-gram drafter (prompt lookup over each request's own tokens, n = {low}..{high}) "
+        "proposes, and each verify step keeps the drafts while they equal the target's greedy token; no "
+        f"acceptance is forced. Prompts `{prompts['name']}` ({prompts['format']}): {prompts['description']}; "
+        f"made from the seed `{prompts['seed']}` and each request's key, the same on every machine. "
+        f"Greedy outputs must equal plain token for token: {verdict}. {section['output_tokens']} greedy "
+        f"output tokens per request, EOS ignored; median of {section['repeats']} runs, "
+        f"{section['warmup_runs']} warm-up per point; {section['torch_threads']} torch threads.",
+        "",
+        "| C | prompt tokens | plain tok/s [1] | n-gram tok/s [1] | speedup | mean accepted [12] | accepted "
+        "/ drafted by position [12] | proposal rate [12] | decode tokens per step [12] | outputs |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for p in section["points"]:
+        median = p["median"]
+        cells = (
+            str(p["concurrency"]),
+            f"{p['prompt_tokens']:,.0f} (≤ {p['context']:,})",
+            _num(median["plain_per_request_tok_s"]),
+            _num(median["speculative_per_request_tok_s"]),
+            "—" if p["speedup"] is None else f"{p['speedup']:.2f}x",
+            _num(p["measured_mean_accepted"], 2),
+            " / ".join(_num(rate, 2) for rate in p["acceptance_by_position"]) or "—",
+            _pct(p["proposal_rate"]),
+            _num(p["decode_tokens_per_step"], 2),
+            "identical" if p["identical"] else "**FAILED**",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    skipped = section.get("skipped") or []
+    if skipped:
+        names = ", ".join(f"C{s['concurrency']} x {s['context']:,}" for s in skipped)
+        lines += ["", f"Skipped (over --max-cell-prompt-tokens): {names}."]
+    if failures:
+        lines += ["", *(f"- FAILED: {failure}" for failure in failures)]
+    return [*lines, ""]
+
+
 def _forced(section: dict[str, Any] | None) -> bool:
     return bool(section) and section.get("method") == SPEC_METHOD
+
+
+def _real(section: dict[str, Any] | None) -> bool:
+    return bool(section) and section.get("method") == SPEC_METHOD_REAL
 
 
 def _roofline_inputs(roof: dict[str, Any]) -> list[str]:

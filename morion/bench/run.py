@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from morion.bench import analysis, provenance, restore, roofline
+from morion.bench import analysis, provenance, restore, roofline, speculative
 from morion.bench.options import BenchOptions, add_bench_arguments
 from morion.bench.plot import matplotlib_available, write_png
 from morion.bench.prompts import PromptFactory
@@ -48,8 +48,6 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             restore.check_flags(config, options)
         plain = config
         if "spec" in options.workloads:
-            from morion.bench import speculative
-
             speculative.check_flags(config, options)
             plain = speculative.plain_config(config)  # the engine flags configure its speculative engine
         most = max(options.concurrency) if {"decode", "spec"} & set(options.workloads) else 1
@@ -119,6 +117,9 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             ) from error
     result["status"] = "complete"
     _write_all(path, result)
+    spec_failure = speculative.failure_message(result["spec"])
+    if spec_failure:
+        raise MorionError(f"{spec_failure}; results: {path}")
     failures = (result["restore"] or {}).get("failures")
     if failures:
         raise MorionError(f"restore FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
@@ -175,7 +176,6 @@ def _run_workloads(
         if not isinstance(bench.target, EngineTarget):
             raise MorionError("--workloads spec and restore need the offline engine")
     if "spec" in options.workloads:
-        from morion.bench import speculative
 
         def keep_spec(section: dict[str, Any]) -> None:
             result["spec"] = section
@@ -327,8 +327,9 @@ def _default_label(options: BenchOptions, config: EngineConfig, target: Target, 
     device = device.removeprefix("NVIDIA ").split()[0] if device else "device"
     model = Path(str(config.model or "default")).name.removeprefix("preset:")
     suffix = "-fp8" if config.weight_dtype == "fp8" else ""
-    # A results file with synthetic speculative numbers says so in its name too.
-    suffix += "-spec-synthetic" if "spec" in options.workloads else ""
+    # A results file with speculative numbers says how they were made in its name too.
+    if "spec" in options.workloads:
+        suffix += "-spec-ngram" if config.speculative == speculative.REAL else "-spec-synthetic"
     return f"{device}-{model}{suffix}"
 
 

@@ -2,7 +2,9 @@
 DeltaNet state back): plain and speculative decode of the same fresh prompts on one set of weights, the
 speculative engine under forced acceptance (outputs not compared), the speedup and the mean accepted
 length measured over the measured runs only and consistent with the set acceptance; results labelled
-SYNTHETIC; its errors."""
+SYNTHETIC; its errors. Then the real-acceptance mode (`--speculative ngram`) on a tiny dense model with a
+byte-level tokenizer and a chat template: code-edit prompts, outputs identical to plain (and a difference
+failing the bench), the SpecStats and drafter counts consistent, results labelled REAL."""
 
 from __future__ import annotations
 
@@ -12,9 +14,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from morion.bench import speculative
+from morion.bench.prompts import CODE_EDIT, CodeEditPrompts
 from morion.bench.report import markdown
 from morion.cli import main
+from morion.errors import MorionError
+from morion.loader.hf_tokenizer import load_hf_tokenizer
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.synthetic import acceptance_for_mean_accepted
 from tests.bench.conftest import run_bench
@@ -206,7 +213,14 @@ def test_acceptance_at_the_extremes(tiny_qwen3_next_config_dir, tmp_path, mean, 
         ([], "--workloads spec needs --spec-width N, the draft width: e.g. --spec-width 3"),
         (["--spec-width", "2", "--spec-mean-accepted", "3.5"], "--spec-mean-accepted 3.5 must be in [1, 3]"),
         (["--spec-width", "3", "--spec-mean-accepted", "0.5"], "--spec-mean-accepted must be >= 1"),
-        (["--spec-width", "3", "--speculative", "ngram"], "use --speculative mtp (the MTP head drafts, at"),
+        (
+            ["--speculative", "ngram"],
+            "--workloads spec needs --spec-width N, the draft width: e.g. --spec-width 4",
+        ),
+        (
+            ["--spec-width", "3", "--speculative", "ngram", "--host-cache-gb", "1"],
+            "leave out --host-cache-gb",
+        ),
         (["--spec-width", "3", "--host-cache-gb", "1"], "leave out --host-cache-gb and --disk-cache-dir"),
     ],
 )
@@ -216,3 +230,234 @@ def test_flag_errors_are_one_line(flags, message, tmp_path, capsys):
     assert err.startswith("morion: error: ") and err.count("\n") == 1
     assert message in err
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------ real acceptance (ngram)
+NGRAM_OUTPUT, NGRAM_CONTEXT = 32, 1024
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_tokenizer(directory: Path, chat_template: str | None) -> None:
+    """A byte-level BPE without merges (one token per byte, ids 0-255) and two special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_llama_dir(tmp_path_factory) -> Path:
+    """A config-only tiny Llama (random weights with --load-format dummy) with a byte-level tokenizer and a
+    chat template: a dense model the code-edit prompts can be written for."""
+    directory = tmp_path_factory.mktemp("tiny_chat_llama")
+    config = dict(
+        model_type="llama", vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=257,
+    )  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    _byte_tokenizer(directory, CHAT_TEMPLATE)
+    return directory
+
+
+def _ngram_bench(model_dir: Path, flags: list[str], out: Path) -> tuple[int, str]:
+    model = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu", "--kv-cache-tokens"]
+    spec = ["4096", "--workloads", "spec", "--speculative", "ngram", "--spec-width", str(WIDTH)]
+    shape = ["--contexts", str(NGRAM_CONTEXT), "--output-tokens", str(NGRAM_OUTPUT)]
+    return run_bench([*model, *spec, *shape, *flags], out)
+
+
+@pytest.fixture(scope="module")
+def ngram_result(tiny_chat_llama_dir, tmp_path_factory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("ngram")
+    flags = ["--concurrency", "1,2", "--repeats", "2", "--label", "tiny-ngram"]
+    status, stderr = _ngram_bench(tiny_chat_llama_dir, flags, out)
+    assert status == 0, stderr
+    [path] = out.glob("*-tiny-ngram.json")
+    return json.loads(path.read_text()), path, stderr
+
+
+def _all_runs(section: dict) -> list[tuple[dict, dict]]:
+    return [(p, run) for p in section["points"] for run in [*p["warmup_runs"], *p["runs"]]]
+
+
+def test_real_section_is_labelled_real_and_records_drafter_and_prompts(ngram_result):
+    result, _, _ = ngram_result
+    section = result["spec"]
+    assert result["status"] == "complete"
+    assert section["synthetic"] is False and section["method"] == "real acceptance"
+    assert section["drafter"] == "ngram" and section["drafter_name"] == "ngram" and section["ngram"] == [2, 4]
+    assert section["width"] == WIDTH and section["outputs_must_match"] is True and section["failures"] == []
+    assert section["prompt_set"]["name"] == CODE_EDIT and section["prompt_set"]["format"] == "chat template"
+    assert "acceptance_p" not in section and "target_mean_accepted" not in section  # nothing is forced
+    assert (
+        result["engine_config"]["speculative"] == "ngram" and result["engine_config"]["spec_width"] == WIDTH
+    )
+    assert [(p["concurrency"], p["context"]) for p in section["points"]] == [(1, 1024), (2, 1024)]
+
+
+def test_prompts_are_code_edits_rebuilt_from_their_keys(ngram_result, tiny_chat_llama_dir):
+    """Each request's prompt is the code-edit prompt of its key, at most the context, the same when made
+    again; every request in the invocation has its own."""
+    section = ngram_result[0]["spec"]
+    tokenizer = load_hf_tokenizer(tiny_chat_llama_dir, {})
+    prompts = CodeEditPrompts(tokenizer)
+    texts = []
+    for point, run in _all_runs(section):
+        assert len(run["prompts"]) == point["concurrency"]
+        for i, (made, request) in enumerate(zip(run["prompts"], run["plain"]["requests"], strict=True)):
+            again = prompts.make(f"{run['prompt_key']}:{i}", point["context"])
+            assert made["text"] == again.text and made["task"] == again.task
+            assert (
+                made["prompt_tokens"] == len(again.token_ids) == request["prompt_tokens"] <= point["context"]
+            )
+            assert made["instruction"] in made["text"] and "```python\n" in made["text"]
+            texts.append(made["text"])
+    assert len(set(texts)) == len(texts)
+
+
+def test_speculative_outputs_equal_plain_token_for_token(ngram_result):
+    section = ngram_result[0]["spec"]
+    for point, run in _all_runs(section):
+        count = point["concurrency"]
+        assert run["identical"] == [True] * count and run["first_difference"] == [None] * count
+        assert run["speculative_output_token_ids"] == [None] * count
+        expected = [r["completion_tokens"] for r in run["plain"]["requests"]]
+        assert [len(ids) for ids in run["plain_output_token_ids"]] == expected == [NGRAM_OUTPUT] * count
+        assert [r["completion_tokens"] for r in run["speculative"]["requests"]] == expected
+        assert point["identical"] is True
+
+
+def test_real_acceptance_counters_are_consistent(ngram_result):
+    """From the SpecStats change and the drafter's counts of each run: drafts were proposed and some
+    accepted; at C1 every proposal is one verify step, and the decode tokens are what the verify and plain
+    steps gave (a last verify step may run past max_tokens by up to the width)."""
+    section = ngram_result[0]["spec"]
+    for point, run in _all_runs(section):
+        change = run["spec_stats"]
+        steps = change["emitted_tokens"] - change["accepted_tokens"]  # verify request-steps
+        assert 0 < change["accepted_tokens"] <= change["drafted_tokens"] <= WIDTH * steps
+        assert sum(change["drafted_by_position"]) == change["drafted_tokens"]
+        assert sum(change["accepted_by_position"]) == change["accepted_tokens"]
+        pairs = zip(change["accepted_by_position"], change["drafted_by_position"], strict=True)
+        assert all(a <= d for a, d in pairs)
+        assert steps == change["drafter_proposed"] <= change["drafter_asked"]
+        assert (
+            run["mean_accepted"] == change["emitted_tokens"] / steps and 1 < run["mean_accepted"] <= WIDTH + 1
+        )
+        if point["concurrency"] == 1:
+            assert change["verify_steps"] == steps
+            decoded = run["speculative"]["requests"][0]["completion_tokens"] - 1
+            plain_steps = change["drafter_asked"] - change["drafter_proposed"]
+            assert 0 <= change["emitted_tokens"] + plain_steps - decoded <= WIDTH
+    for point in section["points"]:
+        total, runs = point["spec_stats"], point["runs"]
+        for key in ("verify_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens", "drafter_asked"):
+            assert total[key] == sum(run["spec_stats"][key] for run in runs)
+        steps = total["emitted_tokens"] - total["accepted_tokens"]
+        assert point["measured_mean_accepted"] == total["emitted_tokens"] / steps
+        rates = [
+            a / d for a, d in zip(total["accepted_by_position"], total["drafted_by_position"], strict=True)
+        ]
+        assert point["acceptance_by_position"] == rates and len(rates) == WIDTH
+        assert point["proposal_rate"] == total["drafter_proposed"] / total["drafter_asked"]
+        decoded = sum(r["completion_tokens"] - 1 for run in runs for r in run["speculative"]["requests"])
+        assert point["decode_tokens_per_step"] == decoded / total["drafter_asked"] > 1
+        medians = [
+            statistics.median(run[k]["per_request_tok_s"] for run in runs) for k in ("plain", "speculative")
+        ]
+        assert point["speedup"] == medians[1] / medians[0]
+
+
+def test_real_markdown_and_progress_lines(ngram_result):
+    result, path, stderr = ngram_result
+    text = path.with_suffix(".md").read_text()
+    assert text == markdown(result)
+    heading = "## Speculative decoding, REAL acceptance (not synthetic): `ngram` drafter, width 3, code-edit"
+    assert heading in text and "SYNTHETIC" not in text and "[9]" not in text
+    assert "**REAL**: the n-gram drafter (prompt lookup over each request's own tokens, n = 2..4)" in text
+    assert "all 9 requests (warm-ups included) identical" in text  # C1: 1 + 2 runs, C2: 2 x (1 + 2)
+    assert "[11] speculative decoding, REAL acceptance (not synthetic)" in text
+    assert "[12] measured mean accepted length" in text
+    for point in result["spec"]["points"]:
+        [row] = [line for line in text.splitlines() if line.startswith(f"| {point['concurrency']} | ")]
+        assert f"| {point['speedup']:.2f}x | {point['measured_mean_accepted']:.2f} |" in row
+        assert row.endswith("| identical |")
+    assert "spec C=2 ctx=1024: run 2/2: plain " in stderr and ", outputs identical" in stderr
+    assert (
+        "spec C=1 ctx=1024: median per-request plain " in stderr and "% of steps, outputs identical" in stderr
+    )
+
+
+def test_an_output_that_differs_from_plain_fails_the_bench(tiny_chat_llama_dir, tmp_path, monkeypatch):
+    """A speculative output changed after the fact (as a broken verify would) is recorded and fails the
+    bench with one error line, after the results are written."""
+    real_generate = speculative.generate
+
+    def broken(engine, prompts, max_tokens):
+        timings, outputs = real_generate(engine, prompts, max_tokens)
+        if engine.speculative is not None:
+            outputs[0][-1] += 1
+        return timings, outputs
+
+    monkeypatch.setattr(speculative, "generate", broken)
+    flags = ["--concurrency", "1", "--repeats", "1", "--warmup-runs", "0", "--label", "broken"]
+    status, stderr = _ngram_bench(tiny_chat_llama_dir, flags, tmp_path)
+    assert status == 1
+    message = (
+        "morion: error: spec FAILED: greedy output with --speculative ngram differs from plain: C1 ctx "
+        f"1,024, run 1: output differs from plain at request 0 from token {NGRAM_OUTPUT - 1} (1 differing"
+    )
+    assert message in stderr and stderr.count("morion: error") == 1
+    [path] = tmp_path.glob("*-broken.json")
+    result = json.loads(path.read_text())
+    assert result["status"] == "complete"  # every point ran and was written before the error
+    [point] = result["spec"]["points"]
+    [run] = point["runs"]
+    assert run["identical"] == [False] and run["first_difference"] == [NGRAM_OUTPUT - 1]
+    assert run["speculative_output_token_ids"][0][-1] == run["plain_output_token_ids"][0][-1] + 1
+    assert point["identical"] is False and len(result["spec"]["failures"]) == 1
+    text = path.with_suffix(".md").read_text()
+    assert "**FAILED**: 1 of 1 requests differ" in text and "| **FAILED** |" in text
+    assert "- FAILED: C1 ctx 1,024, run 1: output differs from plain at request 0" in text
+
+
+def test_real_mode_needs_a_tokenizer(tiny_qwen3_next_config_dir, tmp_path):
+    status, stderr = _ngram_bench(tiny_qwen3_next_config_dir, ["--contexts", "64"], tmp_path)
+    assert status == 1
+    assert (
+        "morion: error: --workloads spec --speculative ngram builds code-edit prompts with the model's"
+        in stderr
+    )
+
+
+def test_code_edit_prompts(tiny_chat_llama_dir, tmp_path):
+    """Deterministic per key, within the budget and longer for a larger one, every task kind over a few
+    keys, each instruction's target in the file; plain text without a chat template; too small a budget is
+    one error."""
+    prompts = CodeEditPrompts(load_hf_tokenizer(tiny_chat_llama_dir, {}))
+    made = [prompts.make(f"k:{i}", 1500) for i in range(16)]
+    assert all(len(p.token_ids) <= 1500 for p in made) and {p.task for p in made} == set(_TASKS)
+    assert prompts.make("k:0", 1500) == made[0] and made[1].text != made[0].text
+    assert prompts.make("k:0", 3000).functions > made[0].functions
+    for p in made:
+        assert p.token_ids[:1] == [256] and p.text.startswith(p.instruction)  # <|im_start|>, the user message
+        if p.task != "type-hints":  # the function, constant or call the instruction names first
+            target = p.instruction.split("`")[1].replace("...)", "")
+            assert target in p.text.split("```python\n", 1)[1]
+    _byte_tokenizer(tmp_path, None)
+    plain = CodeEditPrompts(load_hf_tokenizer(tmp_path, {}))
+    text = plain.make("k:0", 1500)
+    assert not plain.chat and text.text == made[0].text and len(text.token_ids) == len(text.text.encode())
+    assert plain.tokenizer.decode(text.token_ids, skip_special_tokens=False) == text.text  # no chat markers
+    with pytest.raises(MorionError, match="a code-edit prompt needs more than 200 tokens"):
+        prompts.make("k:0", 200)
+
+
+_TASKS = ("constant", "logging", "rename", "type-hints")
