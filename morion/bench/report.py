@@ -413,15 +413,10 @@ def _spec_table(section: dict[str, Any] | None) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for p in section["points"]:
-        median = p["median"]
         cells = (
             str(p["concurrency"]),
             f"{p['context']:,}",
-            _num(median["plain_per_request_tok_s"]),
-            _num(median["speculative_per_request_tok_s"]),
-            "—" if p["speedup"] is None else f"{p['speedup']:.2f}x",
-            _num(p["measured_mean_accepted"], 2),
-            " / ".join(_num(rate, 2) for rate in p["acceptance_by_position"]) or "—",
+            *_spec_rate_cells(p),
             f"{p['spec_stats']['verify_graph_replays']:,}",
         )
         lines.append("| " + " | ".join(cells) + " |")
@@ -430,6 +425,19 @@ def _spec_table(section: dict[str, Any] | None) -> list[str]:
         names = ", ".join(f"C{s['concurrency']} x {s['context']:,}" for s in skipped)
         lines += ["", f"Skipped (over --max-cell-prompt-tokens): {names}."]
     return [*lines, ""]
+
+
+def _spec_rate_cells(point: dict[str, Any]) -> tuple[str, ...]:
+    """Both spec tables' plain and speculative rates, speedup, mean accepted length and per-position
+    acceptance of one point."""
+    median = point["median"]
+    return (
+        _num(median["plain_per_request_tok_s"]),
+        _num(median["speculative_per_request_tok_s"]),
+        "—" if point["speedup"] is None else f"{point['speedup']:.2f}x",
+        _num(point["measured_mean_accepted"], 2),
+        " / ".join(_num(rate, 2) for rate in point["acceptance_by_position"]) or "—",
+    )
 
 
 def _spec_real_table(section: dict[str, Any]) -> list[str]:
@@ -460,15 +468,10 @@ def _spec_real_table(section: dict[str, Any]) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for p in section["points"]:
-        median = p["median"]
         cells = (
             str(p["concurrency"]),
             f"{p['prompt_tokens']:,.0f} (≤ {p['context']:,})",
-            _num(median["plain_per_request_tok_s"]),
-            _num(median["speculative_per_request_tok_s"]),
-            "—" if p["speedup"] is None else f"{p['speedup']:.2f}x",
-            _num(p["measured_mean_accepted"], 2),
-            " / ".join(_num(rate, 2) for rate in p["acceptance_by_position"]) or "—",
+            *_spec_rate_cells(p),
             _pct(p["proposal_rate"]),
             _num(p["decode_tokens_per_step"], 2),
             "identical" if p["identical"] else "**FAILED**",

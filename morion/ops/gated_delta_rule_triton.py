@@ -146,19 +146,15 @@ def fused_gdn_decode_(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     scale: float,
-    *,
-    block_v: int | None = None,
-    num_warps: int = 4,
+    **launch: int,
 ) -> torch.Tensor:
     """One gated-delta-rule step for N sequences, updating `state_pool[state_indices[n]]` in place:
-    `fused_gdn_steps_` with one token per sequence. state_indices: [N] int32 (negative = padding row: no
-    slot is read or written)."""
+    `fused_gdn_steps_` (and its launch options) with one token per sequence. state_indices: [N] int32
+    (negative = padding row: no slot is read or written)."""
     if state_indices.dim() != 1:
         raise ValueError(f"state_indices {tuple(state_indices.shape)}, expected [N]")
-    return fused_gdn_steps_(
-        q, k, v, a, b, A_log, dt_bias, state_pool, state_indices[:, None], scale,
-        block_v=block_v, num_warps=num_warps,
-    )  # fmt: skip
+    slots = state_indices[:, None]
+    return fused_gdn_steps_(q, k, v, a, b, A_log, dt_bias, state_pool, slots, scale, **launch)
 
 
 def fused_gdn_steps_(
