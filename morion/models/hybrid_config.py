@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from morion.errors import ModelLoadError
+from morion.layers.rotary import scaled_context_length, standardize_rope
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -30,7 +31,7 @@ class HybridConfig:
     num_layers: int
     layer_types: tuple[str, ...]
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # with YaRN, its original context x factor when that is longer
     tie_word_embeddings: bool
     # attention
     num_heads: int
@@ -83,12 +84,18 @@ class HybridConfig:
                 model_type, f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}"
             )
         # transformers >= 5 nests theta and the partial factor in `rope_parameters`; the released
-        # Qwen3-Next config.json keeps `rope_theta` and `partial_rotary_factor` at the top level.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        # Qwen3-Next config.json keeps `rope_theta` and `partial_rotary_factor` at the top level, and
+        # its model card adds YaRN as `rope_scaling` (which transformers prefers when both are there).
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         partial = float(
             rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", partial_rotary_factor))
         )
+        max_position_embeddings = hf.get("max_position_embeddings", 32768)
+        try:
+            rope = standardize_rope(rope, max_position_embeddings, hf.get("original_max_position_embeddings"))
+        except ModelLoadError as error:
+            raise ModelLoadError(f"{model_type} config: {error}") from None
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         rotary_dim = int(head_dim * partial)
         if rotary_dim < 2 or rotary_dim % 2:
@@ -107,7 +114,8 @@ class HybridConfig:
             num_layers=num_layers,
             layer_types=layer_types,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            # YaRN's original context x factor when that is longer (what the positions may reach)
+            max_position_embeddings=scaled_context_length(rope, max_position_embeddings),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
