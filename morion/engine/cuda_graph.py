@@ -96,7 +96,7 @@ class DecodeGraphRunner:
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        self._hidden: dict[int, torch.Tensor] = {}  # the final hidden states (an MTP drafter reads them)
+        self._hidden: dict[int, torch.Tensor] = {}  # what the forward returns (an MTP drafter reads it)
         self._last_bucket = 0
         self._memory_pool = None
         self.replays = 0  # decode steps served from a graph
@@ -205,6 +205,6 @@ class DecodeGraphRunner:
         return self._logits[bucket][: size * n]
 
     def last_hidden(self, rows: int) -> torch.Tensor:
-        """The final hidden states [rows, H] of the last replay's first `rows` rows (valid until the next
+        """The hidden states [rows, hidden_width] of the last replay's first `rows` rows (valid until the next
         replay of any graph sharing the memory pool)."""
         return self._hidden[self._last_bucket][:rows]

@@ -92,7 +92,8 @@ class Engine:
                 f"speculative mtp needs a model with an MTP head; {self.model.config.model_type} from "
                 f"{self.model_path} has none (try --speculative ngram)"
             )
-        # The MTP head's K/V is paged with the trunk's (one more layer of "kv").
+        # The MTP head's K/V (and QSA side caches) are paged with the trunk's: further layers of its token
+        # components.
         draft_layers = {"draft_layers": True} if config.speculative == "mtp" else {}
         spec = self.model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype], **draft_layers)
         use_graphs = config.cuda_graph and self.device.type == "cuda"
@@ -180,11 +181,13 @@ class Engine:
 
     def _capture_draft_graphs(self, drafter: MtpDrafter, width: int, decode: DecodeGraphRunner) -> None:
         """The MTP head's after-verify draft of this width as CUDA graphs (spec/mtp_graph.py), in the
-        decode graphs' memory pool; eager where capture fails."""
-        embedding = self.model.model.embed_tokens.weight
+        decode graphs' memory pool; eager where capture fails. Its hidden-state buffer is as wide as what
+        the model's forward returns (`hidden_width`: Qwen3.8-Flash-Next's n pre-mixer streams), in the
+        embeddings' dtype (never FP8)."""
+        dtype = self.model.model.embed_tokens.weight.dtype
         graphs = MtpDraftGraphs(
-            drafter.draft_after_verify, width, decode.max_batch, decode.max_pages, embedding.shape[1],
-            embedding.dtype, self._scratch_pages[0], self.device,
+            drafter.draft_after_verify, width, decode.max_batch, decode.max_pages, self.model.hidden_width,
+            dtype, self._scratch_pages[0], self.device,
         )  # fmt: skip
         try:
             graphs.capture(decode.memory_pool)

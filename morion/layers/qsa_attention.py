@@ -27,13 +27,15 @@ token at its end is computed. The raw keys stay cached: the unfinished block's k
 
 Two paths (ops/qsa.py):
 
-- decode and verify steps (every sequence has the same n new tokens: `decode_only`, or a speculative
-  `verify_slots` forward): static shapes and no host syncs, so the step can be captured in a CUDA graph.
-  Scores over the page table's whole block capacity (-inf past each query's complete blocks), a top-k
-  of fixed size, the selected tokens' slots through the page table, attention masked to each row's
-  count. On CUDA a Triton scoring kernel and the paged decode kernel (one-token pages) run it; on the CPU
-  torch. Ties among equally scored blocks go to the lower block index, except on the CPU, where both
-  paths break them exactly as transformers does there (`exact_ties_on_cpu`).
+- decode and verify steps (every sequence has the same n new tokens: `decode_only`, a speculative
+  `verify_slots` forward, or a backend with a true `uniform_queries`: the MTP drafter's draft right
+  after a verify step, spec/mtp.py; see `static_step`): static shapes and no host syncs, so the step
+  can be captured in a CUDA graph. Scores over the page table's whole block capacity (-inf past each
+  query's complete blocks), a top-k of fixed size, the selected tokens' slots through the page table,
+  attention masked to each row's count. On CUDA a Triton scoring kernel and the paged decode kernel
+  (one-token pages) run it; on the CPU torch. Ties among equally scored blocks go to the lower block
+  index, except on the CPU, where both paths break them exactly as transformers does there
+  (`exact_ties_on_cpu`).
 - prefill chunks and mixed batches: the per-sequence reference (shapes that follow the data, host syncs),
   over the cached block keys; it computes and stores the keys of the blocks its tokens complete.
 """
@@ -63,6 +65,15 @@ from morion.ops.qsa import (
 
 INDEX_KEYS = "qsa_index_keys"  # the token component holding each token's raw index key [Di]
 BLOCK_KEYS = "qsa_block_keys"  # the token component holding the block keys, ceil(Di / r) per token
+
+
+def static_step(backend: TokenCacheBackend) -> bool:
+    """Every sequence has the same number n of new tokens at consecutive positions, rows b * n .. b * n + n
+    - 1 of the batch: a decode step, a speculative verify forward, or a forward whose backend says so
+    with a true `uniform_queries` attribute (the MTP drafter's after-verify draft over the verify
+    positions, which keeps no state and so has no `verify_slots`). Such steps take the static path."""
+    uniform = getattr(backend, "uniform_queries", False)
+    return backend.decode_only or backend.verify_slots is not None or uniform
 
 
 def block_key_slice(head_dim: int, ratio: int) -> int:
@@ -155,7 +166,7 @@ class QSAAttention(GatedAttentionProjections):
         backend.write_tokens(INDEX_KEYS, ordinal, raw_keys)
 
         # Decode and verify: every sequence has the same number of new tokens (the static path).
-        static = backend.decode_only or backend.verify_slots is not None
+        static = static_step(backend)
         self._store_block_keys(positions, rotary, backend, static)
         if static:
             out = self._attend_static(q, index_q, positions, backend)

@@ -85,7 +85,14 @@ def gated_delta_net_states(
 
 class HybridForCausalLM(nn.Module):
     """The trunk `model` (with `embed_tokens`), the LM head and the MTP head (`mtp`, None when the config
-    has no MTP layers or the checkpoint carries none: see models/moe_checkpoint.py)."""
+    has no MTP layers or the checkpoint carries none: see models/moe_checkpoint.py).
+
+    What `forward` returns ("the hidden states", [T, `hidden_width`]) is whatever the model's
+    `compute_logits` and its MTP head read: Qwen3-Next's final-normed hidden state ([T, H]), or
+    Qwen3.8-Flash-Next's pre-mixer hyper-connection streams ([T, n * H], the mixer applied by
+    `compute_logits`). The engine keeps them per position for the MTP drafter (spec/mtp.py), which feeds
+    them to `mtp_forward` and reads its draft logits through `mtp_head_input` and `lm_logits`.
+    """
 
     def __init__(
         self, config: HybridConfig, model: nn.Module, mtp: Callable[[HybridConfig], nn.Module]
@@ -102,8 +109,22 @@ class HybridForCausalLM(nn.Module):
         )
         self.mtp = mtp(config) if config.num_mtp_layers > 0 else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def hidden_width(self) -> int:
+        """Width of the hidden states `forward` and `mtp_forward` return (hidden_size here)."""
+        return self.config.hidden_size
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head alone: x [T, hidden_size] (what the head reads) -> fp32 logits [T, vocab]."""
         # Through the module, not its weight: under --weight-dtype fp8 the head is an Fp8Linear.
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(x, self.model.embed_tokens.weight).float()
+        return self.lm_head(x).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of hidden states [T, hidden_width] as `forward` returns them."""
+        return self.lm_logits(hidden)
+
+    def mtp_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads from the MTP head's output (`mtp_forward`): here that output itself."""
+        return hidden

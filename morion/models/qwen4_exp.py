@@ -14,12 +14,20 @@ routed experts (per-expert names or transformers' stacked ones, models/moe_check
 which go to the host (`host_tables`), and the multimodal checkpoints' `model.language_model.` prefix.
 `model.visual.*` (the vision tower) is skipped: only text is served.
 
-The native MTP head (`mtp.*`) is loaded into `self.mtp` and not run by `forward`. Its math, for the
-speculative decoder that will run it (vLLM/sglang `qwen4_exp_mtp`): for draft position t, with R_t the
-target's pre-mixer streams [n, H] after token t and e the embedding of token t+1,
+`forward` returns the trunk's last streams before the final mixer ([T, n * H]): `compute_logits` applies
+the mixer and the LM head (so only the rows that need logits are mixed), and the MTP head reads the
+streams themselves.
+
+The native MTP head (`mtp.*`, in `self.mtp`) runs in `mtp_forward`, for the speculative drafter
+(spec/mtp.py; vLLM/sglang `qwen4_exp_mtp`). For draft position t, with R_t the target's pre-mixer streams
+[n, H] after token t and e the embedding of token t+1:
 `streams = fc_hidden(pre_fc_norm_hidden(R_t) per stream) + fc_embedding(pre_fc_norm_embedding(e))`
-(`pre_fc_norm_hidden` is one norm over all n*H values), then `mtp.layers` (QSA decoder layers with their
-own hyper-connections, no PLE), `mtp.hyper_connection_mixer`, and the target's lm_head.
+(`pre_fc_norm_hidden` is one norm over all n*H values; `fc_hidden` maps each stream, `fc_embedding`'s
+output is added to every stream), then `mtp.layers` (QSA decoder layers with their own hyper-connections,
+no PLE; their K/V and QSA side caches are further layers of the trunk's token components), which return
+streams [n, H] again. Draft logits: `mtp.hyper_connection_mixer` (the target has no final norm after its
+mixer, so neither has the head) and the shared LM head. A chained draft step feeds the head's own streams
+(before its mixer) as R, as Qwen3-Next's head feeds its own output hidden state.
 """
 
 from __future__ import annotations
@@ -173,12 +181,13 @@ class Qwen4ExpModel(nn.Module):
         streams = self.embed_tokens(input_ids).repeat(1, self.hc_count)
         for index, layer in enumerate(self.layers):
             streams = layer(streams, positions, cos, sin, self.rotary, backend, ple_rows.get(index))
-        return self.hyper_connection_mixer.mix(streams)[0]
+        return streams  # before the final mixer (Qwen4ExpForCausalLM.compute_logits applies it)
 
 
 class Qwen4ExpMTP(nn.Module):
-    """The multi-token-prediction head's weights (see the module docstring for its math). Its decoder
-    layers are QSA layers without PLE; their attention ordinals continue after the trunk's."""
+    """The multi-token-prediction head's weights (see the module docstring for its math; it runs in
+    `Qwen4ExpForCausalLM.mtp_forward`). Its decoder layers are QSA layers without PLE; their attention
+    ordinals continue after the trunk's."""
 
     def __init__(self, config: Qwen4ExpConfig) -> None:
         super().__init__()
@@ -234,8 +243,8 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
     ) -> torch.Tensor:
-        """Returns the final mixer's hidden states [T, hidden]; `compute_logits` turns the ones needed
-        into logits."""
+        """Returns the trunk's pre-mixer streams [T, hc_count * hidden] (`hidden_width`); `compute_logits`
+        turns the ones needed into logits (final mixer, LM head), the MTP head reads them as they are."""
         capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and not all(device_gather_ok(t, input_ids.device) for t in self.host_tables()):
             raise RuntimeError(
@@ -243,6 +252,45 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
                 "memory-mapped files: the rows are gathered on the host (--ple-placement ram avoids it)"
             )
         return self.model(input_ids, positions, backend)
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of what `forward` and `mtp_forward` return: the n hyper-connection streams."""
+        return self.config.hc_count * self.config.hidden_size
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of pre-mixer streams [T, n * H]: the final mixer, then the LM head (the
+        mixer is the trunk's last norm: there is no `model.norm`)."""
+        return self.lm_logits(self.model.hyper_connection_mixer.mix(hidden)[0])
+
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        target_hidden: torch.Tensor,
+        backend: TokenCacheBackend,
+    ) -> torch.Tensor:
+        """The MTP head at flat positions [T]: row t fuses the embedding of `input_ids[t]` (the token after
+        position t) with `target_hidden[t]` [n * H] (the streams at position t that predicted it: the
+        trunk's pre-mixer streams as `forward` returns them, or this head's own output for a chained draft
+        step), then runs the head's QSA decoder layers (K/V and side caches at the attention ordinals after
+        the trunk's). Returns its streams [T, n * H] before its mixer; `lm_logits(mtp_head_input(.))`
+        gives the draft distribution for the token after input_ids[t]."""
+        mtp = self.mtp
+        if mtp is None:
+            raise RuntimeError("this model has no MTP head (its checkpoint carries no mtp.* weights)")
+        hidden = self.config.hidden_size
+        embedded = mtp.fc_embedding(mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids)))
+        per_stream = mtp.fc_hidden(mtp.pre_fc_norm_hidden(target_hidden).reshape(-1, hidden))
+        streams = (per_stream.view(input_ids.shape[0], -1, hidden) + embedded.unsqueeze(-2)).flatten(-2)
+        cos, sin = self.model.rotary(positions)
+        for layer in mtp.layers:
+            streams = layer(streams, positions, cos, sin, self.model.rotary, backend)
+        return streams
+
+    def mtp_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads from `mtp_forward`'s streams [T, n * H]: the head's own mixer [T, H]."""
+        return self.mtp.hyper_connection_mixer.mix(hidden)[0]
 
     def host_tables(self) -> list[HostRowTable]:
         """The loader's hook: tables kept in host memory, never on the device (the PLE n-gram tables).
@@ -252,16 +300,24 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
         return [layer.ple.ple_embedding.table for layer in self.model.layers if layer.ple is not None]
 
     def cache_spec(
-        self, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+        self,
+        page_size: int,
+        kv_dtype: torch.dtype,
+        state_dtype: torch.dtype = torch.float32,
+        draft_layers: bool = False,
     ) -> CacheSpec:
         """Per token, for each QSA layer: K/V, the raw index key [Di] and a 1/ratio share of its block's key
-        ([ceil(Di / ratio)]; layers/qsa_attention.py), both in the model dtype. Per sequence:
+        ([ceil(Di / ratio)]; layers/qsa_attention.py), both in the model dtype; with `draft_layers`, the
+        MTP head's QSA layers after the trunk's in each of the three (paged, prefix-cached and tiered with
+        them, as Qwen3-Next's MTP K/V). Per sequence:
         for each Gated DeltaNet layer the conv window and the recurrent state [HV, Dk, Dv] in
         `state_dtype` (as qwen3_next.py); for each PLE layer its conv window [(K-1)*ngram_size, n*H] in
         the model dtype and the last ngram_size - 1 token ids (int64, stored + 1: see layers/ple.py)."""
         config = self.config
         model_dtype = self.model.embed_tokens.weight.dtype
         num_attention, num_ple = len(config.attention_layers), len(config.ple_layers)
+        if draft_layers and self.mtp is not None:
+            num_attention += len(self.mtp.layers)
         ratio = config.indexer_compress_ratio
         if page_size % ratio:
             raise MorionError(

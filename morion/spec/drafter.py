@@ -62,8 +62,9 @@ class HiddenStateDrafter(Drafter, Protocol):
     target forward that computed tokens of a running request."""
 
     def observe(self, request: DraftRequest, start: int, hidden: torch.Tensor) -> None:
-        """`hidden` [n, H]: the target's final hidden states of `request` at positions start .. start + n - 1
-        (valid only during the call: a CUDA graph's output buffer is overwritten by its next replay)."""
+        """`hidden` [n, W]: the target's hidden states as its forward returns them (W = `hidden_width`)
+        of `request` at positions start .. start + n - 1 (valid only during the call: a CUDA graph's
+        output buffer is overwritten by its next replay)."""
         ...
 
 

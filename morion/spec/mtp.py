@@ -1,23 +1,30 @@
 """The native MTP drafter: the model's own multi-token-prediction head proposes the drafts.
 
-Qwen3-Next's MTP head at position p reads (the target's final hidden state h_p, the token at p + 1) and
-predicts the token at p + 2 (`Qwen3NextForCausalLM.mtp_forward`). Its decoder layer attends over its own
-K/V of earlier positions, kept in the request's pages as one more layer of the "kv" component (the
-engine builds the cache spec with `draft_layers=True`), so it is paged, prefix-cached and tiered with
-the trunk's K/V.
+The MTP head at position p reads (the target's hidden state h_p, the token at p + 1) and predicts the
+token at p + 2 (`mtp_forward`). h_p is what the target's `forward` returns there: Qwen3-Next's
+final-normed hidden state [H], Qwen3.8-Flash-Next's pre-mixer hyper-connection streams [n * H]
+(`model.hidden_width` wide). The head's output is of the same kind (its chained steps read it as their
+h) and its draft logits are `lm_logits(mtp_head_input(output))` (Qwen3-Next: the output is already
+normed; Qwen3.8-Flash-Next: the head's own mixer first). Its decoder layers attend over their own K/V of
+earlier positions (Qwen3.8-Flash-Next's QSA layers also over their raw index keys and block keys), kept
+in the request's pages as further layers of the trunk's token components (the engine builds the cache
+spec with `draft_layers=True`), so they are paged, prefix-cached and tiered with the trunk's.
 
 Per request the drafter keeps the target hidden states it has been shown (`observe`) for positions m..
 whose MTP K/V is not computed yet. A request about to be verified has computed c tokens (positions
 0..c-1) and sampled token c; `propose`:
 
 1. extend: the head over positions m..c-1 (input token_{p+1}, hidden h_p), writing their MTP K/V; its
-   output at c-1 predicts draft d_1 (the token at c + 1);
+   output at c-1 predicts draft d_1 (the token at c + 1). A prefill chunk is extended as soon as it is
+   observed, up to its last position whose next token is known, so the pages the engine then hands to
+   the prefix cache (and backs up to the host tier) hold the head's layers too;
 2. chain: for j = 1..k-1 the head at position c-1+j with input d_j and, as hidden state, its own output
    at the previous position, giving d_{j+1}.
 
-Chained steps write MTP K/V at positions c..c+k-2 from draft tokens; the next extend recomputes those
-positions from the verified tokens before any query can read them (queries only see positions <= their
-own). Drafts are greedy (argmax of the head's logits: one-hot proposals; sampled requests still keep the
+Chained steps write MTP K/V (and QSA side caches: a block key is written when its block's last token is)
+at positions c..c+k-2 from draft tokens; the next extend recomputes those positions from the verified
+tokens before any query can read them (queries only see positions, and complete blocks, <= their own).
+Drafts are greedy (argmax of the head's logits: one-hot proposals; sampled requests still keep the
 target distribution through rejection sampling). With a FR-Spec token map the head's logits are computed
 over the reduced vocabulary only (`spec/frspec.py`).
 
@@ -68,15 +75,25 @@ def _fixed_batch(
     )
 
 
+class _UniformBackend(PagedAttentionBackend):
+    """The after-verify draft's backend: every sequence has the same n new tokens at consecutive positions
+    (`uniform_queries`), so layers with a static path for such steps take it (QSA, layers/qsa_attention.py:
+    no host syncs, as a CUDA graph needs), as in the verify forward."""
+
+    uniform_queries = True
+
+
 _MAX_PENDING = 256  # hidden states kept per request before the MTP K/V of known positions is written
 
 
 @dataclass
 class _Pending:
-    """Target hidden states for positions start .. start + len - 1 whose MTP K/V is not written yet."""
+    """Target hidden states for positions start .. start + len - 1 whose MTP K/V is not written yet, and
+    the head's output at start - 1 when an extend wrote it (where a chain starts once no row waits)."""
 
     start: int
     rows: list[torch.Tensor] = field(default_factory=list)
+    last: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -120,9 +137,12 @@ class MtpDrafter:
             pending = self._pending[request.request_id] = _Pending(start)
         # A copy: a CUDA graph's output buffer is overwritten by its next replay.
         pending.rows.append(hidden.detach().clone())
-        if pending.end - pending.start > _MAX_PENDING:
-            # A long prefill: write the MTP K/V of every position whose next token is known now, so the
-            # hidden states kept stay small.
+        if hidden.shape[0] > 1 or pending.end - pending.start > _MAX_PENDING:
+            # A prefill chunk (or many waiting positions): write the head's caches of every position whose
+            # next token is known now. The engine hands the chunk's full pages to the prefix cache right
+            # after this call, and under write-through backs them up to the host tier then: they must hold
+            # the head's layers already. Single decode steps wait for the next proposal (no head forward
+            # per step where no drafts are made).
             known = min(pending.end, len(request.token_ids) - 1)
             if known > pending.start:
                 self._extend([request], [known])
@@ -191,14 +211,16 @@ class MtpDrafter:
         shifted[rows, accepted] = next_tokens
         positions = starts[:, None] + torch.arange(n, device=inputs.device)
         batch = _fixed_batch(shifted, positions, page_table, page_size)
-        out = model.mtp_forward(batch.input_ids, batch.positions, hidden.flatten(0, 1), self._backend(batch))
+        backend = _UniformBackend(self._pool, batch, None, self._kv_scales)
+        out = model.mtp_forward(batch.input_ids, batch.positions, hidden.flatten(0, 1), backend)
         return self._chain(out.view(num, n, -1)[rows, accepted], starts + accepted, page_table, width)
 
     def _chain(
         self, last: torch.Tensor, position: torch.Tensor, page_table: torch.Tensor, width: int
     ) -> torch.Tensor:
-        """[B, width] drafts from the head's output `last` [B, H] at `position` [B] (c - 1): draft 1 is
-        its argmax, then each chained step runs the head at the next position on the previous draft."""
+        """[B, width] drafts from the head's output `last` [B, hidden_width] at `position` [B] (c - 1): draft
+        1 is its argmax, then each chained step runs the head at the next position on the previous draft,
+        its hidden state the head's own output at the position before."""
         drafts = [self._argmax_device(last)]
         for _ in range(1, width):
             position = position + 1
@@ -208,13 +230,19 @@ class MtpDrafter:
         return torch.stack(drafts, dim=1)
 
     def _extendable(self, request: DraftRequest) -> bool:
-        """The hidden states of every position up to the last computed one are here."""
+        """The hidden states of every position up to the last computed one are here (or their extend
+        already ran, its output at the last one kept)."""
         pending = self._pending.get(request.request_id)
-        return pending is not None and pending.rows != [] and pending.end == request.num_computed
+        return (
+            pending is not None
+            and (pending.rows != [] or pending.last is not None)
+            and pending.end == request.num_computed
+        )
 
-    def _extend(self, requests: list[DraftRequest], ends: list[int]) -> torch.Tensor:
+    def _extend(self, requests: list[DraftRequest], ends: list[int]) -> None:
         """The head over each request's pending positions up to `ends` (exclusive; each position's next
-        token known), writing their MTP K/V. Returns its output at each request's last position."""
+        token known; at least one), writing their MTP K/V; keeps its output at each request's last
+        position (`_Pending.last`)."""
         model, page_size = self._model, self._pool.page_size
         device = next(model.parameters()).device
         pendings = [self._pending[r.request_id] for r in requests]
@@ -230,11 +258,15 @@ class MtpDrafter:
             hidden.append(rows[: end - pending.start])
             pending.start, pending.rows = end, [rows[end - pending.start :]] if end < pending.end else []
         out = model.mtp_forward(batch.input_ids, batch.positions, torch.cat(hidden), self._backend(batch))
-        return out[batch.last_rows]
+        for pending, row in zip(pendings, out[batch.last_rows], strict=True):
+            pending.last = row
 
     @torch.inference_mode()
     def _draft(self, requests: list[DraftRequest], width: int) -> list[list[int]]:
-        last = self._extend(requests, [r.num_computed for r in requests])
+        waiting = [r for r in requests if self._pending[r.request_id].rows]
+        if waiting:  # the others' extend ran when their rows were observed
+            self._extend(waiting, [r.num_computed for r in waiting])
+        last = torch.stack([self._pending[r.request_id].last for r in requests])
         device = last.device
         position = torch.tensor([r.num_computed - 1 for r in requests], device=device)
         table = page_table_tensor([r.pages for r in requests]).to(device, non_blocking=True).long()
@@ -244,6 +276,8 @@ class MtpDrafter:
         return PagedAttentionBackend(self._pool, batch, None, self._kv_scales)
 
     def _argmax_device(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts from the head's output [B, hidden_width]."""
+        x = self._model.mtp_head_input(hidden)
         if self._reduced_head is None:
-            return self._model.compute_logits(hidden).argmax(dim=-1)
-        return to_full_ids(F.linear(hidden, self._reduced_head).argmax(dim=-1), self._token_map)
+            return self._model.lm_logits(x).argmax(dim=-1)
+        return to_full_ids(F.linear(x, self._reduced_head).argmax(dim=-1), self._token_map)
