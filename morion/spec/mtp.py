@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from morion.cache.page_pool import PagePool
 from morion.engine.forward_batch import (
@@ -49,6 +48,8 @@ from morion.engine.forward_batch import (
     build_forward_batch,
     page_table_tensor,
 )
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.ops.fp8 import FP8_DTYPE
 from morion.spec.drafter import DraftRequest, Drafts, VerifyResult
 from morion.spec.frspec import to_full_ids
 from morion.spec.mtp_graph import MtpDraftGraphs
@@ -100,6 +101,25 @@ class _Pending:
         return self.start + sum(r.shape[0] for r in self.rows)
 
 
+def reduced_head(model: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:
+    """The LM head restricted to the FR-Spec vocabulary `token_map` [V'] (rows of the full head, in map
+    order): a bias-free linear layer over the same input. An FP8 head (`--weight-dtype fp8`) keeps its
+    rows in e4m3 with the same per-tensor scale (selected as bytes: indexing has no float8 kernels), so
+    the reduced logits equal the full head's logits at those ids; tied embeddings give a BF16 layer."""
+    head = model.lm_head
+    if isinstance(head, Fp8Linear):
+        reduced = Fp8Linear(head.in_features, token_map.numel())
+        reduced.weight = torch.nn.Parameter(
+            head.weight.view(torch.uint8).index_select(0, token_map).view(FP8_DTYPE), requires_grad=False
+        )
+        reduced.weight_scale = head.weight_scale
+        return reduced
+    weight = head.weight if head is not None else model.model.embed_tokens.weight
+    reduced = torch.nn.Linear(weight.shape[1], token_map.numel(), bias=False, device="meta")
+    reduced.weight = torch.nn.Parameter(weight.index_select(0, token_map), requires_grad=False)
+    return reduced
+
+
 class MtpDrafter:
     name = "mtp"
 
@@ -123,12 +143,9 @@ class MtpDrafter:
         self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (engine.py)
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)
-        self._reduced_head: torch.Tensor | None = None
+        self._reduced_head: torch.nn.Module | None = None
         if token_map is not None:
-            head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-            if head.element_size() == 1:  # FP8 head: index in bytes, then dequantize the reduced rows
-                raise ValueError("an FR-Spec token map needs a BF16 LM head (not --weight-dtype fp8)")
-            self._reduced_head = head.index_select(0, self._token_map)
+            self._reduced_head = reduced_head(model, self._token_map)
 
     def observe(self, request: DraftRequest, start: int, hidden: torch.Tensor) -> None:
         pending = self._pending.get(request.request_id)
@@ -280,4 +297,4 @@ class MtpDrafter:
         x = self._model.mtp_head_input(hidden)
         if self._reduced_head is None:
             return self._model.lm_logits(x).argmax(dim=-1)
-        return to_full_ids(F.linear(x, self._reduced_head).argmax(dim=-1), self._token_map)
+        return to_full_ids(self._reduced_head(x).argmax(dim=-1), self._token_map)
