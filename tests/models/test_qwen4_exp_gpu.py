@@ -166,6 +166,23 @@ def test_verify_graphs_give_the_plain_greedy_output(checkpoint, engine_runner):
     engine.check_integrity()
 
 
+def test_mtp_drafts_from_graphs_give_the_plain_greedy_output(checkpoint, engine_runner):
+    """`--speculative mtp` with decode, verify and MTP draft graphs (the head reads the trunk's pre-mixer
+    streams; its QSA layers take the static path): greedy output equals plain, token for token."""
+    loaded = load_model(str(checkpoint), torch.float32, torch.device("cuda"))
+    assert loaded.model.mtp is not None
+    options = dict(device="cuda", kv_cache_tokens=8192, page_size=8, chunk_size=64, cuda_graph_max_batch=8)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(20, 60))] for _ in range(4)]
+    plain = Engine(EngineConfig(**options, enable_prefix_cache=False), loaded)
+    expected = [o.token_ids for o in engine_runner(plain, prompts, GREEDY)]
+    engine = Engine(EngineConfig(**options, speculative="mtp", spec_width=3), loaded)
+    assert engine.verify_graphs and engine.speculative.drafter.graphs, "verify / draft graphs not captured"
+    assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
+    assert sum(graphs.replays for graphs in engine.speculative.drafter.graphs.values()) > 0
+    engine.check_integrity()
+
+
 def test_memory_mapped_table_refuses_capture_and_decodes_eagerly(checkpoint, engine_factory, engine_runner):
     """The GPU cannot read a table left in memory-mapped files: capture is refused with a message and
     decode gathers its rows on the host, with the same output as the page-locked table."""
