@@ -234,3 +234,38 @@ def assert_outputs_agree(model, prompts, outputs, references, tie_gap: float) ->
 @pytest.fixture(scope="session")
 def outputs_agree() -> Callable[..., None]:
     return assert_outputs_agree
+
+
+# -- MTP drafter test helpers (tests/engine/test_speculative.py, tests/models/test_qwen4_exp_mtp.py) --
+
+
+class PendingOnlyMtp:
+    """The MTP drafter without its after-verify path: every draft goes through extend-on-propose."""
+
+    name = "mtp (pending path)"
+
+    def __init__(self, drafter) -> None:
+        self._drafter = drafter
+
+    def observe(self, request, start, hidden) -> None:
+        self._drafter.observe(request, start, hidden)
+
+    def propose(self, requests, width):
+        return self._drafter.propose(requests, width)
+
+    def release(self, request_id) -> None:
+        self._drafter.release(request_id)
+
+
+def recorded_proposals(engine) -> list:
+    """Every proposal the engine's drafter makes from now on: per call, (request id, drafts) pairs."""
+    record, drafter = [], engine.speculative.drafter
+    original = drafter.propose
+
+    def propose(requests, width):
+        drafts = original(requests, width)
+        record.append([(r.request_id, tokens) for r, tokens in zip(requests, drafts.tokens, strict=True)])
+        return drafts
+
+    drafter.propose = propose
+    return record

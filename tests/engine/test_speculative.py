@@ -23,6 +23,7 @@ from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.spec.synthetic import SyntheticDrafter
 from morion.text.tokenizer import Tokenizer
+from tests.conftest import PendingOnlyMtp, recorded_proposals
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -302,37 +303,6 @@ def test_host_and_disk_hits_with_speculation_equal_cold(
     restarted.close()
 
 
-class _PendingOnly:
-    """The MTP drafter without its after-verify path: every draft goes through extend-on-propose."""
-
-    name = "mtp (pending path)"
-
-    def __init__(self, drafter) -> None:
-        self._drafter = drafter
-
-    def observe(self, request, start, hidden) -> None:
-        self._drafter.observe(request, start, hidden)
-
-    def propose(self, requests, width):
-        return self._drafter.propose(requests, width)
-
-    def release(self, request_id) -> None:
-        self._drafter.release(request_id)
-
-
-def _recorded_proposals(engine) -> list:
-    record, drafter = [], engine.speculative.drafter
-    original = drafter.propose
-
-    def propose(requests, width):
-        drafts = original(requests, width)
-        record.append([(r.request_id, tokens) for r, tokens in zip(requests, drafts.tokens, strict=True)])
-        return drafts
-
-    drafter.propose = propose
-    return record
-
-
 def test_mtp_drafts_made_after_verify_equal_those_made_on_propose(
     tiny_qwen3_next, reference_hybrid, engine_runner
 ):
@@ -341,8 +311,8 @@ def test_mtp_drafts_made_after_verify_equal_those_made_on_propose(
     prompts, expected = reference_hybrid
     fixed = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
     on_demand = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
-    on_demand.speculative.drafter = _PendingOnly(on_demand.speculative.drafter)
-    records = [_recorded_proposals(fixed), _recorded_proposals(on_demand)]
+    on_demand.speculative.drafter = PendingOnlyMtp(on_demand.speculative.drafter)
+    records = [recorded_proposals(fixed), recorded_proposals(on_demand)]
     calls = []
     original = fixed.speculative.drafter.after_verify
     fixed.speculative.drafter.after_verify = lambda verified: (calls.append(1), original(verified))
@@ -366,7 +336,7 @@ def test_mtp_draft_graph_buffers_and_padding_give_the_same_drafts(
     )
     graphs.prepare_eager()
     drafter.graphs[3] = graphs
-    records = [_recorded_proposals(plain), _recorded_proposals(staged)]
+    records = [recorded_proposals(plain), recorded_proposals(staged)]
     for engine in (plain, staged):
         assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
     assert graphs.replays > 0 and records[0] == records[1]

@@ -386,3 +386,27 @@ class PagedRunner:
         """Sequence 0's logits for every token, fed `chunk` tokens per forward (all at once if None)."""
         chunk = chunk or len(tokens)
         return torch.cat([self.run({0: tokens[i : i + chunk]})[0] for i in range(0, len(tokens), chunk)])
+
+
+def check_llm_greedy_against_transformers(
+    llm_outputs: Sequence, reference: torch.nn.Module, prompts: Sequence[list[int]], greedy_checker
+) -> None:
+    """Each `morion.LLM` output equals transformers' greedy continuation of its prompt (as many tokens),
+    or diverges only at a near-tie (1e-3) of transformers' own logits."""
+    for prompt, output in zip(prompts, llm_outputs, strict=True):
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=len(output.token_ids),
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        greedy_checker(
+            output.token_ids,
+            expected.sequences[0, len(prompt) :].tolist(),
+            lambda step, e=expected: e.logits[step][0],
+            1e-3,
+        )

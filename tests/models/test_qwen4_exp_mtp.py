@@ -40,6 +40,7 @@ from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.mtp import MtpDrafter, _UniformBackend
 from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.text.tokenizer import Tokenizer
+from tests.conftest import PendingOnlyMtp, recorded_proposals
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
 from tests.models.conftest import QWEN4_EXP_TINY, qwen4_exp_prompts
 from tests.models.test_qwen4_exp_incremental import _no_host_sync
@@ -294,37 +295,6 @@ def test_mtp_drafts_leave_greedy_output_unchanged(qwen4_exp_tiny, engine_runner,
     reduced.check_integrity()
 
 
-class _PendingOnly:
-    """The MTP drafter without its after-verify path: every draft goes through extend-on-propose."""
-
-    name = "mtp (pending path)"
-
-    def __init__(self, drafter) -> None:
-        self._drafter = drafter
-
-    def observe(self, request, start, hidden) -> None:
-        self._drafter.observe(request, start, hidden)
-
-    def propose(self, requests, width):
-        return self._drafter.propose(requests, width)
-
-    def release(self, request_id) -> None:
-        self._drafter.release(request_id)
-
-
-def _recorded_proposals(engine) -> list:
-    record, drafter = [], engine.speculative.drafter
-    original = drafter.propose
-
-    def propose(requests, width):
-        drafts = original(requests, width)
-        record.append([(r.request_id, tokens) for r, tokens in zip(requests, drafts.tokens, strict=True)])
-        return drafts
-
-    drafter.propose = propose
-    return record
-
-
 @pytest.mark.parametrize("acceptance", [None, 0.6])
 def test_mtp_drafts_made_after_verify_equal_those_made_on_demand(
     qwen4_exp_tiny, engine_runner, prompts, plain, acceptance
@@ -335,8 +305,8 @@ def test_mtp_drafts_made_after_verify_equal_those_made_on_demand(
     both engines), where the draft starts from later verify rows."""
     forced = [None if acceptance is None else ForcedAcceptance(acceptance, seed=2) for _ in range(2)]
     fixed, on_demand = (_mtp_engine(qwen4_exp_tiny, f) for f in forced)
-    on_demand.speculative.drafter = _PendingOnly(on_demand.speculative.drafter)
-    records = [_recorded_proposals(fixed), _recorded_proposals(on_demand)]
+    on_demand.speculative.drafter = PendingOnlyMtp(on_demand.speculative.drafter)
+    records = [recorded_proposals(fixed), recorded_proposals(on_demand)]
     calls = []
     original = fixed.speculative.drafter.after_verify
     fixed.speculative.drafter.after_verify = lambda verified: (
@@ -392,7 +362,7 @@ def test_draft_graph_buffers_hold_the_pre_mixer_streams(
     assert (
         graphs._hidden.shape[-1] == config.hc_count * config.hidden_size == qwen4_exp_tiny.model.hidden_width
     )
-    records = [_recorded_proposals(reference), _recorded_proposals(staged)]
+    records = [recorded_proposals(reference), recorded_proposals(staged)]
     for engine in (reference, staged):
         assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == plain
     assert graphs.replays > 0 and records[0] == records[1]

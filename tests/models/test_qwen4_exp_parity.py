@@ -15,7 +15,7 @@ import transformers
 from morion import LLM, SamplingParams
 from morion.loader import load_model
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
-from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner
+from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, check_llm_greedy_against_transformers
 
 # fp32 on tiny random models: only summation order differs (chunked vs recurrent delta rule, the gathered
 # vs masked attention). Measured: at most ~1e-6 on logits of magnitude ~2; using every block instead of
@@ -153,20 +153,4 @@ def test_greedy_through_llm_matches_transformers(checkpoint, greedy_checker):
     llm = LLM(model=str(directory), device="cpu", kv_cache_tokens=2048, page_size=8, chunk_size=32)
     prompts = [_prompt(50, seed=100, eos_at=(10,)), _prompt(13, seed=101)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        greedy_checker(
-            output.token_ids,
-            expected.sequences[0, len(prompt) :].tolist(),
-            lambda step, e=expected: e.logits[step][0],
-            1e-3,
-        )
+    check_llm_greedy_against_transformers(outputs, reference, prompts, greedy_checker)

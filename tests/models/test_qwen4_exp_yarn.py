@@ -15,7 +15,7 @@ import transformers
 from morion import LLM, SamplingParams
 from morion.layers.rotary import RotaryEmbedding
 from morion.loader import load_model
-from tests.models.conftest import CONFIGS, PagedRunner, perturb
+from tests.models.conftest import CONFIGS, PagedRunner, check_llm_greedy_against_transformers, perturb
 from tests.models.test_qwen4_exp_parity import LOGIT_TOLERANCE, TINY, _perturb
 
 ORIGINAL = 64
@@ -96,23 +96,7 @@ def test_qwen4_exp_greedy_through_llm_matches_transformers(qwen4_exp_yarn, greed
     llm = LLM(model=str(directory), device="cpu", kv_cache_tokens=2048, page_size=8, chunk_size=32)
     prompts = [_prompt(120, TINY["vocab_size"], seed=100), _prompt(50, TINY["vocab_size"], seed=101)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        greedy_checker(
-            output.token_ids,
-            expected.sequences[0, len(prompt) :].tolist(),
-            lambda step, e=expected: e.logits[step][0],
-            1e-3,
-        )
+    check_llm_greedy_against_transformers(outputs, reference, prompts, greedy_checker)
 
 
 # -- Qwen3-Next ---------------------------------------------------------------------------------------
