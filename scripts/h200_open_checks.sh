@@ -10,9 +10,11 @@
 #          with the page cache evicted (#7).
 #   part3: the full-size Qwen3.8-Flash-Next preset: memory, decode and prefill, and MTP speculation at a
 #          forced acceptance (#9).
+#   part4: where Flash-Next's slow prefill goes (12-layer preset, scripts/profile_prefill.py) and where a
+#          speculative step goes on the 80B preset (scripts/profile_spec.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|part2|part3}
+part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -44,8 +46,12 @@ part3)
         --concurrency 1 --contexts 1024 --output-tokens 64 --repeats 1 --prefill-lengths 1024,8192 \
         --label h200-qwen3.8-flash-next-fp8 --out "$results"
     ;;
+part4)
+    step profile-prefill 300 python3 scripts/profile_prefill.py preset:qwen3.8-flash-next-12l 1024
+    step profile-spec 200 python3 scripts/profile_spec.py preset:qwen3-next-80b-a3b 3 2.58
+    ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|part3" >&2
+    echo "usage: h200_open_checks.sh part1|part2|part3|part4" >&2
     exit 2
     ;;
 esac
