@@ -269,3 +269,23 @@ def recorded_proposals(engine) -> list:
 
     drafter.propose = propose
     return record
+
+
+def small_token_map(directory: Path, eos_id: int) -> Path:
+    """An FR-Spec token map of 64 ids (`morion frspec build`'s content) from a word-level tokenizer of 100
+    words and a corpus of every third one, written to `directory`/map.json."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from morion.spec.frspec import build_token_map, write_token_map
+    from morion.text.tokenizer import Tokenizer
+
+    words = [f"w{i}" for i in range(100)]
+    backend = FastTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    backend.pre_tokenizer = Whitespace()
+    corpus = directory / "corpus.txt"
+    corpus.write_text(" ".join(words[::3]) * 5)
+    token_map = directory / "map.json"
+    write_token_map(build_token_map(Tokenizer(backend, [eos_id]), [corpus], size=64), token_map)
+    return token_map

@@ -81,11 +81,6 @@ def rope_frequencies(rotary_dim: int, rope: dict[str, Any]) -> tuple[torch.Tenso
     raise _unsupported(kind)
 
 
-def rope_inverse_frequencies(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
-    """The inverse frequencies of `rope_frequencies`, without the cos/sin factor."""
-    return rope_frequencies(rotary_dim, rope)[0]
-
-
 def _unsupported(kind: Any) -> ModelLoadError:
     return ModelLoadError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
 

@@ -9,9 +9,6 @@ import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer as FastTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
@@ -19,11 +16,9 @@ from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
 from morion.spec.drafter import Drafts
 from morion.spec.forced import ForcedAcceptance
-from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.spec.synthetic import SyntheticDrafter
-from morion.text.tokenizer import Tokenizer
-from tests.conftest import PendingOnlyMtp, recorded_proposals
+from tests.conftest import PendingOnlyMtp, recorded_proposals, small_token_map
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -169,13 +164,7 @@ def test_mtp_drafts_leave_greedy_output_unchanged(tiny_qwen3_next, engine_runner
         stats.emitted_tokens - stats.accepted_tokens
     )
     engine.check_integrity()
-    words = [f"w{i}" for i in range(100)]
-    backend = FastTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    backend.pre_tokenizer = Whitespace()
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(" ".join(words[::3]) * 5)
-    token_map = tmp_path / "map.json"
-    write_token_map(build_token_map(Tokenizer(backend, [1]), [corpus], size=64), token_map)
+    token_map = small_token_map(tmp_path, eos_id=1)
     reduced = _engine(tiny_qwen3_next, speculative="mtp", spec_width=2, spec_token_map=str(token_map))
     outputs = engine_runner(reduced, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected

@@ -410,3 +410,22 @@ def check_llm_greedy_against_transformers(
             lambda step, e=expected: e.logits[step][0],
             1e-3,
         )
+
+
+def check_decode_against_transformers_cache(
+    runner: PagedRunner,
+    reference: torch.nn.Module,
+    prompt: list[int],
+    continuation: list[int],
+    tolerance: float,
+) -> None:
+    """Prefill `prompt`, then feed `continuation` token by token, through our paged `runner` and through
+    transformers with its cache: every step's logits within `tolerance` (max abs)."""
+    with torch.no_grad():
+        out = reference(torch.tensor([prompt]), use_cache=True)
+        assert (runner.prefill(prompt) - out.logits[0]).abs().max().item() < tolerance
+        cache = out.cache
+        for token in continuation:
+            out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache = out.cache
+            assert (runner.run({0: [token]})[0] - out.logits[0]).abs().max().item() < tolerance

@@ -25,9 +25,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer as FastTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from morion.cache.page_pool import PagePool
 from morion.config import EngineConfig
@@ -36,11 +33,9 @@ from morion.engine.forward_batch import PagedAttentionBackend, build_forward_bat
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.qsa_attention import QSAAttention
 from morion.spec.forced import ForcedAcceptance
-from morion.spec.frspec import build_token_map, write_token_map
 from morion.spec.mtp import MtpDrafter, _UniformBackend
 from morion.spec.mtp_graph import MtpDraftGraphs
-from morion.text.tokenizer import Tokenizer
-from tests.conftest import PendingOnlyMtp, recorded_proposals
+from tests.conftest import PendingOnlyMtp, recorded_proposals, small_token_map
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
 from tests.models.conftest import QWEN4_EXP_TINY, qwen4_exp_prompts
 from tests.models.test_qwen4_exp_incremental import _no_host_sync
@@ -282,13 +277,7 @@ def test_mtp_drafts_leave_greedy_output_unchanged(qwen4_exp_tiny, engine_runner,
         stats.emitted_tokens - stats.accepted_tokens
     )
     engine.check_integrity()
-    words = [f"w{i}" for i in range(100)]
-    backend = FastTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    backend.pre_tokenizer = Whitespace()
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(" ".join(words[::3]) * 5)
-    token_map = tmp_path / "map.json"
-    write_token_map(build_token_map(Tokenizer(backend, [EOS]), [corpus], size=64), token_map)
+    token_map = small_token_map(tmp_path, eos_id=EOS)
     reduced = _engine(qwen4_exp_tiny, speculative="mtp", spec_width=2, spec_token_map=str(token_map))
     assert [o.token_ids for o in engine_runner(reduced, prompts, GREEDY)] == plain
     assert reduced.speculative.stats.drafted_tokens > 0

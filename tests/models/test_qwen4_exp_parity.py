@@ -15,7 +15,12 @@ import transformers
 from morion import LLM, SamplingParams
 from morion.loader import load_model
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
-from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, check_llm_greedy_against_transformers
+from tests.models.conftest import (
+    QWEN4_EXP_TINY,
+    PagedRunner,
+    check_decode_against_transformers_cache,
+    check_llm_greedy_against_transformers,
+)
 
 # fp32 on tiny random models: only summation order differs (chunked vs recurrent delta rule, the gathered
 # vs masked attention). Measured: at most ~1e-6 on logits of magnitude ~2; using every block instead of
@@ -108,14 +113,7 @@ def test_decode_logits_match_transformers_cache(checkpoint):
     prompt = _prompt(11, seed=1)
     continuation = _prompt(30, seed=2, eos_at=(3, 4, 12))
     runner = PagedRunner(ours)
-    with torch.no_grad():
-        out = reference(torch.tensor([prompt]), use_cache=True)
-        assert _max_diff(runner.prefill(prompt), out.logits[0]) < LOGIT_TOLERANCE
-        cache = out.cache
-        for token in continuation:
-            out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
-            cache = out.cache
-            assert _max_diff(runner.run({0: [token]})[0], out.logits[0]) < LOGIT_TOLERANCE
+    check_decode_against_transformers_cache(runner, reference, prompt, continuation, LOGIT_TOLERANCE)
 
 
 @pytest.mark.parametrize("chunk", (7, 16))

@@ -15,8 +15,14 @@ import transformers
 from morion import LLM, SamplingParams
 from morion.layers.rotary import RotaryEmbedding
 from morion.loader import load_model
-from tests.models.conftest import CONFIGS, PagedRunner, check_llm_greedy_against_transformers, perturb
-from tests.models.test_qwen4_exp_parity import LOGIT_TOLERANCE, TINY, _perturb
+from tests.models.conftest import (
+    CONFIGS,
+    PagedRunner,
+    check_decode_against_transformers_cache,
+    check_llm_greedy_against_transformers,
+    perturb,
+)
+from tests.models.test_qwen4_exp_parity import LOGIT_TOLERANCE, TINY, _max_diff, _perturb
 
 ORIGINAL = 64
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
@@ -26,10 +32,6 @@ QWEN4_EXP_YARN = dict(TINY, rope_parameters={**TINY["rope_parameters"], **YARN})
 def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(6, vocab_size, (length,), generator=generator).tolist()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +65,7 @@ def test_qwen4_exp_decode_across_the_original_context(qwen4_exp_yarn):
     prompt = _prompt(ORIGINAL - 4, TINY["vocab_size"], seed=1)
     continuation = _prompt(24, TINY["vocab_size"], seed=2)
     runner = PagedRunner(ours)
-    with torch.no_grad():
-        out = reference(torch.tensor([prompt]), use_cache=True)
-        assert _max_diff(runner.prefill(prompt), out.logits[0]) < LOGIT_TOLERANCE
-        cache = out.cache
-        for token in continuation:
-            out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
-            cache = out.cache
-            assert _max_diff(runner.run({0: [token]})[0], out.logits[0]) < LOGIT_TOLERANCE
+    check_decode_against_transformers_cache(runner, reference, prompt, continuation, LOGIT_TOLERANCE)
 
 
 @pytest.mark.parametrize("without", ("yarn", "attention factor"))
