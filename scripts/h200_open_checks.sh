@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements the open issues need, in three device calls of under 10 minutes each on
+# The GPU checks and measurements the open issues need, in device calls of under 10 minutes each on
 # an H200 (a fresh machine compiles every Triton kernel on first use: the limits allow for it). Results go
 # to $OUT, logs into $OUT/logs-PART.tgz (the device tool returns at most 8 files); carry .whl/
 # (scripts/gpu_wheels.sh) and set MORION_SOURCE_COMMIT.
@@ -12,9 +12,13 @@
 #          forced acceptance (#9).
 #   part4: where Flash-Next's slow prefill goes (12-layer preset, scripts/profile_prefill.py) and where a
 #          speculative step goes on the 80B preset (scripts/profile_spec.py).
+#   part5: tune the fused MoE tiles for the 80B expert shape (the JSON lands in morion/ops/moe_configs and
+#          $OUT), the kernels of the decode, verify and draft graphs (scripts/profile_kernels.py), and the
+#          attention and MoE op tests compiled for the device.
+#   part6: the engine and speculative GPU tests, then part2's speculative bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4}
+part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -24,14 +28,21 @@ fp8=(--load-format dummy --weight-dtype fp8 --kv-cache-dtype fp8)
 case "$part" in
 part1)
     step gpu-flash-next 300 "${pytest[@]}" -m gpu tests/models/test_qwen4_exp_gpu.py
-    step gpu-rest 270 "${pytest[@]}" -m gpu tests --ignore=tests/server --ignore=tests/models/test_qwen4_exp_gpu.py
+    # tests/server, tests/validate and the bench URL test need the openai client, not carried here.
+    step gpu-rest 270 "${pytest[@]}" -m gpu tests --ignore=tests/server --ignore=tests/validate \
+        --ignore=tests/bench/test_bench_url.py --ignore=tests/models/test_qwen4_exp_gpu.py
     ;;
-part2)
-    step ops-compiled 170 "${pytest[@]}" -m "not gpu" tests/ops
+part2 | part6)
+    if [ "$part" = part2 ]; then
+        step ops-compiled 170 "${pytest[@]}" -m "not gpu" tests/ops
+    else
+        step gpu-spec 240 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py
+    fi
     step spec 170 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
         --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
         --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
         --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
+    [ "$part" = part6 ] && exit 0
     disk=$(mktemp -d /tmp/morion-restore.XXXX)
     step restore 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" \
         --max-running-requests 8 --cuda-graph-max-batch 8 --workloads restore --restore-length 65536 \
@@ -50,8 +61,16 @@ part4)
     step profile-prefill 300 python3 scripts/profile_prefill.py preset:qwen3.8-flash-next-12l 1024
     step profile-spec 200 python3 scripts/profile_spec.py preset:qwen3-next-80b-a3b 3 2.58
     ;;
+part5)
+    step moe-tune 280 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
+        --dtype fp8 --tokens 1,4
+    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+    step profile-kernels 150 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
+    step ops-gpu 150 "${pytest[@]}" -s tests/ops/test_paged_attention_gpu.py tests/ops/test_moe_decode_triton_gpu.py \
+        tests/ops/test_paged_attention.py tests/ops/test_moe_decode_triton.py
+    ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|part3|part4" >&2
+    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6" >&2
     exit 2
     ;;
 esac

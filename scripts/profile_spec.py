@@ -28,10 +28,9 @@ def _ms_per_call(function: Callable[[], object], calls: int = 50) -> float:
     return (time.perf_counter() - started) / calls * 1e3
 
 
-def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else "preset:qwen3-next-80b-a3b"
-    width = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    mean = float(sys.argv[3]) if len(sys.argv) > 3 else 2.58
+def speculating_engine(model: str, width: int, mean: float) -> Engine:
+    """One request (1,024-token prompt) 30 steps into MTP speculation at a forced acceptance: every graph
+    captured and warm. FP8 weights and K/V."""
     config = EngineConfig(
         model=model, load_format="dummy", weight_dtype="fp8", kv_cache_dtype="fp8", max_running_requests=1,
         cuda_graph_max_batch=1, kv_cache_tokens=65536, enable_prefix_cache=False, speculative="mtp",
@@ -42,6 +41,14 @@ def main() -> None:
     engine.add_request(list(range(1000, 2024)), SamplingParams(max_tokens=4000, ignore_eos=True))
     for _ in range(30):
         engine.step()
+    return engine
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else "preset:qwen3-next-80b-a3b"
+    width = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    mean = float(sys.argv[3]) if len(sys.argv) > 3 else 2.58
+    engine = speculating_engine(model, width, mean)
     steps, tokens = 50, 0
     torch.cuda.synchronize()
     started = time.perf_counter()

@@ -82,6 +82,21 @@ def quantize_fp8_(source: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         weight_rows[start : start + rows].copy_(_cast(chunk, scale))
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 one on `device`, made once (a fill kernel per FP8 linear would be ~250 launches per
+    decode step of an 80B model). Only one made outside CUDA-graph capture is kept: one made inside a
+    capture is filled only when that graph replays, so it belongs to that graph alone."""
+    unit = _UNIT_SCALES.get(device)
+    if unit is None:
+        unit = torch.ones((), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT_SCALES[device] = unit
+    return unit
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -95,8 +110,9 @@ def fp8_linear(
     cuBLASLt wants.
     """
     q, row_scale = quantize_fp8(x, per_row=True)
-    unit = torch.ones((), dtype=torch.float32, device=x.device)
-    out = torch._scaled_mm(q, weight.t(), scale_a=unit, scale_b=weight_scale, out_dtype=x.dtype)
+    out = torch._scaled_mm(
+        q, weight.t(), scale_a=_unit_scale(x.device), scale_b=weight_scale, out_dtype=x.dtype
+    )
     out = out * row_scale.unsqueeze(-1).to(x.dtype)
     # The bias is added here rather than in the GEMM epilogue, whose bias dtype rules depend on out_dtype.
     return out if bias is None else out + bias

@@ -9,7 +9,8 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
    SiLU-mul in the epilogue; [P, I] in fp32 for FP8 experts (quantized by the next kernel), else in the
    weights' dtype (where the reference rounds it too).
 2. down: pair_out[p] = w[t, j] * (act[p] Wd^T), [P, H] fp32; with FP8 experts act[p] is quantized per row
-   in the prologue (two passes over its I values), exactly as `quantize_fp8` does.
+   in the prologue, exactly as `quantize_fp8` does: in registers when one BLOCK_K spans all I values
+   (one pass, weights and rows loaded together), else in two passes over them.
 3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype.
 
 Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
@@ -122,6 +123,7 @@ def _down_kernel(
     num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):  # fmt: skip
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,7 +132,19 @@ def _down_kernel(
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
         act_rows = act_ptr + pairs[:, None] * inter_size
-        if FP8:
+        if SINGLE_PASS:
+            # BLOCK_K spans all I columns: the weight tile and the activation rows are loaded at once,
+            # with no dependent second pass, and the row scale comes from the rows in registers.
+            ks = tl.arange(0, BLOCK_K)
+            ks_ok = ks < inter_size
+            w = tl.load(w_cols + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+            a = tl.load(act_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+            if FP8:
+                a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
+                a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
+                a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
+            acc = tl.dot(a, w, input_precision=DOT_PRECISION)
+        elif FP8:
             # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
             amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, inter_size, BLOCK_K):
@@ -141,16 +155,17 @@ def _down_kernel(
                 amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
             # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
             a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter_size, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            ks_ok = ks < inter_size
-            w = tl.load(w_cols + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
-            a = tl.load(act_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
-            if FP8:
-                a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
-                a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if not SINGLE_PASS:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, inter_size, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                ks_ok = ks < inter_size
+                w = tl.load(w_cols + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+                a = tl.load(act_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+                if FP8:
+                    a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
+                    a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if FP8:
             w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
             acc = acc * a_scale[:, None] * w_scale[None, :]
@@ -230,7 +245,7 @@ def moe_experts_triton(
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        **common, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](

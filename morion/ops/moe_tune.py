@@ -22,14 +22,25 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, moe_experts_triton
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
 
-# Candidates: BLOCK_N x BLOCK_K x stages (4 warps). The defaults are among them.
-GATE_UP_CANDIDATES = [Tiles(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]
-DOWN_CANDIDATES = [Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)]
+# Candidates: BLOCK_N x BLOCK_K x stages, 4 warps; the defaults are among them. The down kernel also
+# tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`) at 2 to 8 warps.
+GATE_UP_CANDIDATES = [Tiles(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (3, 4)]
+TWO_PASS_DOWN_CANDIDATES = [Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)]
+
+
+def down_candidates(intermediate: int) -> list[Tiles]:
+    """The two-pass tiles, then one-pass ones: BLOCK_K = I rounded up to a power of two, narrow columns
+    (the whole [BLOCK_K, BLOCK_N] weight tile is in flight at once)."""
+    full = triton.next_power_of_2(intermediate)
+    return TWO_PASS_DOWN_CANDIDATES + [Tiles(n, full, w, 1) for n in (16, 32, 64) for w in (2, 4, 8)]
+
+
 ROUTINGS = 20
 
 Experts = dict[str, torch.Tensor]
@@ -115,7 +126,11 @@ def _sweep(
     best: tuple[float, Tiles, dict[int, float]] | None = None
     for tiles in candidates:
         options = {**fixed, f"{kernel}_tiles": tiles}
-        times = {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
+        try:
+            times = {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
+        except OutOfResources as error:  # raised when compiling, in the warm-up before any capture
+            print(f"moe tune {kernel} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
+            continue
         listed = ", ".join(f"T={t} {us:.1f} us" for t, us in times.items())
         print(f"moe tune {kernel} {tuple(tiles)}: {listed}", file=sys.stderr)
         if best is None or sum(times.values()) < best[0]:
@@ -134,7 +149,9 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
     default_us = {t: time_in_graph(moe_experts_triton, experts, b, **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
     gate_up, _ = _sweep("gate_up", GATE_UP_CANDIDATES, fixed_down, experts, batches)
-    down, chosen_us = _sweep("down", DOWN_CANDIDATES, {"gate_up_tiles": gate_up}, experts, batches)
+    down, chosen_us = _sweep(
+        "down", down_candidates(shape.intermediate), {"gate_up_tiles": gate_up}, experts, batches
+    )
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),

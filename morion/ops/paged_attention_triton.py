@@ -6,20 +6,24 @@ time, gather K/V rows by flat token slot (so any page size works, independently 
 an online softmax in fp32 in the log2 domain (the softmax scale, k_scale and log2(e) are folded into one
 multiplier; v_scale is applied to the output).
 
-Decode (`max_query_len == 1`, FlashDecoding):
-- stage 1, grid (B, Hkv, num_splits): one program takes all Hq/Hkv query heads of one KV head (GQA
-  packing: the group is padded to >= 16 rows for tl.dot) over one contiguous key range of its sequence.
-  The range is derived on the device: split_len = round_up(ceil(seq_len / num_splits), BLOCK_N), so the
-  grid and the scratch buffers depend only on shapes and a captured CUDA graph is valid for any seq_lens.
-  Each split writes its normalised partial output and log2-sum-exp2 (-inf for an empty split).
-- stage 2, grid (B, Hq): merges the splits, weighting each by 2^(lse - max lse); empty splits weigh 0.
+Split-KV (FlashDecoding): decode (`max_query_len == 1`) and short extends such as speculative
+verification (`max_query_len <= MAX_SPLIT_QUERY_LEN`):
+- stage 1, grid (B, Hkv x query blocks, num_splits): one program takes a block of its sequence's query
+  tokens x the Hq/Hkv query heads of one KV head (GQA packing: row r = token r // G, head r % G, at least
+  16 rows for tl.dot, so G = 8 packs two tokens) over one contiguous key range of its sequence. The range
+  is derived on the device: split_len = round_up(ceil(seq_len / num_splits), BLOCK_N), so the grid and the
+  scratch buffers depend only on shapes and a captured CUDA graph is valid for any seq_lens. Keys up to
+  the block's first query position need no mask; later ones are masked causally per row. Each split
+  writes each of its rows' normalised partial output and log2-sum-exp2 (-inf where the row saw no key).
+- stage 2, grid (T, Hq): merges one query row's splits, weighting each by 2^(lse - max lse); empty splits
+  weigh 0.
 - Syncs with nothing and allocates only the (optional) workspace: safe to capture.
 
-Extend (`max_query_len > 1`): grid (query blocks, Hkv). A block packs BLOCK_M // G query tokens x the G
-query heads of one KV head into BLOCK_M rows (so short extends such as speculative verification still
-fill the tile). The block -> sequence map is computed inside the kernel from cu_seqlens_q (a cumulative
-count of blocks per sequence), so the grid is a static upper bound and nothing syncs with the host. Keys
-below the block's first query position need no mask; only the diagonal band is masked causally.
+Extend (longer queries: prefill chunks): grid (query blocks, Hkv). A block packs BLOCK_M // G query
+tokens x the G query heads of one KV head into BLOCK_M rows. The block -> sequence map is computed inside
+the kernel from cu_seqlens_q (a cumulative count of blocks per sequence), so the grid is a static upper
+bound and nothing syncs with the host. Keys below the block's first query position need no mask; only
+the diagonal band is masked causally.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ LOG2E = 1.4426950408889634
 # several key blocks per split.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_KV_SPLITS = 64
+# The split-KV kernels take batches whose longest query has at most this many tokens (speculative verify
+# at width <= 15); longer queries take the extend kernel, whose programs do not re-read keys per block.
+MAX_SPLIT_QUERY_LEN = 16
 logger = logging.getLogger(__name__)
 # Masking of one key block in _attend_block: none, keys past key_end, and also keys after each query.
 MODE_FULL = tl.constexpr(0)
@@ -51,19 +58,19 @@ MODE_CAUSAL = tl.constexpr(2)
 class KernelConfig(NamedTuple):
     """Tile sizes and launch options of one kernel (fixed per head dim; no autotuning)."""
 
-    block_m: int  # extend: query rows (tokens x heads of a group) per program; decode: min GQA rows
+    block_m: int  # query rows (tokens x heads of a group) per program; split-KV: the minimum
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
 
 
 class DecodeWorkspace(NamedTuple):
-    """Scratch of the split-KV decode; preallocate it once per captured batch size. All layers of one
-    forward may share it: they run in order on one stream, and each layer's merge reads it before the
-    next layer's stage 1 writes it."""
+    """Scratch of the split-KV kernels, one row per query token; preallocate it once per captured batch
+    size. All layers of one forward may share it: they run in order on one stream, and each layer's
+    merge reads it before the next layer's stage 1 writes it."""
 
-    partial_out: torch.Tensor  # [B, Hq, num_splits, D] fp32: each split's normalised output
-    partial_lse: torch.Tensor  # [B, Hq, num_splits] fp32: log2-sum-exp2 of each split's scores (-inf: empty)
+    partial_out: torch.Tensor  # [T, Hq, num_splits, D] fp32: each split's normalised output
+    partial_lse: torch.Tensor  # [T, Hq, num_splits] fp32: log2-sum-exp2 of each split's scores (-inf: empty)
 
 
 def decode_config(head_dim: int) -> KernelConfig:
@@ -106,12 +113,12 @@ def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, de
 
 
 def decode_workspace(
-    num_seqs: int, num_q_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
+    num_tokens: int, num_q_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
 ) -> DecodeWorkspace:
-    """Scratch for `paged_attention(..., max_query_len=1)` with up to num_seqs sequences."""
+    """Scratch for the split-KV path of `paged_attention` with up to num_tokens query rows (q.shape[0])."""
     return DecodeWorkspace(
-        torch.empty(num_seqs, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device),
-        torch.empty(num_seqs, num_q_heads, num_kv_splits, dtype=torch.float32, device=device),
+        torch.empty(num_tokens, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device),
+        torch.empty(num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=device),
     )
 
 
@@ -141,9 +148,9 @@ def _attend_block(
 
     q [M, BLOCK_D] in the compute dtype; acc [M, BLOCK_D], m_i, l_i [M] fp32 (log2 domain). MODE:
     MODE_FULL (every key < key_end and visible to every row), MODE_KEY_BOUND (keys >= key_end masked),
-    MODE_CAUSAL (also keys after each row's q_pos [M] masked). Every row must see at least one key in the
-    first block it visits, or its max stays -inf and exp2 gives NaN; callers guarantee it.
-    """
+    MODE_CAUSAL (also keys after each row's q_pos [M] masked). In the first two modes every row must see at
+    least one key in the first block it visits, or its max stays -inf and exp2 gives NaN (callers guarantee
+    it); MODE_CAUSAL leaves a row that sees none empty (acc, l_i 0; m_i -inf)."""
     compute_dtype = q.dtype
     pos = start_n + offs_n
     if MODE == MODE_FULL:
@@ -162,8 +169,14 @@ def _attend_block(
     elif MODE == MODE_CAUSAL:
         qk = tl.where(key_valid[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if MODE == MODE_CAUSAL:  # noqa: SIM108 (a compile-time branch)
+        # A row that has seen no key yet (a split that starts past its position) keeps m = -inf: shift
+        # by 0 then, so exp2 gives 0 rather than NaN and the row stays empty.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(kv_ptr + kv_offsets + stride_kv_kv, mask=kv_mask, other=0.0)
     pv = tl.dot(tl.cast(p, compute_dtype), tl.cast(v, compute_dtype), input_precision=DOT_PRECISION)
@@ -172,7 +185,7 @@ def _attend_block(
 
 
 @triton.jit
-def _decode_split_kernel(
+def _split_kernel(
     q_ptr,
     kv_ptr,
     page_table_ptr,
@@ -186,14 +199,16 @@ def _decode_split_kernel(
     stride_kv_kv,
     stride_kv_head,
     stride_pt_seq,
-    stride_po_seq,
+    stride_po_tok,
     stride_po_head,
     stride_po_split,
-    stride_lse_seq,
+    stride_lse_tok,
     stride_lse_head,
     qk_scale,
     num_splits,
+    num_kv_heads,
     GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -202,27 +217,36 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) % num_kv_heads
+    q_block = tl.program_id(1) // num_kv_heads
     split = tl.program_id(2)
     q_row = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
-        return  # no query this step (stage 2 skips it too, so the scratch is never read)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_row
+    if q_block * BLOCK_Q >= q_len:
+        return  # no query here this step (stage 2 skips such rows too, so the scratch is never read)
     seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this step's first query
+    first_pos = context + q_block * BLOCK_Q  # the block's first query position
+    key_end = context + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)  # its last one + 1
     # Device-side split: a multiple of BLOCK_N, so only the sequence's last block is partial.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(lo + split_len, key_end)
+    # Keys 0..first_pos are visible to every row of the block: whole blocks of them need no mask.
+    full_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    head_mask = offs_h < GROUP
-    heads = kv_head * GROUP + offs_h
-    q_offsets = tl.cast(q_row, tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
-    # Padding rows (head >= GROUP) are zeros: finite scores, never stored.
-    q = tl.load(q_ptr + q_offsets, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    tok = q_block * BLOCK_Q + offs_h // GROUP
+    row_valid = (offs_h < BLOCK_Q * GROUP) & (tok < q_len)
+    heads = kv_head * GROUP + offs_h % GROUP
+    rows = tl.cast(q_row + tok, tl.int64)
+    # Padding rows are zeros at position seq_len (they see every key): finite scores, never stored.
+    q_pos = tl.where(row_valid, context + tok, seq_len)
+    q_offsets = rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -231,41 +255,42 @@ def _decode_split_kernel(
     kv_head_offset = kv_head * stride_kv_head
     for start_n in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, kv_ptr, page_row_ptr, start_n, hi, hi, offs_n, offs_d, d_mask,
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, start_n, hi, q_pos, offs_n, offs_d, d_mask,
             kv_head_offset, stride_kv_tok, stride_kv_kv, qk_scale, PAGE_SIZE, MODE_FULL, DOT_PRECISION,
         )  # fmt: skip
-    if full_end < hi:
+    for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, kv_ptr, page_row_ptr, full_end, hi, hi, offs_n, offs_d, d_mask,
-            kv_head_offset, stride_kv_tok, stride_kv_kv, qk_scale, PAGE_SIZE, MODE_KEY_BOUND, DOT_PRECISION,
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, start_n, hi, q_pos, offs_n, offs_d, d_mask,
+            kv_head_offset, stride_kv_tok, stride_kv_kv, qk_scale, PAGE_SIZE, MODE_CAUSAL, DOT_PRECISION,
         )  # fmt: skip
 
-    # An empty split (lo >= hi) leaves l_i == 0: it writes zeros and lse = -inf, which stage 2 weighs 0.
+    # A row without keys in this split (an empty split, or one past its position) has l_i == 0: it writes
+    # zeros and lse = -inf, which stage 2 weighs 0.
     nonempty = l_i > 0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     partial = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    seq_offset = tl.cast(seq, tl.int64)
     po_offsets = (
-        seq_offset * stride_po_seq
+        rows[:, None] * stride_po_tok
         + heads[:, None] * stride_po_head
         + split * stride_po_split
         + offs_d[None, :]
     )
-    tl.store(partial_out_ptr + po_offsets, partial, mask=head_mask[:, None] & d_mask[None, :])
-    lse_offsets = seq_offset * stride_lse_seq + heads * stride_lse_head + split
-    tl.store(partial_lse_ptr + lse_offsets, lse, mask=head_mask)
+    tl.store(partial_out_ptr + po_offsets, partial, mask=row_valid[:, None] & d_mask[None, :])
+    lse_offsets = rows * stride_lse_tok + heads * stride_lse_head + split
+    tl.store(partial_lse_ptr + lse_offsets, lse, mask=row_valid)
 
 
 @triton.jit
-def _decode_merge_kernel(
+def _merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
-    stride_po_seq,
+    num_seqs,
+    stride_po_tok,
     stride_po_head,
     stride_po_split,
-    stride_lse_seq,
+    stride_lse_tok,
     stride_lse_head,
     stride_o_tok,
     stride_o_head,
@@ -275,18 +300,17 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
-        return
+    if row < tl.load(cu_seqlens_q_ptr) or row >= tl.load(cu_seqlens_q_ptr + num_seqs):
+        return  # not a query row of this batch: stage 1 wrote nothing for it
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    seq_offset = tl.cast(seq, tl.int64)
+    row_offset = tl.cast(row, tl.int64)
     lse = tl.load(
-        partial_lse_ptr + seq_offset * stride_lse_seq + head * stride_lse_head + offs_s,
+        partial_lse_ptr + row_offset * stride_lse_tok + head * stride_lse_head + offs_s,
         mask=s_mask,
         other=float("-inf"),
     )
@@ -294,7 +318,7 @@ def _decode_merge_kernel(
     # All splits empty (seq_len 0): keep exp2 away from -inf - -inf; the result is then 0.
     weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     po_offsets = (
-        seq_offset * stride_po_seq
+        row_offset * stride_po_tok
         + head * stride_po_head
         + offs_s[:, None] * stride_po_split
         + offs_d[None, :]
@@ -302,7 +326,7 @@ def _decode_merge_kernel(
     partial = tl.load(partial_out_ptr + po_offsets, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weights, 0)
     merged = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0) * v_scale
-    o_offsets = tl.cast(q_row, tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    o_offsets = row_offset * stride_o_tok + head * stride_o_head + offs_d
     tl.store(out_ptr + o_offsets, tl.cast(merged, out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -479,15 +503,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    split_kv: bool | None = None,
 ) -> torch.Tensor:
     """Paged causal attention (same semantics as `paged_attention_reference`), in Triton.
 
     q [T, Hq, D]; kv_layer [num_token_slots, 2, Hkv, D]; page_table [B, max_pages]; cu_seqlens_q [B+1];
-    seq_lens [B] (keys including this step's tokens, already stored). max_query_len (a host int, the
-    largest cu_seqlens_q difference) == 1 runs the split-KV decode kernel, > 1 the extend kernel.
+    seq_lens [B] (keys including this step's tokens, already stored). max_query_len (a host int, at
+    least the largest cu_seqlens_q difference) up to MAX_SPLIT_QUERY_LEN runs the split-KV kernels, more
+    the extend kernel; `split_kv` forces one or the other.
     k_scale, v_scale: host floats, an FP8 pool's scales (real = stored * scale); ignored for other pools.
     out: optional [T, Hq, D] output; rows outside cu_seqlens_q[0]:cu_seqlens_q[B] are left untouched.
-    Decode only: num_kv_splits (default: `default_num_kv_splits`, or the workspace's) and workspace
+    Split-KV only: num_kv_splits (default: `default_num_kv_splits`, or the workspace's) and workspace
     (default: allocated with torch.empty per call, which inside CUDA-graph capture comes from the graph's
     pool; shapes are static, so that is valid too). No host sync on either path.
     """
@@ -516,7 +542,7 @@ def paged_attention(
     )
 
     dtypes = (q.dtype, kv_layer.dtype, out.dtype)
-    if max_query_len > 1:
+    if not (max_query_len <= MAX_SPLIT_QUERY_LEN if split_kv is None else split_kv):
         config = extend_config(head_dim)
         block_m = max(config.block_m, triton.next_power_of_2(group))
         block_q = block_m // group
@@ -543,35 +569,38 @@ def paged_attention(
             else default_num_kv_splits(num_seqs, num_kv_heads, page_table.shape[1] * page_size, q.device)
         )
     if workspace is None:
-        workspace = decode_workspace(num_seqs, num_q_heads, head_dim, num_kv_splits, q.device)
+        workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_kv_splits, q.device)
     partial_out, partial_lse = workspace
     if (
-        partial_out.shape[0] < num_seqs
+        partial_out.shape[0] < num_tokens
         or partial_out.shape[1:] != (num_q_heads, num_kv_splits, head_dim)
-        or partial_lse.shape[0] < num_seqs
+        or partial_lse.shape[0] < num_tokens
         or partial_lse.shape[1:] != (num_q_heads, num_kv_splits)
         or partial_out.stride(-1) != 1
         or partial_lse.stride(-1) != 1
     ):
         raise ValueError(
             f"decode workspace {tuple(partial_out.shape)}/{tuple(partial_lse.shape)} does not fit "
-            f"{num_seqs} sequences x {num_q_heads} heads x {num_kv_splits} splits x {head_dim}"
+            f"{num_tokens} query rows x {num_q_heads} heads x {num_kv_splits} splits x {head_dim}"
         )
     scratch_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
     config = decode_config(head_dim)
+    block_h = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_h // group
     args = (
         q, kv_layer, page_table, cu_seqlens_q, seq_lens, partial_out, partial_lse,
-        *common, *scratch_strides, qk_scale, num_kv_splits,
+        *common, *scratch_strides, qk_scale, num_kv_splits, num_kv_heads,
     )  # fmt: skip
     meta = dict(
-        GROUP=group, BLOCK_H=max(config.block_m, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_PRECISION=precision,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_PRECISION=precision,
     )  # fmt: skip
-    _launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_kv_splits), args, meta, config, dtypes)
+    grid = (num_seqs, num_kv_heads * triton.cdiv(max_query_len, block_q), num_kv_splits)
+    _launch(_split_kernel, grid, args, meta, config, dtypes)
     block_s = triton.next_power_of_2(num_kv_splits)
-    _decode_merge_kernel[(num_seqs, num_q_heads)](
-        partial_out, partial_lse, out, cu_seqlens_q, *scratch_strides, out.stride(0), out.stride(1),
-        float(v_scale), num_kv_splits,
+    _merge_kernel[(num_tokens, num_q_heads)](
+        partial_out, partial_lse, out, cu_seqlens_q, num_seqs, *scratch_strides, out.stride(0),
+        out.stride(1), float(v_scale), num_kv_splits,
         BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim,
         num_warps=8 if block_s * block_d >= 8192 else 4,
     )  # fmt: skip
@@ -579,6 +608,7 @@ def paged_attention(
 
 
 __all__ = [
+    "MAX_SPLIT_QUERY_LEN",
     "DecodeWorkspace",
     "KernelConfig",
     "decode_config",

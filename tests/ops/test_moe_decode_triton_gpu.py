@@ -92,20 +92,22 @@ def test_timings_against_grouped(moe_experts, kind, capsys):
 
 
 def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypatch, capsys):
-    """`python -m morion.ops.moe_tune` over two candidates per kernel: the file names this device and the
+    """`python -m morion.ops.moe_tune` over two candidates per kernel (the down ones a two-pass and a
+    one-pass tile): the file names this device and the
     shape, holds candidates, and `tuned_tiles` hands them to the kernels (whose output they do not change
     beyond a different summation order)."""
     from morion.ops import moe_tiles, moe_tune
 
     monkeypatch.setattr(moe_tune, "GATE_UP_CANDIDATES", moe_tune.GATE_UP_CANDIDATES[:2])
-    monkeypatch.setattr(moe_tune, "DOWN_CANDIDATES", moe_tune.DOWN_CANDIDATES[:2])
+    down = [moe_tune.TWO_PASS_DOWN_CANDIDATES[0], moe_tune.down_candidates(512)[-1]]
+    monkeypatch.setattr(moe_tune, "down_candidates", lambda intermediate: down)
     flags = ["--experts", "512", "--hidden", "2048", "--intermediate", "512", "--top-k", "10"]
     moe_tune.main([*flags, "--tokens", "1", "--out", str(tmp_path)])
     [path] = tmp_path.glob("*.json")
     config = json.loads(path.read_text())
     assert config["device"] == torch.cuda.get_device_name() and config["experts"] == 512
     assert tuple(config["gate_up"]) in moe_tune.GATE_UP_CANDIDATES[:2]
-    assert tuple(config["down"]) in moe_tune.DOWN_CANDIDATES[:2]
+    assert tuple(config["down"]) in down
     assert set(config["us_per_call"]) == {"1"} and config["us_per_call"]["1"] > 0
     monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
     moe_tiles.tuned_tiles.cache_clear()

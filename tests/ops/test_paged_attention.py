@@ -13,6 +13,7 @@ from morion.ops.fp8 import FP8_MAX
 from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
 from morion.ops.paged_attention_triton import (
     _INTERPRET,
+    MAX_SPLIT_QUERY_LEN,
     decode_workspace,
     default_num_kv_splits,
     paged_attention,
@@ -224,7 +225,7 @@ def test_extend_matches_reference(dtype, num_q_heads, num_kv_heads) -> None:
     batch = make_batch(
         EXTEND_SEQ_LENS, EXTEND_QUERY_LENS, num_q_heads, num_kv_heads, head_dim=16, page_size=4, dtype=dtype
     )
-    out = run_triton(batch, 0.25)
+    out = run_triton(batch, 0.25, split_kv=False)
     assert_close(out, run_reference(batch, 0.25), TOLERANCE[dtype])
 
 
@@ -244,16 +245,51 @@ def test_extend_maps_blocks_to_sequences_in_a_large_batch() -> None:
     assert_close(run_triton(batch, 0.3), run_reference(batch, 0.3), 2e-5)
 
 
-def test_extend_leaves_rows_outside_the_batch_untouched() -> None:
+@pytest.mark.parametrize("split_kv", [True, False], ids=["split-kv", "extend-kernel"])
+def test_short_extends_leave_rows_outside_the_batch_untouched(split_kv: bool) -> None:
     batch = make_batch([12, 6], [5, 6], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
     padded_q = torch.cat([batch.q, torch.randn(3, 4, 16, device=DEVICE)])
     out = torch.full_like(padded_q, 7.0)
     paged_attention(
         padded_q, batch.kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, 4, 0.3,
-        max_query_len=6, out=out,
+        max_query_len=6, out=out, split_kv=split_kv,
     )  # fmt: skip
     assert_close(out[:11], run_reference(batch, 0.3), 2e-5)
     assert (out[11:] == 7.0).all()
+
+
+# --- short extends (speculative verify) on the split-KV kernels -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 1), (8, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize("num_kv_splits", [1, 5])
+def test_short_extends_on_the_split_kv_kernels_match_reference(
+    dtype, num_q_heads, num_kv_heads, num_kv_splits
+) -> None:
+    # Verify-shaped queries: 4 tokens over 62 cached keys, whose last split (16-key blocks under the
+    # interpreter, 5 splits: keys 64..65) starts past the first two tokens' positions, so their rows see
+    # no key there; the longest split-KV query (16 tokens, several query blocks); a decode row; a sequence
+    # without rows; a whole short prompt.
+    batch = make_batch(
+        [66, 40, 9, 30, 3], [4, 16, 1, 0, 3], num_q_heads, num_kv_heads, head_dim=16, page_size=4, dtype=dtype
+    )
+    out = run_triton(batch, 0.25, num_kv_splits=num_kv_splits, split_kv=True)
+    assert_close(out, run_reference(batch, 0.25), TOLERANCE[dtype])
+
+
+def test_query_length_picks_the_kernel(monkeypatch) -> None:
+    from morion.ops import paged_attention_triton as module
+
+    launched = []
+    real_launch = module._launch
+    monkeypatch.setattr(
+        module, "_launch", lambda kernel, *args: launched.append(kernel) or real_launch(kernel, *args)
+    )
+    for query_len in (1, MAX_SPLIT_QUERY_LEN, MAX_SPLIT_QUERY_LEN + 1):
+        batch = make_batch([40], [query_len], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+        assert_close(run_triton(batch, 0.3), run_reference(batch, 0.3), 2e-5)
+    assert launched == [module._split_kernel, module._split_kernel, module._extend_kernel]
 
 
 # --- FP8 KV ----------------------------------------------------------------------------------------------

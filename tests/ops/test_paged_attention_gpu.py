@@ -90,6 +90,50 @@ def test_decode_matches_reference(batch: int, shape: str, kv_dtype: torch.dtype)
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_KV_DTYPE], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
+def test_verify_shaped_queries_on_split_kv_match_reference_and_the_extend_kernel(
+    shape: str, kv_dtype: torch.dtype
+) -> None:
+    """Speculative verify: 4, 8 and 16 tokens per sequence over 1K to 33K keys, on the split-KV kernels
+    (the default up to MAX_SPLIT_QUERY_LEN) and on the extend kernel; prints both kernels' time for four
+    tokens over 1K keys at one sequence, inside a CUDA graph (run with -s)."""
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    seq_lens, query_lens = [1028, 32773, 5000], [4, 16, 8]
+    pool = make_pool(sum(seq_lens) + 3 * PAGE_SIZE, num_kv_heads, head_dim, kv_dtype, seed=5)
+    page_table = page_table_for(seq_lens, pool.num_pages, 34000 // PAGE_SIZE, seed=5)
+    q = QUERY_GAIN * torch.randn(sum(query_lens), num_q_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    args = (q, pool.kv_layer, page_table, cu_seqlens(query_lens), torch.tensor(seq_lens).int().cuda())
+    scale = head_dim**-0.5
+    reference = paged_attention_reference(*args, PAGE_SIZE, scale, **scales(kv_dtype))
+    split = paged_attention(*args, PAGE_SIZE, scale, max_query_len=16, **scales(kv_dtype))
+    assert_matches(split, reference)
+    assert_matches(
+        paged_attention(*args, PAGE_SIZE, scale, max_query_len=16, split_kv=False, **scales(kv_dtype)),
+        reference,
+    )
+
+    one = (q[:4], pool.kv_layer, page_table[:1], cu_seqlens([4]), torch.tensor(seq_lens[:1]).int().cuda())
+    out, times = torch.empty_like(q[:4]), {}
+    for split_kv in (True, False):
+        options = dict(max_query_len=4, split_kv=split_kv, out=out, **scales(kv_dtype))
+        paged_attention(*one, PAGE_SIZE, scale, **options)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # 20 calls per replay: launch cost out of the timing, as in decode
+            for _ in range(20):
+                paged_attention(*one, PAGE_SIZE, scale, **options)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times["split-KV" if split_kv else "extend"] = start.elapsed_time(end) * 1e3 / 100
+    listed = ", ".join(f"{kernel} {us:.1f} us" for kernel, us in times.items())
+    print(f"\nverify, 4 tokens over 1028 keys, {shape} {kv_dtype}: {listed}")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_KV_DTYPE], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_extend_over_paged_prefix_matches_reference(shape: str, kv_dtype: torch.dtype) -> None:
     # Two 1K extends over 2K prefixes, a full 1.5K prefill and a decode row, in one batch.
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
