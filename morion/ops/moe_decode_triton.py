@@ -80,11 +80,42 @@ def _group_rows(match, rank, start, count, BLOCK_P: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """An fp32 accumulator for rows x columns, kept transposed with SWAP_AB (`_mma`)."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]; with SWAP_AB, as
+    w^T @ a^T into the transposed accumulator. Each row's result is the same dot products either way,
+    independent of the other rows."""
+    if SWAP_AB:
+        acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _rows_first(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,8 +126,8 @@ def _gate_up_kernel(
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden_size, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ks_ok = ks < hidden_size
@@ -105,8 +136,10 @@ def _gate_up_kernel(
             w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
             x = tl.cast(x, w_g.dtype)
-            acc_gate = tl.dot(x, w_g, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(x, w_u, acc_up, input_precision=DOT_PRECISION)
+            acc_gate = _mma(x, w_g, acc_gate, SWAP_AB, DOT_PRECISION)
+            acc_up = _mma(x, w_u, acc_up, SWAP_AB, DOT_PRECISION)
+        acc_gate = _rows_first(acc_gate, SWAP_AB)
+        acc_up = _rows_first(acc_up, SWAP_AB)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
             scales = w_scale_ptr + expert * stride_se + cols
@@ -123,7 +156,7 @@ def _down_kernel(
     num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,7 +176,8 @@ def _down_kernel(
                 a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
                 a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = tl.dot(a, w, input_precision=DOT_PRECISION)
+            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION)
+            acc = _rows_first(acc, SWAP_AB)
         elif FP8:
             # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
             amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -156,7 +190,7 @@ def _down_kernel(
             # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
             a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
         if not SINGLE_PASS:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
             for k0 in range(0, inter_size, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ks_ok = ks < inter_size
@@ -165,7 +199,8 @@ def _down_kernel(
                 if FP8:
                     a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                     a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                acc = _mma(a, w, acc, SWAP_AB, DOT_PRECISION)
+            acc = _rows_first(acc, SWAP_AB)
         if FP8:
             w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
             acc = acc * a_scale[:, None] * w_scale[None, :]
@@ -239,14 +274,16 @@ def moe_experts_triton(
         x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        **common, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SWAP_AB=t.swap_ab,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
         **common, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SWAP_AB=t.swap_ab, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
     _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
         pair_out, out, top_k, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK

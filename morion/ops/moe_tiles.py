@@ -20,12 +20,16 @@ CONFIG_DIR = Path(__file__).parent / "moe_configs"
 
 
 class Tiles(NamedTuple):
-    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options."""
+    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options, and whether
+    the MMA takes the weights as its first operand (`swap_ab`: the tile's BLOCK_N weight columns become
+    the MMA's M side, big enough for Hopper's wgmma, and the few token rows its N side). Files written
+    before `swap_ab` existed list four values: the default applies."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
 
 
 class ExpertShape(NamedTuple):

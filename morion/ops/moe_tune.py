@@ -28,10 +28,18 @@ from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, moe_experts_triton
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
 
-# Candidates: BLOCK_N x BLOCK_K x stages, 4 warps; the defaults are among them. The down kernel also
-# tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`) at 2 to 8 warps.
-GATE_UP_CANDIDATES = [Tiles(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (3, 4)]
-TWO_PASS_DOWN_CANDIDATES = [Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)]
+# Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, plain and with swapped operands; the defaults are
+# among them. The down kernel also tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`)
+# at 2 to 8 warps.
+# Swapped operands (Tiles.swap_ab) put BLOCK_N on the MMA's M side: 64 columns and up.
+GATE_UP_CANDIDATES = [
+    *(Tiles(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (3, 4)),
+    *(Tiles(n, k, 4, s, True) for n in (64, 128) for k in (128, 256) for s in (3, 4)),
+]
+TWO_PASS_DOWN_CANDIDATES = [
+    *(Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)),
+    *(Tiles(n, k, 4, 3, True) for n in (64, 128, 256) for k in (64, 128)),
+]
 
 
 def down_candidates(intermediate: int) -> list[Tiles]:

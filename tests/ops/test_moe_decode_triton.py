@@ -70,6 +70,16 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+# (gate_up, down) tiles: the down kernel in one pass and in two (FP8 tl.dot needs K >= 32 on the GPU: a
+# 32-column BLOCK_K takes two passes over I = 64), and both kernels with swapped MMA operands.
+TILE_CASES = {
+    "one-pass": (None, Tiles(32, 64, 4, 1)),
+    "two-pass": (None, Tiles(32, 32, 4, 2)),
+    "swapped": (Tiles(64, 32, 4, 3, True), Tiles(64, 32, 4, 2, True)),
+    "swapped-one-pass": (Tiles(64, 32, 4, 3, True), Tiles(64, 64, 4, 1, True)),
+}
+
+
 @pytest.mark.parametrize("tokens", (1, 3, 8))
 def test_fp32_equals_reference(tokens):
     case = make_case(tokens, torch.float32, seed=tokens)
@@ -93,15 +103,13 @@ def test_fp16_close_to_reference(tokens):
 
 
 @pytest.mark.parametrize("tokens", (1, 3, 8))
-# FP8 tl.dot needs K >= 32 on the GPU: a 32-column BLOCK_K takes two passes over I = 64.
-@pytest.mark.parametrize(
-    "down_tiles", (Tiles(32, 64, 4, 1), Tiles(32, 32, 4, 2)), ids=("one-pass", "two-pass")
-)
-def test_fp8_equals_fp8_reference(tokens, down_tiles):
+@pytest.mark.parametrize(("gate_up_tiles", "down_tiles"), TILE_CASES.values(), ids=TILE_CASES.keys())
+def test_fp8_equals_fp8_reference(tokens, gate_up_tiles, down_tiles):
     hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=10 + tokens)
     gate_up_q, down_q, scales = fp8_experts(gate_up, down)
     args = on_device(hidden, gate_up_q, down_q, weights, ids)
-    out = moe_experts_triton(*args, **{k: v.to(DEVICE) for k, v in scales.items()}, down_tiles=down_tiles)
+    scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    out = moe_experts_triton(*args, **scales, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
     expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
     # The same quantized math in fp32 (both quantize the token rows and the SwiGLU rows per row, and
     # weight the expert outputs after the down projection); only summation orders differ, which can
@@ -122,19 +130,22 @@ def test_an_expert_with_more_pairs_than_a_row_tile():
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", ("default", "swapped"))
 @pytest.mark.parametrize("kind", ("fp32", "fp8"))
-def test_a_token_result_does_not_depend_on_the_batch(kind):
+def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):
     """Each token alone gives bit for bit its row of the batched call (shared experts included)."""
     hidden, gate_up, down, weights, ids = make_case(8, torch.float32, seed=7)
-    scales = {}
+    options = {}
     if kind == "fp8":
-        gate_up, down, scales = fp8_experts(gate_up, down)
+        gate_up, down, options = fp8_experts(gate_up, down)
     hidden, gate_up, down, weights, ids = on_device(hidden, gate_up, down, weights, ids)
-    scales = {k: v.to(DEVICE) for k, v in scales.items()}
-    batched = moe_experts_triton(hidden, gate_up, down, weights, ids, **scales)
+    options = {k: v.to(DEVICE) for k, v in options.items()}
+    if tiles == "swapped":
+        options.update(zip(("gate_up_tiles", "down_tiles"), TILE_CASES["swapped"], strict=True))
+    batched = moe_experts_triton(hidden, gate_up, down, weights, ids, **options)
     for t in (0, 5):
         alone = moe_experts_triton(
-            hidden[t : t + 1], gate_up, down, weights[t : t + 1], ids[t : t + 1], **scales
+            hidden[t : t + 1], gate_up, down, weights[t : t + 1], ids[t : t + 1], **options
         )
         assert torch.equal(alone[0], batched[t])
 
