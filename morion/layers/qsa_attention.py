@@ -36,8 +36,10 @@ Two paths (ops/qsa.py):
   (one-token pages) run it; on the CPU torch. Ties among equally scored blocks go to the lower block
   index, except on the CPU, where both paths break them exactly as transformers does there
   (`exact_ties_on_cpu`).
-- prefill chunks and mixed batches: the per-sequence reference (shapes that follow the data, host syncs),
-  over the cached block keys; it computes and stores the keys of the blocks its tokens complete.
+- prefill chunks and mixed batches: on CUDA, the static path again, one sequence's rows at a time in
+  tiles of `PREFILL_TILE_ROWS` queries (`static_prefill`); on the CPU the per-sequence reference (shapes
+  that follow the data, host syncs) over the cached block keys. Either way the step first computes and
+  stores the keys of the blocks its tokens complete.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ from morion.ops.qsa import (
     static_sparse_attention,
 )
 
+# Prefill queries per static-path tile: bounds its scores to this many rows x the sequence's blocks.
+PREFILL_TILE_ROWS = 256
 INDEX_KEYS = "qsa_index_keys"  # the token component holding each token's raw index key [Di]
 BLOCK_KEYS = "qsa_block_keys"  # the token component holding the block keys, ceil(Di / r) per token
 
@@ -127,6 +131,11 @@ class QSAAttention(GatedAttentionProjections):
     # Off: ties go to the lower block on every path, as on CUDA (ops/qsa.py), with the fixed-size top-k
     # a graph captures (tests switch it off to check that path syncs nothing, and to compare devices).
     exact_ties_on_cpu: ClassVar[bool] = True
+    # Prefill chunks through the static selection and attention too, PREFILL_TILE_ROWS rows at a time
+    # (None: on CUDA, where the per-sequence reference's host syncs and small ops cost the most; tests
+    # switch it on for the CPU). The tile bounds the scores (tile x the sequence's blocks, fp32), and the
+    # attention's split count is fixed, so a row's result does not depend on how its prompt is chunked.
+    static_prefill: ClassVar[bool | None] = None
 
     def __init__(
         self,
@@ -169,7 +178,9 @@ class QSAAttention(GatedAttentionProjections):
         static = static_step(backend)
         self._store_block_keys(positions, rotary, backend, static)
         if static:
-            out = self._attend_static(q, index_q, positions, backend)
+            out = self._attend_static(q, index_q, positions, backend.page_table, backend)
+        elif q.is_cuda if self.static_prefill is None else self.static_prefill:
+            out = self._attend_prefill_static(q, index_q, positions, backend)
         else:
             out = self._attend_reference(q, index_q, backend)
         return self.gate_output(out, gate)
@@ -211,11 +222,15 @@ class QSAAttention(GatedAttentionProjections):
         q: torch.Tensor,
         index_q: torch.Tensor,
         positions: torch.Tensor,
+        page_table: torch.Tensor,
         backend: TokenCacheBackend,
+        num_kv_splits: int | None = None,
     ) -> torch.Tensor:
-        """Decode / verify: rows b * n .. b * n + n - 1 are sequence b's n new tokens. No host syncs."""
+        """Rows b * n .. b * n + n - 1 are the n queries of sequence b (page_table row b) at consecutive
+        positions: a decode or verify step, or a tile of one sequence's prefill chunk. No host syncs
+        (but with exact CPU ties)."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
-        page_table, page_size = backend.page_table, backend.page_size
+        page_size = backend.page_size
         num_seqs, rows = page_table.shape[0], q.shape[0]
         num_complete = torch.div(positions + 1, ratio, rounding_mode="floor")
         key_rows = self._block_rows(backend)
@@ -239,9 +254,33 @@ class QSAAttention(GatedAttentionProjections):
         if q.is_cuda:
             from morion.ops import qsa_triton
 
-            return qsa_triton.sparse_attention(q, kv_layer, slots, counts, self.scale, k_scale, v_scale)
+            return qsa_triton.sparse_attention(
+                q, kv_layer, slots, counts, self.scale, k_scale, v_scale, num_kv_splits
+            )
         k, v = gather_token_kv(kv_layer, slots, k_scale, v_scale)
         return static_sparse_attention(q, k, v, counts, self.scale)
+
+    def _attend_prefill_static(
+        self, q: torch.Tensor, index_q: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
+    ) -> torch.Tensor:
+        """Prefill / mixed batches on the static path: each sequence's rows in tiles of at most
+        PREFILL_TILE_ROWS consecutive queries, each tile one sequence of the static path."""
+        out = torch.zeros_like(q)
+        splits = None
+        if q.is_cuda:
+            from morion.ops.paged_attention_triton import default_num_kv_splits
+
+            width = self.block_topk * self.compress_ratio + self.compress_ratio - 1
+            splits = default_num_kv_splits(
+                PREFILL_TILE_ROWS, backend.kv_pool(self.attention_ordinal).shape[2], width, q.device
+            )
+        for n, (start, length) in enumerate(backend.query_ranges):
+            for tile in range(start, start + length, PREFILL_TILE_ROWS):
+                rows = slice(tile, min(tile + PREFILL_TILE_ROWS, start + length))
+                out[rows] = self._attend_static(
+                    q[rows], index_q[rows], positions[rows], backend.page_table[n : n + 1], backend, splits
+                )
+        return out
 
     def _attend_reference(
         self, q: torch.Tensor, index_q: torch.Tensor, backend: TokenCacheBackend

@@ -41,7 +41,7 @@ def _block_scores_kernel(
     stride_out,
     num_blocks,
     sqrt_dim,
-    ROWS_PER_SEQ: tl.constexpr,
+    rows_per_seq,
     BLOCKS_PER_PAGE: tl.constexpr,
     HEADS: tl.constexpr,
     DIM: tl.constexpr,
@@ -50,7 +50,7 @@ def _block_scores_kernel(
 ):
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    seq = row // ROWS_PER_SEQ
+    seq = row // rows_per_seq
     complete = tl.load(num_complete_ptr + row)
     offs_b = tile * BLOCK_B + tl.arange(0, BLOCK_B)
     valid = offs_b < complete
@@ -95,8 +95,7 @@ def block_scores(
     _block_scores_kernel[grid](
         index_q, block_pool, page_table, num_complete, out,
         index_q.stride(0), index_q.stride(1), block_pool.stride(0), page_table.stride(0), out.stride(0),
-        num_blocks, math.sqrt(dim),
-        ROWS_PER_SEQ=rows // num_seqs, BLOCKS_PER_PAGE=blocks_per_page, HEADS=heads, DIM=dim,
+        num_blocks, math.sqrt(dim), rows // num_seqs, BLOCKS_PER_PAGE=blocks_per_page, HEADS=heads, DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_B=block_b, num_warps=4,
     )  # fmt: skip
     return out
@@ -110,13 +109,15 @@ def sparse_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """q [rows, Hq, D]; kv_layer [num_slots, 2, Hkv, D] (any pool dtype the paged kernels take); slots
     [rows, W] flat pool slots of each row's selected tokens, the first counts[row] real. Returns
-    [rows, Hq, D] in q's dtype (as `qsa.static_sparse_attention`)."""
+    [rows, Hq, D] in q's dtype (as `qsa.static_sparse_attention`). num_kv_splits: the paged kernel's
+    (default: from the number of rows)."""
     rows = q.shape[0]
     cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
     return paged_attention(
         q.contiguous(), kv_layer, slots.to(torch.int32), cu_seqlens, counts.to(torch.int32), 1, scale,
-        max_query_len=1, k_scale=k_scale, v_scale=v_scale,
+        max_query_len=1, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits,
     )  # fmt: skip

@@ -24,11 +24,12 @@ from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
+from morion.layers import qsa_attention
 from morion.layers.ple import PLELayer
 from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention
 from morion.spec.synthetic import SyntheticDrafter
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
-from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, qwen4_exp_prompts
+from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, one_shot_logits, qwen4_exp_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 VOCAB = QWEN4_EXP_TINY["vocab_size"]
@@ -119,6 +120,36 @@ def test_speculative_verify_gives_the_plain_greedy_output(
         assert all(o.usage.cached_tokens > len(p) for o, p in zip(hit, prompts, strict=True))
     assert any(static for static, _ in block_key_checks)
     engine.check_integrity()
+
+
+# -- prefill on the static path (what CUDA runs) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact_ties", [True, False], ids=["transformers-ties", "lower-block-ties"])
+def test_prefill_on_the_static_path_equals_the_reference(
+    qwen4_exp_tiny, engine_runner, monkeypatch, exact_ties
+):
+    """Prefill chunks through the static selection in tiles of 8 queries give the per-sequence reference's
+    logits and greedy output: prompts of 40 to 70 tokens (selection happens: budget 16), chunks of 22
+    that split blocks, three sequences per step, then follow-ups that hit the prefix cache."""
+    monkeypatch.setattr(QSAAttention, "exact_ties_on_cpu", exact_ties)
+    monkeypatch.setattr(qsa_attention, "PREFILL_TILE_ROWS", 8)
+    prompts = qwen4_exp_prompts(3, seed=9, lengths=(40, 70))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs, logits = {}, {}
+    for static in (False, True):
+        monkeypatch.setattr(QSAAttention, "static_prefill", static)
+        if static:  # the reference must not run at all
+            monkeypatch.setattr(QSAAttention, "_attend_reference", _refuse("the reference path"))
+        logits[static] = one_shot_logits(qwen4_exp_tiny.model, prompts[0], page_size=4)
+        engine = _spec_engine(qwen4_exp_tiny, chunk_size=22)
+        first = engine_runner(engine, prompts, params)
+        follow_ups = [[*p, *o.token_ids, 5, 6, 7] for p, o in zip(prompts, first, strict=True)]
+        second = engine_runner(engine, follow_ups, params)
+        assert all(o.usage.cached_tokens > 0 for o in second)
+        outputs[static] = [o.token_ids for o in first + second]
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)
+    assert outputs[True] == outputs[False]
 
 
 # -- no host sync in decode and verify steps ---------------------------------------------------------
