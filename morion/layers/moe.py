@@ -153,6 +153,12 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""
         logits = self.gate(x)
+        if logits.is_cuda:
+            from morion.ops import router_triton
+
+            if router_triton.supports(logits, self.top_k):
+                log_once(logger, "MoE router: one Triton kernel (softmax, top-k, renormalisation)")
+                return router_triton.route(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -1,0 +1,72 @@
+"""The MoE router's softmax and top-k in one Triton kernel (`SparseMoE.route` on CUDA).
+
+In torch the route is six kernels per MoE layer: the fp32 softmax, top-k's selection and its sort, the
+sum and division that renormalise, and the cast. On the 80B preset they took ~14 us of each layer's
+decode step (`results/2026-11-30-h200-qwen3-next-80b-a3b-fp8-profile-kernels.md`). Here one program per
+token does all of it:
+
+- probs = softmax(logits) in fp32: exp(x - max) / sum, the divisions IEEE-rounded (`div_rn`), as torch's;
+- k rounds of "take the largest remaining prob": the k best, best first, and among equal probs the lower
+  expert (torch.topk leaves the order of ties unspecified);
+- with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype.
+
+Same results as the torch route up to the exponential's last bits (Triton's exp is not libm's) and the
+order of exact ties. No host sync, fixed shapes: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 4096
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.cast(tl.program_id(0), tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf"))
+    logits = tl.cast(logits, tl.float32)
+    shifted = tl.exp(logits - tl.max(logits, axis=0))  # 0 past num_experts
+    probs = tl.math.div_rn(shifted, tl.broadcast_to(tl.sum(shifted, axis=0), (BLOCK_E,)))
+    remaining = tl.where(valid, probs, -1.0)  # probs are >= 0: -1 is never taken while experts remain
+    slots = tl.arange(0, BLOCK_K)
+    chosen_probs = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        expert = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)
+        chosen_probs = tl.where(slots == slot, best, chosen_probs)
+        chosen_ids = tl.where(slots == slot, tl.cast(expert, tl.int64), chosen_ids)
+        remaining = tl.where(experts == expert, -1.0, remaining)
+    if NORMALIZE:
+        total = tl.sum(tl.where(slots < TOP_K, chosen_probs, 0.0), axis=0)
+        chosen_probs = tl.math.div_rn(chosen_probs, tl.broadcast_to(total, (BLOCK_K,)))
+    out = slots < TOP_K
+    tl.store(weights_ptr + row * TOP_K + slots, tl.cast(chosen_probs, weights_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + row * TOP_K + slots, chosen_ids, mask=out)
+
+
+def supports(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether the kernel takes these router logits [T, E]: unit stride on E, E <= MAX_EXPERTS."""
+    return logits.dim() == 2 and logits.stride(-1) == 1 and 0 < top_k <= logits.shape[1] <= MAX_EXPERTS
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] in logits' dtype, topk_ids [T, k] int64), as `SparseMoE.route`'s torch code."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        )  # fmt: skip
+    return weights, ids

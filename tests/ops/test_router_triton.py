@@ -1,0 +1,52 @@
+"""The fused MoE route (softmax, top-k, renormalisation) against `SparseMoE.route`'s torch code. On the CPU
+the kernel runs in Triton's interpreter (fp32, fp16: it has no bf16), compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from morion.layers.moe import SparseMoE
+from morion.ops import router_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMoE.route's torch code on these logits (on the CPU, where it never takes the kernel)."""
+    moe = SparseMoE(8, logits.shape[1], top_k, 8, 8, normalize)
+    moe.gate = torch.nn.Identity()
+    return moe.route(logits.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "normalize"), [(512, 10, True), (60, 4, False), (7, 7, True)]
+)
+def test_route_matches_the_torch_code(dtype, num_experts, top_k, normalize):
+    # Distinct in every row, in fp16 too (random fp16 logits of 512 experts tie, and torch.topk orders
+    # ties its own way): a shuffled ladder with steps of 8 / E.
+    generator = torch.Generator().manual_seed(num_experts)
+    ladder = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(6)])
+    logits = ((ladder - num_experts / 2) * (8 / num_experts)).to(dtype)
+    weights, ids = router_triton.route(logits.to(DEVICE), top_k, normalize)
+    expected_weights, expected_ids = _torch_route(logits, top_k, normalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype and weights.shape == (6, top_k)
+    assert torch.equal(ids.cpu(), expected_ids)  # the same experts, best first
+    torch.testing.assert_close(
+        weights.cpu(), expected_weights, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=0
+    )
+
+
+def test_equal_probs_go_to_the_lower_expert():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, 3.0]], device=DEVICE)
+    weights, ids = router_triton.route(logits, 4, normalize=True)
+    assert ids.tolist() == [[1, 3, 5, 2]]
+    torch.testing.assert_close(weights.sum().cpu(), torch.tensor(1.0))
+
+
+def test_no_tokens_and_what_it_refuses():
+    weights, ids = router_triton.route(torch.zeros(0, 16, device=DEVICE), 2, normalize=True)
+    assert weights.shape == ids.shape == (0, 2)
+    assert not router_triton.supports(torch.zeros(3, 16).t(), 2)  # strided experts
+    assert not router_triton.supports(torch.zeros(3, 16), 17)  # k above E
