@@ -235,6 +235,7 @@ class SpeculativeDecoding:
                 hidden=hidden.index_select(0, rows),
                 accepted=torch.tensor([v.accepted for v in ready], device=device),
                 next_tokens=torch.tensor([v.next_token for v in ready], device=device),
+                num_accepted=[v.accepted for v in ready],
                 starts=[v.start for v in ready],
                 page_table=page_table_tensor([v.request.pages for v in ready]).to(device, non_blocking=True),
             )

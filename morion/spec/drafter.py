@@ -73,13 +73,15 @@ class VerifyResult:
     """A verify step of n - 1 drafts, for the requests still running, in batch order: `inputs` [B, n]
     the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final hidden
     states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after them, all on
-    the device; `starts` each request's computed tokens before the step; `page_table` [B, pages]."""
+    the device; on the host `num_accepted` (accepted's values) and `starts` each request's computed
+    tokens before the step; `page_table` [B, pages]."""
 
     requests: Sequence[DraftRequest]
     inputs: torch.Tensor
     hidden: torch.Tensor
     accepted: torch.Tensor
     next_tokens: torch.Tensor
+    num_accepted: list[int]
     starts: list[int]
     page_table: torch.Tensor
 

@@ -101,6 +101,31 @@ class _Pending:
         return self.start + sum(r.shape[0] for r in self.rows)
 
 
+class _HostDrafts:
+    """One after-verify draft's tokens [B, width] on their way to the host. The copy is queued behind the
+    draft forward and waited for only when a request's drafts are proposed, so the host's work in
+    between (the step's outputs, the next schedule) overlaps the draft forward on the device. The copy
+    lands in its own page-locked buffer: a graph's output buffer is overwritten by its next replay."""
+
+    def __init__(self, drafted: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if drafted.is_cuda:
+            self._host = torch.empty(drafted.shape, dtype=drafted.dtype, pin_memory=True)
+            self._host.copy_(drafted, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = drafted.clone()
+        self._rows: list[list[int]] | None = None
+
+    def row(self, index: int) -> list[int]:
+        if self._rows is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows[index]
+
+
 def reduced_head(model: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:
     """The LM head restricted to the FR-Spec vocabulary `token_map` [V'] (rows of the full head, in map
     order): a bias-free linear layer over the same input. An FP8 head (`--weight-dtype fp8`) keeps its
@@ -138,8 +163,9 @@ class MtpDrafter:
         self._pool = pool
         self._kv_scales = kv_scales
         self._pending: dict[str, _Pending] = {}
-        # Drafts made right after a verify step (after_verify): request -> (its computed tokens then, drafts)
-        self._ready: dict[str, tuple[int, list[int]]] = {}
+        # Drafts made right after a verify step (after_verify): request -> (its computed tokens then, the
+        # step's drafts, its row in them)
+        self._ready: dict[str, tuple[int, _HostDrafts, int]] = {}
         self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (engine.py)
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)
@@ -173,7 +199,8 @@ class MtpDrafter:
         for request in requests:
             made = self._ready.pop(request.request_id, None)
             if made is not None and made[0] == request.num_computed:
-                tokens[request.request_id] = made[1][:width]
+                _, drafts, row = made
+                tokens[request.request_id] = drafts.row(row)[:width]
         extendable = [r for r in requests if not tokens[r.request_id] and self._extendable(r)]
         if extendable and width > 0:
             for request, drafted in zip(extendable, self._draft(extendable, width), strict=True):
@@ -200,12 +227,12 @@ class MtpDrafter:
             drafted = graphs.run(*args, verified.page_table)
         else:
             drafted = self.draft_after_verify(*args, verified.page_table.long(), width)
-        tokens = drafted.tolist()
-        for request, start, accepted, drafts in zip(
-            verified.requests, verified.starts, verified.accepted.tolist(), tokens, strict=True
+        drafts = _HostDrafts(drafted)  # read when proposed: nothing here waits for the draft forward
+        for row, (request, start, accepted) in enumerate(
+            zip(verified.requests, verified.starts, verified.num_accepted, strict=True)
         ):
             computed = start + 1 + accepted
-            self._ready[request.request_id] = (computed, drafts)
+            self._ready[request.request_id] = (computed, drafts, row)
             self._pending[request.request_id] = _Pending(computed)  # MTP K/V written up to c - 1
 
     def draft_after_verify(
