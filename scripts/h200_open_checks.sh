@@ -16,12 +16,14 @@
 #          $OUT), the kernels of the decode, verify and draft graphs (scripts/profile_kernels.py), and the
 #          attention and MoE op tests compiled for the device.
 #   part6: the engine and speculative GPU tests, then part2's speculative bench.
-#   part7: part5's MoE tile sweep (with the swapped-operand tiles), then the speculative bench at C1 with
-#          FR-Spec's reduced draft head: a map of the 65,536 lowest ids (scripts/lowest_ids_token_map.py;
-#          the preset has no tokenizer, and at a forced acceptance only the head's size matters).
+#   part7: part5's MoE tile sweep, with the swapped-operand and GEMV tiles (commit the JSON it writes
+#          to $OUT into morion/ops/moe_configs/ before part8).
+#   part8: the speculative bench at C1 and C4 with the tuned tiles, then at C1 with FR-Spec's reduced
+#          draft head: a map of the 65,536 lowest ids (scripts/lowest_ids_token_map.py; the preset has
+#          no tokenizer, and at a forced acceptance only the head's size matters).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7}
+part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -73,9 +75,15 @@ part5)
         tests/ops/test_paged_attention.py tests/ops/test_moe_decode_triton.py
     ;;
 part7)
-    step moe-tune 280 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
+    step moe-tune 560 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
         --dtype fp8 --tokens 1,4
     cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+    ;;
+part8)
+    step spec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
+        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
+        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
+        --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
     python3 scripts/lowest_ids_token_map.py 151936 65536 "$out/lowest-ids-64k.json"
     step spec-frspec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" \
         --kv-cache-tokens 65536 --no-prefix-cache --max-running-requests 1 --cuda-graph-max-batch 1 \
@@ -84,7 +92,7 @@ part7)
         --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic-frspec64k --out "$results"
     ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7" >&2
+    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8" >&2
     exit 2
     ;;
 esac

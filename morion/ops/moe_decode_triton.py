@@ -40,7 +40,7 @@ from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
 MAX_PAIRS = 1024
-_BLOCK_M = 16  # rows (pairs of one expert) per tile: the smallest `tl.dot` takes
+_BLOCK_M = 16  # rows (pairs of one expert) per MMA tile: the smallest `tl.dot` takes
 _SUM_BLOCK = 512
 
 
@@ -79,10 +79,19 @@ def _group_rows(match, rank, start, count, BLOCK_P: tl.constexpr, BLOCK_M: tl.co
     return pairs, rows < count
 
 
+# How a tile multiplies its rows by the weights (`Tiles.mma`): tl.dot with the rows as the MMA's M side;
+# tl.dot with the operands swapped (the weight columns on the M side, big enough for Hopper's wgmma);
+# or no MMA (one row per tile, products and sums on the CUDA cores, as a GEMV).
+MMA_DOT = tl.constexpr(0)
+MMA_SWAPPED = tl.constexpr(1)
+MMA_GEMV = tl.constexpr(2)
+_MMA_MODES = {"dot": MMA_DOT.value, "swapped": MMA_SWAPPED.value, "gemv": MMA_GEMV.value}
+
+
 @triton.jit
-def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """An fp32 accumulator for rows x columns, kept transposed with SWAP_AB (`_mma`)."""
-    if SWAP_AB:
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr):
+    """An fp32 accumulator for rows x columns, kept transposed for swapped operands (`_mma`)."""
+    if MMA == MMA_SWAPPED:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -90,11 +99,15 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexp
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]; with SWAP_AB, as
-    w^T @ a^T into the transposed accumulator. Each row's result is the same dot products either way,
-    independent of the other rows."""
-    if SWAP_AB:
+def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]: by tl.dot, by tl.dot
+    as w^T @ a^T into the transposed accumulator, or as fp32 products summed over K (e4m3 and bf16
+    products are exact in fp32, so only the summation order differs from the MMA's). Each row's result
+    is its own dot products in every mode, independent of the other rows."""
+    if MMA == MMA_GEMV:
+        products = tl.cast(a, tl.float32)[:, :, None] * tl.cast(w, tl.float32)[None, :, :]
+        acc = acc + tl.sum(products, axis=1)
+    elif MMA == MMA_SWAPPED:
         acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -102,9 +115,9 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _rows_first(acc, SWAP_AB: tl.constexpr):
+def _rows_first(acc, MMA: tl.constexpr):
     """The accumulator as [BLOCK_M, BLOCK_N]."""
-    if SWAP_AB:
+    if MMA == MMA_SWAPPED:
         acc = tl.trans(acc)
     return acc
 
@@ -115,7 +128,7 @@ def _gate_up_kernel(
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    MMA: tl.constexpr,
 ):  # fmt: skip
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +139,8 @@ def _gate_up_kernel(
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
-        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+        acc_up = _zero_acc(BLOCK_M, BLOCK_N, MMA)
         for k0 in range(0, hidden_size, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ks_ok = ks < hidden_size
@@ -136,10 +149,10 @@ def _gate_up_kernel(
             w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
             x = tl.cast(x, w_g.dtype)
-            acc_gate = _mma(x, w_g, acc_gate, SWAP_AB, DOT_PRECISION)
-            acc_up = _mma(x, w_u, acc_up, SWAP_AB, DOT_PRECISION)
-        acc_gate = _rows_first(acc_gate, SWAP_AB)
-        acc_up = _rows_first(acc_up, SWAP_AB)
+            acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION)
+            acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION)
+        acc_gate = _rows_first(acc_gate, MMA)
+        acc_up = _rows_first(acc_up, MMA)
         if FP8:
             x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
             scales = w_scale_ptr + expert * stride_se + cols
@@ -156,7 +169,7 @@ def _down_kernel(
     num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SINGLE_PASS: tl.constexpr, SWAP_AB: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, MMA: tl.constexpr,
 ):  # fmt: skip
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,8 +189,8 @@ def _down_kernel(
                 a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
                 a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION)
-            acc = _rows_first(acc, SWAP_AB)
+            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA), MMA, DOT_PRECISION)
+            acc = _rows_first(acc, MMA)
         elif FP8:
             # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
             amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -190,7 +203,7 @@ def _down_kernel(
             # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
             a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
         if not SINGLE_PASS:
-            acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+            acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
             for k0 in range(0, inter_size, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ks_ok = ks < inter_size
@@ -199,8 +212,8 @@ def _down_kernel(
                 if FP8:
                     a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                     a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-                acc = _mma(a, w, acc, SWAP_AB, DOT_PRECISION)
-            acc = _rows_first(acc, SWAP_AB)
+                acc = _mma(a, w, acc, MMA, DOT_PRECISION)
+            acc = _rows_first(acc, MMA)
         if FP8:
             w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
             acc = acc * a_scale[:, None] * w_scale[None, :]
@@ -218,6 +231,13 @@ def _sum_slots_kernel(pair_out_ptr, out_ptr, top_k, hidden_size, stride_out, BLO
     for slot in range(0, top_k):
         acc += tl.load(pair_out_ptr + (token * top_k + slot) * hidden_size + cols, mask=cols_ok, other=0.0)
     tl.store(out_ptr + token * stride_out + cols, tl.cast(acc, out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+def _mma_options(tiles: Tiles) -> dict[str, int]:
+    """A kernel's MMA mode and rows per tile for `tiles`: one row for a GEMV tile, else _BLOCK_M."""
+    if tiles.mma not in _MMA_MODES:
+        raise ValueError(f"unknown MoE tile mma {tiles.mma!r}: expected one of {sorted(_MMA_MODES)}")
+    return {"MMA": _MMA_MODES[tiles.mma], "BLOCK_M": 1 if tiles.mma == "gemv" else _BLOCK_M}
 
 
 def moe_experts_triton(
@@ -267,22 +287,21 @@ def moe_experts_triton(
         FP8=fp8,
         DOT_PRECISION="ieee" if gate_up_proj.dtype == torch.float32 else "tf32",
         BLOCK_P=triton.next_power_of_2(num_pairs),
-        BLOCK_M=_BLOCK_M,
     )
     t = gate_up_tiles
     _gate_up_kernel[(num_pairs, triton.cdiv(inter_size, t.block_n))](
         x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SWAP_AB=t.swap_ab,
+        **common, **_mma_options(t), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SWAP_AB=t.swap_ab, num_warps=t.num_warps,
+        **common, **_mma_options(t), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )  # fmt: skip
     _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](

@@ -20,16 +20,17 @@ CONFIG_DIR = Path(__file__).parent / "moe_configs"
 
 
 class Tiles(NamedTuple):
-    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options, and whether
-    the MMA takes the weights as its first operand (`swap_ab`: the tile's BLOCK_N weight columns become
-    the MMA's M side, big enough for Hopper's wgmma, and the few token rows its N side). Files written
-    before `swap_ab` existed list four values: the default applies."""
+    """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options, and how the
+    rows meet the weights (`mma`): "dot" (tl.dot, 16 token rows on the MMA's M side), "swapped" (tl.dot
+    with the operands swapped: the tile's weight columns on the M side, big enough for Hopper's wgmma,
+    the few token rows on its N side) or "gemv" (no MMA: one row at a time, fp32 products summed on the
+    CUDA cores). Files written before `mma` existed list four values: the default applies."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    swap_ab: bool = False
+    mma: str = "dot"
 
 
 class ExpertShape(NamedTuple):

@@ -28,25 +28,26 @@ from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, moe_experts_triton
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
 
-# Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, plain and with swapped operands; the defaults are
-# among them. The down kernel also tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`)
-# at 2 to 8 warps.
-# Swapped operands (Tiles.swap_ab) put BLOCK_N on the MMA's M side: 64 columns and up.
+# Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, in each of the three MMA modes (Tiles.mma; swapped
+# operands put BLOCK_N on the MMA's M side: 64 columns and up); the defaults are among them. The down
+# kernel also tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`).
 GATE_UP_CANDIDATES = [
     *(Tiles(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (3, 4)),
-    *(Tiles(n, k, 4, s, True) for n in (64, 128) for k in (128, 256) for s in (3, 4)),
+    *(Tiles(n, k, 4, s, "swapped") for n in (64, 128) for k in (128, 256) for s in (3, 4)),
+    *(Tiles(n, k, 4, 3, "gemv") for n in (16, 32, 64) for k in (128, 256)),
 ]
 TWO_PASS_DOWN_CANDIDATES = [
     *(Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) for s in (2, 3)),
-    *(Tiles(n, k, 4, 3, True) for n in (64, 128, 256) for k in (64, 128)),
+    *(Tiles(n, k, 4, 3, "swapped") for n in (64, 128, 256) for k in (64, 128)),
+    *(Tiles(n, k, 4, 3, "gemv") for n in (32, 64, 128) for k in (64, 128)),
 ]
 
 
 def down_candidates(intermediate: int) -> list[Tiles]:
-    """The two-pass tiles, then one-pass ones: BLOCK_K = I rounded up to a power of two, narrow columns
-    (the whole [BLOCK_K, BLOCK_N] weight tile is in flight at once)."""
+    """The two-pass tiles, then one-pass ones: BLOCK_K = I rounded up to a power of two (the whole
+    [BLOCK_K, BLOCK_N] weight tile in flight at once; narrow ones measured slower on the H200)."""
     full = triton.next_power_of_2(intermediate)
-    return TWO_PASS_DOWN_CANDIDATES + [Tiles(n, full, w, 1) for n in (16, 32, 64) for w in (2, 4, 8)]
+    return TWO_PASS_DOWN_CANDIDATES + [Tiles(64, full, w, 1) for w in (4, 8)]
 
 
 ROUTINGS = 20

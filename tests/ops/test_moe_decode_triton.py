@@ -71,12 +71,14 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # (gate_up, down) tiles: the down kernel in one pass and in two (FP8 tl.dot needs K >= 32 on the GPU: a
-# 32-column BLOCK_K takes two passes over I = 64), and both kernels with swapped MMA operands.
+# 32-column BLOCK_K takes two passes over I = 64), and both kernels with swapped MMA operands and as GEMVs.
 TILE_CASES = {
     "one-pass": (None, Tiles(32, 64, 4, 1)),
     "two-pass": (None, Tiles(32, 32, 4, 2)),
-    "swapped": (Tiles(64, 32, 4, 3, True), Tiles(64, 32, 4, 2, True)),
-    "swapped-one-pass": (Tiles(64, 32, 4, 3, True), Tiles(64, 64, 4, 1, True)),
+    "swapped": (Tiles(64, 32, 4, 3, "swapped"), Tiles(64, 32, 4, 2, "swapped")),
+    "swapped-one-pass": (Tiles(64, 32, 4, 3, "swapped"), Tiles(64, 64, 4, 1, "swapped")),
+    "gemv": (Tiles(32, 32, 4, 3, "gemv"), Tiles(32, 32, 4, 2, "gemv")),
+    "gemv-one-pass": (Tiles(32, 32, 4, 3, "gemv"), Tiles(32, 64, 4, 1, "gemv")),
 }
 
 
@@ -130,7 +132,7 @@ def test_an_expert_with_more_pairs_than_a_row_tile():
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("tiles", ("default", "swapped"))
+@pytest.mark.parametrize("tiles", ("default", "swapped", "gemv"))
 @pytest.mark.parametrize("kind", ("fp32", "fp8"))
 def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):
     """Each token alone gives bit for bit its row of the batched call (shared experts included)."""
@@ -140,8 +142,8 @@ def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):
         gate_up, down, options = fp8_experts(gate_up, down)
     hidden, gate_up, down, weights, ids = on_device(hidden, gate_up, down, weights, ids)
     options = {k: v.to(DEVICE) for k, v in options.items()}
-    if tiles == "swapped":
-        options.update(zip(("gate_up_tiles", "down_tiles"), TILE_CASES["swapped"], strict=True))
+    if tiles != "default":
+        options.update(zip(("gate_up_tiles", "down_tiles"), TILE_CASES[tiles], strict=True))
     batched = moe_experts_triton(hidden, gate_up, down, weights, ids, **options)
     for t in (0, 5):
         alone = moe_experts_triton(
@@ -158,3 +160,9 @@ def test_no_tokens_and_too_many_pairs():
         moe_experts_triton(
             torch.zeros(many, HIDDEN), gate_up, down, torch.zeros(many, TOP_K), torch.zeros(many, TOP_K)
         )
+
+
+def test_an_unknown_mma_mode_is_refused():
+    case = on_device(*make_case(2, torch.float32))
+    with pytest.raises(ValueError, match="unknown MoE tile mma 'wgmma'"):
+        moe_experts_triton(*case, gate_up_tiles=Tiles(32, 32, 4, 2, "wgmma"))
