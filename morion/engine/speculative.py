@@ -184,14 +184,20 @@ class SpeculativeDecoding:
         logits = logits.float().view(len(verifying), n, -1)
         hidden = hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1
+        # Greedy (and forced) acceptance needs only the target's argmax: one kernel and one host sync for
+        # the whole batch, not one of each per request.
+        greedy = self.forced is not None or any(request.params.greedy for request, _, _ in verifying)
+        targets = logits.argmax(dim=-1).tolist() if greedy else []
         results = []
         survivors: list[_Verified] = []
         for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
             if self.forced is not None:
                 accepted = self.forced.num_accepted(len(tokens))
-                next_token = int(logits[row, accepted].argmax())
+                next_token = targets[row][accepted]
+            elif request.params.greedy:
+                accepted, next_token = greedy_accept(targets[row], draft)
             else:
-                accepted, next_token = self._accept(request, logits[row], draft, probs, len(tokens))
+                accepted, next_token = self._sample_accept(request, logits[row], draft, probs, len(tokens))
             emitted = [*draft[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
             start = request.num_computed
@@ -242,13 +248,12 @@ class SpeculativeDecoding:
         )
 
     @staticmethod
-    def _accept(
+    def _sample_accept(
         request: Request, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
     ) -> tuple[int, int]:
+        """Rejection sampling of a sampled request's drafts (padding positions: one-hot proposals)."""
         drafted = torch.tensor(draft, device=logits.device)
         params = request.params
-        if params.greedy:
-            return greedy_accept(logits.argmax(dim=-1), drafted)
         if probs is not None and proposed < len(draft):
             # Padding positions are deterministic proposals: one-hot rows.
             padding = torch.nn.functional.one_hot(drafted[proposed:], logits.shape[-1]).to(probs)

@@ -16,11 +16,13 @@ p_j(x_j), else draw from p_j with x_j removed. `p` is the processed sampling dis
 (`engine.sampler.sampling_probs`: temperature, top-k/p, min-p applied), `q` the drafter's over the full
 vocabulary (an FR-Spec drafter's expanded with `frspec.expand_probs`).
 
-Both functions work on the tensors' device and synchronise with the host once, to return ints.
+`greedy_accept` takes host ints (the engine reads a verify step's argmax for the whole batch at once);
+`rejection_sample` works on the tensors' device and synchronises with the host once, to return ints.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,13 +33,13 @@ class Acceptance(NamedTuple):
     next_token: int  # the target's token after them (correction or bonus)
 
 
-def greedy_accept(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Acceptance:
-    """`target_argmax` [k+1] and `draft_tokens` [k] (integer tensors on one device)."""
-    k = _check_width(target_argmax.shape[0], draft_tokens)
-    mismatch = target_argmax[:k] != draft_tokens
-    num_accepted = _first_true(mismatch)
-    next_token = target_argmax.index_select(0, num_accepted)
-    return Acceptance(*torch.cat([num_accepted, next_token]).tolist())
+def greedy_accept(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> Acceptance:
+    """`target_argmax` (k + 1 token ids) and `draft_tokens` (k), on the host."""
+    k = len(draft_tokens)
+    if len(target_argmax) != k + 1:
+        raise ValueError(f"{len(target_argmax)} target rows for {k} drafts; need one more row than drafts")
+    num_accepted = next((j for j in range(k) if target_argmax[j] != draft_tokens[j]), k)
+    return Acceptance(num_accepted, target_argmax[num_accepted])
 
 
 def rejection_sample(

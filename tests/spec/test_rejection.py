@@ -92,22 +92,24 @@ def test_one_hot_target_probabilities_reduce_to_greedy() -> None:
         argmax = logits.argmax(dim=-1)
         drafts = torch.where(torch.rand(3, generator=generator) < 0.7, argmax[:3], (argmax[:3] + 1) % VOCAB)
         one_hot = torch.nn.functional.one_hot(argmax, VOCAB).float()
-        assert rejection_sample(one_hot, drafts, None, generator) == greedy_accept(argmax, drafts)
+        assert rejection_sample(one_hot, drafts, None, generator) == greedy_accept(
+            argmax.tolist(), drafts.tolist()
+        )
 
 
 def test_greedy_accept_exact_cases() -> None:
-    target = torch.tensor([5, 6, 7, 8])
-    assert greedy_accept(target, torch.tensor([5, 6, 7])) == Acceptance(3, 8)  # all, then the bonus
-    assert greedy_accept(target, torch.tensor([5, 9, 7])) == Acceptance(1, 6)  # corrected at position 1
-    assert greedy_accept(target, torch.tensor([0, 6, 7])) == Acceptance(0, 5)
-    assert greedy_accept(target[:1], torch.tensor([], dtype=torch.long)) == Acceptance(0, 5)  # no drafts
-    assert greedy_accept(target, torch.tensor([5, 6, 0])) == (2, 7)  # a plain tuple too
+    target = [5, 6, 7, 8]
+    assert greedy_accept(target, [5, 6, 7]) == Acceptance(3, 8)  # all, then the bonus
+    assert greedy_accept(target, [5, 9, 7]) == Acceptance(1, 6)  # corrected at position 1
+    assert greedy_accept(target, [0, 6, 7]) == Acceptance(0, 5)
+    assert greedy_accept(target[:1], []) == Acceptance(0, 5)  # no drafts
+    assert greedy_accept(target, [5, 6, 0]) == (2, 7)  # a plain tuple too
 
 
 def test_shapes_are_checked() -> None:
     generator = torch.Generator()
     with pytest.raises(ValueError, match="one more row than drafts"):
-        greedy_accept(torch.tensor([1, 2]), torch.tensor([1, 2]))
+        greedy_accept([1, 2], [1, 2])
     p = torch.full((3, VOCAB), 1.0 / VOCAB)
     with pytest.raises(ValueError, match="one more row than drafts"):
         rejection_sample(p, torch.tensor([1]), None, generator)
