@@ -13,7 +13,8 @@
 #   part4: where Flash-Next's slow prefill goes (12-layer preset, scripts/profile_prefill.py) and where a
 #          speculative step goes on the 80B preset (scripts/profile_spec.py).
 #   part5: tune the fused MoE tiles for the 80B expert shape (the JSON lands in morion/ops/moe_configs and
-#          $OUT), the kernels of the decode, verify and draft graphs (scripts/profile_kernels.py), and the
+#          $OUT), the kernels of the decode, verify and draft graphs and of an eager step by module
+#          (scripts/profile_kernels.py), and the
 #          attention and MoE op tests compiled for the device.
 #   part6: the engine and speculative GPU tests, then part2's speculative bench.
 #   part7: part5's MoE tile sweep, with the swapped-operand and GEMV tiles (commit the JSON it writes
@@ -70,7 +71,7 @@ part5)
     step moe-tune 280 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
         --dtype fp8 --tokens 1,4
     cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
-    step profile-kernels 150 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
+    step profile-kernels 200 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
     step ops-gpu 150 "${pytest[@]}" -s tests/ops/test_paged_attention_gpu.py tests/ops/test_moe_decode_triton_gpu.py \
         tests/ops/test_paged_attention.py tests/ops/test_moe_decode_triton.py
     ;;
