@@ -8,8 +8,8 @@
 #   part2: the op kernel tests compiled for the device; speculative decoding with the MTP drafter at a forced
 #          acceptance on the 80B preset (#8, `morion bench --workloads spec`, SYNTHETIC); the 64K restore
 #          with the page cache evicted (#7).
-#   part3: the full-size Qwen3.8-Flash-Next preset: memory, decode and prefill, and MTP speculation at a
-#          forced acceptance (#9).
+#   part3: the full-size Qwen3.8-Flash-Next preset: memory, decode and prefill (1K to 32K), and MTP
+#          speculation at a forced acceptance (#9).
 #   part4: where Flash-Next's slow prefill goes (12-layer preset, scripts/profile_prefill.py) and where a
 #          speculative step goes on the 80B preset (scripts/profile_spec.py).
 #   part5: tune the fused MoE tiles for the 80B expert shape (the JSON lands in morion/ops/moe_configs and
@@ -60,7 +60,7 @@ part3)
     step flash-next 560 python3 -m morion bench --model preset:qwen3.8-flash-next "${fp8[@]}" \
         --kv-cache-tokens 65536 --max-running-requests 2 --cuda-graph-max-batch 2 \
         --workloads decode,prefill,spec --speculative mtp --spec-width 3 --spec-mean-accepted 2.58 \
-        --concurrency 1 --contexts 1024 --output-tokens 64 --repeats 1 --prefill-lengths 1024,8192 \
+        --concurrency 1 --contexts 1024 --output-tokens 64 --repeats 1 --prefill-lengths 1024,8192,32768 \
         --label h200-qwen3.8-flash-next-fp8 --out "$results"
     ;;
 part4)
