@@ -22,9 +22,12 @@
 #   part8: the speculative bench at C1 and C4 with the tuned tiles, then at C1 with FR-Spec's reduced
 #          draft head: a map of the 65,536 lowest ids (scripts/lowest_ids_token_map.py; the preset has
 #          no tokenizer, and at a forced acceptance only the head's size matters).
+#   part9: n-gram speculation at its real acceptance with the default model (SmolLM2-135M) on code-edit
+#          prompts, C1 and C2: the model arrives in two calls (scripts/device_model_parts.sh says how);
+#          a call that brings the first part only keeps it and stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8}
+part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8|part9}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -92,8 +95,24 @@ part8)
         --spec-token-map "$out/lowest-ids-64k.json" --concurrency 1 --contexts 1024 --repeats 3 \
         --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic-frspec64k --out "$results"
     ;;
+part9)
+    parts=/tmp/morion-model-parts
+    mkdir -p "$parts"
+    cp .device_parts/part-* "$parts"/ 2>/dev/null || true
+    have=$(find "$parts" -name 'part-*' | wc -l)
+    if [ "$have" -lt 2 ]; then
+        echo "model parts: $have of 2 on this machine"
+        exit 0
+    fi
+    export MORION_HOME=/tmp/morion-home
+    mkdir -p "$MORION_HOME/models/smollm2-135m-instruct"
+    cat "$parts"/part-* > "$MORION_HOME/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+    step ngram-spec 400 python3 -m morion bench --model smollm2-135m-instruct --device cuda \
+        --kv-cache-tokens 8192 --speculative ngram --spec-width 4 --workloads spec --concurrency 1,2 \
+        --contexts 1024 --output-tokens 128 --label h200-smollm2-135m-ngram-spec --out "$results"
+    ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8" >&2
+    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8|part9" >&2
     exit 2
     ;;
 esac
