@@ -8,29 +8,12 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
-from morion.spec.frspec import FORMAT, VERSION, _ids_sha256, write_token_map
+from morion.spec.frspec import lowest_ids_map, write_token_map
 
 
 def main() -> None:
     vocab_size, size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    token_ids = np.arange(size, dtype=np.int64)
-    write_token_map(
-        {
-            "format": FORMAT,
-            "version": VERSION,
-            "tokenizer": {"source": "none: the lowest ids of a random-weight preset", "sha256": None,
-                          "vocab_size": vocab_size},
-            "size": size,
-            "base_count": size,
-            "special_ids": [],
-            "corpus": None,
-            "ids_sha256": _ids_sha256(token_ids),
-            "token_ids": token_ids.tolist(),
-        },
-        path,
-    )  # fmt: skip
+    write_token_map(lowest_ids_map(vocab_size, size), path)
     print(f"wrote {path}: the {size} lowest of {vocab_size} ids")
 
 

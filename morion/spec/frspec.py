@@ -86,18 +86,36 @@ def build_token_map(
     chosen[frequent[: size - int(chosen.sum())]] = True
     chosen[np.flatnonzero(~chosen)[: size - int(chosen.sum())]] = True
     token_ids = np.flatnonzero(chosen).astype(np.int64)
+    tokenizer_info = {
+        "source": tokenizer_source,
+        "sha256": tokenizer_digest(tokenizer),
+        "vocab_size": vocab_size,
+    }
+    return _map_file(tokenizer_info, base_count, specials, corpus_info, token_ids)
+
+
+def lowest_ids_map(vocab_size: int, size: int) -> dict[str, Any]:
+    """A map of the `size` lowest ids with no tokenizer or corpus behind it, for random-weight presets
+    (scripts/lowest_ids_token_map.py): at a forced acceptance a benchmark measures only the draft head's
+    size, which this sets. Label results that use one as such."""
+    if not 1 <= size <= vocab_size:
+        raise MorionError(f"size must be in [1, {vocab_size}] (the vocabulary), got {size}")
+    tokenizer_info = {"source": "none: the lowest ids", "sha256": None, "vocab_size": vocab_size}
+    return _map_file(tokenizer_info, size, [], None, np.arange(size, dtype=np.int64))
+
+
+def _map_file(
+    tokenizer_info: dict[str, Any], base_count: int, specials: list[int], corpus: Any, token_ids: np.ndarray
+) -> dict[str, Any]:
+    """The map file's content (see the module doc) for sorted `token_ids`."""
     return {
         "format": FORMAT,
         "version": VERSION,
-        "tokenizer": {
-            "source": tokenizer_source,
-            "sha256": tokenizer_digest(tokenizer),
-            "vocab_size": vocab_size,
-        },
-        "size": size,
+        "tokenizer": tokenizer_info,
+        "size": len(token_ids),
         "base_count": base_count,
         "special_ids": specials,
-        "corpus": corpus_info,
+        "corpus": corpus,
         "ids_sha256": _ids_sha256(token_ids),
         "token_ids": token_ids.tolist(),
     }

@@ -151,6 +151,16 @@ def test_load_checks_the_model_and_tokenizer(map_file, tmp_path) -> None:
         load_token_map(tmp_path / "bad.json", 49152)
 
 
+def test_a_lowest_ids_map_for_presets_without_a_tokenizer(tmp_path) -> None:
+    path = tmp_path / "lowest.json"
+    write_token_map(frspec.lowest_ids_map(151936, 4096), path)
+    assert torch.equal(load_token_map(path, 151936), torch.arange(4096))
+    with pytest.raises(MorionError, match="built for tokenizer None"):
+        load_token_map(path, 151936, tokenizer_sha256="0" * 64)  # a real model's tokenizer: refused
+    with pytest.raises(MorionError, match=r"size must be in \[1, 100\]"):
+        frspec.lowest_ids_map(100, 101)
+
+
 def test_reduced_head_and_mapping_back_to_full_ids() -> None:
     generator = torch.Generator().manual_seed(0)
     vocab, hidden = 50, 8
