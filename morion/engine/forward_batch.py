@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
+from morion.engine.host_to_device import to_device
 from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
 
 
@@ -41,51 +43,62 @@ def build_forward_batch(
     device: torch.device,
 ) -> ForwardBatch:
     """chunks: per sequence (token_ids, pages, start, num_tokens): run token_ids[start:start+num_tokens];
-    state_slots: per sequence its working state slot, or None for models without state."""
-    input_ids: list[int] = []
+    state_slots: per sequence its working state slot, or None for models without state. The metadata is
+    assembled in numpy and reaches the device in one copy (engine/host_to_device.py)."""
+    input_ids: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    out_slots: list[np.ndarray] = []
     query_ranges: list[tuple[int, int]] = []
-    out_slots: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
-    seq_lens: list[int] = []
     used_pages: list[Sequence[int]] = []
+    rows = 0
     for token_ids, pages, start, num_tokens in chunks:
         end = start + num_tokens
         used = pages[: -(-end // page_size)]
-        new_positions = torch.arange(start, end)
-        page_of_token = torch.tensor(used, dtype=torch.long)[new_positions // page_size]
-        query_ranges.append((len(input_ids), num_tokens))
-        input_ids.extend(token_ids[start:end])
+        new_positions = np.arange(start, end, dtype=np.int64)
+        page_of_token = np.asarray(used, dtype=np.int64)[new_positions // page_size]
+        query_ranges.append((rows, num_tokens))
+        rows += num_tokens
+        input_ids.append(np.asarray(token_ids[start:end], dtype=np.int64))
         positions.append(new_positions)
         out_slots.append(page_of_token * page_size + new_positions % page_size)
-        seq_lens.append(end)
         used_pages.append(used)
-    page_table = page_table_tensor(used_pages)
-    cu_seqlens = [0]
-    for _, length in query_ranges:
-        cu_seqlens.append(cu_seqlens[-1] + length)
     lengths = [length for _, length in query_ranges]
+    host = [
+        np.concatenate(input_ids),
+        np.concatenate(positions),
+        np.concatenate(out_slots),
+        page_table_array(used_pages),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        np.asarray([start + length for (_, _, start, length) in chunks], dtype=np.int32),
+    ]
+    if None not in state_slots:
+        host.append(np.asarray(state_slots, dtype=np.int32))
+    tensors = to_device(host, device)
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
-        positions=torch.cat(positions).to(device, non_blocking=True),
-        out_slots=torch.cat(out_slots).to(device, non_blocking=True),
-        page_table=page_table.to(device, non_blocking=True),
-        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        state_indices=None
-        if None in state_slots
-        else torch.tensor(state_slots, dtype=torch.int32).to(device, non_blocking=True),
+        input_ids=tensors[0],
+        positions=tensors[1],
+        out_slots=tensors[2],
+        page_table=tensors[3],
+        cu_seqlens_q=tensors[4],
+        seq_lens=tensors[5],
+        state_indices=tensors[6] if len(tensors) > 6 else None,
         max_query_len=max(lengths),
         query_ranges=query_ranges,
         last_rows=[start + length - 1 for start, length in query_ranges],
     )
 
 
-def page_table_tensor(pages: Sequence[Sequence[int]]) -> torch.Tensor:
-    """[B, max pages] int32 on the host: row b lists sequence b's pages, zero-padded."""
-    table = torch.zeros(len(pages), max(len(p) for p in pages), dtype=torch.int32)
+def page_table_array(pages: Sequence[Sequence[int]]) -> np.ndarray:
+    """[B, max pages] int32: row b lists sequence b's pages, zero-padded."""
+    table = np.zeros((len(pages), max(len(p) for p in pages)), dtype=np.int32)
     for row, used in enumerate(pages):
-        table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        table[row, : len(used)] = used
     return table
+
+
+def page_table_tensor(pages: Sequence[Sequence[int]]) -> torch.Tensor:
+    """page_table_array as an int32 tensor on the host."""
+    return torch.from_numpy(page_table_array(pages))
 
 
 class KVScales(NamedTuple):

@@ -30,20 +30,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from morion.engine.cuda_graph import DecodeGraphRunner
-from morion.engine.forward_batch import (
-    KVScales,
-    PagedAttentionBackend,
-    build_forward_batch,
-    page_table_tensor,
-)
+from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch, page_table_array
+from morion.engine.host_to_device import to_device
 from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult, sampling_probs
 from morion.engine.scheduler import Scheduler
-from morion.spec.drafter import Drafter, DraftRequest, HiddenStateDrafter, VerifyAwareDrafter, VerifyResult
+from morion.spec.drafter import (
+    Drafter,
+    DraftRequest,
+    HiddenStateDrafter,
+    PendingTokens,
+    VerifyAwareDrafter,
+    VerifyResult,
+)
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.policy import WidthPolicy
 from morion.spec.rejection import greedy_accept, rejection_sample
@@ -129,7 +133,7 @@ class SpeculativeDecoding:
         verifying = []
         for request, tokens, probs in zip(room, drafts.tokens, drafts.probs, strict=True):
             if tokens:
-                verifying.append((request, tokens[:width], probs))
+                verifying.append((request, tokens[:width], probs))  # PendingTokens stay pending
             else:
                 plain.append(request)
         if not verifying:
@@ -158,18 +162,25 @@ class SpeculativeDecoding:
     ) -> list[tuple[int, list[StepOutput]]]:
         n = 1 + width
         device = next(model.parameters()).device
-        padded = [
-            tokens + [request.token_ids[-1]] * (width - len(tokens)) for request, tokens, _ in verifying
+        # Drafts still on their way from the device (PendingTokens) run as placeholders in the host-built
+        # batch and are written into its input ids on the device: the verify is launched without waiting
+        # for them, and the host reads them only after it (below).
+        placeholders = [
+            (list(tokens) if not isinstance(tokens, PendingTokens) else []) for _, tokens, _ in verifying
         ]
         batch = build_forward_batch(
             [
-                (r.token_ids + d, r.pages, r.num_computed, n)
-                for (r, _, _), d in zip(verifying, padded, strict=True)
+                (r.token_ids + d + [r.token_ids[-1]] * (width - len(d)), r.pages, r.num_computed, n)
+                for (r, _, _), d in zip(verifying, placeholders, strict=True)
             ],
             [r.state_slot for r, _, _ in verifying],
             scheduler.page_size,
             device,
         )
+        input_rows = batch.input_ids.view(len(verifying), n)
+        for row, (_, tokens, _) in enumerate(verifying):
+            if isinstance(tokens, PendingTokens):
+                input_rows[row, 1 : 1 + len(tokens)].copy_(tokens.on_device, non_blocking=True)
         verify_slots = None
         if self.has_state:
             columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
@@ -188,6 +199,9 @@ class SpeculativeDecoding:
         # the whole batch, not one of each per request.
         greedy = self.forced is not None or any(request.params.greedy for request, _, _ in verifying)
         targets = logits.argmax(dim=-1).tolist() if greedy else []
+        padded = [
+            list(tokens) + [request.token_ids[-1]] * (width - len(tokens)) for request, tokens, _ in verifying
+        ]
         results = []
         survivors: list[_Verified] = []
         for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
@@ -232,18 +246,29 @@ class SpeculativeDecoding:
             )
         if not ready:
             return
-        device = hidden.device
-        rows = torch.tensor([v.row for v in ready], device=device)
+        rows, accepted, next_tokens, starts, page_table = to_device(
+            [
+                np.asarray([v.row for v in ready], dtype=np.int64),
+                np.asarray([v.accepted for v in ready], dtype=np.int64),
+                np.asarray([v.next_token for v in ready], dtype=np.int64),
+                np.asarray([v.start for v in ready], dtype=np.int64),
+                page_table_array([v.request.pages for v in ready]),
+            ],
+            hidden.device,
+        )
+        if len(ready) < inputs.shape[0]:  # else every row drafts, in order: no gather needed
+            inputs, hidden = inputs.index_select(0, rows), hidden.index_select(0, rows)
         drafter.after_verify(
             VerifyResult(
                 requests=[_draft_request(v.request) for v in ready],
-                inputs=inputs.index_select(0, rows),
-                hidden=hidden.index_select(0, rows),
-                accepted=torch.tensor([v.accepted for v in ready], device=device),
-                next_tokens=torch.tensor([v.next_token for v in ready], device=device),
+                inputs=inputs,
+                hidden=hidden,
+                accepted=accepted,
+                next_tokens=next_tokens,
                 num_accepted=[v.accepted for v in ready],
                 starts=[v.start for v in ready],
-                page_table=page_table_tensor([v.request.pages for v in ready]).to(device, non_blocking=True),
+                start_positions=starts,
+                page_table=page_table,
             )
         )
 

@@ -101,9 +101,10 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr):
 @triton.jit
 def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]: by tl.dot, by tl.dot
-    as w^T @ a^T into the transposed accumulator, or as fp32 products summed over K (e4m3 and bf16
-    products are exact in fp32, so only the summation order differs from the MMA's). Each row's result
-    is its own dot products in every mode, independent of the other rows."""
+    as w^T @ a^T into the transposed accumulator (not with FP8 weights: `exact_mma`), or as fp32
+    products summed over K (e4m3 and bf16 products are exact in fp32, so only the summation order
+    differs from the MMA's). Each row's result is its own dot products in every mode, independent of
+    the other rows."""
     if MMA == MMA_GEMV:
         products = tl.cast(a, tl.float32)[:, :, None] * tl.cast(w, tl.float32)[None, :, :]
         acc = acc + tl.sum(products, axis=1)
@@ -233,10 +234,20 @@ def _sum_slots_kernel(pair_out_ptr, out_ptr, top_k, hidden_size, stride_out, BLO
     tl.store(out_ptr + token * stride_out + cols, tl.cast(acc, out_ptr.dtype.element_ty), mask=cols_ok)
 
 
-def _mma_options(tiles: Tiles) -> dict[str, int]:
+def exact_mma(tiles: Tiles, fp8: bool) -> bool:
+    """Whether `tiles` keeps every product in a full fp32 sum. Swapped FP8 operands do not on Hopper: the
+    weight columns fill wgmma's M side, and Triton lets FP8 wgmma add all of K in the tensor core's
+    reduced-precision accumulator (measured on the H200: 1e-2 from the fp32 reference where the other
+    modes are at 4e-7, enough to flip the re-quantized SwiGLU output). So they are never run."""
+    return not (fp8 and tiles.mma == "swapped")
+
+
+def _mma_options(tiles: Tiles, fp8: bool) -> dict[str, int]:
     """A kernel's MMA mode and rows per tile for `tiles`: one row for a GEMV tile, else _BLOCK_M."""
     if tiles.mma not in _MMA_MODES:
         raise ValueError(f"unknown MoE tile mma {tiles.mma!r}: expected one of {sorted(_MMA_MODES)}")
+    if not exact_mma(tiles, fp8):
+        raise ValueError(f"MoE tile {tuple(tiles)}: swapped operands lose precision with FP8 weights")
     return {"MMA": _MMA_MODES[tiles.mma], "BLOCK_M": 1 if tiles.mma == "gemv" else _BLOCK_M}
 
 
@@ -293,14 +304,14 @@ def moe_experts_triton(
         x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, **_mma_options(t), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        **common, **_mma_options(t, fp8), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, **_mma_options(t), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        **common, **_mma_options(t, fp8), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )  # fmt: skip

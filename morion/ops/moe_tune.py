@@ -25,12 +25,13 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from morion.ops.fp8 import quantize_fp8
-from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, moe_experts_triton
+from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, exact_mma, moe_experts_triton
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
 
 # Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, in each of the three MMA modes (Tiles.mma; swapped
-# operands put BLOCK_N on the MMA's M side: 64 columns and up); the defaults are among them. The down
-# kernel also tries one-pass tiles (BLOCK_K spanning all of I, `down_candidates`).
+# operands put BLOCK_N on the MMA's M side: 64 columns and up; never with FP8 weights, `exact_mma`); the
+# defaults are among them. The down kernel also tries one-pass tiles (BLOCK_K spanning all of I,
+# `down_candidates`).
 GATE_UP_CANDIDATES = [
     *(Tiles(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (3, 4)),
     *(Tiles(n, k, 4, s, "swapped") for n in (64, 128) for k in (128, 256) for s in (3, 4)),
@@ -157,10 +158,11 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
     defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
     default_us = {t: time_in_graph(moe_experts_triton, experts, b, **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
-    gate_up, _ = _sweep("gate_up", GATE_UP_CANDIDATES, fixed_down, experts, batches)
-    down, chosen_us = _sweep(
-        "down", down_candidates(shape.intermediate), {"gate_up_tiles": gate_up}, experts, batches
-    )
+    fp8 = shape.dtype == "fp8"
+    gate_up_candidates = [t for t in GATE_UP_CANDIDATES if exact_mma(t, fp8)]
+    gate_up, _ = _sweep("gate_up", gate_up_candidates, fixed_down, experts, batches)
+    down_tiles = [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)]
+    down, chosen_us = _sweep("down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),

@@ -13,9 +13,9 @@ forward (`HiddenStateDrafter.observe`), and writes its own K/V into the request'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import torch
 
@@ -34,13 +34,40 @@ class DraftRequest:
     num_computed: int = 0  # tokens whose K/V (and state) are computed: all but the last one
 
 
+class PendingTokens(Sequence[int]):
+    """Drafts made on the device whose values are still on their way to the host. Their count is known
+    and their values are on the device (`on_device`, [count] int64), so the verify forward can be built
+    and launched before the host has them: the engine writes `on_device` into the verify's input ids on
+    the device, and reads the values (which waits for their copy) only after the verify, to accept them.
+    A prefix slice stays pending; any other read waits for the values."""
+
+    def __init__(self, on_device: torch.Tensor, read: Callable[[], list[int]]) -> None:
+        self.on_device = on_device
+        self._read = read
+
+    def __len__(self) -> int:
+        return self.on_device.shape[0]
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            stop = len(self) if index.stop is None else index.stop
+            if stop >= 0:
+                return PendingTokens(self.on_device[:stop], lambda: self._read()[:stop])
+        return self._read()[index]
+
+
 @dataclass(frozen=True)
 class Drafts:
-    """Per request, the proposed tokens (0 to `width` of them) and, when the drafter sampled them from a
-    distribution, that distribution per proposed token ([n, vocab] fp32 probabilities) for rejection
-    sampling; None means deterministic proposals (one-hot: accepted with the target's probability)."""
+    """Per request, the proposed tokens (0 to `width` of them; a `PendingTokens` while still on their way
+    from the device) and, when the drafter sampled them from a distribution, that distribution per
+    proposed token ([n, vocab] fp32 probabilities) for rejection sampling; None means deterministic
+    proposals (one-hot: accepted with the target's probability)."""
 
-    tokens: list[list[int]]
+    tokens: list[Sequence[int]]
     probs: list[torch.Tensor | None]
 
 
@@ -74,7 +101,8 @@ class VerifyResult:
     the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final hidden
     states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after them, all on
     the device; on the host `num_accepted` (accepted's values) and `starts` each request's computed
-    tokens before the step; `page_table` [B, pages]."""
+    tokens before the step, `start_positions` [B] the same on the device; `page_table` [B, pages]
+    (int32, on the device)."""
 
     requests: Sequence[DraftRequest]
     inputs: torch.Tensor
@@ -83,6 +111,7 @@ class VerifyResult:
     next_tokens: torch.Tensor
     num_accepted: list[int]
     starts: list[int]
+    start_positions: torch.Tensor
     page_table: torch.Tensor
 
 

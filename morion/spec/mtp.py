@@ -50,7 +50,7 @@ from morion.engine.forward_batch import (
 )
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.ops.fp8 import FP8_DTYPE
-from morion.spec.drafter import DraftRequest, Drafts, VerifyResult
+from morion.spec.drafter import DraftRequest, Drafts, PendingTokens, VerifyResult
 from morion.spec.frspec import to_full_ids
 from morion.spec.mtp_graph import MtpDraftGraphs
 
@@ -102,28 +102,33 @@ class _Pending:
 
 
 class _HostDrafts:
-    """One after-verify draft's tokens [B, width] on their way to the host. The copy is queued behind the
-    draft forward and waited for only when a request's drafts are proposed, so the host's work in
-    between (the step's outputs, the next schedule) overlaps the draft forward on the device. The copy
-    lands in its own page-locked buffer: a graph's output buffer is overwritten by its next replay."""
+    """One after-verify draft's tokens [B, width], kept on the device and on their way to the host. The
+    copy to the host is queued behind the draft forward and waited for only after the next verify, which
+    reads the device copy (`PendingTokens`), so the host builds and launches that verify while the draft
+    forward runs. Both copies are the drafter's own: a graph's output buffer is overwritten by its next
+    replay, and by any graph that shares its memory pool."""
 
     def __init__(self, drafted: torch.Tensor) -> None:
         self._done: torch.cuda.Event | None = None
+        self._device = drafted.clone()
         if drafted.is_cuda:
             self._host = torch.empty(drafted.shape, dtype=drafted.dtype, pin_memory=True)
-            self._host.copy_(drafted, non_blocking=True)
+            self._host.copy_(self._device, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
         else:
-            self._host = drafted.clone()
+            self._host = self._device
         self._rows: list[list[int]] | None = None
 
-    def row(self, index: int) -> list[int]:
+    def row(self, index: int) -> PendingTokens:
+        return PendingTokens(self._device[index], lambda: self._read()[index])
+
+    def _read(self) -> list[list[int]]:
         if self._rows is None:
             if self._done is not None:
                 self._done.synchronize()
             self._rows = self._host.tolist()
-        return self._rows[index]
+        return self._rows
 
 
 def reduced_head(model: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:
@@ -195,7 +200,7 @@ class MtpDrafter:
         self._ready.pop(request_id, None)
 
     def propose(self, requests: Sequence[DraftRequest], width: int) -> Drafts:
-        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        tokens: dict[str, Sequence[int]] = {r.request_id: [] for r in requests}
         for request in requests:
             made = self._ready.pop(request.request_id, None)
             if made is not None and made[0] == request.num_computed:
@@ -218,8 +223,7 @@ class MtpDrafter:
           past a write MTP K/V at positions no query reads before the next extend rewrites them;
         - the output at row a (position c - 1, c = c0 + 1 + a) gives draft 1, then the chained steps.
         """
-        device = verified.hidden.device
-        starts = torch.tensor(verified.starts, dtype=torch.long).to(device, non_blocking=True)
+        starts = verified.start_positions
         args = (verified.inputs, verified.hidden, verified.accepted, verified.next_tokens, starts)
         width = verified.inputs.shape[1] - 1
         graphs = self.graphs.get(width)
