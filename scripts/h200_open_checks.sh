@@ -25,9 +25,11 @@
 #   part9: n-gram speculation at its real acceptance with the default model (SmolLM2-135M) on code-edit
 #          prompts, C1 and C2: the model arrives in two calls (scripts/device_model_parts.sh says how);
 #          a call that brings the first part only keeps it and stops.
+#   part10: part7's tile sweep (exact MMA modes only), the MoE op tests on the GPU with the tiles it
+#          chose, part8's speculative bench at C1 and C4, then the engine and speculative GPU tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8|part9}
+part=${1:?usage: h200_open_checks.sh part1|...|part10}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -83,6 +85,17 @@ part7)
         --dtype fp8 --tokens 1,4
     cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
     ;;
+part10)
+    step moe-tune 200 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
+        --dtype fp8 --tokens 1,4
+    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+    step ops-moe 120 "${pytest[@]}" -m gpu tests/ops/test_moe_decode_triton_gpu.py tests/ops/test_moe_fp8_gpu.py
+    step spec 170 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
+        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
+        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
+        --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
+    step gpu-spec 200 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py
+    ;;
 part8)
     step spec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
         --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
@@ -112,7 +125,7 @@ part9)
         --contexts 1024 --output-tokens 128 --label h200-smollm2-135m-ngram-spec --out "$results"
     ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|part3|part4|part5|part6|part7|part8|part9" >&2
+    echo "usage: h200_open_checks.sh part1|part2|...|part10" >&2
     exit 2
     ;;
 esac
