@@ -6,7 +6,8 @@ Random experts of the shape (FP8: quantized per (expert, row), as the loader doe
 count of `--tokens` 20 random routings (different experts per call, so weights come from HBM as in a
 decode step, not from L2). A candidate's cost is the sum over those token counts of the microseconds per
 call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with the
-default down tile, then the down tile with the best gate/up one. One tile per kernel for every token
+default down tile, then the down tile with the best gate/up one; then each again over warp counts and
+pipeline depths around the chosen block shapes (`launch_variants`). One tile per kernel for every token
 count (batch invariance: see ops/moe_tiles.py). Prints one line per candidate, writes the JSON with the
 default tiles' and the chosen tiles' timings, and prints its path.
 """
@@ -49,6 +50,13 @@ def down_candidates(intermediate: int) -> list[Tiles]:
     [BLOCK_K, BLOCK_N] weight tile in flight at once; narrow ones measured slower on the H200)."""
     full = triton.next_power_of_2(intermediate)
     return TWO_PASS_DOWN_CANDIDATES + [Tiles(64, full, w, 1) for w in (4, 8)]
+
+
+def launch_variants(tiles: Tiles) -> list[Tiles]:
+    """`tiles` with each warp count and pipeline depth (the first sweeps keep 4 warps): the second round
+    of the sweep, around the block shapes it chose. The chosen tile itself comes first."""
+    variants = [tiles._replace(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3, 4, 5)]
+    return [tiles, *(v for v in variants if v != tiles)]
 
 
 ROUTINGS = 20
@@ -162,7 +170,9 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
     gate_up_candidates = [t for t in GATE_UP_CANDIDATES if exact_mma(t, fp8)]
     gate_up, _ = _sweep("gate_up", gate_up_candidates, fixed_down, experts, batches)
     down_tiles = [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)]
-    down, chosen_us = _sweep("down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
+    down, _ = _sweep("down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
+    gate_up, _ = _sweep("gate_up", launch_variants(gate_up), {"down_tiles": down}, experts, batches)
+    down, chosen_us = _sweep("down", launch_variants(down), {"gate_up_tiles": gate_up}, experts, batches)
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),
