@@ -264,7 +264,9 @@ def recorded_proposals(engine) -> list:
 
     def propose(requests, width):
         drafts = original(requests, width)
-        record.append([(r.request_id, list(tokens)) for r, tokens in zip(requests, drafts.tokens, strict=True)])
+        record.append(
+            [(r.request_id, list(tokens)) for r, tokens in zip(requests, drafts.tokens, strict=True)]
+        )
         return drafts
 
     drafter.propose = propose
