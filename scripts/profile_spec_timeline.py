@@ -1,8 +1,9 @@
 """Where the device waits for the host in a speculative step (CUDA): one request on the MTP drafter at a
 forced acceptance (scripts/profile_spec.py's engine), 10 engine steps under the torch profiler with the
-host phases marked (schedule, propose, build the batch, verify replay, accept, commit, after-verify
-draft, the step's outputs). Prints per step the wall time, the time some kernel or copy ran, and every
-gap of the device longer than 20 us with the host phases that ran during it; writes the Chrome trace.
+host phases marked (schedule, propose, build the batch, verify replay, acceptance, the next drafts'
+launch, commit, the step's outputs). Prints per step the wall time, the time some kernel or copy ran,
+and every gap of the device longer than 20 us with the host phases that ran during it; writes the
+Chrome trace.
 Usage: python scripts/profile_spec_timeline.py [MODEL] [WIDTH] [MEAN_ACCEPTED] [TRACE_PATH]."""
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def mark_phases() -> None:
         (Scheduler, "schedule", "schedule"),
         (spec, "_verify", "verify"),
         (spec, "_commit", "commit"),
-        (spec, "_after_verify", "after_verify"),
+        (spec, "_acceptance", "acceptance"),
+        (spec, "_launch_drafts", "launch_drafts"),
         (MtpDrafter, "propose", "propose"),
         (MtpDrafter, "after_verify", "mtp.after_verify"),
         (DecodeGraphRunner, "run", "graph.run"),

@@ -13,7 +13,10 @@ replayed) are handed to `SpeculativeDecoding.step` instead of the ordinary decod
    position in a slot (`HybridBackend.verify_slots`: column 0 the working slot, then the request's
    `draft_slots`).
 3. Accept: greedy drafts while they equal the target's argmax; sampled requests by rejection sampling
-   (`spec/rejection.py`), which keeps the target's distribution.
+   (`spec/rejection.py`), which keeps the target's distribution. Greedy (and a benchmark's forced)
+   acceptance is computed on the device, and an MTP drafter launches the next step's drafts from it
+   before the host has read anything: the device goes from the verify to the drafts without waiting
+   for the host's commit.
 4. Commit token by token: the state after the last accepted position becomes the working slot by
    swapping slot numbers (no copy, no recompute); K/V beyond the accepted tokens stay in the pages
    and are overwritten later (rollback is `num_computed`). Each committed token goes through the
@@ -152,7 +155,7 @@ class SpeculativeDecoding:
 
     def _verify(
         self,
-        verifying: list[tuple[Request, list[int], torch.Tensor | None]],
+        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
         width: int,
         model: torch.nn.Module,
         scheduler: Scheduler,
@@ -195,82 +198,120 @@ class SpeculativeDecoding:
         logits = logits.float().view(len(verifying), n, -1)
         hidden = hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1
-        # Greedy (and forced) acceptance needs only the target's argmax: one kernel and one host sync for
-        # the whole batch, not one of each per request.
-        greedy = self.forced is not None or any(request.params.greedy for request, _, _ in verifying)
-        targets = logits.argmax(dim=-1).tolist() if greedy else []
-        padded = [
-            list(tokens) + [request.token_ids[-1]] * (width - len(tokens)) for request, tokens, _ in verifying
+        # Everything the host reads of the verify's outputs is taken before the next step's drafts are
+        # launched: the draft graph shares the verify graph's memory pool and overwrites its outputs.
+        raw_logprobs = [
+            logits[row].log_softmax(dim=-1) if request.params.logprobs is not None else None
+            for row, (request, _, _) in enumerate(verifying)
         ]
+        acceptance = self._acceptance(verifying, input_rows, logits, width)
+        drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, scheduler)
+        accepted_counts, next_tokens = acceptance.on_host()
         results = []
-        survivors: list[_Verified] = []
-        for row, ((request, tokens, probs), draft) in enumerate(zip(verifying, padded, strict=True)):
-            if self.forced is not None:
-                accepted = self.forced.num_accepted(len(tokens))
-                next_token = targets[row][accepted]
-            elif request.params.greedy:
-                accepted, next_token = greedy_accept(targets[row], draft)
-            else:
-                accepted, next_token = self._sample_accept(request, logits[row], draft, probs, len(tokens))
+        kept: list[tuple[str, int, int]] = []
+        for row, (request, tokens, _) in enumerate(verifying):
+            accepted, next_token = accepted_counts[row], next_tokens[row]
+            draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
             emitted = [*draft[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
             start = request.num_computed
-            results.append((accepted, self._commit(request, emitted, logits[row], scheduler, append_token)))
-            if not request.is_finished:
-                survivors.append(_Verified(row, request, start, accepted, next_token))
-        self._after_verify(survivors, batch.input_ids.view(-1, n), hidden, width, scheduler)
+            outputs = self._commit(request, emitted, raw_logprobs[row], scheduler, append_token)
+            results.append((accepted, outputs))
+            if request.is_finished or drafting is None:
+                continue
+            if row in drafting.rows:
+                kept.append((request.request_id, drafting.rows.index(row), request.num_computed))
+            else:  # no room for the next drafts: the head waits for the next proposal
+                rows = drafting.waiting_hidden[drafting.waiting.index(row)]
+                self.drafter.observe(_draft_request(request), start, rows[: request.num_computed - start])
+        if drafting is not None and drafting.handle is not None:
+            self.drafter.keep_drafts(drafting.handle, kept)
         return results
 
-    def _after_verify(
+    def _acceptance(
         self,
-        survivors: list[_Verified],
+        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
+        inputs: torch.Tensor,
+        logits: torch.Tensor,
+        width: int,
+    ) -> _Acceptance:
+        """Drafts accepted and the target's token after them, per row. Greedy and forced acceptance need
+        only the target's argmax and stay on the device (no host sync: the next drafts launch first);
+        a batch with sampled requests runs rejection sampling on the host."""
+        device = logits.device
+        if self.forced is not None:
+            # Drawn per row in batch order, whatever the target says (spec/forced.py).
+            counts = [self.forced.num_accepted(len(tokens)) for _, tokens, _ in verifying]
+            [accepted] = to_device([np.asarray(counts, dtype=np.int64)], device)
+            return _Acceptance.gathered(accepted, logits.argmax(dim=-1))
+        if all(request.params.greedy for request, _, _ in verifying):
+            targets = logits.argmax(dim=-1)  # [B, n]
+            # Leading drafts equal to the target's argmax (padding included: accepting a repeat of the last
+            # token is what the target itself picks), as `greedy_accept` on the host.
+            matches = (targets[:, :width] == inputs[:, 1:]).long()
+            return _Acceptance.gathered(matches.cumprod(dim=1).sum(dim=1), targets)
+        targets = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in verifying) else []
+        host = []
+        for row, (request, tokens, probs) in enumerate(verifying):
+            draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
+            if request.params.greedy:
+                host.append(tuple(greedy_accept(targets[row], draft)))
+            else:
+                host.append(tuple(self._sample_accept(request, logits[row], draft, probs, len(tokens))))
+        accepted, next_tokens = to_device(
+            [
+                np.asarray([a for a, _ in host], dtype=np.int64),
+                np.asarray([t for _, t in host], dtype=np.int64),
+            ],
+            device,
+        )
+        return _Acceptance(accepted, next_tokens, host)
+
+    def _launch_drafts(
+        self,
+        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
         inputs: torch.Tensor,
         hidden: torch.Tensor,
+        acceptance: _Acceptance,
         width: int,
         scheduler: Scheduler,
-    ) -> None:
-        """Hands the verify step's hidden states to a drafter that reads them: a verify-aware one (MTP)
-        drafts for the next step right away, for the requests that have room for it (the drafts' K/V
-        positions); the others' states are kept for their next proposal."""
+    ) -> _Drafting | None:
+        """Hands the verify's hidden states to a drafter that reads them, before the commit. A verify-aware
+        one (MTP) drafts the next step's tokens right away on the device, for the requests with room for
+        them: pages for every token this step may commit and the next verify's, and draft slots. The
+        others' hidden rows are copied for `observe` once their committed tokens are known."""
         drafter = self.drafter
-        if not survivors or not isinstance(drafter, HiddenStateDrafter):
-            return
-        ready: list[_Verified] = []
+        if not isinstance(drafter, HiddenStateDrafter):
+            return None
+        rows: list[int] = []
         if isinstance(drafter, VerifyAwareDrafter):
             slots = width if self.has_state else 0
-            ready = [v for v in survivors if scheduler.reserve_for_verify(v.request, 1 + width, slots)]
-        waiting = [v for v in survivors if all(v is not r for r in ready)]
-        for v in waiting:
-            drafter.observe(
-                _draft_request(v.request), v.start, hidden[v.row, : v.request.num_computed - v.start]
+            rows = [
+                row
+                for row, (request, _, _) in enumerate(verifying)
+                if scheduler.reserve_for_verify(request, 2 * (1 + width), slots)
+            ]
+        waiting = [row for row in range(len(verifying)) if row not in rows]
+        waiting_hidden = hidden[waiting]  # indexing by a list copies: the draft graph may reuse `hidden`
+        handle = None
+        if rows:
+            requests = [verifying[row][0] for row in rows]
+            index, starts, page_table = to_device(
+                [
+                    np.asarray(rows, dtype=np.int64),
+                    np.asarray([r.num_computed for r in requests], dtype=np.int64),
+                    page_table_array([r.pages for r in requests]),
+                ],
+                hidden.device,
             )
-        if not ready:
-            return
-        rows, accepted, next_tokens, starts, page_table = to_device(
-            [
-                np.asarray([v.row for v in ready], dtype=np.int64),
-                np.asarray([v.accepted for v in ready], dtype=np.int64),
-                np.asarray([v.next_token for v in ready], dtype=np.int64),
-                np.asarray([v.start for v in ready], dtype=np.int64),
-                page_table_array([v.request.pages for v in ready]),
-            ],
-            hidden.device,
-        )
-        if len(ready) < inputs.shape[0]:  # else every row drafts, in order: no gather needed
-            inputs, hidden = inputs.index_select(0, rows), hidden.index_select(0, rows)
-        drafter.after_verify(
-            VerifyResult(
-                requests=[_draft_request(v.request) for v in ready],
-                inputs=inputs,
-                hidden=hidden,
-                accepted=accepted,
-                next_tokens=next_tokens,
-                num_accepted=[v.accepted for v in ready],
-                starts=[v.start for v in ready],
-                start_positions=starts,
-                page_table=page_table,
+            accepted, next_tokens = acceptance.accepted, acceptance.next_tokens
+            if len(rows) < len(verifying):  # else every row drafts, in order: no gather needed
+                inputs, hidden = inputs.index_select(0, index), hidden.index_select(0, index)
+                accepted, next_tokens = accepted.index_select(0, index), next_tokens.index_select(0, index)
+            handle = drafter.after_verify(
+                VerifyResult(inputs, hidden, accepted, next_tokens, starts, page_table)
             )
-        )
+        return _Drafting(rows, handle, waiting, waiting_hidden)
 
     @staticmethod
     def _sample_accept(
@@ -290,15 +331,14 @@ class SpeculativeDecoding:
         self,
         request: Request,
         emitted: list[int],
-        logits: torch.Tensor,
+        raw: torch.Tensor | None,
         scheduler: Scheduler,
         append_token: AppendToken,
     ) -> list[StepOutput]:
         """Appends `emitted` one by one; before token j, the request has computed its last token and the
-        j drafts before token j, and its working state is the one after them (verify column j)."""
+        j drafts before token j, and its working state is the one after them (verify column j). `raw`:
+        the log-softmax of the verify's logits per row, for a request that asked for logprobs."""
         columns = [request.state_slot, *request.draft_slots]
-        wants_logprobs = request.params.logprobs is not None
-        raw = logits[: len(emitted)].log_softmax(dim=-1) if wants_logprobs else None
         outputs = []
         for j, token in enumerate(emitted):
             if self.has_state:
@@ -316,15 +356,35 @@ class SpeculativeDecoding:
         self.drafter.release(request_id)
 
 
-class _Verified(NamedTuple):
-    """A request still running after a verify step: its row in the step, computed tokens before it,
-    drafts accepted and the target's own token after them."""
+class _Acceptance(NamedTuple):
+    """Per verify row, drafts accepted and the target's own token after them: on the device, and on the
+    host where they were decided there (rejection sampling) or once read."""
 
-    row: int
-    request: Request
-    start: int
-    accepted: int
-    next_token: int
+    accepted: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [B] int64
+    host: list[tuple[int, int]] | None = None
+
+    @classmethod
+    def gathered(cls, accepted: torch.Tensor, targets: torch.Tensor) -> _Acceptance:
+        """`accepted` [B] with the target's argmax `targets` [B, n] at row `accepted` as the next token."""
+        return cls(accepted, targets.gather(1, accepted[:, None]).squeeze(1))
+
+    def on_host(self) -> tuple[list[int], list[int]]:
+        """(accepted, next tokens) as host lists: one copy and sync where they are on the device only."""
+        if self.host is not None:
+            return [a for a, _ in self.host], [t for _, t in self.host]
+        accepted, next_tokens = torch.stack([self.accepted, self.next_tokens]).tolist()
+        return accepted, next_tokens
+
+
+class _Drafting(NamedTuple):
+    """The next step's drafts launched from a verify step: the verify rows that draft (in the drafts'
+    order) and the drafter's handle; the rows without room and copies of their hidden states."""
+
+    rows: list[int]
+    handle: object | None
+    waiting: list[int]
+    waiting_hidden: torch.Tensor
 
 
 def _draft_request(request: Request) -> DraftRequest:

@@ -97,20 +97,16 @@ class HiddenStateDrafter(Drafter, Protocol):
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """A verify step of n - 1 drafts, for the requests still running, in batch order: `inputs` [B, n]
-    the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final hidden
-    states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after them, all on
-    the device; on the host `num_accepted` (accepted's values) and `starts` each request's computed
-    tokens before the step, `start_positions` [B] the same on the device; `page_table` [B, pages]
-    (int32, on the device)."""
+    """The rows of a verify step of n - 1 drafts that draft right after it, all on the device: `inputs`
+    [B, n] the tokens it ran (last sampled, then the drafts), `hidden` [B, n, H] the target's final
+    hidden states there, `accepted` [B] drafts kept, `next_tokens` [B] the target's own token after
+    them, `start_positions` [B] each request's computed tokens before the step, `page_table` [B, pages]
+    (int32) its pages, covering the next step's drafts."""
 
-    requests: Sequence[DraftRequest]
     inputs: torch.Tensor
     hidden: torch.Tensor
     accepted: torch.Tensor
     next_tokens: torch.Tensor
-    num_accepted: list[int]
-    starts: list[int]
     start_positions: torch.Tensor
     page_table: torch.Tensor
 
@@ -120,4 +116,12 @@ class VerifyAwareDrafter(HiddenStateDrafter, Protocol):
     """A drafter that makes the next step's drafts right after a verify step, from its hidden states
     (the MTP head: one fixed-shape draft per batch and width)."""
 
-    def after_verify(self, verified: VerifyResult) -> None: ...
+    def after_verify(self, verified: VerifyResult) -> object:
+        """Launches the drafts of `verified`'s rows, reading nothing of the verify on the host (the
+        engine has not yet learned what it accepted); returns a handle of them for `keep_drafts`."""
+        ...
+
+    def keep_drafts(self, handle: object, kept: Sequence[tuple[str, int, int]]) -> None:
+        """After the commit: (request id, row in the handle, tokens computed now) of each request still
+        running; their drafts are proposed at their next step. The other rows' are dropped."""
+        ...

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -213,9 +214,10 @@ class MtpDrafter:
         return Drafts([tokens[r.request_id] for r in requests], [None] * len(requests))
 
     @torch.inference_mode()
-    def after_verify(self, verified: VerifyResult) -> None:
+    def after_verify(self, verified: VerifyResult) -> _HostDrafts:
         """Drafts for the next step, made right after a verify step from its hidden states, in shapes
-        fixed by the batch and width alone (so the whole draft could replay as one CUDA graph):
+        fixed by the batch and width alone (so the whole draft replays as one CUDA graph), before the
+        host knows what the verify accepted:
 
         - extend over all n verify positions c0 .. c0 + n - 1 of each request (c0 = its computed
           tokens before the verify), input at row t the token at c0 + t + 1: the draft the verify ran
@@ -223,21 +225,21 @@ class MtpDrafter:
           past a write MTP K/V at positions no query reads before the next extend rewrites them;
         - the output at row a (position c - 1, c = c0 + 1 + a) gives draft 1, then the chained steps.
         """
-        starts = verified.start_positions
-        args = (verified.inputs, verified.hidden, verified.accepted, verified.next_tokens, starts)
+        v = verified
+        args = (v.inputs, v.hidden, v.accepted, v.next_tokens, v.start_positions)
         width = verified.inputs.shape[1] - 1
         graphs = self.graphs.get(width)
         if graphs is not None and graphs.fits(verified.page_table):
-            drafted = graphs.run(*args, verified.page_table)
+            drafted = graphs.run(*args, v.page_table)
         else:
-            drafted = self.draft_after_verify(*args, verified.page_table.long(), width)
-        drafts = _HostDrafts(drafted)  # read when proposed: nothing here waits for the draft forward
-        for row, (request, start, accepted) in enumerate(
-            zip(verified.requests, verified.starts, verified.num_accepted, strict=True)
-        ):
-            computed = start + 1 + accepted
-            self._ready[request.request_id] = (computed, drafts, row)
-            self._pending[request.request_id] = _Pending(computed)  # MTP K/V written up to c - 1
+            drafted = self.draft_after_verify(*args, v.page_table.long(), width)
+        return _HostDrafts(drafted)  # read when proposed: nothing here waits for the draft forward
+
+    def keep_drafts(self, handle: object, kept: Sequence[tuple[str, int, int]]) -> None:
+        drafts = cast(_HostDrafts, handle)  # what `after_verify` returned
+        for request_id, row, computed in kept:
+            self._ready[request_id] = (computed, drafts, row)
+            self._pending[request_id] = _Pending(computed)  # MTP K/V written up to c - 1
 
     def draft_after_verify(
         self,

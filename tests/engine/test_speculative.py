@@ -170,6 +170,64 @@ def test_mtp_drafts_leave_greedy_output_unchanged(tiny_qwen3_next, engine_runner
     assert [o.token_ids for o in outputs] == expected
 
 
+def test_mtp_logprobs_and_a_sampled_request_in_the_batch(tiny_qwen3_next, reference_hybrid, engine_runner):
+    """Logprobs of verified tokens come from the verify's logits, taken before the next drafts launch
+    (the draft graph reuses the verify's memory); a sampled request in the batch moves acceptance to the
+    host. Greedy requests still equal plain decoding, tokens and logprobs."""
+    prompts, expected = reference_hybrid
+    with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    plain = engine_runner(_engine(tiny_qwen3_next, enable_prefix_cache=False), prompts[:2], with_logprobs)
+    engine = _engine(tiny_qwen3_next, speculative="mtp", spec_width=3)
+    outputs = engine_runner(engine, prompts, [with_logprobs, with_logprobs, sampled])
+    assert [o.token_ids for o in outputs[:2]] == expected[:2] and len(outputs[2].token_ids) == 24
+    for got, want in zip(outputs[:2], plain, strict=True):
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+        assert [[i for i, _ in top] for top in got.top_logprobs] == [
+            [i for i, _ in top] for top in want.top_logprobs
+        ]
+    assert engine.speculative.stats.verify_steps > 0
+    engine.check_integrity()
+
+
+def test_mtp_requests_without_room_for_the_next_drafts(tiny_qwen3_next, monkeypatch):
+    """A request that gets no pages for the next step's drafts right after its verify (the pool short)
+    keeps the verify's hidden states of its committed tokens for the head's next proposal instead: its
+    drafts then equal those of a drafter that always extends on demand. Forced acceptance (the same
+    draws for both) so that verify steps commit several tokens."""
+    config = EngineConfig(
+        device="cpu", kv_cache_tokens=4096, page_size=4, chunk_size=64, speculative="mtp", spec_width=3
+    )
+    engine, on_demand = (
+        Engine(config, tiny_qwen3_next, forced_acceptance=ForcedAcceptance(0.7, seed=3)) for _ in range(2)
+    )
+    on_demand.speculative.drafter = PendingOnlyMtp(on_demand.speculative.drafter)
+    records = [recorded_proposals(engine), recorded_proposals(on_demand)]
+    reserve = engine.scheduler.reserve_for_verify
+    refused = []
+
+    def short_for_one_request(request, num_tokens, num_draft_slots):
+        granted = reserve(request, num_tokens, num_draft_slots)
+        if num_tokens == 2 * (1 + 3) and request.request_id == ids[1]:
+            refused.append(request.request_id)
+            return False
+        return granted
+
+    monkeypatch.setattr(engine.scheduler, "reserve_for_verify", short_for_one_request)
+    outputs = []
+    for runner in (engine, on_demand):
+        ids = [runner.add_request(p, GREEDY) for p in _prompts(512)]
+        finals = {}
+        while runner.has_unfinished():
+            for step in runner.step():
+                if step.final is not None:
+                    finals[step.request_id] = step.final
+        outputs.append([finals[i].token_ids for i in ids])
+    assert refused and engine.speculative.stats.accepted_tokens > 0
+    assert records[0] == records[1] and outputs[0] == outputs[1]
+    engine.check_integrity()
+
+
 def test_mtp_drafts_then_prefix_hits_equal_cold(tiny_qwen3_next, reference_hybrid, engine_runner):
     """After MTP-drafted runs, follow-ups hit the prefix cache (whose pages also hold the head's K/V) and
     equal cold runs, still drafting with the head."""
@@ -304,7 +362,7 @@ def test_mtp_drafts_made_after_verify_equal_those_made_on_propose(
     records = [recorded_proposals(fixed), recorded_proposals(on_demand)]
     calls = []
     original = fixed.speculative.drafter.after_verify
-    fixed.speculative.drafter.after_verify = lambda verified: (calls.append(1), original(verified))
+    fixed.speculative.drafter.after_verify = lambda verified: (calls.append(1), original(verified))[1]
     for engine in (fixed, on_demand):
         assert [o.token_ids for o in engine_runner(engine, prompts, GREEDY)] == expected
     assert calls and records[0] == records[1]

@@ -301,7 +301,7 @@ def test_mtp_drafts_made_after_verify_equal_those_made_on_demand(
     fixed.speculative.drafter.after_verify = lambda verified: (
         calls.append(verified.accepted.tolist()),
         original(verified),
-    )
+    )[1]
     outputs = [[o.token_ids for o in engine_runner(engine, prompts, GREEDY)] for engine in (fixed, on_demand)]
     assert calls and records[0] == records[1] and outputs[0] == outputs[1]
     if acceptance is None:
