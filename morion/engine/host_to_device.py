@@ -1,12 +1,15 @@
 """Small host arrays to the device in one copy.
 
 A step's metadata (token ids, positions, K/V slots, page tables, lengths, state slots) is a handful of
-arrays of a few hundred bytes each. Copied one by one, each is a driver call and a pageable staging copy
-of its own, and while the device waits for a step's inputs, those calls are the step's critical path.
-Here they are laid out in one host byte buffer, each array at an 8-byte aligned offset (so any integer
-or float dtype can be viewed in place), copied in one transfer, and handed back as device views of it.
-The host buffer is ordinary pageable memory: the copy has read it before `to_device` returns, so it is
-never reused while in flight.
+arrays of a few hundred bytes each. Copied one by one, each is a driver call of its own, and while the
+device waits for a step's inputs, those calls are the step's critical path. Here they are laid out in
+one host byte buffer, each array at an 8-byte aligned offset (so any integer or float dtype can be
+viewed in place), copied in one transfer, and handed back as device views of it.
+
+For a CUDA device the buffer is page-locked, from torch's caching host allocator: a copy from pageable
+memory may make the driver wait for the stream's earlier work (to stage it), which would stall the host
+behind a running graph. The allocator keeps a block until the copy that read it has completed, so a
+buffer is never overwritten in flight.
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ import torch
 _ALIGN = 8
 
 
-def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """Each array as a tensor on `device` (same dtype and shape), through one host-to-device copy."""
+    device = torch.device(device)
     offsets, total = [], 0
     for array in arrays:
         offsets.append(total)
         total += -(-array.nbytes // _ALIGN) * _ALIGN
-    packed = np.empty(max(total, _ALIGN), dtype=np.uint8)
+    staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    packed = staging.numpy()
     for array, offset in zip(arrays, offsets, strict=True):
         packed[offset : offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    on_device = torch.from_numpy(packed).to(device, non_blocking=True)
+    on_device = staging.to(device, non_blocking=True)
     return [
         on_device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
         for array, offset in zip(arrays, offsets, strict=True)
