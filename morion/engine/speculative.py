@@ -187,7 +187,7 @@ class SpeculativeDecoding:
         verify_slots = None
         if self.has_state:
             columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
-            verify_slots = torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True)
+            [verify_slots] = to_device([np.asarray(columns, dtype=np.int32)], device)
         if graph is not None and graph.can_run(batch):
             logits = graph.run(batch, verify_slots)
             hidden = graph.last_hidden(len(verifying) * n)
