@@ -27,9 +27,12 @@
 #          a call that brings the first part only keeps it and stops.
 #   part10: part7's tile sweep (exact MMA modes only), the MoE op tests on the GPU with the tiles it
 #          chose, part8's speculative bench at C1 and C4, then the engine and speculative GPU tests.
+#   part11: where a speculative step's time goes now: device gaps by host phase
+#          (scripts/profile_spec_timeline.py, trace in $OUT) and the graphs' kernels by name
+#          (scripts/profile_kernels.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|...|part10}
+part=${1:?usage: h200_open_checks.sh part1|...|part11}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -96,6 +99,11 @@ part10)
         --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
     step gpu-spec 200 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py
     ;;
+part11)
+    step spec-timeline 240 python3 scripts/profile_spec_timeline.py preset:qwen3-next-80b-a3b 3 2.58 \
+        "$results/spec-timeline.json.gz"
+    step profile-kernels 240 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
+    ;;
 part8)
     step spec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
         --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
@@ -125,7 +133,7 @@ part9)
         --contexts 1024 --output-tokens 128 --label h200-smollm2-135m-ngram-spec --out "$results"
     ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|...|part10" >&2
+    echo "usage: h200_open_checks.sh part1|part2|...|part11" >&2
     exit 2
     ;;
 esac
