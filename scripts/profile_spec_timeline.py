@@ -49,13 +49,13 @@ def mark_phases() -> None:
         (Scheduler, "schedule", "schedule"),
         (spec, "_verify", "verify"),
         (spec, "_commit", "commit"),
-        (spec, "_acceptance", "acceptance"),
         (spec, "_launch_drafts", "launch_drafts"),
         (MtpDrafter, "propose", "propose"),
         (MtpDrafter, "after_verify", "mtp.after_verify"),
         (DecodeGraphRunner, "run", "graph.run"),
     ]:
         setattr(owner, attribute, _marked(name, getattr(owner, attribute)))
+    speculative_module.decide_acceptance = _marked("acceptance", speculative_module.decide_acceptance)
     speculative_module.build_forward_batch = _marked(
         "build_forward_batch", speculative_module.build_forward_batch
     )

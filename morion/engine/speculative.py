@@ -41,8 +41,9 @@ from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_f
 from morion.engine.host_to_device import to_device
 from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
-from morion.engine.sampler import SampleResult, sampling_probs
+from morion.engine.sampler import SampleResult
 from morion.engine.scheduler import Scheduler
+from morion.engine.verify_acceptance import Acceptance, VerifyRow, decide_acceptance
 from morion.spec.drafter import (
     Drafter,
     DraftRequest,
@@ -53,7 +54,6 @@ from morion.spec.drafter import (
 )
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.policy import WidthPolicy
-from morion.spec.rejection import greedy_accept, rejection_sample
 
 
 @dataclass
@@ -155,7 +155,7 @@ class SpeculativeDecoding:
 
     def _verify(
         self,
-        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
+        verifying: list[VerifyRow],
         width: int,
         model: torch.nn.Module,
         scheduler: Scheduler,
@@ -204,7 +204,7 @@ class SpeculativeDecoding:
             logits[row].log_softmax(dim=-1) if request.params.logprobs is not None else None
             for row, (request, _, _) in enumerate(verifying)
         ]
-        acceptance = self._acceptance(verifying, input_rows, logits, width)
+        acceptance = decide_acceptance(verifying, input_rows, logits, width, self.forced)
         drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, scheduler)
         accepted_counts, next_tokens = acceptance.on_host()
         results = []
@@ -228,51 +228,12 @@ class SpeculativeDecoding:
             self.drafter.keep_drafts(drafting.handle, kept)
         return results
 
-    def _acceptance(
-        self,
-        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
-        inputs: torch.Tensor,
-        logits: torch.Tensor,
-        width: int,
-    ) -> _Acceptance:
-        """Drafts accepted and the target's token after them, per row. Greedy and forced acceptance need
-        only the target's argmax and stay on the device (no host sync: the next drafts launch first);
-        a batch with sampled requests runs rejection sampling on the host."""
-        device = logits.device
-        if self.forced is not None:
-            # Drawn per row in batch order, whatever the target says (spec/forced.py).
-            counts = [self.forced.num_accepted(len(tokens)) for _, tokens, _ in verifying]
-            [accepted] = to_device([np.asarray(counts, dtype=np.int64)], device)
-            return _Acceptance.gathered(accepted, logits.argmax(dim=-1))
-        if all(request.params.greedy for request, _, _ in verifying):
-            targets = logits.argmax(dim=-1)  # [B, n]
-            # Leading drafts equal to the target's argmax (padding included: accepting a repeat of the last
-            # token is what the target itself picks), as `greedy_accept` on the host.
-            matches = (targets[:, :width] == inputs[:, 1:]).long()
-            return _Acceptance.gathered(matches.cumprod(dim=1).sum(dim=1), targets)
-        targets = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in verifying) else []
-        host = []
-        for row, (request, tokens, probs) in enumerate(verifying):
-            draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
-            if request.params.greedy:
-                host.append(tuple(greedy_accept(targets[row], draft)))
-            else:
-                host.append(tuple(self._sample_accept(request, logits[row], draft, probs, len(tokens))))
-        accepted, next_tokens = to_device(
-            [
-                np.asarray([a for a, _ in host], dtype=np.int64),
-                np.asarray([t for _, t in host], dtype=np.int64),
-            ],
-            device,
-        )
-        return _Acceptance(accepted, next_tokens, host)
-
     def _launch_drafts(
         self,
-        verifying: list[tuple[Request, Sequence[int], torch.Tensor | None]],
+        verifying: list[VerifyRow],
         inputs: torch.Tensor,
         hidden: torch.Tensor,
-        acceptance: _Acceptance,
+        acceptance: Acceptance,
         width: int,
         scheduler: Scheduler,
     ) -> _Drafting | None:
@@ -313,20 +274,6 @@ class SpeculativeDecoding:
             )
         return _Drafting(rows, handle, waiting, waiting_hidden)
 
-    @staticmethod
-    def _sample_accept(
-        request: Request, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
-    ) -> tuple[int, int]:
-        """Rejection sampling of a sampled request's drafts (padding positions: one-hot proposals)."""
-        drafted = torch.tensor(draft, device=logits.device)
-        params = request.params
-        if probs is not None and proposed < len(draft):
-            # Padding positions are deterministic proposals: one-hot rows.
-            padding = torch.nn.functional.one_hot(drafted[proposed:], logits.shape[-1]).to(probs)
-            probs = torch.cat([probs.to(logits.device), padding])
-        target = sampling_probs(logits, [params] * logits.shape[0])
-        return rejection_sample(target, drafted, probs, request.sampler.generator(logits.device))
-
     def _commit(
         self,
         request: Request,
@@ -354,27 +301,6 @@ class SpeculativeDecoding:
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
-
-
-class _Acceptance(NamedTuple):
-    """Per verify row, drafts accepted and the target's own token after them: on the device, and on the
-    host where they were decided there (rejection sampling) or once read."""
-
-    accepted: torch.Tensor  # [B] int64
-    next_tokens: torch.Tensor  # [B] int64
-    host: list[tuple[int, int]] | None = None
-
-    @classmethod
-    def gathered(cls, accepted: torch.Tensor, targets: torch.Tensor) -> _Acceptance:
-        """`accepted` [B] with the target's argmax `targets` [B, n] at row `accepted` as the next token."""
-        return cls(accepted, targets.gather(1, accepted[:, None]).squeeze(1))
-
-    def on_host(self) -> tuple[list[int], list[int]]:
-        """(accepted, next tokens) as host lists: one copy and sync where they are on the device only."""
-        if self.host is not None:
-            return [a for a, _ in self.host], [t for _, t in self.host]
-        accepted, next_tokens = torch.stack([self.accepted, self.next_tokens]).tolist()
-        return accepted, next_tokens
 
 
 class _Drafting(NamedTuple):

@@ -1,0 +1,95 @@
+"""Which drafts a verify forward accepts (engine/speculative.py), per row of the verify batch.
+
+Greedy requests keep their drafts while they equal the target's argmax, and a benchmark's forced
+acceptance (spec/forced.py) keeps a drawn number of them: both need only the target's argmax, so they
+are decided on the device, and nothing is read back before the next step's drafts are launched from
+them. A batch with a sampled request is decided on the host: rejection sampling (spec/rejection.py)
+keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from morion.engine.host_to_device import to_device
+from morion.engine.request import Request
+from morion.engine.sampler import sampling_probs
+from morion.spec.forced import ForcedAcceptance
+from morion.spec.rejection import greedy_accept, rejection_sample
+
+VerifyRow = tuple[Request, Sequence[int], torch.Tensor | None]  # request, its drafts, their probabilities
+
+
+class Acceptance(NamedTuple):
+    """Per verify row, drafts accepted and the target's own token after them: on the device, and on the
+    host where they were decided there (rejection sampling) or once read."""
+
+    accepted: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [B] int64
+    host: list[tuple[int, int]] | None = None
+
+    @classmethod
+    def gathered(cls, accepted: torch.Tensor, targets: torch.Tensor) -> Acceptance:
+        """`accepted` [B] with the target's argmax `targets` [B, n] at row `accepted` as the next token."""
+        return cls(accepted, targets.gather(1, accepted[:, None]).squeeze(1))
+
+    def on_host(self) -> tuple[list[int], list[int]]:
+        """(accepted, next tokens) as host lists: one copy and sync where they are on the device only."""
+        if self.host is not None:
+            return [a for a, _ in self.host], [t for _, t in self.host]
+        accepted, next_tokens = torch.stack([self.accepted, self.next_tokens]).tolist()
+        return accepted, next_tokens
+
+
+def decide_acceptance(
+    verifying: Sequence[VerifyRow],
+    inputs: torch.Tensor,
+    logits: torch.Tensor,
+    width: int,
+    forced: ForcedAcceptance | None,
+) -> Acceptance:
+    """`inputs` [B, 1 + width] the tokens the verify ran (drafts padded with repeats of the last token),
+    `logits` [B, 1 + width, V] fp32 its logits."""
+    device = logits.device
+    if forced is not None:
+        # Drawn per row in batch order, whatever the target says.
+        counts = [forced.num_accepted(len(tokens)) for _, tokens, _ in verifying]
+        [accepted] = to_device([np.asarray(counts, dtype=np.int64)], device)
+        return Acceptance.gathered(accepted, logits.argmax(dim=-1))
+    if all(request.params.greedy for request, _, _ in verifying):
+        targets = logits.argmax(dim=-1)  # [B, n]
+        # Leading drafts equal to the target's argmax (padding included: accepting a repeat of the last
+        # token is what the target itself picks), as `greedy_accept` on the host.
+        matches = (targets[:, :width] == inputs[:, 1:]).long()
+        return Acceptance.gathered(matches.cumprod(dim=1).sum(dim=1), targets)
+    targets = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in verifying) else []
+    host = []
+    for row, (request, tokens, probs) in enumerate(verifying):
+        draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
+        if request.params.greedy:
+            host.append(tuple(greedy_accept(targets[row], draft)))
+        else:
+            host.append(tuple(_sample_accept(request, logits[row], draft, probs, len(tokens))))
+    accepted, next_tokens = to_device(
+        [np.asarray([a for a, _ in host], dtype=np.int64), np.asarray([t for _, t in host], dtype=np.int64)],
+        device,
+    )
+    return Acceptance(accepted, next_tokens, host)
+
+
+def _sample_accept(
+    request: Request, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
+) -> tuple[int, int]:
+    """Rejection sampling of a sampled request's drafts (padding positions: one-hot proposals)."""
+    drafted = torch.tensor(draft, device=logits.device)
+    params = request.params
+    if probs is not None and proposed < len(draft):
+        # Padding positions are deterministic proposals: one-hot rows.
+        padding = torch.nn.functional.one_hot(drafted[proposed:], logits.shape[-1]).to(probs)
+        probs = torch.cat([probs.to(logits.device), padding])
+    target = sampling_probs(logits, [params] * logits.shape[0])
+    return rejection_sample(target, drafted, probs, request.sampler.generator(logits.device))
