@@ -1,4 +1,6 @@
-"""Small host arrays to the device in one copy.
+"""Small arrays between host and device without stalling the host behind the device's queue.
+
+`to_device`: small host arrays to the device in one copy.
 
 A step's metadata (token ids, positions, K/V slots, page tables, lengths, state slots) is a handful of
 arrays of a few hundred bytes each. Copied one by one, each is a driver call of its own, and while the
@@ -45,3 +47,27 @@ _TORCH_DTYPES = {
     np.dtype(np.int32): torch.int32,
     np.dtype(np.float32): torch.float32,
 }
+
+
+class ToHost:
+    """A device tensor's values on their way to the host: the copy into page-locked memory is queued now,
+    right behind the work that produces them, and waited for only when first read. Work queued after
+    the copy (a draft forward) does not delay the read. On the CPU, a copy of the values."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tensor.clone()
+        self._values: list | None = None
+
+    def tolist(self) -> list:
+        if self._values is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._values = self._host.tolist()
+        return self._values

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from morion.engine.host_to_device import to_device
+from morion.engine.host_to_device import ToHost, to_device
 from morion.engine.request import Request
 from morion.engine.sampler import sampling_probs
 from morion.spec.forced import ForcedAcceptance
@@ -26,23 +26,28 @@ VerifyRow = tuple[Request, Sequence[int], torch.Tensor | None]  # request, its d
 
 class Acceptance(NamedTuple):
     """Per verify row, drafts accepted and the target's own token after them: on the device, and on the
-    host where they were decided there (rejection sampling) or once read."""
+    host where they were decided there (rejection sampling) or, decided on the device, on their way
+    (a copy queued right behind the kernels that decide them, ahead of the next drafts' launch)."""
 
     accepted: torch.Tensor  # [B] int64
     next_tokens: torch.Tensor  # [B] int64
     host: list[tuple[int, int]] | None = None
+    to_host: ToHost | None = None
 
     @classmethod
     def gathered(cls, accepted: torch.Tensor, targets: torch.Tensor) -> Acceptance:
         """`accepted` [B] with the target's argmax `targets` [B, n] at row `accepted` as the next token."""
-        return cls(accepted, targets.gather(1, accepted[:, None]).squeeze(1))
+        next_tokens = targets.gather(1, accepted[:, None]).squeeze(1)
+        return cls(accepted, next_tokens, to_host=ToHost(torch.stack([accepted, next_tokens])))
 
     def on_host(self) -> tuple[list[int], list[int]]:
-        """(accepted, next tokens) as host lists: one copy and sync where they are on the device only."""
-        if self.host is not None:
-            return [a for a, _ in self.host], [t for _, t in self.host]
-        accepted, next_tokens = torch.stack([self.accepted, self.next_tokens]).tolist()
-        return accepted, next_tokens
+        """(accepted, next tokens) as host lists (waits for their copy where they were decided on the
+        device)."""
+        if self.to_host is not None:
+            accepted, next_tokens = self.to_host.tolist()
+            return accepted, next_tokens
+        host = self.host or []
+        return [a for a, _ in host], [t for _, t in host]
 
 
 def decide_acceptance(

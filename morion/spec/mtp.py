@@ -49,6 +49,7 @@ from morion.engine.forward_batch import (
     build_forward_batch,
     page_table_tensor,
 )
+from morion.engine.host_to_device import ToHost
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.ops.fp8 import FP8_DTYPE
 from morion.spec.drafter import DraftRequest, Drafts, PendingTokens, VerifyResult
@@ -110,26 +111,11 @@ class _HostDrafts:
     replay, and by any graph that shares its memory pool."""
 
     def __init__(self, drafted: torch.Tensor) -> None:
-        self._done: torch.cuda.Event | None = None
         self._device = drafted.clone()
-        if drafted.is_cuda:
-            self._host = torch.empty(drafted.shape, dtype=drafted.dtype, pin_memory=True)
-            self._host.copy_(self._device, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        else:
-            self._host = self._device
-        self._rows: list[list[int]] | None = None
+        self._host = ToHost(self._device)
 
     def row(self, index: int) -> PendingTokens:
-        return PendingTokens(self._device[index], lambda: self._read()[index])
-
-    def _read(self) -> list[list[int]]:
-        if self._rows is None:
-            if self._done is not None:
-                self._done.synchronize()
-            self._rows = self._host.tolist()
-        return self._rows
+        return PendingTokens(self._device[index], lambda: self._host.tolist()[index])
 
 
 def reduced_head(model: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:

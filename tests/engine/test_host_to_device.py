@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from morion.engine.forward_batch import build_forward_batch
-from morion.engine.host_to_device import to_device
+from morion.engine.host_to_device import ToHost, to_device
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
@@ -38,3 +38,12 @@ def test_forward_batch_metadata():
     assert batch.query_ranges == [(0, 3), (3, 1)] and batch.last_rows == [2, 3] and batch.max_query_len == 3
     no_state = build_forward_batch([([1, 2], [0], 0, 2)], [None], 4, torch.device("cpu"))
     assert no_state.state_indices is None
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_values_on_their_way_to_the_host_are_those_at_the_copy(device):
+    """The values read are the tensor's when the copy was queued, not after later writes to it."""
+    tensor = torch.tensor([[1, 2], [3, 4]], device=device)
+    copy = ToHost(tensor)
+    tensor.fill_(0)
+    assert copy.tolist() == [[1, 2], [3, 4]] and copy.tolist() is copy.tolist()
