@@ -222,6 +222,7 @@ class SpeculativeDecoding:
             if row in drafting.rows:
                 kept.append((request.request_id, drafting.rows.index(row), request.num_computed))
             else:  # no room for the next drafts: the head waits for the next proposal
+                assert drafting.waiting_hidden is not None  # `row` is one of `waiting`
                 rows = drafting.waiting_hidden[drafting.waiting.index(row)]
                 self.drafter.observe(_draft_request(request), start, rows[: request.num_computed - start])
         if drafting is not None and drafting.handle is not None:
@@ -253,7 +254,8 @@ class SpeculativeDecoding:
                 if scheduler.reserve_for_verify(request, 2 * (1 + width), slots)
             ]
         waiting = [row for row in range(len(verifying)) if row not in rows]
-        waiting_hidden = hidden[waiting]  # indexing by a list copies: the draft graph may reuse `hidden`
+        # Indexing by a list copies: the draft graph may reuse `hidden`'s memory.
+        waiting_hidden = hidden[waiting] if waiting else None
         handle = None
         if rows:
             requests = [verifying[row][0] for row in rows]
@@ -310,7 +312,7 @@ class _Drafting(NamedTuple):
     rows: list[int]
     handle: object | None
     waiting: list[int]
-    waiting_hidden: torch.Tensor
+    waiting_hidden: torch.Tensor | None  # [len(waiting), n, H]
 
 
 def _draft_request(request: Request) -> DraftRequest:
