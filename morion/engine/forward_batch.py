@@ -96,11 +96,6 @@ def page_table_array(pages: Sequence[Sequence[int]]) -> np.ndarray:
     return table
 
 
-def page_table_tensor(pages: Sequence[Sequence[int]]) -> torch.Tensor:
-    """page_table_array as an int32 tensor on the host."""
-    return torch.from_numpy(page_table_array(pages))
-
-
 class KVScales(NamedTuple):
     """Per-layer scales of an FP8 K/V pool (stored = real / scale); 1.0 for other dtypes."""
 

@@ -43,7 +43,7 @@ from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult
 from morion.engine.scheduler import Scheduler
-from morion.engine.verify_acceptance import Acceptance, VerifyRow, decide_acceptance
+from morion.engine.verify_acceptance import Acceptance, VerifyRow, decide_acceptance, padded_draft
 from morion.spec.drafter import (
     Drafter,
     DraftRequest,
@@ -168,13 +168,15 @@ class SpeculativeDecoding:
         # Drafts still on their way from the device (PendingTokens) run as placeholders in the host-built
         # batch and are written into its input ids on the device: the verify is launched without waiting
         # for them, and the host reads them only after it (below).
-        placeholders = [
-            (list(tokens) if not isinstance(tokens, PendingTokens) else []) for _, tokens, _ in verifying
-        ]
         batch = build_forward_batch(
             [
-                (r.token_ids + d + [r.token_ids[-1]] * (width - len(d)), r.pages, r.num_computed, n)
-                for (r, _, _), d in zip(verifying, placeholders, strict=True)
+                (
+                    [*r.token_ids, *padded_draft(r, [] if isinstance(d, PendingTokens) else d, width)],
+                    r.pages,
+                    r.num_computed,
+                    n,
+                )
+                for r, d, _ in verifying
             ],
             [r.state_slot for r, _, _ in verifying],
             scheduler.page_size,
@@ -211,20 +213,18 @@ class SpeculativeDecoding:
         kept: list[tuple[str, int, int]] = []
         for row, (request, tokens, _) in enumerate(verifying):
             accepted, next_token = accepted_counts[row], next_tokens[row]
-            draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
-            emitted = [*draft[:accepted], next_token]
+            emitted = [*padded_draft(request, tokens, width)[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
             start = request.num_computed
             outputs = self._commit(request, emitted, raw_logprobs[row], scheduler, append_token)
             results.append((accepted, outputs))
             if request.is_finished or drafting is None:
                 continue
-            if row in drafting.rows:
-                kept.append((request.request_id, drafting.rows.index(row), request.num_computed))
+            if row in drafting.draft_rows:
+                kept.append((request.request_id, drafting.draft_rows[row], request.num_computed))
             else:  # no room for the next drafts: the head waits for the next proposal
-                assert drafting.waiting_hidden is not None  # `row` is one of `waiting`
-                rows = drafting.waiting_hidden[drafting.waiting.index(row)]
-                self.drafter.observe(_draft_request(request), start, rows[: request.num_computed - start])
+                rows = drafting.waiting_hidden[row][: request.num_computed - start]
+                self.drafter.observe(_draft_request(request), start, rows)
         if drafting is not None and drafting.handle is not None:
             self.drafter.keep_drafts(drafting.handle, kept)
         return results
@@ -255,7 +255,7 @@ class SpeculativeDecoding:
             ]
         waiting = [row for row in range(len(verifying)) if row not in rows]
         # Indexing by a list copies: the draft graph may reuse `hidden`'s memory.
-        waiting_hidden = hidden[waiting] if waiting else None
+        waiting_hidden = dict(zip(waiting, hidden[waiting], strict=True)) if waiting else {}
         handle = None
         if rows:
             requests = [verifying[row][0] for row in rows]
@@ -274,7 +274,7 @@ class SpeculativeDecoding:
             handle = drafter.after_verify(
                 VerifyResult(inputs, hidden, accepted, next_tokens, starts, page_table)
             )
-        return _Drafting(rows, handle, waiting, waiting_hidden)
+        return _Drafting({row: i for i, row in enumerate(rows)}, handle, waiting_hidden)
 
     def _commit(
         self,
@@ -306,13 +306,12 @@ class SpeculativeDecoding:
 
 
 class _Drafting(NamedTuple):
-    """The next step's drafts launched from a verify step: the verify rows that draft (in the drafts'
-    order) and the drafter's handle; the rows without room and copies of their hidden states."""
+    """The next step's drafts launched from a verify step: verify row -> its row in the drafts, and the
+    drafter's handle; for the rows without room, copies of their hidden states [n, W]."""
 
-    rows: list[int]
+    draft_rows: dict[int, int]
     handle: object | None
-    waiting: list[int]
-    waiting_hidden: torch.Tensor | None  # [len(waiting), n, H]
+    waiting_hidden: dict[int, torch.Tensor]
 
 
 def _draft_request(request: Request) -> DraftRequest:

@@ -50,6 +50,12 @@ class Acceptance(NamedTuple):
         return [a for a, _ in host], [t for _, t in host]
 
 
+def padded_draft(request: Request, tokens: Sequence[int], width: int) -> list[int]:
+    """A row's `width` verify inputs after its last token: its drafts, then repeats of the last token (a
+    repeat is verified like any draft: accepting one is what the target itself would pick)."""
+    return [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
+
+
 def decide_acceptance(
     verifying: Sequence[VerifyRow],
     inputs: torch.Tensor,
@@ -74,7 +80,7 @@ def decide_acceptance(
     targets = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in verifying) else []
     host = []
     for row, (request, tokens, probs) in enumerate(verifying):
-        draft = [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
+        draft = padded_draft(request, tokens, width)
         if request.params.greedy:
             host.append(tuple(greedy_accept(targets[row], draft)))
         else:

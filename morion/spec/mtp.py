@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from morion.cache.page_pool import PagePool
@@ -47,9 +48,9 @@ from morion.engine.forward_batch import (
     KVScales,
     PagedAttentionBackend,
     build_forward_batch,
-    page_table_tensor,
+    page_table_array,
 )
-from morion.engine.host_to_device import ToHost
+from morion.engine.host_to_device import ToHost, to_device
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.ops.fp8 import FP8_DTYPE
 from morion.spec.drafter import DraftRequest, Drafts, PendingTokens, VerifyResult
@@ -213,9 +214,9 @@ class MtpDrafter:
         """
         v = verified
         args = (v.inputs, v.hidden, v.accepted, v.next_tokens, v.start_positions)
-        width = verified.inputs.shape[1] - 1
+        width = v.inputs.shape[1] - 1
         graphs = self.graphs.get(width)
-        if graphs is not None and graphs.fits(verified.page_table):
+        if graphs is not None and graphs.fits(v.page_table):
             drafted = graphs.run(*args, v.page_table)
         else:
             drafted = self.draft_after_verify(*args, v.page_table.long(), width)
@@ -305,7 +306,7 @@ class MtpDrafter:
         last = torch.stack([self._pending[r.request_id].last for r in requests])
         device = last.device
         position = torch.tensor([r.num_computed - 1 for r in requests], device=device)
-        table = page_table_tensor([r.pages for r in requests]).to(device, non_blocking=True).long()
+        [table] = to_device([page_table_array([r.pages for r in requests]).astype(np.int64)], device)
         return self._chain(last, position, table, width).tolist()
 
     def _backend(self, batch) -> PagedAttentionBackend:
