@@ -30,9 +30,11 @@
 #   part11: where a speculative step's time goes now: device gaps by host phase
 #          (scripts/profile_spec_timeline.py, trace in $OUT) and the graphs' kernels by name
 #          (scripts/profile_kernels.py).
+#   part12: the MoE op tests with the committed tiles, part8's speculative bench at C1 and C4 (3 runs each),
+#          then part11's timeline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_open_checks.sh part1|...|part11}
+part=${1:?usage: h200_open_checks.sh part1|...|part12}
 results=${OUT:-/tmp/morion-open-checks}
 out=/tmp/morion-open-checks-logs
 source scripts/gpu_env.sh
@@ -104,6 +106,15 @@ part11)
         "$results/spec-timeline.json.gz"
     step profile-kernels 240 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
     ;;
+part12)
+    step ops-moe 120 "${pytest[@]}" -m gpu tests/ops/test_moe_decode_triton_gpu.py tests/ops/test_moe_fp8_gpu.py
+    step spec 230 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
+        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
+        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
+        --repeats 3 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic-confirm --out "$results"
+    step spec-timeline 240 python3 scripts/profile_spec_timeline.py preset:qwen3-next-80b-a3b 3 2.58 \
+        "$results/spec-timeline.json.gz"
+    ;;
 part8)
     step spec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
         --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
@@ -133,7 +144,7 @@ part9)
         --contexts 1024 --output-tokens 128 --label h200-smollm2-135m-ngram-spec --out "$results"
     ;;
 *)
-    echo "usage: h200_open_checks.sh part1|part2|...|part11" >&2
+    echo "usage: h200_open_checks.sh part1|part2|...|part12" >&2
     exit 2
     ;;
 esac

@@ -106,8 +106,12 @@ def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypa
     [path] = tmp_path.glob("*.json")
     config = json.loads(path.read_text())
     assert config["device"] == torch.cuda.get_device_name() and config["experts"] == 512
-    assert tuple(config["gate_up"]) in moe_tune.GATE_UP_CANDIDATES[:2]
-    assert tuple(config["down"]) in down
+    # The second round may move the chosen block shape to another warp count or pipeline depth.
+    def swept(candidates: list) -> set:
+        return {variant for tiles in candidates for variant in moe_tune.launch_variants(tiles)}
+
+    assert tuple(config["gate_up"]) in swept(moe_tune.GATE_UP_CANDIDATES[:2])
+    assert tuple(config["down"]) in swept(down)
     assert set(config["us_per_call"]) == {"1"} and config["us_per_call"]["1"] > 0
     monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
     moe_tiles.tuned_tiles.cache_clear()
