@@ -106,6 +106,7 @@ def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypa
     [path] = tmp_path.glob("*.json")
     config = json.loads(path.read_text())
     assert config["device"] == torch.cuda.get_device_name() and config["experts"] == 512
+
     # The second round may move the chosen block shape to another warp count or pipeline depth.
     def swept(candidates: list) -> set:
         return {variant for tiles in candidates for variant in moe_tune.launch_variants(tiles)}
