@@ -41,6 +41,20 @@ source scripts/gpu_env.sh
 trap 'tar czf "$results/logs-$part.tgz" -C "$out" . 2>/dev/null' EXIT
 pytest=(python3 -m pytest -q -p no:cacheprovider)
 fp8=(--load-format dummy --weight-dtype fp8 --kv-cache-dtype fp8)
+# The 80B preset's speculative bench (SYNTHETIC: MTP drafts at a forced 2.58 tokens per verify step);
+# each part adds --repeats and --label.
+spec_bench=(python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536
+    --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp
+    --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 --out "$results")
+spec_timeline=(python3 scripts/profile_spec_timeline.py preset:qwen3-next-80b-a3b 3 2.58 "$results/spec-timeline.json.gz")
+moe_gpu_tests=("${pytest[@]}" -m gpu tests/ops/test_moe_decode_triton_gpu.py tests/ops/test_moe_fp8_gpu.py)
+spec_gpu_tests=("${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py)
+# tune_moe SECONDS: the 80B expert shape's tile sweep; the tiles file it writes comes back in $results.
+tune_moe() {
+    step moe-tune "$1" python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
+        --dtype fp8 --tokens 1,4
+    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+}
 case "$part" in
 part1)
     step gpu-flash-next 300 "${pytest[@]}" -m gpu tests/models/test_qwen4_exp_gpu.py
@@ -52,12 +66,9 @@ part2 | part6)
     if [ "$part" = part2 ]; then
         step ops-compiled 170 "${pytest[@]}" -m "not gpu" tests/ops
     else
-        step gpu-spec 240 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py
+        step gpu-spec 240 "${spec_gpu_tests[@]}"
     fi
-    step spec 170 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
-        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
-        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
-        --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
+    step spec 170 "${spec_bench[@]}" --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic
     [ "$part" = part6 ] && exit 0
     disk=$(mktemp -d /tmp/morion-restore.XXXX)
     step restore 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" \
@@ -78,48 +89,31 @@ part4)
     step profile-spec 200 python3 scripts/profile_spec.py preset:qwen3-next-80b-a3b 3 2.58
     ;;
 part5)
-    step moe-tune 280 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
-        --dtype fp8 --tokens 1,4
-    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+    tune_moe 280
     step profile-kernels 200 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
     step ops-gpu 150 "${pytest[@]}" -s tests/ops/test_paged_attention_gpu.py tests/ops/test_moe_decode_triton_gpu.py \
         tests/ops/test_paged_attention.py tests/ops/test_moe_decode_triton.py
     ;;
 part7)
-    step moe-tune 560 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
-        --dtype fp8 --tokens 1,4
-    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
+    tune_moe 560
     ;;
 part10)
-    step moe-tune 200 python3 -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 \
-        --dtype fp8 --tokens 1,4
-    cp morion/ops/moe_configs/NVIDIA_H200_E512_H2048_I512_fp8.json "$results/"
-    step ops-moe 120 "${pytest[@]}" -m gpu tests/ops/test_moe_decode_triton_gpu.py tests/ops/test_moe_fp8_gpu.py
-    step spec 170 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
-        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
-        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
-        --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
-    step gpu-spec 200 "${pytest[@]}" -m gpu tests/engine/test_speculative_gpu.py tests/engine/test_engine_gpu.py
+    tune_moe 200
+    step ops-moe 120 "${moe_gpu_tests[@]}"
+    step spec 170 "${spec_bench[@]}" --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic
+    step gpu-spec 200 "${spec_gpu_tests[@]}"
     ;;
 part11)
-    step spec-timeline 240 python3 scripts/profile_spec_timeline.py preset:qwen3-next-80b-a3b 3 2.58 \
-        "$results/spec-timeline.json.gz"
+    step spec-timeline 240 "${spec_timeline[@]}"
     step profile-kernels 240 python3 scripts/profile_kernels.py preset:qwen3-next-80b-a3b 3
     ;;
 part12)
-    step ops-moe 120 "${pytest[@]}" -m gpu tests/ops/test_moe_decode_triton_gpu.py tests/ops/test_moe_fp8_gpu.py
-    step spec 230 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
-        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
-        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
-        --repeats 3 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic-confirm --out "$results"
-    step spec-timeline 240 python3 scripts/profile_spec_timeline.py preset:qwen3-next-80b-a3b 3 2.58 \
-        "$results/spec-timeline.json.gz"
+    step ops-moe 120 "${moe_gpu_tests[@]}"
+    step spec 230 "${spec_bench[@]}" --repeats 3 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic-confirm
+    step spec-timeline 240 "${spec_timeline[@]}"
     ;;
 part8)
-    step spec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" --kv-cache-tokens 65536 \
-        --no-prefix-cache --max-running-requests 4 --cuda-graph-max-batch 4 --workloads spec --speculative mtp \
-        --spec-width 3 --spec-mean-accepted 2.58 --concurrency 1,4 --contexts 1024 --output-tokens 256 \
-        --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic --out "$results"
+    step spec 200 "${spec_bench[@]}" --repeats 2 --label h200-qwen3-next-80b-a3b-fp8-spec-synthetic
     python3 scripts/lowest_ids_token_map.py 151936 65536 "$out/lowest-ids-64k.json"
     step spec-frspec 200 python3 -m morion bench --model preset:qwen3-next-80b-a3b "${fp8[@]}" \
         --kv-cache-tokens 65536 --no-prefix-cache --max-running-requests 1 --cuda-graph-max-batch 1 \
