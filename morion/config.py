@@ -73,6 +73,11 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise MorionError(f"{name} must be positive, got {value}")
+        if self.chunk_size < self.page_size:
+            raise MorionError(
+                f"chunk_size ({self.chunk_size}) must be at least page_size ({self.page_size}): prefill "
+                "chunks end on page boundaries"
+            )
         if not 0 < self.mem_fraction <= 1:
             raise MorionError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("host_cache_gb", "disk_cache_gb"):

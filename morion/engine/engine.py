@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import morion
-from morion.cache.copy_engine import make_copy_engine
+from morion.cache.copy_engine import Transfer, make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
 from morion.cache.disk_store import free_space_budget, open_disk_store
 from morion.cache.page_pool import PagePool
@@ -25,6 +25,7 @@ from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
@@ -430,14 +431,37 @@ class Engine:
             outputs, chunks = self._speculate(chunks)
             if not chunks:
                 return outputs
+        restores = self.tiers.take_for_forward() if self.tiers is not None else []
+        sampling: list[Request] = []
+        logit_rows: list[torch.Tensor] = []
+        for group in forward_groups(chunks, FORWARD_GROUP_MAX_TOKENS):
+            requests, logits = self._forward(group, restores)
+            if requests:
+                sampling += requests
+                logit_rows.append(logits)
+        if not sampling:
+            return outputs
+        logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
+        result = sample(logits, [request.sampler for request in sampling])
+        return outputs + [self._append_token(request, i, result) for i, request in enumerate(sampling)]
+
+    def _forward(
+        self, chunks: list[ScheduledChunk], restores: list[Transfer]
+    ) -> tuple[list[Request], torch.Tensor | None]:
+        """One forward over `chunks` (one kind: engine/forward_groups.py) and its bookkeeping. Returns the
+        requests whose prompt is now computed and their logits rows [n, vocab] (a copy: a graph's output
+        buffer is rewritten by its next replay), in that order; None for no request."""
         batch = build_forward_batch(
             [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
             [c.request.state_slot for c in chunks],
             self.config.page_size,
             self.device,
         )
-        restores = self.tiers.take_for_forward() if self.tiers is not None else []
-        if self.graphs is not None and not restores and self.graphs.can_run(batch):
+        if self.graphs is not None and self.graphs.can_run(batch):
+            # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
+            # the GPU) for this step's restores instead.
+            for restore in restores:
+                restore.wait_all()
             logits = self.graphs.run(batch)  # decode-only: every row is a sequence's last token
             hidden = self.graphs.last_hidden(len(batch.query_ranges))
         else:
@@ -447,7 +471,7 @@ class Engine:
                 backend = BackendAfterRestores(backend, restores, components)
             hidden = self.model(batch.input_ids, batch.positions, backend)
             logits = None
-        sampling: list[tuple[Request, int]] = []
+        sampled: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
             if self.speculative is not None and self.speculative.eligible(chunk.request):
                 # An MTP drafter keeps the hidden states of the requests it may draft for.
@@ -455,13 +479,14 @@ class Engine:
                 self.speculative.observe(chunk.request, chunk.request.num_computed, rows)
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
             if chunk.request.num_uncomputed == 0:
-                sampling.append((chunk.request, last_row))
-        if not sampling:
-            return outputs
+                sampled.append((chunk.request, last_row))
+        if not sampled:
+            return [], None
         if logits is None:
-            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
-        result = sample(logits, [request.sampler for request, _ in sampling])
-        return outputs + [self._append_token(request, i, result) for i, (request, _) in enumerate(sampling)]
+            logits = self.model.compute_logits(hidden[[row for _, row in sampled]])
+        else:
+            logits = logits[[row for _, row in sampled]]
+        return [request for request, _ in sampled], logits
 
     def _speculate(self, chunks: list[ScheduledChunk]) -> tuple[list[StepOutput], list[ScheduledChunk]]:
         """Verify forward for the eligible decoding requests (engine/speculative.py); returns its outputs
@@ -539,12 +564,11 @@ class Engine:
         eviction under memory pressure: under write-back the eviction listener copies each node to the
         host before its pages go back to the free list; under write-through the host has them already.
 
-        Only while the engine is idle: raises RuntimeError when a request is waiting or running (a
-        running request's prefix is locked and would stay; this is a measurement tool, not a serving one).
+        While requests run, what they hold stays: their prefixes are locked (and its pages not counted).
+        The server offers it as `POST /v1/cache/evict_device`, so `morion validate restore` can take
+        conversations out of GPU memory without flooding the pool.
         """
-        if self.has_unfinished():
-            raise RuntimeError("evict_device_cache needs an idle engine: requests are waiting or running")
-        # Idle, nothing is locked: evicting as many pages as are cached empties the tree (leaves first).
+        # Leaves first, as any eviction; locked nodes are never taken.
         return self.prefix_cache.evict(self.prefix_cache.cached_pages)
 
     def close(self) -> None:
