@@ -34,7 +34,14 @@ class Shutdown(NamedTuple):
     reason: str = "shutdown"
 
 
-InboxMessage = AddRequest | AbortRequest | Shutdown
+class EvictDeviceCache(NamedTuple):
+    """Drop the device prefix cache's unused pages and snapshots (`POST /v1/cache/evict_device`): a cached
+    conversation is then served from the host or disk tier, or recomputed. Answered by `CacheEvicted`."""
+
+    reply_id: str
+
+
+InboxMessage = AddRequest | AbortRequest | Shutdown | EvictDeviceCache
 
 # ---------------------------------------------------------------- engine -> front end
 
@@ -110,6 +117,13 @@ class RequestDelta(NamedTuple):
     usage: Usage | None = None
     error: str | None = None  # with finish_reason "error"
     internal: bool = False  # an error of the engine itself (HTTP 500), not of the request (HTTP 400)
+
+
+class CacheEvicted(NamedTuple):
+    """The answer to `EvictDeviceCache`: how many device pages went back to the free list."""
+
+    reply_id: str
+    pages: int
 
 
 class EngineOutputs(NamedTuple):

@@ -21,10 +21,12 @@ from morion.engine.engine import Engine
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
+    CacheEvicted,
     EngineFailed,
     EngineInfo,
     EngineOutputs,
     EngineStats,
+    EvictDeviceCache,
     InboxMessage,
     RequestDelta,
     Shutdown,
@@ -44,6 +46,7 @@ class EngineLoop:
         self.stopped = False
         self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
         self._integrity = "ok"
+        self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
 
     # ----------------------------------------------------------------- inbox
     def handle(self, message: InboxMessage) -> list[RequestDelta]:
@@ -54,6 +57,9 @@ class EngineLoop:
         if isinstance(message, Shutdown):
             self.stopped = True
             return [delta for request_id in list(self._wants_logprobs) for delta in self._abort(request_id)]
+        if isinstance(message, EvictDeviceCache):
+            self.replies.append(CacheEvicted(message.reply_id, self.engine.evict_device_cache()))
+            return []
         raise TypeError(f"unknown inbox message {message!r}")
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
@@ -222,6 +228,9 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             handled = True
         if loop.stopped:
             break
+        for reply in loop.replies:
+            outbox.send(reply)
+        loop.replies.clear()
         if loop.engine.has_unfinished():
             deltas += loop.step()
         if deltas or handled:

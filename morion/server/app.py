@@ -195,6 +195,14 @@ def create_app(context: ServerContext) -> FastAPI:
             request, context.client, job, response_format, body.stream, body.include_usage, arrival
         )
 
+    @api.post("/v1/cache/evict_device")
+    async def evict_device_cache() -> dict[str, Any]:
+        # Operators and `morion validate restore`: conversations leave GPU memory and are served from
+        # the host or disk tier next time (or recomputed without tiers); running requests keep theirs.
+        context.ready_info()
+        pages = await context.client.evict_device_cache()
+        return {"object": "cache.eviction", "tier": "device", "evicted_pages": pages}
+
     @api.post("/v1/chat/completions/render")
     async def render(request: Request) -> dict[str, Any]:
         info = context.ready_info()

@@ -20,10 +20,12 @@ from morion.config import EngineConfig
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
+    CacheEvicted,
     EngineFailed,
     EngineInfo,
     EngineOutputs,
     EngineStats,
+    EvictDeviceCache,
     InboxMessage,
     RequestDelta,
     Shutdown,
@@ -102,6 +104,7 @@ class EngineClient:
         self._outbox: Connection | None = None  # the read end
         self._connected = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morion-engine-inbox")
+        self._evictions: dict[str, asyncio.Future[int]] = {}  # EvictDeviceCache sent, not yet answered
         self._on_ready: Callable[[EngineInfo], None] = lambda info: None
         self._on_fatal: Callable[[str], None] = lambda error: None
 
@@ -148,6 +151,17 @@ class EngineClient:
                 self._send(AbortRequest(request_id))
         self.open_streams.discard(stream)
 
+    async def evict_device_cache(self) -> int:
+        """Asks the engine to drop its device prefix cache's unused pages (cached conversations stay in
+        the host and disk tiers); returns how many pages it freed."""
+        reply_id = uuid.uuid4().hex
+        done = self._evictions[reply_id] = asyncio.get_running_loop().create_future()
+        self._send(EvictDeviceCache(reply_id))
+        try:
+            return await done
+        finally:
+            self._evictions.pop(reply_id, None)
+
     def abort_all(self) -> None:
         """Ends every open stream's requests; each stream then sees finish_reason "abort"."""
         for request_id in list(self._streams):
@@ -177,6 +191,10 @@ class EngineClient:
                 if self.state == LOADING:
                     self.state = READY
                 self._on_ready(message)
+            elif isinstance(message, CacheEvicted):
+                done = self._evictions.get(message.reply_id)
+                if done is not None and not done.done():
+                    done.set_result(message.pages)
             elif isinstance(message, EngineFailed):
                 self._fail(message.error)
 
@@ -213,6 +231,9 @@ class EngineClient:
         self._streams.clear()
         for stream, deltas in by_stream.items():
             stream.deliver(deltas, now)
+        for done in self._evictions.values():
+            if not done.done():
+                done.set_exception(RuntimeError(error))
         self._on_fatal(error)
 
     # --------------------------------------------------------------- shutdown

@@ -97,11 +97,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if self.path == "/v1/completions":  # the restore flood and bench's probe: one token each
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 0}
+        if self.path == "/v1/completions":  # the flood, bench's probe, generated restores: one token each
+            key = json.dumps(body["prompt"])
+            with self.behaviour.lock:
+                repeat = self.behaviour.seen.get(key, 0)
+                self.behaviour.seen[key] = repeat + 1
+            usage = {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": 1,
+                "total_tokens": 0,
+                "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1 if repeat else 0},
+            }
+            changed = self.behaviour.change_repeats and repeat
+            logprobs = {"tokens": ["x"], "token_logprobs": [-0.5 if changed else -0.25]}
             self._sse(
                 [
-                    {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]},
+                    {"choices": [{"index": 0, "text": "x", "logprobs": logprobs, "finish_reason": "length"}]},
                     {"choices": [], "usage": usage},
                 ]
             )

@@ -32,7 +32,8 @@ def test_restore_fails_when_a_cache_hit_changes_the_answer(fake_server, tmp_path
         assert case["verdict"] == "fail"
         assert "device: text differs from cold" in case["reason"]
         assert case["steps"]["cold"]["content"] == "The answer is 4."  # the first attempt, kept
-    assert suite["events"]["flood"]["tokens"] >= 64
+    # The fake server has no /v1/cache/evict_device: the cases leave its GPU memory through a flood.
+    assert suite["events"]["eviction"]["method"] == "flood" and suite["events"]["eviction"]["tokens"] >= 64
     assert suite["case_file"]["sha256"] == case_files.FROZEN["restore-v1.json"]
 
 
@@ -46,6 +47,23 @@ def test_restore_passes_on_a_consistent_server(fake_server, tmp_path, capsys):
     assert suite["tiers_declared"] == {"host": False, "disk": False}
     assert marker.exists() and suite["steps"] == ["cold", "device", "host", "disk"]
     assert suite["events"]["restart"]["exit_status"] == 0
+
+
+def test_generated_conversations_count_a_hit_that_changes_a_logprob_as_wrong(fake_server, tmp_path, capsys):
+    """Same text, same token count, one log probability different: a wrong answer (the fake's cache hits
+    are all on the device: it declares no lower tier, and evicts by flood)."""
+    url, behaviour = fake_server
+    behaviour.change_repeats = True
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "3",
+            "--restore-lengths", "20:60", "--restore-group", "3")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 1 and suite["verdict"] == "fail"
+    figures = suite["figures"]
+    assert figures["hits"]["device"] == 3 and figures["wrong_by_step"]["device"] == 3
+    assert figures["wrong_answers"] == 6  # device and host, three conversations each
+    assert "token 0: logprob -0.5 vs -0.25" in suite["cases"][0]["reason"]
+    assert "**6 hits, 6 wrong answers**" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
 
 
 def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
@@ -107,3 +125,33 @@ def test_unknown_case_id_is_one_line(fake_server, capsys):
 def test_case_files_are_frozen():
     for suite in case_files.CURRENT:
         assert case_files.load(suite).sha256 == case_files.FROZEN[case_files.CURRENT[suite]]
+
+
+def test_soak_with_token_id_prompts(fake_server, tmp_path, capsys):
+    """For a server without a tokenizer: blocks of token ids on /v1/completions, the history growing."""
+    url, _ = fake_server
+    argv = ("soak", "--url", url, "--soak-prompts", "token-ids", "--soak-turn-tokens", "32",
+            "--soak-clients", "2", "--soak-max-requests", "6")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["soak"]
+    assert status == 0 and suite["verdict"] == "pass", suite["reason"]
+    records = suite["requests"]
+    assert len(records) == 6 and all(r["completion_tokens"] == 1 for r in records)
+    by_client = {}
+    for record in records:
+        by_client.setdefault((record["client"], record["conversation"]), []).append(record["prompt_tokens"])
+    assert any(lengths[:2] == [32, 64] for lengths in by_client.values())  # a block a turn
+
+
+def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    marker = tmp_path / "restarted"
+    argv = ("restore", "soak", "--url", url, "--soak-during-restore", "--soak-prompts", "token-ids",
+            "--soak-turn-tokens", "8", "--soak-clients", "2", "--soak-minutes", "0.05",
+            "--restore-conversations", "2", "--restore-lengths", "20:40", "--flood-tokens", "16",
+            "--restart-cmd", f"touch {marker}")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    restore, soak = result["suites"]["restore"], result["suites"]["soak"]
+    assert status == 0 and restore["verdict"] == "pass" and soak["verdict"] == "pass", soak["reason"]
+    assert soak["figures"]["requests"] > 0 and marker.exists()
+    assert "--soak-during-restore" in result["provenance"]["command"].split()

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One command qualifies a GPU build where users run it: `morion serve` with a hybrid model, FP8 weights and
+# K/V, host and disk tiers, checked by `morion validate` (docs/validate.md, README "Qualify a GPU build").
+#
+#   bash scripts/gpu_qualify.sh MODEL [PART]
+#
+# MODEL: 80b (preset:qwen3-next-80b-a3b), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
+# (the default model on a CPU, minutes: checks this script itself). PART:
+#   serve (default): restore over generated token-id conversations (device, host and, after a restart,
+#            disk hits; every answer compared with its cold one, logprob for logprob) with soak's clients
+#            running beside it, then perf (the decode sweep through the server);
+#   offline: `morion bench` in-process with the same engine flags, on the same machine;
+#   report:  both into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on any
+#            wrong answer, too few hits per tier, a failed soak or invalid perf figures;
+#   all:     serve, offline, report.
+# On the H200 one device call holds `serve` (about 9 minutes for 80b); `offline` and `report` the next.
+# Results and logs go to $OUT (default /tmp/morion-qualify); carry .whl/ (scripts/gpu_wheels.sh) and set
+# MORION_SOURCE_COMMIT where the tree arrives without its history.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [serve|offline|report|all]}
+part=${2:-serve}
+out=${OUT:-/tmp/morion-qualify}
+source scripts/gpu_env.sh
+port=${QUALIFY_PORT:-8765}
+url=http://127.0.0.1:$port
+disk=${QUALIFY_DISK_DIR:-/tmp/morion-qualify-disk}
+mkdir -p "$disk"
+fp8=(--weight-dtype fp8 --kv-cache-dtype fp8)
+# Soak's clients run beside restore: the other traffic a restored answer must be immune to. Not on a CPU,
+# whose BLAS computes a row differently at other batch sizes (docs/validate.md).
+beside=(--soak-during-restore)
+case "$model" in
+80b)
+    label=h200-qualify-qwen3-next-80b-a3b
+    engine=(--model preset:qwen3-next-80b-a3b "${fp8[@]}" --host-cache-gb 24 --max-running-requests 16
+        --cuda-graph-max-batch 16)
+    restore=(--restore-conversations 100 --restore-lengths 1024:65536 --restore-group 10)
+    soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 512 --soak-max-tokens 1024)
+    perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
+        --perf-prefill-lengths 1024)
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
+    ;;
+flash-next)
+    label=h200-qualify-qwen3.8-flash-next
+    engine=(--model preset:qwen3.8-flash-next "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
+        --cuda-graph-max-batch 8)
+    restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
+    soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
+        --perf-prefill-lengths 1024)
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024)
+    ;;
+cpu-smoke)
+    label=cpu-qualify-smoke
+    beside=()
+    engine=(--device cpu --kv-cache-tokens 4096 --max-model-len 1024 --host-cache-gb 0.25)
+    restore=(--restore-conversations 4 --restore-lengths 40:400 --restore-group 2)
+    soak=(--soak-clients 2 --soak-minutes 0.3 --soak-turn-tokens 32 --soak-max-tokens 8)
+    perf=(--perf-concurrency 1,2 --perf-contexts 64 --perf-output-tokens 8 --perf-repeats 1
+        --perf-prefill-lengths 64)
+    offline=(--concurrency 1,2 --contexts 64 --output-tokens 8 --repeats 1 --prefill-lengths 64)
+    ;;
+*)
+    echo "gpu_qualify.sh: unknown model $model (80b, flash-next, cpu-smoke)" >&2
+    exit 2
+    ;;
+esac
+# The disk tier holds every conversation until the disk step: most of the filesystem's free space.
+free_gb=$(df -k --output=avail "$disk" | tail -1 | awk '{printf "%d", $1 / 1048576 * 0.85}')
+serve_args=("${engine[@]}" --disk-cache-dir "$disk" --disk-cache-gb "$free_gb")
+serve_command="morion serve ${serve_args[*]} --port $port"
+
+start_server() {  # LOG: starts `morion serve` in the background, waits for /health (20 minutes at most)
+    setsid python3 -m morion serve "${serve_args[@]}" --port "$port" > "$1" 2>&1 &
+    echo $! > "$out/server.pid"
+    for _ in $(seq 1200); do
+        if curl -sf "$url/health" > /dev/null; then return 0; fi
+        if ! kill -0 "$(cat "$out/server.pid")" 2> /dev/null; then
+            echo "morion serve exited while starting: $(tail -5 "$1")" >&2
+            return 1
+        fi
+        sleep 1
+    done
+    echo "morion serve was not ready in 20 minutes" >&2
+    return 1
+}
+
+stop_server() {  # SIGTERM drains and exits 0; the engine finishes its disk writes first
+    local pid
+    pid=$(cat "$out/server.pid")
+    kill -TERM "$pid" 2> /dev/null
+    for _ in $(seq 600); do kill -0 "$pid" 2> /dev/null || return 0; sleep 1; done
+    echo "morion serve did not stop in 10 minutes; killing it" >&2
+    kill -KILL "$pid"
+}
+
+if [ "$part" = restart ]; then  # --restart-cmd of the restore suite
+    stop_server && start_server "$out/serve-restarted.log"
+    exit
+fi
+
+serve_part() {
+    start_server "$out/serve.log" || return 1
+    python3 -m morion validate restore soak perf --url "$url" "${beside[@]}" --soak-prompts token-ids \
+        "${restore[@]}" "${soak[@]}" "${perf[@]}" --restart-cmd "bash scripts/gpu_qualify.sh $model restart" \
+        --restart-timeout 1500 --label "$label-validate" --out "$out" 2>&1 | tee "$out/validate.log"
+    local status=${PIPESTATUS[0]}
+    stop_server
+    return "$status"
+}
+
+offline_part() {
+    python3 -m morion bench "${engine[@]}" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
+        --out "$out" 2>&1 | tee "$out/offline.log"
+}
+
+report_part() {
+    local validate offline
+    validate=$(ls -t "$out"/*-validate-"$label"-validate.json | head -1)
+    offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
+    python3 -m morion.validate.qualify --validate "$validate" ${offline:+--offline "$offline"} --label "$label" \
+        --serve-command "$serve_command" --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
+}
+
+case "$part" in
+serve) serve_part ;;
+offline) offline_part ;;
+report) report_part ;;
+all) serve_part; offline_part; report_part ;;
+*) echo "gpu_qualify.sh: unknown part $part (serve, offline, report, all)" >&2; exit 2 ;;
+esac
