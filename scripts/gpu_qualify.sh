@@ -2,24 +2,27 @@
 # One command qualifies a GPU build where users run it: `morion serve` with a hybrid model, FP8 weights and
 # K/V, host and disk tiers, checked by `morion validate` (docs/validate.md, README "Qualify a GPU build").
 #
-#   bash scripts/gpu_qualify.sh MODEL [PART]
+#   bash scripts/gpu_qualify.sh MODEL [PART...]
 #
 # MODEL: 80b (preset:qwen3-next-80b-a3b), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
-# (the default model on a CPU, minutes: checks this script itself). PART:
-#   serve (default): restore over generated token-id conversations (device, host and, after a restart,
-#            disk hits; every answer compared with its cold one, logprob for logprob) with soak's clients
-#            running beside it, then perf (the decode sweep through the server);
+# (the default model on a CPU: checks this script itself). PARTs, in the order given (default: all):
+#   restore: restore over generated token-id conversations (device, host and, after a restart, disk
+#            hits; every answer compared with its cold one, logprob for logprob) with soak's clients
+#            running beside it;
+#   perf:    the decode sweep through the server (`morion validate perf`);
 #   offline: `morion bench` in-process with the same engine flags, on the same machine;
-#   report:  both into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on any
-#            wrong answer, too few hits per tier, a failed soak or invalid perf figures;
-#   all:     serve, offline, report.
-# On the H200 one device call holds `serve` (about 9 minutes for 80b); `offline` and `report` the next.
+#   report:  all three into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on
+#            any wrong answer, too few hits per tier, a failed soak or invalid perf figures;
+#   all:     restore perf offline report.
+# On the H200, `restore` fills one device call (about 9 minutes for 80b); `perf offline report` the next.
 # Results and logs go to $OUT (default /tmp/morion-qualify); carry .whl/ (scripts/gpu_wheels.sh) and set
 # MORION_SOURCE_COMMIT where the tree arrives without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [serve|offline|report|all]}
-part=${2:-serve}
+model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|perf|offline|report|all]...}
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(all)
 out=${OUT:-/tmp/morion-qualify}
 source scripts/gpu_env.sh
 port=${QUALIFY_PORT:-8765}
@@ -36,7 +39,9 @@ case "$model" in
     engine=(--model preset:qwen3-next-80b-a3b "${fp8[@]}" --host-cache-gb 24 --max-running-requests 16
         --cuda-graph-max-batch 16)
     restore=(--restore-conversations 100 --restore-lengths 1024:65536 --restore-group 10)
-    soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 512 --soak-max-tokens 1024)
+    # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
+    # still hold every conversation of restore at its disk step.
+    soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
         --perf-prefill-lengths 1024)
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
@@ -95,16 +100,25 @@ stop_server() {  # SIGTERM drains and exits 0; the engine finishes its disk writ
     kill -KILL "$pid"
 }
 
-if [ "$part" = restart ]; then  # --restart-cmd of the restore suite
+if [ "${parts[0]}" = restart ]; then  # --restart-cmd of the restore suite
     stop_server && start_server "$out/serve-restarted.log"
     exit
 fi
 
-serve_part() {
+restore_part() {
     start_server "$out/serve.log" || return 1
-    python3 -m morion validate restore soak perf --url "$url" "${beside[@]}" --soak-prompts token-ids \
-        "${restore[@]}" "${soak[@]}" "${perf[@]}" --restart-cmd "bash scripts/gpu_qualify.sh $model restart" \
-        --restart-timeout 1500 --label "$label-validate" --out "$out" 2>&1 | tee "$out/validate.log"
+    python3 -m morion validate restore soak --url "$url" "${beside[@]}" --soak-prompts token-ids \
+        "${restore[@]}" "${soak[@]}" --restart-cmd "bash scripts/gpu_qualify.sh $model restart" \
+        --restart-timeout 1500 --label "$label-restore" --out "$out" 2>&1 | tee "$out/validate-restore.log"
+    local status=${PIPESTATUS[0]}
+    stop_server
+    return "$status"
+}
+
+perf_part() {
+    start_server "$out/serve-perf.log" || return 1
+    python3 -m morion validate perf --url "$url" "${perf[@]}" --label "$label-perf" --out "$out" 2>&1 |
+        tee "$out/validate-perf.log"
     local status=${PIPESTATUS[0]}
     stop_server
     return "$status"
@@ -116,17 +130,26 @@ offline_part() {
 }
 
 report_part() {
-    local validate offline
-    validate=$(ls -t "$out"/*-validate-"$label"-validate.json | head -1)
+    local restored perf offline
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
-    python3 -m morion.validate.qualify --validate "$validate" ${offline:+--offline "$offline"} --label "$label" \
-        --serve-command "$serve_command" --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
+    python3 -m morion.validate.qualify --validate "$restored" ${perf:+--validate "$perf"} \
+        ${offline:+--offline "$offline"} --label "$label" --serve-command "$serve_command" \
+        --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
 }
 
-case "$part" in
-serve) serve_part ;;
-offline) offline_part ;;
-report) report_part ;;
-all) serve_part; offline_part; report_part ;;
-*) echo "gpu_qualify.sh: unknown part $part (serve, offline, report, all)" >&2; exit 2 ;;
-esac
+status=0
+for part in "${parts[@]}"; do
+    case "$part" in
+    restore) restore_part || status=1 ;;
+    perf) perf_part || status=1 ;;
+    offline) offline_part || status=1 ;;
+    report) report_part || status=1 ;;
+    all)
+        for each in restore_part perf_part offline_part report_part; do "$each" || status=1; done
+        ;;
+    *) echo "gpu_qualify.sh: unknown part $part (restore, perf, offline, report, all)" >&2; exit 2 ;;
+    esac
+done
+exit "$status"

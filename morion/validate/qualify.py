@@ -199,14 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m morion.validate.qualify", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--validate", required=True, help="the results JSON of morion validate")
+    parser.add_argument(
+        "--validate",
+        action="append",
+        required=True,
+        help="a results JSON of morion validate (repeat: their suites are merged, e.g. restore+soak, perf)",
+    )
     parser.add_argument("--offline", help="the results JSON of morion bench offline (same flags)")
     parser.add_argument("--label", required=True, help="file label, e.g. h200-qualify-qwen3-next-80b-a3b")
     parser.add_argument("--serve-command", default="", help="the morion serve command, as run")
     parser.add_argument("--min-hits", type=int, default=100, help="hits each tier must reach (100)")
     parser.add_argument("--out", default="results", help="output directory (results)")
     args = parser.parse_args(argv)
-    validate = json.loads(Path(args.validate).read_text())
+    runs = [json.loads(Path(path).read_text()) for path in args.validate]
+    validate = {**runs[0], "suites": {name: suite for run in runs for name, suite in run["suites"].items()}}
     offline = json.loads(Path(args.offline).read_text()) if args.offline else None
     result = {
         "schema": SCHEMA,
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve_command": args.serve_command,
         "offline_command": (offline or {}).get("provenance", {}).get("command", "none"),
         "sources": {
-            "validate": Path(args.validate).name,
+            "validate": ", ".join(Path(path).name for path in args.validate),
             "offline": Path(args.offline).name if args.offline else None,
         },
         "server": validate["server"],

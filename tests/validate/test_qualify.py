@@ -86,3 +86,20 @@ def test_a_wrong_answer_or_too_few_hits_fails(tmp_path):
     assert status == 1 and "1 wrong answers" in result["summary"]["problems"]
     status, result, _ = _run(tmp_path / "b", _validate(host_hits=99))
     assert status == 1 and result["summary"]["problems"] == ["fewer than 100 hits: host 99"]
+
+
+def test_restore_and_perf_from_two_validate_runs_are_merged(tmp_path):
+    """The script's two device calls: restore + soak in one validate run, perf in another."""
+    whole = _validate()
+    restored = {**whole, "suites": {k: v for k, v in whole["suites"].items() if k != "perf"}}
+    perf = {**whole, "suites": {"perf": whole["suites"]["perf"]}}
+    (tmp_path / "r.json").write_text(json.dumps(restored))
+    (tmp_path / "p.json").write_text(json.dumps(perf))
+    (tmp_path / "b.json").write_text(json.dumps(_offline()))
+    argv = ["--validate", str(tmp_path / "r.json"), "--validate", str(tmp_path / "p.json"), "--offline",
+            str(tmp_path / "b.json"), "--label", "q", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    [path] = (tmp_path / "out").glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["summary"]["verdict"] == "pass" and len(result["summary"]["perf"]["decode"]) == 3
+    assert result["sources"]["validate"] == "r.json, p.json"
