@@ -15,7 +15,7 @@ import torch
 import morion
 from morion.cache.copy_engine import make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
-from morion.cache.disk_store import free_space_budget, open_disk_store
+from morion.cache.disk_store import open_disk_store
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
 from morion.cache.spec import CacheSpec
@@ -290,11 +290,7 @@ class Engine:
             self.prefix_cache.evict_listener = tiers.on_device_evict
         if config.disk_cache_dir is not None:
             root = Path(config.disk_cache_dir).expanduser()
-            budget = (
-                int(config.disk_cache_gb * 2**30)
-                if config.disk_cache_gb is not None
-                else free_space_budget(root)
-            )
+            budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
             identity = {
                 "model": {
                     "config_digest": config_digest(loaded.hf_config),
@@ -346,7 +342,7 @@ class Engine:
         line += f" = {self.cache_stats.host_bytes / 2**30:.2f} GiB, {config.host_cache_write_policy}"
         disk = tiers.disk
         if disk is not None and disk.enabled:
-            origin = "" if config.disk_cache_gb is not None else " (auto: half the free space)"
+            origin = "" if config.disk_cache_gb is not None else " (auto: half of free space + own objects)"
             line += (
                 f"; disk cache {disk.dir} ({disk.num_objects} objects, {disk.used_bytes / 2**30:.2f} of "
                 f"{disk.budget_bytes / 2**30:.2f} GiB{origin}, "
