@@ -128,9 +128,12 @@ class Engine:
             self.tiers,
             self._cache_stats,
         )
-        pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
+        # The tokens requests can hold: the pool less the CUDA-graph scratch page.
+        self.pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
         context = self.model.config.max_position_embeddings
-        self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
+        self.max_model_len, self.max_model_len_limit = max_model_len(
+            context, self.pool_tokens, config.max_model_len
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.grammars = GrammarRuntime(self.tokenizer, self.model.config.vocab_size)
         self._requests: dict[str, Request] = {}
@@ -548,6 +551,15 @@ class Engine:
         everything). Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def max_model_len(context: int, pool_tokens: int, requested: int | None) -> tuple[int, str]:
+    """The longest prompt + generation, and what limits it: "max_model_len" (asked for; it wins ties),
+    "context" (the model's) or "kv_pool" (the tokens the pool can hold for requests)."""
+    limits = [(context, "context"), (pool_tokens, "kv_pool")]
+    if requested is not None:
+        limits.insert(0, (requested, "max_model_len"))
+    return min(limits, key=lambda limit: limit[0])
 
 
 def _width_policy(config: EngineConfig) -> WidthPolicy:
