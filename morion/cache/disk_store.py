@@ -38,6 +38,7 @@ from morion.cache.disk_format import (
     namespace_of,
     object_file_size,
     object_path,
+    object_relative_path,
     probe_direct_io,
     process_alive,
     read_manifest,
@@ -292,8 +293,8 @@ class DiskStore:
         self._touched.difference_update(stamped)
         first = max(time.time_ns(), self._last_stamp + 1)
         self._last_stamp = first + len(stamped) - 1
-        paths = [object_path(self.dir, *object_id) for object_id in reversed(stamped)]
-        self._recency_job = self._executor.submit(_stamp_files, paths, first)
+        stamped.reverse()  # least recently used first
+        self._recency_job = self._executor.submit(_stamp_files, str(self.dir), stamped, first)
 
     # -- completion ------------------------------------------------------------------------------------------
 
@@ -406,12 +407,13 @@ def automatic_budget(directory: Path, own_bytes: int) -> int:
     return int((shutil.disk_usage(directory).free + own_bytes) * AUTO_BUDGET_SHARE)
 
 
-def _stamp_files(paths: list[Path], first_ns: int) -> None:
-    """Set the modification times of `paths` (least recently used first) to first_ns, first_ns + 1, ..."""
-    for offset, path in enumerate(paths):
+def _stamp_files(directory: str, objects: list[ObjectId], first_ns: int) -> None:
+    """Set the modification times of `objects` (least recently used first) in the namespace `directory`
+    to first_ns, first_ns + 1, ..."""
+    for offset, (kind, key) in enumerate(objects):
         stamp = first_ns + offset
         with contextlib.suppress(OSError):  # evicted meanwhile
-            os.utime(path, ns=(stamp, stamp))
+            os.utime(os.path.join(directory, object_relative_path(kind, key)), ns=(stamp, stamp))
 
 
 def _components(items, shape_attr: str) -> list[dict]:
