@@ -40,7 +40,7 @@ class EngineConfig:
     host_cache_write_policy: str = "write_through"  # or write_back: copy to host only on device eviction
     host_cache_state_fraction: float = 0.25  # share of host_cache_gb for state snapshots (hybrid models)
     disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
-    disk_cache_gb: float | None = None  # disk tier budget; None: half the filesystem's free space at start
+    disk_cache_gb: float | None = None  # disk tier budget; None: half of (free space + its objects) at start
     disk_cache_direct_io: bool = False  # write disk objects with O_DIRECT (else buffered: page-cache warm)
     weight_dtype: str = "auto"  # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales

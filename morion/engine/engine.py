@@ -15,7 +15,7 @@ import torch
 import morion
 from morion.cache.copy_engine import Transfer, make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
-from morion.cache.disk_store import free_space_budget, open_disk_store
+from morion.cache.disk_store import open_disk_store
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
 from morion.cache.spec import CacheSpec
@@ -129,9 +129,12 @@ class Engine:
             self.tiers,
             self._cache_stats,
         )
-        pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
+        # The tokens requests can hold: the pool less the CUDA-graph scratch page.
+        self.pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
         context = self.model.config.max_position_embeddings
-        self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
+        self.max_model_len, self.max_model_len_limit = max_model_len(
+            context, self.pool_tokens, config.max_model_len
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.grammars = GrammarRuntime(self.tokenizer, self.model.config.vocab_size)
         self._requests: dict[str, Request] = {}
@@ -291,11 +294,7 @@ class Engine:
             self.prefix_cache.evict_listener = tiers.on_device_evict
         if config.disk_cache_dir is not None:
             root = Path(config.disk_cache_dir).expanduser()
-            budget = (
-                int(config.disk_cache_gb * 2**30)
-                if config.disk_cache_gb is not None
-                else free_space_budget(root)
-            )
+            budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
             identity = {
                 "model": {
                     "config_digest": config_digest(loaded.hf_config),
@@ -347,7 +346,7 @@ class Engine:
         line += f" = {self.cache_stats.host_bytes / 2**30:.2f} GiB, {config.host_cache_write_policy}"
         disk = tiers.disk
         if disk is not None and disk.enabled:
-            origin = "" if config.disk_cache_gb is not None else " (auto: half the free space)"
+            origin = "" if config.disk_cache_gb is not None else " (auto: half of free space + own objects)"
             line += (
                 f"; disk cache {disk.dir} ({disk.num_objects} objects, {disk.used_bytes / 2**30:.2f} of "
                 f"{disk.budget_bytes / 2**30:.2f} GiB{origin}, "
@@ -576,6 +575,15 @@ class Engine:
         everything). Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def max_model_len(context: int, pool_tokens: int, requested: int | None) -> tuple[int, str]:
+    """The longest prompt + generation, and what limits it: "max_model_len" (asked for; it wins ties),
+    "context" (the model's) or "kv_pool" (the tokens the pool can hold for requests)."""
+    limits = [(context, "context"), (pool_tokens, "kv_pool")]
+    if requested is not None:
+        limits.insert(0, (requested, "max_model_len"))
+    return min(limits, key=lambda limit: limit[0])
 
 
 def _width_policy(config: EngineConfig) -> WidthPolicy:

@@ -57,7 +57,9 @@ class EngineInfo(NamedTuple):
     context_length: int  # the model's own max_position_embeddings
     vocab_size: int
     max_model_len: int  # min(context, pool tokens, --max-model-len)
-    num_pages: int
+    max_model_len_limit: str  # which of those it is: "max_model_len", "context" or "kv_pool"
+    num_pages: int  # the whole pool, the CUDA-graph scratch page included
+    pool_tokens: int  # the tokens requests can hold (without the scratch page)
     bytes_per_token: int
     pool_bytes: int
 

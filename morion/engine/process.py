@@ -210,7 +210,9 @@ def engine_info(engine: Engine) -> EngineInfo:
         context_length=model_config.max_position_embeddings,
         vocab_size=model_config.vocab_size,
         max_model_len=engine.max_model_len,
+        max_model_len_limit=engine.max_model_len_limit,
         num_pages=pool.num_pages,
+        pool_tokens=engine.pool_tokens,
         bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
         pool_bytes=pool.num_bytes,
     )
@@ -250,6 +252,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
     try:
         try:
             engine = Engine(config)
+            info = engine_info(engine)
         except MorionError as error:  # a user-fixable problem: one line is enough
             outbox.send(EngineFailed(str(error)))
             sys.exit(1)
@@ -257,7 +260,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             traceback.print_exc()
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
-        outbox.send(engine_info(engine))
+        outbox.send(info)
         try:
             serve(EngineLoop(engine), inbox, outbox)
         finally:

@@ -150,7 +150,7 @@ def create_app(context: ServerContext) -> FastAPI:
             client.state,
             client.info,
             client.stats,
-            context.tooling.describe(),
+            {**context.tooling.describe(), "tokenizer": context.tokenizer is not None},
         )
 
     @api.get("/v1/models")
@@ -189,7 +189,11 @@ def create_app(context: ServerContext) -> FastAPI:
         job = completion_job(body, context.tokenizer, info)
         wants_logprobs = body.logprobs is not None
         response_format = CompletionFormat(
-            _response_id("cmpl"), _model(body, context), context.token_texts, wants_logprobs
+            _response_id("cmpl"),
+            _model(body, context),
+            context.token_texts,
+            wants_logprobs,
+            token_ids=context.tokenizer is None,  # without a tokenizer they are the only output
         )
         return await run_job(
             request, context.client, job, response_format, body.stream, body.include_usage, arrival

@@ -187,16 +187,26 @@ class EngineClient:
             if isinstance(message, EngineOutputs):
                 self._deliver(message)
             elif isinstance(message, EngineInfo):
-                self.info = message
-                if self.state == LOADING:
-                    self.state = READY
-                self._on_ready(message)
+                self._ready(message)
             elif isinstance(message, CacheEvicted):
                 done = self._evictions.get(message.reply_id)
                 if done is not None and not done.done():
                     done.set_result(message.pages)
             elif isinstance(message, EngineFailed):
                 self._fail(message.error)
+
+    def _ready(self, info: EngineInfo) -> None:
+        # READY only once the ready path has run: an error there must stop the server, not leave it
+        # half alive (/health 200 while the rest of start-up never happened).
+        try:
+            self._on_ready(info)
+        except Exception as error:
+            detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            self._fail(f"start-up failed after the engine loaded: {detail}")
+            return
+        self.info = info
+        if self.state == LOADING:
+            self.state = READY
 
     def _deliver(self, message: EngineOutputs) -> None:
         self.stats = message.stats
@@ -255,7 +265,7 @@ class EngineClient:
             loop.remove_reader(process.sentinel)
         if previous == LOADING:
             process.kill()  # nothing in flight, and loading could take minutes
-        elif previous != FAILED:
+        elif process.is_alive():  # also after a failure on the front end's side: the engine is fine
             self._send(Shutdown())
         await asyncio.to_thread(process.join, timeout)
         if process.is_alive():

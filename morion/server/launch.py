@@ -2,7 +2,11 @@
 
 Start-up order: the model path is resolved (pulling the default model once), the engine process is
 spawned and starts loading, the front end reads the tokenizer meanwhile, then uvicorn listens; /health
-answers 503 until the engine reports ready, and the startup summary is printed then.
+answers 503 until the engine reports ready and the ready path (the startup summary) has run. An error in
+that path stops the server with one `morion: error:` line and exit status 1, never a half-started server.
+
+`preset:NAME` serves random weights of a preset's shapes with no tokenizer: /v1/completions takes token
+ids and answers with `token_ids`; text prompts and chat get a 400 that says why.
 
 Shutdown: the first SIGTERM or SIGINT stops admission (/health 503, new completions 503), lets in-flight
 requests finish for up to `shutdown_timeout` seconds, aborts the rest, then stops uvicorn and the engine
@@ -26,6 +30,7 @@ from morion.errors import MorionError
 from morion.loader import resolve_model_path
 from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS
 from morion.loader.tokenizer_loader import load_tokenizer
+from morion.models.presets import is_preset, preset_config
 from morion.server.app import ServerContext, create_app
 from morion.server.describe import startup_summary
 from morion.server.engine_client import DRAINING, READY, EngineClient
@@ -34,12 +39,15 @@ from morion.server.options import ServeOptions
 _ABORT_GRACE_S = 2.0  # after aborting what outlived the drain, how long its streams get to end
 
 
-def served_names(requested: str | None, model: str | None, path: Path) -> list[str]:
-    """The name /v1/models lists first, then aliases a client may also send (the --model text)."""
+def served_names(requested: str | None, model: str | None, path: Path | None) -> list[str]:
+    """The name /v1/models lists first, then aliases a client may also send (the --model text).
+    `path` is None for a preset, which is served by its `preset:NAME`."""
     if requested:
         primary = requested
     elif model is None or model in KNOWN_MODELS:
         primary = model or DEFAULT_MODEL
+    elif path is None:
+        primary = model
     else:
         primary = path.name if path.is_dir() else path.stem
     return list(dict.fromkeys(name for name in (primary, model) if name))
@@ -49,20 +57,25 @@ def serve(options: ServeOptions) -> None:
     """Runs until shut down; raises MorionError when the engine cannot start or dies."""
     _check_can_listen(options.host, options.port)  # before minutes of loading, not after
     model = options.engine.model
-    path = resolve_model_path(model)
-    options = dataclasses.replace(options, engine=dataclasses.replace(options.engine, model=str(path)))
+    path = None
+    if is_preset(model):
+        preset_config(model)  # an unknown preset fails here, before the engine starts
+    else:
+        path = resolve_model_path(model)
+        options = dataclasses.replace(options, engine=dataclasses.replace(options.engine, model=str(path)))
     names = served_names(options.served_model_name, model, path)
     client = EngineClient(options.engine)
     client.start_process()  # the model loads while the front end reads the tokenizer
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path) if path is not None else None
     except BaseException:
         client.kill_process()
         raise
     fatal: list[str] = []
 
     def on_ready(info: EngineInfo) -> None:
-        print(startup_summary(options, names, info), file=sys.stderr, flush=True)
+        summary = startup_summary(options, names, info, has_tokenizer=tokenizer is not None)
+        print(summary, file=sys.stderr, flush=True)
 
     def on_fatal(error: str) -> None:
         fatal.append(error)

@@ -60,7 +60,14 @@ def render_chat(
     tools: list[Any] | None = None,
 ) -> RenderedChat:
     """`messages` as `ChatMessage.for_template` gives them; `tools` for templates that render them."""
-    if tokenizer is None or tokenizer.chat_template is None:
+    if tokenizer is None:
+        raise APIError(
+            400,
+            "this model has no tokenizer (random weights of a preset, or a directory without one), so it "
+            "cannot render chat messages: send token ids as the prompt of /v1/completions",
+            param="messages",
+        )
+    if tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; send a prompt to /v1/completions instead")
     kwargs = template_kwargs or {}
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -108,7 +115,12 @@ def completion_job(request: CompletionRequest, tokenizer: Tokenizer | None, info
 def completion_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, info: EngineInfo) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            raise APIError(
+                400,
+                "this model has no tokenizer (random weights of a preset, or a directory without one), so "
+                "it cannot read text: send the prompt as token ids",
+                param="prompt",
+            )
         token_ids = tokenizer.encode(prompt)
         if not token_ids:
             raise APIError(400, "the prompt is empty", param="prompt")

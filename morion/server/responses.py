@@ -2,7 +2,9 @@
 
 A `ResponseFormat` turns engine deltas into the JSON shapes of one endpoint; `serving.py` decides when to
 emit them. Logprob token strings are decoded one token at a time (special tokens included), as OpenAI
-reports them; the text itself comes from the engine's incremental detokenizer.
+reports them; the text itself comes from the engine's incremental detokenizer. A server without a
+tokenizer has no text: its completion choices carry the generated `token_ids` (vLLM's field of that
+name), and logprobs name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids` form).
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ from morion.text.tokenizer import Tokenizer
 
 
 class TokenTexts:
-    """Token id -> its text, for logprobs; decoded once per id."""
+    """Token id -> its text, for logprobs; decoded once per id. Without a tokenizer, `token_id:N`: every
+    token keeps a distinct name, and none of it is text (`has_text` is False)."""
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self.has_text = tokenizer is not None
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else ""
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._texts[token_id] = text
         return text
 
@@ -68,12 +75,14 @@ class Choice:
         self.tool_calls_sent = 0  # streamed tool calls, which number the next one
         self.text_parts: list[str] = []
         self.text_length = 0
+        self.token_ids: list[int] = []
         self.logprobs: list[Any] = []
         self.finish_reason: str | None = None
 
-    def add(self, text: str) -> None:
-        self.text_parts.append(text)
-        self.text_length += len(text)
+    def add(self, delta: RequestDelta) -> None:
+        self.text_parts.append(delta.text)
+        self.text_length += len(delta.text)
+        self.token_ids += delta.token_ids
 
 
 class ResponseFormat:
@@ -233,28 +242,42 @@ class ChatFormat(ResponseFormat):
 
 
 class CompletionFormat(ResponseFormat):
+    """`token_ids`: every choice (and stream chunk) also carries its generated token ids (the server has no
+    tokenizer, so they are the only output)."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def __init__(
+        self, response_id: str, model: str, token_texts: TokenTexts, logprobs: bool, token_ids: bool = False
+    ) -> None:
+        super().__init__(response_id, model, token_texts, logprobs)
+        self.token_ids = token_ids
+
     def delta_choice(self, index: int, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
         logprobs = self.delta_logprobs(delta, choice) if self.wants_logprobs else None
-        if not delta.text and not logprobs:
+        token_ids = self.token_ids and delta.token_ids
+        if not delta.text and not logprobs and not token_ids:
             return None
-        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+        return self._choice(index, delta.text, logprobs, None, delta.token_ids)
 
     def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
-        return [{"index": index, "text": "", "logprobs": None, "finish_reason": reason}]
+        return [self._choice(index, "", None, reason, [])]
 
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         logprobs = None
         if self.wants_logprobs:
             logprobs = _LegacyLogprobs.merge(choice.logprobs)
-        return {
-            "index": index,
-            "text": "".join(choice.text_parts),
-            "logprobs": logprobs,
-            "finish_reason": choice.finish_reason,
-        }
+        text = "".join(choice.text_parts)
+        return self._choice(index, text, logprobs, choice.finish_reason, choice.token_ids)
+
+    def _choice(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None, token_ids: list[int]
+    ) -> dict[str, Any]:
+        body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.token_ids:
+            body["token_ids"] = list(token_ids)
+        return body
 
     def delta_logprobs(self, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
         if not delta.token_ids or delta.logprobs is None:
@@ -264,7 +287,7 @@ class CompletionFormat(ResponseFormat):
         offset = choice.text_length  # the delta's text has not been added to the choice yet
         for token in tokens:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(token) if self.token_texts.has_text else 0  # no text: every offset is 0
         part = _LegacyLogprobs(
             tokens,
             list(delta.logprobs),

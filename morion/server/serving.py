@@ -65,7 +65,7 @@ async def _collect(stream: RequestStream, response_format: ResponseFormat, n: in
             choice = choices[index]
             if response_format.wants_logprobs and delta.token_ids:
                 response_format.delta_logprobs(delta, choice)
-            choice.add(delta.text)
+            choice.add(delta)
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason
                 usage.add(index, delta.usage)
@@ -90,7 +90,7 @@ async def _events(
                 return
             choice = choices[index]
             delta_choice = response_format.delta_choice(index, delta, choice)
-            choice.add(delta.text)
+            choice.add(delta)
             if delta_choice is not None:
                 events.append(sse_event(response_format.chunk([delta_choice]) | usage_field))
             if delta.finish_reason is not None:

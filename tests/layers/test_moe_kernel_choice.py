@@ -10,6 +10,7 @@ from torch import nn
 
 from morion import cli
 from morion.config import EngineConfig
+from morion.engine_flags import engine_options
 from morion.errors import MorionError
 from morion.layers.moe import (
     AUTO_TRITON_MAX_TOKENS,
@@ -31,7 +32,7 @@ def small_moe() -> SparseMoE:
 
 def test_the_flag_reaches_the_engine_config():
     args = cli._build_parser().parse_args(["generate", "--prompt", "hi", "--moe-kernel", "triton"])
-    options = cli._engine_options(args)
+    options = engine_options(args)
     assert options["moe_kernel"] == "triton"
     assert EngineConfig(**options).moe_kernel == "triton"
     assert EngineConfig().moe_kernel == "auto"
