@@ -6,20 +6,23 @@
 #
 # MODEL: 80b (preset:qwen3-next-80b-a3b), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
 # (the default model on a CPU: checks this script itself). PARTs, in the order given (default: all):
-#   restore: restore over generated token-id conversations (device, host and, after a restart, disk
-#            hits; every answer compared with its cold one, logprob for logprob) with soak's clients
-#            running beside it;
+#   restore: restore over generated token-id conversations (cold, device and host hits; every answer
+#            compared with its cold one, logprob for logprob) with soak's clients running beside it; the
+#            server stops at the end, its disk writes finished;
+#   disk:    a new server on the same disk cache (a restart), and the disk hit of every conversation
+#            (`morion validate restore --restore-resume` of the restore part's results);
 #   perf:    the decode sweep through the server (`morion validate perf`);
 #   offline: `morion bench` in-process with the same engine flags, on the same machine;
-#   report:  all three into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on
+#   report:  all of it into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on
 #            any wrong answer, too few hits per tier, a failed soak or invalid perf figures;
-#   all:     restore perf offline report.
-# On the H200, `restore` fills one device call (about 9 minutes for 80b); `perf offline report` the next.
+#   all:     restore disk perf offline report.
+# On the H200, `restore` fills one device call (about 8 minutes for 80b) and `disk perf offline report` the
+# next, on the same machine (its disk holds the cache: chain the calls while it stays warm).
 # Results and logs go to $OUT (default /tmp/morion-qualify); carry .whl/ (scripts/gpu_wheels.sh) and set
 # MORION_SOURCE_COMMIT where the tree arrives without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|perf|offline|report|all]...}
+model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
@@ -100,16 +103,21 @@ stop_server() {  # SIGTERM drains and exits 0; the engine finishes its disk writ
     kill -KILL "$pid"
 }
 
-if [ "${parts[0]}" = restart ]; then  # --restart-cmd of the restore suite
-    stop_server && start_server "$out/serve-restarted.log"
-    exit
-fi
-
 restore_part() {
     start_server "$out/serve.log" || return 1
     python3 -m morion validate restore soak --url "$url" "${beside[@]}" --soak-prompts token-ids \
-        "${restore[@]}" "${soak[@]}" --restart-cmd "bash scripts/gpu_qualify.sh $model restart" \
-        --restart-timeout 1500 --label "$label-restore" --out "$out" 2>&1 | tee "$out/validate-restore.log"
+        "${restore[@]}" "${soak[@]}" --label "$label-restore" --out "$out" 2>&1 | tee "$out/validate-restore.log"
+    local status=${PIPESTATUS[0]}
+    stop_server
+    return "$status"
+}
+
+disk_part() {
+    local restored
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    start_server "$out/serve-restarted.log" || return 1
+    python3 -m morion validate restore --url "$url" --restore-resume "$restored" --label "$label-disk" \
+        --out "$out" 2>&1 | tee "$out/validate-disk.log"
     local status=${PIPESTATUS[0]}
     stop_server
     return "$status"
@@ -131,7 +139,8 @@ offline_part() {
 
 report_part() {
     local restored perf offline
-    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    restored=$(ls -t "$out"/*-validate-"$label"-disk.json "$out"/*-validate-"$label"-restore.json 2> /dev/null |
+        head -1)
     perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
     python3 -m morion.validate.qualify --validate "$restored" ${perf:+--validate "$perf"} \
@@ -143,13 +152,14 @@ status=0
 for part in "${parts[@]}"; do
     case "$part" in
     restore) restore_part || status=1 ;;
+    disk) disk_part || status=1 ;;
     perf) perf_part || status=1 ;;
     offline) offline_part || status=1 ;;
     report) report_part || status=1 ;;
     all)
-        for each in restore_part perf_part offline_part report_part; do "$each" || status=1; done
+        for each in restore_part disk_part perf_part offline_part report_part; do "$each" || status=1; done
         ;;
-    *) echo "gpu_qualify.sh: unknown part $part (restore, perf, offline, report, all)" >&2; exit 2 ;;
+    *) echo "gpu_qualify.sh: unknown part $part (restore, disk, perf, offline, report, all)" >&2; exit 2 ;;
     esac
 done
 exit "$status"

@@ -64,6 +64,12 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     restore.add_argument("--restore-max-tokens", default="16", help="greedy tokens per answer (16)")
     restore.add_argument("--restore-seed", default="random", help="seed of the conversations (random)")
+    restore.add_argument(
+        "--restore-resume",
+        metavar="FILE.json",
+        help="the conversations and answers of an earlier run's results: only the disk step is sent (the "
+        "server was restarted on the same disk cache since)",
+    )
 
     soak = parser.add_argument_group("soak")
     soak.add_argument("--soak-clients", default="4", help="concurrent clients (4)")
@@ -122,6 +128,7 @@ class ValidateOptions:
     restore_group: int
     restore_max_tokens: int
     restore_seed: int
+    restore_resume: str | None
     soak_clients: int
     soak_minutes: float
     soak_max_requests: int
@@ -174,6 +181,7 @@ class ValidateOptions:
             restore_seed=secrets.randbits(32)
             if args.restore_seed == "random"
             else _number(args.restore_seed, "--restore-seed", int, 0),
+            restore_resume=args.restore_resume,
             soak_clients=_number(args.soak_clients, "--soak-clients", int, 1),
             soak_minutes=_number(args.soak_minutes, "--soak-minutes", float, 0.01),
             soak_max_requests=_number(args.soak_max_requests, "--soak-max-requests", int, 0),

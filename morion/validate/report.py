@@ -38,10 +38,10 @@ def _header(result: dict[str, Any]) -> list[str]:
         "",
         f"`{prov.get('command', '')}`",
         "",
-        f"**{result['verdict'].upper()}** ({verdicts}). Server {server['url']}, served model "
-        f"`{server['served_model']}` ({identity}). Client: morion {prov.get('morion_version')} at commit "
-        f"`{commit}`, httpx {prov.get('httpx')}, Python {prov.get('python')}, host {prov.get('hostname')}. "
-        f"Status {result['status']}; every reply raw in the JSON beside this file.",
+        f"**{(result['verdict'] or 'incomplete').upper()}** ({verdicts}). Server {server['url']}, served "
+        f"model `{server['served_model']}` ({identity}). Client: morion {prov.get('morion_version')} at "
+        f"commit `{commit}`, httpx {prov.get('httpx')}, Python {prov.get('python')}, host "
+        f"{prov.get('hostname')}. Status {result['status']}; every reply raw in the JSON beside this file.",
         "",
     ]
 

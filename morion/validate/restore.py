@@ -41,6 +41,14 @@ _FLOOD_PROMPT_TOKENS = 4096
 _FLOOD_CONCURRENCY = 4
 
 
+def check(session: Session) -> None:
+    """Before any suite runs: a run to resume must be readable and of generated conversations."""
+    if session.options.restore_resume:
+        from morion.validate import restore_tokens
+
+        restore_tokens.earlier_run(session.options.restore_resume)
+
+
 def run(session: Session, before_restart: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """`before_restart` runs just before `--restart-cmd` (a suite running beside this one ends first)."""
 
@@ -48,7 +56,7 @@ def run(session: Session, before_restart: Callable[[], None] = lambda: None) -> 
         before_restart()
         return restart(session)
 
-    if session.options.restore_conversations:
+    if session.options.restore_conversations or session.options.restore_resume:
         from morion.validate import restore_tokens
 
         return restore_tokens.run(session, _declared_tiers(session), make_room, restart_after_hook)

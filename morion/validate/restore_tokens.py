@@ -10,7 +10,10 @@ others on none. In rounds of `--restore-group` conversations:
 - host: after the server dropped its device cache (`POST /v1/cache/evict_device`, or a flood of other
   prompts where the server has no such route), each again;
 
-then, once all rounds are done, after `--restart-cmd`: disk, each again. Every answer is greedy,
+then, once all rounds are done, after `--restart-cmd`: disk, each again. `--restore-resume FILE` instead
+takes the conversations and their answers from an earlier run's results (the server restarted in
+between, on the same disk cache) and sends only the disk step: the restart may then be anything, a
+new process on the same machine in a later session of its operator's. Every answer is greedy,
 `--restore-max-tokens` long, and must equal its cold answer in text, in every token's log probability and
 in token ids where the server sends them: a wrong answer from a fast cache hit looks exactly like a right
 one, and a near-tie can hide a wrong restore behind an equal token. A hit is a reply with cached tokens;
@@ -23,14 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from morion.bench.prompts import PromptFactory
+from morion.errors import MorionError
 from morion.validate.chat import RequestFailed
 from morion.validate.completions import CompletionReply, complete
 from morion.validate.session import Session
@@ -58,11 +64,17 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
     """`evict(session)` empties the server's device cache and returns what it did; `restart(session)`
     runs --restart-cmd (restore.py owns both: the frozen-case suite uses them too)."""
     options = session.options
-    seed = options.restore_seed
-    low, high = options.restore_lengths
+    previous = earlier_run(options.restore_resume) if options.restore_resume else None
+    seed = previous["seed"] if previous else options.restore_seed
+    low, high = (
+        (previous["lengths"]["min"], previous["lengths"]["max"]) if previous else options.restore_lengths
+    )
     vocab = ((session.server_info or {}).get("model") or {}).get("vocab_size")
     prompts = PromptFactory(vocab, salt=seed)
-    lengths = conversation_lengths(options.restore_conversations, low, high, seed)
+    if previous:
+        lengths = previous["lengths"]["drawn"]
+    else:
+        lengths = conversation_lengths(options.restore_conversations, low, high, seed)
     page_size = session.server_config().get("page_size")
     conversations = []
     for index, length in enumerate(lengths):
@@ -72,11 +84,14 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
     session.say(
         f"restore: {len(conversations)} conversations of {min(lengths):,} to {max(lengths):,} tokens "
         f"({sum(lengths):,} in all), seed {seed}"
+        + (f", resumed from {options.restore_resume}" if previous else "")
     )
     replies: dict[str, dict[str, dict[str, Any]]] = {c["id"]: {} for c in conversations}
     events: dict[str, Any] = {"evictions": [], "counters": {}}
+    if previous:
+        _resume(previous, conversations, replies, events, options.restore_resume)
     group = options.restore_group
-    for start in range(0, len(conversations), group):
+    for start in range(0, len(conversations) if not previous else 0, group):
         chunk = conversations[start : start + group]
         for conversation in chunk:
             for step in ("cold", "device"):
@@ -86,6 +101,7 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
         session.say(f"restore: conversations {start + 1}-{start + len(chunk)} cold, device and host sent")
     if options.restart_cmd:
         events["restart"] = restart(session)
+    if options.restart_cmd or previous:
         _counting(session, events, "disk", lambda: _send_all(session, conversations, replies, "disk"))
     results = [
         _grade(c, replies[c["id"]], tiers, _expected_cached(len(c["tokens"]), page_size))
@@ -111,6 +127,35 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
         "figures": figures,
         "cases": results,
     }
+
+
+def earlier_run(path: str) -> dict[str, Any]:
+    """The generated-conversation restore suite of an earlier results JSON."""
+    try:
+        suite = json.loads(Path(path).read_text())["suites"]["restore"]
+    except (OSError, ValueError, KeyError) as error:
+        raise MorionError(f"--restore-resume {path}: no restore suite to resume ({error})") from None
+    if "seed" not in suite or "lengths" not in suite:
+        raise MorionError(f"--restore-resume {path}: its restore suite ran the chat cases, not conversations")
+    return suite
+
+
+def _resume(previous, conversations, replies, events, path: str) -> None:
+    """The earlier run's answers (cold, device, host) and events, checked against the prompts rebuilt here
+    (same seed and vocabulary: same token ids)."""
+    cases = {case["id"]: case for case in previous["cases"]}
+    for conversation in conversations:
+        case = cases.get(conversation["id"])
+        if case is None or case["prompt_sha256"] != conversation["sha256"]:
+            raise MorionError(
+                f"--restore-resume {path}: {conversation['id']} is not the prompt it was "
+                "(another vocabulary?)"
+            )
+        replies[conversation["id"]].update(
+            {step: reply for step, reply in case["steps"].items() if step != "disk"}
+        )
+    events.update(previous["events"])
+    events["resumed_from"] = Path(path).name
 
 
 def _send(session: Session, tokens: list[int]) -> dict[str, Any]:

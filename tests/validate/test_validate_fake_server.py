@@ -155,3 +155,26 @@ def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_p
     assert status == 0 and restore["verdict"] == "pass" and soak["verdict"] == "pass", soak["reason"]
     assert soak["figures"]["requests"] > 0 and marker.exists()
     assert "--soak-during-restore" in result["provenance"]["command"].split()
+
+
+def test_resume_sends_only_the_disk_step_of_an_earlier_run(fake_server, tmp_path, capsys):
+    """A restart outside validate (another process, a later device call): the disk step of the earlier run's
+    conversations, graded with the earlier answers."""
+    url, behaviour = fake_server
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "3",
+            "--restore-lengths", "20:60", "--restore-group", "3", "--label", "first")  # fmt: skip
+    status, first = _run(capsys, tmp_path / "first", *argv)
+    assert status == 0 and "disk" not in first["suites"]["restore"]["cases"][0]["steps"]
+    [earlier] = (tmp_path / "first").glob("*.json")
+    sent_before = sum(behaviour.seen.values())
+    argv = ("restore", "--url", url, "--restore-resume", str(earlier))
+    status, second = _run(capsys, tmp_path / "second", *argv)
+    suite = second["suites"]["restore"]
+    assert status == 0 and suite["verdict"] == "pass" and suite["seed"] == first["suites"]["restore"]["seed"]
+    assert sum(behaviour.seen.values()) - sent_before == 3  # the disk step only
+    assert [set(c["steps"]) for c in suite["cases"]] == [{"cold", "device", "host", "disk"}] * 3
+    assert suite["events"]["resumed_from"] == earlier.name
+    bad = ["validate", "restore", "--url", url, "--restore-resume", str(tmp_path / "none.json")]
+    assert main([*bad, "--out", str(tmp_path / "third")]) == 1
+    assert "no restore suite to resume" in capsys.readouterr().err
+    assert not (tmp_path / "third").exists()  # refused before any suite ran
