@@ -18,15 +18,18 @@
 #   all:     restore disk perf offline report.
 # On the H200, `restore` fills one device call (about 8 minutes for 80b) and `disk perf offline report` the
 # next, on the same machine (its disk holds the cache: chain the calls while it stays warm).
-# Results and logs go to $OUT (default /tmp/morion-qualify); carry .whl/ (scripts/gpu_wheels.sh) and set
-# MORION_SOURCE_COMMIT where the tree arrives without its history.
+# Results and logs stay in $QUALIFY_DIR (default /tmp/morion-qualify) from one call to the next; where $OUT is
+# set (the device tool's folder that comes back), each invocation ends by packing that directory into
+# $OUT/qualify-<time>.tgz. Carry .whl/ (scripts/gpu_wheels.sh); set MORION_SOURCE_COMMIT where the tree
+# arrives without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
-out=${OUT:-/tmp/morion-qualify}
+out=${QUALIFY_DIR:-/tmp/morion-qualify}
+back=${OUT:-}
 source scripts/gpu_env.sh
 port=${QUALIFY_PORT:-8765}
 url=http://127.0.0.1:$port
@@ -79,7 +82,8 @@ free_gb=$(df -k --output=avail "$disk" | tail -1 | awk '{printf "%d", $1 / 10485
 serve_args=("${engine[@]}" --disk-cache-dir "$disk" --disk-cache-gb "$free_gb")
 serve_command="morion serve ${serve_args[*]} --port $port"
 
-start_server() {  # LOG: starts `morion serve` in the background, waits for /health (20 minutes at most)
+server_up() {  # LOG: `morion serve` in the background unless one of this script's is running; waits for /health
+    if [ -f "$out/server.pid" ] && kill -0 "$(cat "$out/server.pid")" 2> /dev/null; then return 0; fi
     setsid python3 -m morion serve "${serve_args[@]}" --port "$port" > "$1" 2>&1 &
     echo $! > "$out/server.pid"
     for _ in $(seq 1200); do
@@ -95,44 +99,49 @@ start_server() {  # LOG: starts `morion serve` in the background, waits for /hea
 }
 
 stop_server() {  # SIGTERM drains and exits 0; the engine finishes its disk writes first
+    [ -f "$out/server.pid" ] || return 0
     local pid
     pid=$(cat "$out/server.pid")
-    kill -TERM "$pid" 2> /dev/null
+    rm -f "$out/server.pid"
+    kill -TERM "$pid" 2> /dev/null || return 0
     for _ in $(seq 600); do kill -0 "$pid" 2> /dev/null || return 0; sleep 1; done
     echo "morion serve did not stop in 10 minutes; killing it" >&2
     kill -KILL "$pid"
 }
+finish() {
+    stop_server
+    if [ -n "$back" ] && [ "$back" != "$out" ]; then tar czf "$back/qualify-$(date +%H%M%S).tgz" -C "$out" .; fi
+}
+trap finish EXIT
+trap 'exit 143' TERM INT  # a time limit still packs what is there
 
 restore_part() {
-    start_server "$out/serve.log" || return 1
+    server_up "$out/serve.log" || return 1
     python3 -m morion validate restore soak --url "$url" "${beside[@]}" --soak-prompts token-ids \
         "${restore[@]}" "${soak[@]}" --label "$label-restore" --out "$out" 2>&1 | tee "$out/validate-restore.log"
     local status=${PIPESTATUS[0]}
-    stop_server
+    stop_server  # the disk step needs a new process: a restart
     return "$status"
 }
 
 disk_part() {
     local restored
     restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
-    start_server "$out/serve-restarted.log" || return 1
+    server_up "$out/serve-restarted.log" || return 1
     python3 -m morion validate restore --url "$url" --restore-resume "$restored" --label "$label-disk" \
         --out "$out" 2>&1 | tee "$out/validate-disk.log"
-    local status=${PIPESTATUS[0]}
-    stop_server
-    return "$status"
+    return "${PIPESTATUS[0]}"
 }
 
 perf_part() {
-    start_server "$out/serve-perf.log" || return 1
+    server_up "$out/serve-perf.log" || return 1
     python3 -m morion validate perf --url "$url" "${perf[@]}" --label "$label-perf" --out "$out" 2>&1 |
         tee "$out/validate-perf.log"
-    local status=${PIPESTATUS[0]}
-    stop_server
-    return "$status"
+    return "${PIPESTATUS[0]}"
 }
 
 offline_part() {
+    stop_server  # the GPU for the in-process engine
     python3 -m morion bench "${engine[@]}" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
         --out "$out" 2>&1 | tee "$out/offline.log"
 }
