@@ -48,9 +48,9 @@ case "$model" in
     # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
     # still hold every conversation of restore at its disk step.
     soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
-    perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
         --perf-prefill-lengths 1024)
-    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
     ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
