@@ -77,9 +77,15 @@ cpu-smoke)
     exit 2
     ;;
 esac
-# The disk tier holds every conversation until the disk step: most of the filesystem's free space.
-free_gb=$(df -k --output=avail "$disk" | tail -1 | awk '{printf "%d", $1 / 1048576 * 0.85}')
-serve_args=("${engine[@]}" --disk-cache-dir "$disk" --disk-cache-gb "$free_gb")
+# The disk tier holds every conversation until the disk step: most of the filesystem's free space, measured
+# once and kept (measured again at the restart, the tier's own objects would shrink it, and the start-up
+# trim would evict what the disk step needs: the first 80b qualification lost its disk step so).
+budget_file=$out/disk-budget-gb
+if [ ! -s "$budget_file" ]; then
+    df -k --output=avail "$disk" | tail -1 | awk '{printf "%d\n", $1 / 1048576 * 0.85}' > "$budget_file"
+fi
+disk_gb=$(cat "$budget_file")
+serve_args=("${engine[@]}" --disk-cache-dir "$disk" --disk-cache-gb "$disk_gb")
 serve_command="morion serve ${serve_args[*]} --port $port"
 
 server_up() {  # LOG: `morion serve` in the background unless one of this script's is running; waits for /health
@@ -142,17 +148,19 @@ perf_part() {
 
 offline_part() {
     stop_server  # the GPU for the in-process engine
-    python3 -m morion bench "${engine[@]}" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
+    # The same engine flags as the server's, disk tier included (a directory of its own).
+    python3 -m morion bench "${engine[@]}" --disk-cache-dir "$disk-offline" --disk-cache-gb "$disk_gb" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
         --out "$out" 2>&1 | tee "$out/offline.log"
 }
 
 report_part() {
-    local restored perf offline
-    restored=$(ls -t "$out"/*-validate-"$label"-disk.json "$out"/*-validate-"$label"-restore.json 2> /dev/null |
-        head -1)
+    # restore + soak, then the disk step's run (its restore suite, the whole one, replaces the first), perf.
+    local restored disk perf offline
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    disk=$(ls -t "$out"/*-validate-"$label"-disk.json 2> /dev/null | head -1)
     perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
-    python3 -m morion.validate.qualify --validate "$restored" ${perf:+--validate "$perf"} \
+    python3 -m morion.validate.qualify --validate "$restored" ${disk:+--validate "$disk"} ${perf:+--validate "$perf"} \
         ${offline:+--offline "$offline"} --label "$label" --serve-command "$serve_command" \
         --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
 }

@@ -236,9 +236,12 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
         if loop.engine.has_unfinished():
             deltas += loop.step()
         if deltas or handled:
-            if not loop.engine.has_unfinished():
-                loop.check_integrity()
             outbox.send(EngineOutputs(deltas, loop.stats()))
+            if not loop.engine.has_unfinished():
+                # Gone idle: the pool's integrity check runs after the last answers went out (it must never
+                # delay them), and its result follows in a message of its own.
+                loop.check_integrity()
+                outbox.send(EngineOutputs([], loop.stats()))
 
 
 def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:

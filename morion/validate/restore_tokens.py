@@ -16,9 +16,11 @@ between, on the same disk cache) and sends only the disk step: the restart may t
 new process on the same machine in a later session of its operator's. Every answer is greedy,
 `--restore-max-tokens` long, and must equal its cold answer in text, in every token's log probability and
 in token ids where the server sends them: a wrong answer from a fast cache hit looks exactly like a right
-one, and a near-tie can hide a wrong restore behind an equal token. A hit is a reply with cached tokens;
-where the server's page size is known (morion's /v1/server_info), it must reuse exactly every full page
-before the prompt's last token. Other traffic is whatever runs beside the suite (the qualification runs
+one, and a near-tie can hide a wrong restore behind an equal token. A hit is a reply with cached tokens
+(where the server's page size is known, morion's /v1/server_info, exactly every full page before the
+prompt's last token); a wrong answer is a hit that differs. A miss that differs, computed again, is
+counted apart: no cache was involved (prefill in another batch or process is not bitwise reproducible).
+Other traffic is whatever runs beside the suite (the qualification runs
 `soak` at the same time).
 """
 
@@ -212,7 +214,7 @@ def _grade(
     tiers: dict[str, bool],
     expected: int | None,
 ) -> dict[str, Any]:
-    problems, hits, wrong = [], [], []
+    problems, hits, wrong, recomputed = [], [], [], []
     cold = steps["cold"]
     if "error" in cold:
         problems.append(f"cold: {cold['error']}")
@@ -227,8 +229,15 @@ def _grade(
         if cached:
             hits.append(step)
         if "error" not in cold and _differs(reply, cold):
-            wrong.append(step)
-            problems.append(f"{step}: answer differs from cold ({_first_difference(reply, cold)})")
+            difference = _first_difference(reply, cold)
+            if cached:
+                wrong.append(step)  # a hit that answers otherwise: what this suite exists to catch
+                problems.append(f"{step}: answer differs from cold ({difference})")
+            else:
+                # A miss computed again, in another batch or process: prefill is not bitwise reproducible
+                # there (docs/architecture.md), and no cache was involved. Reported, apart from wrong hits.
+                recomputed.append(step)
+                problems.append(f"{step}: missed, and computed again it differs from cold ({difference})")
         if step == "device" or tiers.get(step, False):
             if cached is None:
                 problems.append(f"{step}: cached_tokens not reported")
@@ -244,6 +253,7 @@ def _grade(
         "reason": "; ".join(problems),
         "hits": hits,
         "wrong": wrong,
+        "recomputed_differently": recomputed,
         "steps": steps,
     }
 
@@ -264,6 +274,7 @@ def _first_difference(reply: dict[str, Any], cold: dict[str, Any]) -> str:
 def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     hits = {step: sum(step in r["hits"] for r in results) for step in STEPS[1:]}
     wrong = {step: sum(step in r["wrong"] for r in results) for step in STEPS[1:]}
+    recomputed = {step: sum(step in r["recomputed_differently"] for r in results) for step in STEPS[1:]}
     ttft: dict[str, float | None] = {}
     for step in STEPS:
         values = sorted(
@@ -278,5 +289,23 @@ def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
         "hits_total": sum(hits.values()),
         "wrong_by_step": wrong,
         "wrong_answers": sum(wrong.values()),
+        "recomputed_differently_by_step": recomputed,
         "median_ttft_s": ttft,
     }
+
+
+def regrade(suite: dict[str, Any]) -> dict[str, Any]:
+    """A recorded suite graded again with today's rules (its replies unchanged): for a qualification put
+    together from runs made before a rule changed."""
+    tiers, page_size = suite["tiers_declared"], suite["page_size"]
+    results = []
+    for case in suite["cases"]:
+        conversation = {
+            "id": case["id"],
+            "tokens": range(case["prompt_tokens"]),
+            "sha256": case["prompt_sha256"],
+        }
+        expected = _expected_cached(case["prompt_tokens"], page_size)
+        results.append(_grade(conversation, case["steps"], tiers, expected))
+    verdict = "pass" if results and all(r["verdict"] == "pass" for r in results) else "fail"
+    return {**suite, "verdict": verdict, "cases": results, "figures": _figures(results)}

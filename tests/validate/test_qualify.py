@@ -103,3 +103,34 @@ def test_restore_and_perf_from_two_validate_runs_are_merged(tmp_path):
     result = json.loads(path.read_text())
     assert result["summary"]["verdict"] == "pass" and len(result["summary"]["perf"]["decode"]) == 3
     assert result["sources"]["validate"] == "r.json, p.json"
+
+
+def test_a_miss_computed_again_is_counted_apart_from_wrong_hits(tmp_path):
+    """A recorded generated-conversation suite is graded again: a disk step that missed (0 cached tokens)
+    and recomputed another answer is not a wrong hit, but the step still fails for want of a hit."""
+    cold = {
+        "text": "",
+        "token_logprobs": [-1.0],
+        "token_ids": None,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+    }
+    hit = {**cold, "cached_tokens": 48}
+    steps = {"cold": cold, "device": hit, "host": hit, "disk": {**cold, "token_logprobs": [-2.0]}}
+    suite = {
+        "seed": 1,
+        "verdict": "pass",
+        "lengths": {"min": 50, "max": 60, "drawn": [50]},
+        "page_size": 16,
+        "tiers_declared": {"host": True, "disk": True},
+        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
+    }
+    validate = {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
+    status, result, report = _run(tmp_path, validate, "--min-hits", "1", "--source-commit", "abc123")
+    restore = result["summary"]["restore"]
+    assert status == 1 and restore["wrong_answers"] == 0 and restore["hits"]["disk"] == 0
+    assert restore["recomputed_differently_by_step"]["disk"] == 1
+    assert result["summary"]["problems"][0] == "fewer than 1 hits: disk 0"
+    assert result["provenance"]["git_commit"] == "abc123"
+    assert result["provenance"]["git_commit_recorded_by_the_runs"] == "abc"
+    assert "| disk | 0 | 0 | 1 |" in report
