@@ -224,6 +224,56 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _checked_step_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The shape rules both token-stepping entry points share (index values are not checked: that would
+    sync); returns q, k, v, A_log, dt_bias as the kernels read them and the output [T, HV, V]."""
+    rows, num_qk_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, HV] = {(rows, num_v_heads)}")
+    if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
+        raise ValueError(
+            f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
+        )
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
+        raise ValueError(
+            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
+        )
+    if state_pool.stride(-1) != 1:
+        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
+    return q, k, v, A_log.contiguous(), dt_bias.contiguous(), out
+
+
+def _strides(q, k, v, a, b, state_pool, out) -> tuple[int, ...]:
+    """The strides both kernels take, in their order."""
+    return (
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
+def _tiles(q: torch.Tensor, v: torch.Tensor, block_v: int) -> dict[str, int]:
+    return {
+        "HEADS_PER_QK": v.shape[1] // q.shape[1],
+        "BK": triton.next_power_of_2(q.shape[2]),
+        "BV": block_v,
+    }
+
+
 def fused_gdn_decode_(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,45 +322,20 @@ def fused_gdn_steps_(
     (negative = padding row: no slot is read or written). Returns out [N * T, HV, V] in v's dtype. Shapes
     are checked; index values are not (that would sync).
     """
-    rows, num_qk_heads, key_dim = q.shape
-    num_v_heads, value_dim = v.shape[1:]
+    rows = q.shape[0]
     if slots.dim() != 2 or slots.shape[0] * slots.shape[1] != rows:
         raise ValueError(f"slots {tuple(slots.shape)} must be [N, T] with N * T = {rows} rows")
-    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
-        raise ValueError(
-            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [N * T, HV] = {(rows, num_v_heads)}"
-        )
-    if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
-        raise ValueError(
-            f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
-        )
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
-        raise ValueError(
-            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
-        )
-    if state_pool.stride(-1) != 1:
-        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
-
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    num_v_heads, value_dim = v.shape[1:]
     slots = slots.contiguous()  # the kernel reads slot (n, t) at offset n * T + t
-    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
     if rows == 0:
         return out
-    block_k = triton.next_power_of_2(key_dim)
     block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
     grid = (slots.shape[0], num_v_heads, triton.cdiv(value_dim, block_v))
     _gdn_steps_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state_pool, slots, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-        out.stride(0), out.stride(1),
-        scale, L2_NORM_EPS, key_dim, value_dim,
-        STEPS=slots.shape[1], HEADS_PER_QK=num_v_heads // num_qk_heads, BK=block_k, BV=block_v,
-        num_warps=num_warps,
+        *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
+        STEPS=slots.shape[1], **_tiles(q, v, block_v), num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -338,38 +363,20 @@ def fused_gdn_chunks_(
     depends on the other sequences or on autotuning: the same chunk gives the same bits in any batch
     and any process (a restored prefix answers as the cold run did). Cost grows with the longest chunk:
     for chunks of up to a page, not for prefill."""
-    rows, num_qk_heads, key_dim = q.shape
-    num_v_heads, value_dim = v.shape[1:]
     num_seqs = state_indices.shape[0]
     if cu_seqlens.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
-    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
-        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, HV] = {(rows, num_v_heads)}")
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
-        raise ValueError(
-            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
-        )
-    if state_pool.stride(-1) != 1:
-        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    num_v_heads, value_dim = v.shape[1:]
     state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
-    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
     if num_seqs == 0:
         return out
     block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
     grid = (num_seqs, num_v_heads, triton.cdiv(value_dim, block_v))
     _gdn_chunks_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state_pool, state_indices, cu_seqlens, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-        out.stride(0), out.stride(1),
-        scale, L2_NORM_EPS, key_dim, value_dim,
-        HEADS_PER_QK=num_v_heads // num_qk_heads, BK=triton.next_power_of_2(key_dim), BV=block_v,
-        num_warps=num_warps,
+        *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
+        **_tiles(q, v, block_v), num_warps=num_warps,
     )  # fmt: skip
     return out
 

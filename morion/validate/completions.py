@@ -10,41 +10,20 @@ and vLLM's `return_token_ids` do). A rejection or an error event is a `RequestFa
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
-from morion.validate.chat import RequestFailed
+from morion.validate.streaming import StreamedReply, Timing, events
 
 
-class CompletionReply(NamedTuple):
+@dataclass(frozen=True)
+class CompletionReply(StreamedReply):
     text: str
     token_logprobs: list[float | None]
     token_ids: list[int] | None  # None when the server sends none
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    done: bool  # the stream ended with `data: [DONE]`
-    ttft_s: float | None
-    chunk_gaps_s: list[float]
-    latency_s: float
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return (self.usage or {}).get("completion_tokens")
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        return (self.usage or {}).get("prompt_tokens")
-
-    @property
-    def cached_tokens(self) -> int | None:
-        details = (self.usage or {}).get("prompt_tokens_details")
-        if not isinstance(details, dict) or details.get("cached_tokens") is None:
-            return None
-        return int(details["cached_tokens"])
 
     def answer(self) -> dict[str, Any]:
         """What two answers are compared on."""
@@ -71,48 +50,27 @@ async def complete(
     }
     text: list[str] = []
     logprobs: list[float | None] = []
-    token_ids: list[int] = []
-    saw_ids = False
-    gaps: list[float] = []
-    finish = usage = first = last = None
+    token_ids: list[int] | None = None
+    finish = usage = None
     done = False
-    start = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RequestFailed(response.status_code, (await response.aread()).decode(errors="replace"))
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            now = time.perf_counter()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RequestFailed(500, json.dumps(chunk["error"])[:300])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                chunk_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-                if choice.get("token_ids") is not None:
-                    saw_ids = True
-                    token_ids += choice["token_ids"]
-                if chunk_logprobs or choice.get("text"):
-                    first = now if first is None else first
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                text.append(choice.get("text") or "")
-                logprobs += chunk_logprobs
-                finish = choice.get("finish_reason") or finish
+    timing = Timing()
+    async for now, chunk in events(client, "/v1/completions", body):
+        if chunk is None:
+            done = True
+            break
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            chunk_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if choice.get("token_ids") is not None:
+                token_ids = (token_ids or []) + choice["token_ids"]
+            if chunk_logprobs or choice.get("text"):
+                timing.output(now)
+            text.append(choice.get("text") or "")
+            logprobs += chunk_logprobs
+            finish = choice.get("finish_reason") or finish
     return CompletionReply(
-        "".join(text),
-        logprobs,
-        token_ids if saw_ids else None,
-        finish,
-        usage,
-        done,
-        None if first is None else first - start,
-        gaps,
-        time.perf_counter() - start,
+        **timing.reply_fields(finish, usage, done),
+        text="".join(text),
+        token_logprobs=logprobs,
+        token_ids=token_ids,
     )

@@ -33,8 +33,8 @@ from morion.bench.prompts import PromptFactory
 from morion.bench.remote import RemoteTarget
 from morion.errors import MorionError
 from morion.validate import cases as case_files
-from morion.validate.chat import RequestFailed
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 _DEFAULT_FLOOD_TOKENS = 262_144  # when the server does not say how large its KV pool is
 _FLOOD_PROMPT_TOKENS = 4096

@@ -39,9 +39,9 @@ import httpx
 
 from morion.bench.prompts import PromptFactory
 from morion.errors import MorionError
-from morion.validate.chat import RequestFailed
 from morion.validate.completions import CompletionReply, complete
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 STEPS = ("cold", "device", "host", "disk")
 _ALIGN = 256  # "aligned" lengths are multiples of this: a page boundary for every page size up to it

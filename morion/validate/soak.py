@@ -26,9 +26,9 @@ import httpx
 
 from morion.bench.prompts import PromptFactory
 from morion.validate import cases as case_files
-from morion.validate.chat import RequestFailed
 from morion.validate.completions import complete
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 _WINDOWS = 6
 _RSS = "process_resident_memory_bytes"

@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 
 from morion.validate import cases as case_files
-from morion.validate.chat import ChatReply, RequestFailed
+from morion.validate.chat import ChatReply
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 
 class MockTools:
