@@ -204,6 +204,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reasoning-parser", choices=("qwen3",), help="split <think>...</think> into reasoning_content"
     )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="morion's and uvicorn's logs (info)",
+    )
+    serve.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=None,
+        help="one log line per request: status, tokens, time to first token, duration",
+    )
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
@@ -287,6 +298,8 @@ _SERVER_FLAGS = (
     "shutdown_timeout",
     "tool_call_parser",
     "reasoning_parser",
+    "log_level",
+    "log_requests",
 )
 
 
@@ -299,6 +312,10 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    from morion.loader.model_store import DEFAULT_MODEL
+
+    # Before the imports: torch alone takes seconds on a small CPU, and the user should see why.
+    print(f"morion: loading {args.model or DEFAULT_MODEL}", file=sys.stderr, flush=True)
     from morion.engine.sampling_params import SamplingParams
     from morion.llm import LLM
 

@@ -33,6 +33,7 @@ from morion.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from morion.server.request_log import RequestLogger
 from morion.server.responses import ChatFormat, CompletionFormat, TokenTexts
 from morion.server.serving import run_job
 from morion.server.structured import GrammarService, chat_constraint
@@ -122,6 +123,8 @@ def create_app(context: ServerContext) -> FastAPI:
 
     app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_RequestCounter, context=context)
+    if context.options.log_requests:
+        app.add_middleware(RequestLogger)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from morion.engine.messages import RequestDelta
 from morion.engine.outputs import Usage
 from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
-from morion.server.parsers.tool_calls import ParsedToolCall
+from morion.server.parsers.tool_calls import ParsedToolCall, ToolCallDelta
 from morion.text.tokenizer import Tokenizer
 
 
@@ -65,7 +65,7 @@ class Choice:
 
     def __init__(self, parser: ChatOutputParser | None = None) -> None:
         self.parser = parser
-        self.tool_calls_sent = 0  # streamed tool calls, which number the next one
+        self.call_ids: list[str] = []  # of the tool calls streamed so far, by index
         self.text_parts: list[str] = []
         self.text_length = 0
         self.logprobs: list[Any] = []
@@ -182,33 +182,24 @@ class ChatFormat(ResponseFormat):
     def _delta(self, parsed: ParsedDelta, choice: Choice) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if parsed.reasoning:
-            delta["reasoning_content"] = parsed.reasoning
+            # `reasoning` is the newer name (vLLM, OpenRouter), `reasoning_content` the one most clients read.
+            delta["reasoning_content"] = delta["reasoning"] = parsed.reasoning
         if parsed.content or not (parsed.reasoning or parsed.tool_calls):
             delta["content"] = parsed.content
         if parsed.tool_calls:
-            delta["tool_calls"] = [
-                {"index": choice.tool_calls_sent + i, **_tool_call(call)}
-                for i, call in enumerate(parsed.tool_calls)
-            ]
-            choice.tool_calls_sent += len(parsed.tool_calls)
+            pieces = merged_pieces(parsed.tool_calls)
+            delta["tool_calls"] = [_streamed_call(piece, choice) for piece in pieces]
         return delta
 
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
-        text = "".join(choice.text_parts)
-        parsed = ParsedDelta("", text, [])
-        if choice.parser is not None:
-            first, last = choice.parser.feed(text), choice.parser.finish()
-            parsed = ParsedDelta(
-                first.reasoning + last.reasoning,
-                first.content + last.content,
-                first.tool_calls + last.tool_calls,
-            )
+        parsed = whole_output(choice)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.tool_calls:
+        calls = assembled_calls(parsed.tool_calls)
+        if calls:
             message["content"] = parsed.content or None  # OpenAI: null content beside tool calls
-            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+            message["tool_calls"] = [_tool_call(call) for call in calls]
         if self._reasoning:
-            message["reasoning_content"] = parsed.reasoning or None
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
         return {
             "index": index,
             "message": message,
@@ -275,12 +266,56 @@ class CompletionFormat(ResponseFormat):
         return part.body()
 
 
+def whole_output(choice: Choice) -> ParsedDelta:
+    """A finished choice's text through its parser at once (the same split the stream made)."""
+    text = "".join(choice.text_parts)
+    if choice.parser is None:
+        return ParsedDelta("", text, [])
+    first, last = choice.parser.feed(text), choice.parser.finish()
+    return ParsedDelta(
+        first.reasoning + last.reasoning, first.content + last.content, first.tool_calls + last.tool_calls
+    )
+
+
+def merged_pieces(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call as one (a call's name and its first arguments in one delta)."""
+    merged: list[ToolCallDelta] = []
+    for piece in pieces:
+        if merged and merged[-1].index == piece.index:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.name, last.arguments + piece.arguments)
+        else:
+            merged.append(piece)
+    return merged
+
+
+def assembled_calls(pieces: list[ToolCallDelta]) -> list[ParsedToolCall]:
+    """Whole calls, in order, from all of an output's pieces."""
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.name is not None:
+            names[piece.index] = piece.name
+        arguments.setdefault(piece.index, []).append(piece.arguments)
+    return [ParsedToolCall(names[i], "".join(arguments[i])) for i in sorted(names)]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": new_call_id(), "type": "function", "function": function}
+
+
+def _streamed_call(piece: ToolCallDelta, choice: Choice) -> dict[str, Any]:
+    """OpenAI's streamed form: the first delta of a call has its id, type and name, later ones arguments."""
+    if piece.name is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    choice.call_ids.append(new_call_id())
+    function = {"name": piece.name, "arguments": piece.arguments}
+    return {"index": piece.index, "id": choice.call_ids[-1], "type": "function", "function": function}
 
 
 def _finish_reason(reason: str | None, choice: Choice) -> str | None:

@@ -18,6 +18,7 @@ from morion.engine.messages import RequestDelta
 from morion.server.engine_client import EngineClient, RequestStream
 from morion.server.errors import APIError
 from morion.server.prepare import EngineJob
+from morion.server.request_log import note_generation
 from morion.server.responses import ResponseFormat, UsageTotals
 from morion.server.sse import DONE, EventStreamResponse, sse_event, wait_for_disconnect
 
@@ -32,10 +33,12 @@ async def run_job(
     arrival: float,
 ) -> Response | EventStreamResponse:
     request_stream = client.submit(job.submissions(), arrival)
+    usage = UsageTotals(job.n)
+    note_generation(request, lambda: request_stream.time_to_first_token, usage.body)
     if stream:
-        events = _events(request_stream, response_format, job.n, include_usage)
+        events = _events(request_stream, response_format, usage, include_usage)
         return EventStreamResponse(events, request_stream.close)
-    collect = asyncio.create_task(_collect(request_stream, response_format, job.n))
+    collect = asyncio.create_task(_collect(request_stream, response_format, usage))
     disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -55,9 +58,10 @@ def _error(delta: RequestDelta) -> APIError:
     return APIError(400, delta.error or "the engine rejected the request")
 
 
-async def _collect(stream: RequestStream, response_format: ResponseFormat, n: int) -> dict[str, Any]:
+async def _collect(
+    stream: RequestStream, response_format: ResponseFormat, usage: UsageTotals
+) -> dict[str, Any]:
     choices = [response_format.new_choice() for _ in stream.request_ids]
-    usage = UsageTotals(n)
     async for batch in stream.batches():
         for index, delta in batch:
             if delta.finish_reason == "error":
@@ -73,12 +77,11 @@ async def _collect(stream: RequestStream, response_format: ResponseFormat, n: in
 
 
 async def _events(
-    stream: RequestStream, response_format: ResponseFormat, n: int, include_usage: bool
+    stream: RequestStream, response_format: ResponseFormat, usage: UsageTotals, include_usage: bool
 ) -> AsyncIterator[bytes]:
     # With include_usage, OpenAI puts "usage": null on every chunk and the totals on one last chunk.
     usage_field = {"usage": None} if include_usage else {}
     choices = [response_format.new_choice() for _ in stream.request_ids]
-    usage = UsageTotals(n)
     opening = response_format.opening_chunks(len(choices))
     if opening:
         yield b"".join(sse_event(chunk | usage_field) for chunk in opening)
