@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from morion.engine.messages import RequestDelta
-from morion.engine.outputs import Usage
+from morion.engine.outputs import PromptLogprob, Usage
 from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
 from morion.server.parsers.tool_calls import ParsedToolCall, ToolCallDelta
 from morion.text.tokenizer import Tokenizer
@@ -70,6 +70,20 @@ class Choice:
         self.text_length = 0
         self.logprobs: list[Any] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.token_ids: list[int] = []
+        self.cumulative_logprob = 0.0  # of its chosen tokens, when the engine reported them
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
+        self.opened = False  # its first entry was written (completions: the echoed prompt)
+
+    def record(self, delta: RequestDelta) -> None:
+        """What a delta says besides its text (`add`, after the format has read `text_length`)."""
+        self.token_ids += delta.token_ids
+        self.cumulative_logprob += sum(delta.logprobs or ())
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def add(self, text: str) -> None:
         self.text_parts.append(text)
@@ -125,6 +139,12 @@ class ResponseFormat:
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
+    def collect(self, index: int, delta: RequestDelta, choice: Choice) -> None:
+        """A delta of a whole (not streamed) response: its logprobs and text into the choice."""
+        if self.wants_logprobs and delta.token_ids:
+            self.delta_logprobs(delta, choice)
+        choice.add(delta.text)
+
     def delta_logprobs(self, delta: RequestDelta, choice: Choice) -> Any:
         raise NotImplementedError
 
@@ -141,33 +161,48 @@ class ChatFormat(ResponseFormat):
         logprobs: bool,
         output_parser: Callable[[], ChatOutputParser | None] | None = None,
         reasoning: bool = False,
+        echo: str = "",
+        prompt_token_ids: list[int] | None = None,
+        return_token_ids: bool = False,
     ) -> None:
-        """`output_parser` makes each choice's parser; `reasoning`: messages carry `reasoning_content`."""
+        """`output_parser` makes each choice's parser; `reasoning`: messages carry `reasoning_content`.
+        `echo`: text the answer starts with (the last assistant message, for `echo`). `prompt_token_ids`:
+        the prompt, for `prompt_logprobs`, and with `return_token_ids` in the response, every choice with
+        its own token ids."""
         super().__init__(response_id, model, token_texts, logprobs)
         self._output_parser = output_parser
         self._reasoning = reasoning
+        self._echo = echo
+        self._prompt_token_ids = prompt_token_ids
+        self._return_token_ids = return_token_ids
 
     def new_choice(self) -> Choice:
         return Choice(self._output_parser() if self._output_parser else None)
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        delta = {"role": "assistant", "content": ""}
-        return [
+        delta = {"role": "assistant", "content": self._echo}
+        chunks = [
             self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             for i in range(num_choices)
         ]
+        if self._return_token_ids and chunks:
+            chunks[0]["prompt_token_ids"] = self._prompt_token_ids
+        return chunks
 
     def delta_choice(self, index: int, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
         logprobs = self.delta_logprobs(delta, choice) if self.wants_logprobs else None
         parsed = choice.parser.feed(delta.text) if choice.parser else ParsedDelta("", delta.text, [])
-        if not parsed and not logprobs:
+        if not parsed and not logprobs and not (self._return_token_ids and delta.token_ids):
             return None
-        return {
+        entry = {
             "index": index,
-            "delta": self._delta(parsed, choice),
+            "delta": self._delta(parsed, choice) if parsed else {},
             "logprobs": {"content": logprobs} if logprobs else None,
             "finish_reason": None,
         }
+        if self._return_token_ids:
+            entry["token_ids"] = delta.token_ids
+        return entry
 
     def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
         entries = []
@@ -177,7 +212,8 @@ class ChatFormat(ResponseFormat):
                 {"index": index, "delta": self._delta(last, choice), "logprobs": None, "finish_reason": None}
             )
         reason = _finish_reason(reason, choice)
-        return [*entries, {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+        finish = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        return [*entries, finish | {"stop_reason": choice.stop_reason}]
 
     def _delta(self, parsed: ParsedDelta, choice: Choice) -> dict[str, Any]:
         delta: dict[str, Any] = {}
@@ -191,21 +227,35 @@ class ChatFormat(ResponseFormat):
             delta["tool_calls"] = [_streamed_call(piece, choice) for piece in pieces]
         return delta
 
+    def response(self, choices: list[Choice], usage: UsageTotals) -> dict[str, Any]:
+        body = super().response(choices, usage)
+        if self._return_token_ids:
+            body["prompt_token_ids"] = self._prompt_token_ids
+        if choices and choices[0].prompt_logprobs is not None and self._prompt_token_ids is not None:
+            body["prompt_logprobs"] = prompt_logprobs_body(
+                self._prompt_token_ids, choices[0].prompt_logprobs, self.token_texts
+            )
+        return body
+
     def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
         parsed = whole_output(choice)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        message: dict[str, Any] = {"role": "assistant", "content": self._echo + parsed.content}
         calls = assembled_calls(parsed.tool_calls)
         if calls:
-            message["content"] = parsed.content or None  # OpenAI: null content beside tool calls
+            message["content"] = message["content"] or None  # OpenAI: null content beside tool calls
             message["tool_calls"] = [_tool_call(call) for call in calls]
         if self._reasoning:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
-        return {
+        entry = {
             "index": index,
             "message": message,
             "logprobs": {"content": choice.logprobs} if self.wants_logprobs else None,
             "finish_reason": _finish_reason(choice.finish_reason, choice),
+            "stop_reason": choice.stop_reason,
         }
+        if self._return_token_ids:
+            entry["token_ids"] = choice.token_ids
+        return entry
 
     def delta_logprobs(self, delta: RequestDelta, choice: Choice) -> list[dict[str, Any]]:
         entries = []
@@ -223,47 +273,23 @@ class ChatFormat(ResponseFormat):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-class CompletionFormat(ResponseFormat):
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-
-    def delta_choice(self, index: int, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
-        logprobs = self.delta_logprobs(delta, choice) if self.wants_logprobs else None
-        if not delta.text and not logprobs:
-            return None
-        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
-
-    def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
-        return [{"index": index, "text": "", "logprobs": None, "finish_reason": reason}]
-
-    def final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
-        logprobs = None
-        if self.wants_logprobs:
-            logprobs = _LegacyLogprobs.merge(choice.logprobs)
-        return {
-            "index": index,
-            "text": "".join(choice.text_parts),
-            "logprobs": logprobs,
-            "finish_reason": choice.finish_reason,
+def prompt_logprobs_body(
+    prompt: list[int], entries: list[PromptLogprob | None], token_texts: TokenTexts
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first has none) the token itself and the most
+    likely ones there, by id: `{"id": {"logprob", "rank", "decoded_token"}}`."""
+    body: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(prompt, entries, strict=True):
+        if entry is None:
+            body.append(None)
+            continue
+        alternatives = {
+            str(t): {"logprob": lp, "rank": rank, "decoded_token": token_texts(t)}
+            for rank, (t, lp) in enumerate(entry.top, start=1)
         }
-
-    def delta_logprobs(self, delta: RequestDelta, choice: Choice) -> dict[str, Any] | None:
-        if not delta.token_ids or delta.logprobs is None:
-            return None
-        tokens = [self.token_texts(t) for t in delta.token_ids]
-        offsets = []
-        offset = choice.text_length  # the delta's text has not been added to the choice yet
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        part = _LegacyLogprobs(
-            tokens,
-            list(delta.logprobs),
-            [{self.token_texts(t): lp for t, lp in top} for top in delta.top_logprobs or ()],
-            offsets,
-        )
-        choice.logprobs.append(part)
-        return part.body()
+        own = {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": token_texts(token_id)}
+        body.append({str(token_id): own, **alternatives})
+    return body
 
 
 def whole_output(choice: Choice) -> ParsedDelta:
@@ -323,21 +349,3 @@ def _finish_reason(reason: str | None, choice: Choice) -> str | None:
     if reason == "stop" and choice.parser is not None and choice.parser.called_tools:
         return "tool_calls"
     return reason
-
-
-class _LegacyLogprobs(NamedTuple):
-    """/v1/completions logprobs: parallel lists over the generated tokens."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-    def body(self) -> dict[str, Any]:
-        return self._asdict()
-
-    @staticmethod
-    def merge(parts: list[_LegacyLogprobs]) -> dict[str, Any]:
-        return {
-            field: [v for part in parts for v in getattr(part, field)] for field in _LegacyLogprobs._fields
-        }

@@ -67,11 +67,9 @@ async def _collect(
             if delta.finish_reason == "error":
                 raise _error(delta)
             choice = choices[index]
-            if response_format.wants_logprobs and delta.token_ids:
-                response_format.delta_logprobs(delta, choice)
-            choice.add(delta.text)
+            choice.record(delta)
+            response_format.collect(index, delta, choice)
             if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
                 usage.add(index, delta.usage)
     return response_format.response(choices, usage)
 
@@ -92,6 +90,7 @@ async def _events(
                 yield sse_event(_error(delta).body())
                 return
             choice = choices[index]
+            choice.record(delta)
             delta_choice = response_format.delta_choice(index, delta, choice)
             choice.add(delta.text)
             if delta_choice is not None:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -29,6 +30,27 @@ async def wait_for_disconnect(receive: Receive) -> None:
     """Returns once the client has disconnected (call only after the request body has been read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def run_to_end(request: Request, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    """Consumes `events` for a whole (not streamed) response; a client that goes away cancels it, and
+    `on_close` (which aborts the engine requests) always runs. Raises what the events raise, and
+    `asyncio.CancelledError` when the client went away."""
+
+    async def drain() -> None:
+        async for _ in events:
+            pass
+
+    work = asyncio.create_task(drain())
+    disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()
+        on_close()
+    work.result()
 
 
 class EventStreamResponse(Response):
