@@ -53,6 +53,7 @@ class EngineInfo(NamedTuple):
     num_pages: int
     bytes_per_token: int
     pool_bytes: int
+    device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), or "cpu"
 
 
 class EngineFailed(NamedTuple):

@@ -225,6 +225,7 @@ def engine_info(engine: Engine) -> EngineInfo:
         num_pages=pool.num_pages,
         bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
         pool_bytes=pool.num_bytes,
+        device_name=torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
     )
 
 
