@@ -1,11 +1,11 @@
 """`tools`: tool calling against local deterministic mock tools, graded exactly.
 
-A probe first: a server that rejects `tools` (400/422) is reported "unsupported" and no case runs; one
-that takes tools but answers the probe (an explicit request to call a tool) without a tool call fails
-(tool calling is offered and does not work with this model), and no case runs either. Otherwise each
-case runs up to `max_turns` model turns: every tool call is answered by the mock (the case file's fixed
-result for those exact arguments; anything else gets an error result), and the conversation continues
-until the model answers without a call. Pass: the calls made equal the expected calls exactly (names, order and JSON
+A probe first: a server that rejects `tools` (400/422) is reported "unsupported" and no case runs; one that
+takes tools but answers the probe (an explicit request to call a tool) without a tool call fails (tool
+calling is offered and does not work with this model), and no case runs either. Otherwise each case runs up
+to `max_turns` model turns: every tool call is answered by the mock (the case file's fixed result for those
+exact arguments; anything else gets an error result), and the conversation continues until the model
+answers without a call. Pass: the calls made equal the expected calls exactly (names, order and JSON
 arguments, parsed and compared as values), every argument string parsed as JSON, and the final answer
 contains the expected strings (pennyroyal-runtime.md §2.2).
 """
