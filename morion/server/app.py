@@ -158,6 +158,8 @@ def create_app(context: ServerContext) -> FastAPI:
         await context.client.close()
 
     app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # A trailing slash is a 404 with a JSON body, not a bodiless redirect clients do not follow.
+    app.router.redirect_slashes = False
     app.add_middleware(_RequestCounter, context=context)
     if context.options.log_requests:
         app.add_middleware(RequestLogger)
@@ -327,7 +329,12 @@ async def _api_error(request: Request, error: Exception) -> Response:
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+    message = str(error.detail)
+    if error.status_code == 404:
+        message = f"{request.method} {request.url.path} is not an endpoint of this server"
+    elif error.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
