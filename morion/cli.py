@@ -313,7 +313,11 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def _run_generate(args: argparse.Namespace) -> None:
     from morion.loader.model_store import DEFAULT_MODEL
+    from morion.loader.resolve import resolve_model_path
+    from morion.models.presets import is_preset
 
+    if not is_preset(args.model):
+        resolve_model_path(args.model)  # a missing path or id fails here, before seconds of imports
     # Before the imports: torch alone takes seconds on a small CPU, and the user should see why.
     print(f"morion: loading {args.model or DEFAULT_MODEL}", file=sys.stderr, flush=True)
     from morion.engine.sampling_params import SamplingParams
