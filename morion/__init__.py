@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from morion.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -11,13 +10,6 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 # Imported on first use: `import morion.cli` (every command) and the server's front end before it starts
 # the engine must not pay for torch (3 s on a 2-core CPU).
-_LAZY = {"LLM": "morion.llm", "SamplingParams": "morion.engine.sampling_params"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'morion' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(
+    __name__, {"LLM": "morion.llm", "SamplingParams": "morion.engine.sampling_params"}
+)

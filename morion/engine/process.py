@@ -96,21 +96,17 @@ class EngineLoop:
             if wants_prompt and step.request_id not in self._prompt_logprobs_sent:
                 self._prompt_logprobs_sent.add(step.request_id)
                 prompt_logprobs = source.prompt_logprobs
-            if step.final is None:
-                deltas.append(
-                    RequestDelta(
-                        step.request_id,
-                        step.new_token_ids,
-                        step.new_text,
-                        logprobs,
-                        top_logprobs,
-                        prompt_logprobs=prompt_logprobs,
-                    )
-                )
-                continue
-            del self._wants_logprobs[step.request_id]
-            self._prompt_logprobs_sent.discard(step.request_id)
-            final = step.final
+            ending = {}
+            if step.final is not None:
+                del self._wants_logprobs[step.request_id]
+                self._prompt_logprobs_sent.discard(step.request_id)
+                final = step.final
+                ending = {
+                    "finish_reason": final.finish_reason,
+                    "usage": final.usage,
+                    "error": final.error,
+                    "stop_reason": final.stop_reason,
+                }
             deltas.append(
                 RequestDelta(
                     step.request_id,
@@ -118,11 +114,8 @@ class EngineLoop:
                     step.new_text,
                     logprobs,
                     top_logprobs,
-                    final.finish_reason,
-                    final.usage,
-                    final.error,
                     prompt_logprobs=prompt_logprobs,
-                    stop_reason=final.stop_reason,
+                    **ending,
                 )
             )
         return deltas

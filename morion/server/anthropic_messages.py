@@ -24,7 +24,7 @@ from morion.server.chat_stream import REASONING, TEXT, TOOL_CALL, BlockEvent, Fi
 from morion.server.errors import APIError
 from morion.server.protocol import ChatCompletionRequest, parse_body
 from morion.server.request_log import note_generation
-from morion.server.sse import EventStreamResponse, run_to_end
+from morion.server.sse import respond
 
 if TYPE_CHECKING:
     from morion.server.app import ServerContext
@@ -117,10 +117,7 @@ async def _create(request: Request, context: ServerContext) -> Any:
     writer = _MessageWriter(body, context.served_names[0], len(prepared.rendered.token_ids))
     note_generation(request, lambda: stream.time_to_first_token, writer.usage_body)
     events = writer.events(answer_blocks(stream, prepared.new_parser))
-    if body.stream:
-        return EventStreamResponse(events, stream.close)
-    await run_to_end(request, events, stream.close)
-    return writer.message
+    return await respond(request, events, stream.close, body.stream, lambda: writer.message)
 
 
 def _chat_request(

@@ -25,7 +25,7 @@ from morion.server.chat_stream import REASONING, TEXT, TOOL_CALL, BlockEvent, Fi
 from morion.server.errors import APIError
 from morion.server.protocol import ChatCompletionRequest, parse_body
 from morion.server.request_log import note_generation
-from morion.server.sse import EventStreamResponse, run_to_end
+from morion.server.sse import respond
 
 if TYPE_CHECKING:
     from morion.server.app import ServerContext
@@ -116,10 +116,7 @@ def register_responses_api(api: APIRouter, context: ServerContext) -> None:
                     stored.popitem(last=False)
 
         events = writer.events(answer_blocks(stream, prepared.new_parser), keep)
-        if body.stream:
-            return EventStreamResponse(events, stream.close)
-        await run_to_end(request, events, stream.close)
-        return writer.response
+        return await respond(request, events, stream.close, body.stream, lambda: writer.response)
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:

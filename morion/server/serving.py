@@ -7,7 +7,6 @@ invalid) or 500 (the engine failed); either way its other choices are aborted an
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from morion.server.errors import APIError
 from morion.server.prepare import EngineJob
 from morion.server.request_log import note_generation
 from morion.server.responses import ResponseFormat, UsageTotals
-from morion.server.sse import DONE, EventStreamResponse, sse_event, wait_for_disconnect
+from morion.server.sse import DONE, ClientGone, EventStreamResponse, sse_event, unless_client_leaves
 
 
 async def run_job(
@@ -38,18 +37,13 @@ async def run_job(
     if stream:
         events = _events(request_stream, response_format, usage, include_usage)
         return EventStreamResponse(events, request_stream.close)
-    collect = asyncio.create_task(_collect(request_stream, response_format, usage))
-    disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():
-            collect.cancel()  # the client is gone; closing the stream aborts its engine requests
-        request_stream.close()
-    if collect.cancelled():
-        return Response(status_code=499)  # nobody reads it; the access log shows why it ended
-    return JSONResponse(collect.result())
+        body = await unless_client_leaves(
+            request, _collect(request_stream, response_format, usage), request_stream.close
+        )
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the request log shows why it ended
+    return JSONResponse(body)
 
 
 def _error(delta: RequestDelta) -> APIError:

@@ -28,16 +28,20 @@ def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         stop(running)
 
 
-def test_bench_against_a_server(tiny_server, tmp_path, capsys):
+def _bench(tiny_server, tmp_path, capsys, *flags: str) -> tuple[dict, Path]:
     base_url, model_dir = tiny_server
-    flags = [
-        "--url", base_url, "--api-key", API_KEY, "--model", str(model_dir),
-        "--concurrency", "1,2", "--contexts", "32", "--output-tokens", "8", "--repeats", "2",
-        "--prefill-lengths", "32", "--ttft-length", "32", "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert main(["bench", *flags]) == 0, capsys.readouterr().err
+    common = ["--url", base_url, "--api-key", API_KEY, "--model", str(model_dir), "--out", str(tmp_path)]
+    assert main(["bench", *common, *flags]) == 0, capsys.readouterr().err
     [path] = tmp_path.glob("*.json")
-    result = json.loads(path.read_text())
+    return json.loads(path.read_text()), path
+
+
+def test_bench_against_a_server(tiny_server, tmp_path, capsys):
+    _, model_dir = tiny_server
+    result, path = _bench(
+        tiny_server, tmp_path, capsys, "--concurrency", "1,2", "--contexts", "32", "--output-tokens", "8",
+        "--repeats", "2", "--prefill-lengths", "32", "--ttft-length", "32",
+    )  # fmt: skip
     assert result["mode"] == "url" and result["status"] == "complete"
     target = result["target"]
     assert target["served_model"] == model_dir.name
@@ -67,18 +71,12 @@ def test_bench_against_a_server(tiny_server, tmp_path, capsys):
 
 
 def test_bench_url_bound_from_the_flags(tiny_server, tmp_path, capsys):
-    base_url, model_dir = tiny_server
-    flags = [
-        "--url", base_url, "--api-key", API_KEY, "--model", str(model_dir), "--workloads", "decode",
-        "--concurrency", "1", "--contexts", "32", "--output-tokens", "4", "--repeats", "1",
-        "--bandwidth-gbs", "50", "--peak-tflops", "1", "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert main(["bench", *flags]) == 0, capsys.readouterr().err
-    [path] = tmp_path.glob("*.json")
-    result = json.loads(path.read_text())
-    assert (
-        result["roofline"]["bandwidth_gbs"] == 50 and result["roofline"]["peaks_source"] == "the command line"
-    )
+    result, _ = _bench(
+        tiny_server, tmp_path, capsys, "--workloads", "decode", "--concurrency", "1", "--contexts", "32",
+        "--output-tokens", "4", "--repeats", "1", "--bandwidth-gbs", "50", "--peak-tflops", "1",
+    )  # fmt: skip
+    roof = result["roofline"]
+    assert roof["bandwidth_gbs"] == 50 and roof["peaks_source"] == "the command line"
     assert result["decode"][0]["roofline"]["per_request_tok_s"] > 0
 
 

@@ -33,6 +33,15 @@ CITY = {
 }
 
 
+def _rejected(server, **fields) -> dict:
+    """The error body of a chat request the server must refuse with a 400."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        server.openai().chat.completions.create(
+            **({"model": "smollm2", "messages": HELLO, "max_tokens": 2} | fields)
+        )
+    return raised.value.body
+
+
 def _tokens(server, **body) -> list[int]:
     with server.http() as http:
         return http.post("/tokenize", json=body).json()["tokens"]
@@ -56,11 +65,7 @@ def test_models_retrieve_and_unknown_routes(server):
 
 
 def test_stream_options_needs_stream(server):
-    with pytest.raises(openai.BadRequestError) as raised:
-        server.openai().chat.completions.create(
-            model="smollm2", messages=HELLO, max_tokens=2, stream_options={"include_usage": True}
-        )
-    assert raised.value.body["param"] == "stream_options"
+    assert _rejected(server, stream_options={"include_usage": True})["param"] == "stream_options"
 
 
 def test_completion_top_logprobs_hold_the_chosen_token(server):
@@ -217,11 +222,7 @@ def test_structured_output_through_extra_body(server, extra, check):
     ],
 )
 def test_output_changing_fields_are_never_ignored(server, extra, param):
-    with pytest.raises(openai.BadRequestError) as raised:
-        server.openai().chat.completions.create(
-            model="smollm2", messages=HELLO, max_tokens=2, extra_body=extra
-        )
-    assert raised.value.body["param"] == param
+    assert _rejected(server, extra_body=extra)["param"] == param
     neutral = server.openai().chat.completions.create(
         model="smollm2",
         messages=HELLO,
@@ -241,11 +242,7 @@ def test_continue_final_message_continues_it(server):
         model="smollm2", messages=messages, max_tokens=3, temperature=0, extra_body=extra
     )
     assert chat.usage.prompt_tokens == rendered["count"]
-    with pytest.raises(openai.BadRequestError) as raised:
-        server.openai().chat.completions.create(
-            model="smollm2", messages=HELLO, max_tokens=2, extra_body={"continue_final_message": True}
-        )
-    assert raised.value.body["param"] == "continue_final_message"
+    assert _rejected(server, extra_body={"continue_final_message": True})["param"] == "continue_final_message"
 
 
 def test_return_token_ids_and_prompt_logprobs(server):
@@ -269,14 +266,8 @@ def test_return_token_ids_and_prompt_logprobs(server):
     for token, entry in zip(prompt_ids[1:], prompt_logprobs[1:], strict=True):
         own = entry[str(token)]
         assert own["logprob"] <= 0 and own["rank"] >= 1 and len(entry) <= 3
-    streamed = client.completions.create(
-        model="smollm2",
-        prompt="Hi",
-        max_tokens=3,
-        temperature=0,
-        stream=True,
-        extra_body={"return_token_ids": True},
-    )
+    stream = {"stream": True, "extra_body": {"return_token_ids": True}}
+    streamed = client.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0, **stream)
     chunks = [chunk.choices[0].model_extra for chunk in streamed if chunk.choices]
     assert chunks[0]["prompt_token_ids"] == _tokens(server, prompt="Hi")
     assert sum(len(chunk.get("token_ids") or []) for chunk in chunks) == 3
