@@ -158,10 +158,7 @@ def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Cha
             raise APIError(400, "text.format.schema is required for json_schema", param="text.format.schema")
         schema = {"name": form.name, "schema": form.schema_}
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    try:
-        return parse_body(json.dumps(chat).encode(), ChatCompletionRequest)
-    except APIError as error:
-        raise APIError(400, f"input: {error.message}", param="input") from None
+    return parse_body(json.dumps(chat).encode(), ChatCompletionRequest)
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
