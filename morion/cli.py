@@ -341,6 +341,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         prompt_ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
+    print(f"morion: generating after a prompt of {len(prompt_ids)} tokens", file=sys.stderr, flush=True)
     started = time.perf_counter()
     num_tokens = 0
     for step in llm.stream(prompt_ids, params):

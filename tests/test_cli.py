@@ -33,6 +33,7 @@ def test_generate_answers_paris(smollm2_gguf):
     lines = result.stderr.splitlines()
     assert lines[0] == "morion: loading smollm2-135m-instruct"
     assert any(line.startswith("loading SmolLM2-135M-Instruct.Q4_1.gguf: 272/272 tensors") for line in lines)
+    assert any(line.startswith("morion: generating after a prompt of ") for line in lines)
 
 
 def test_pull_prints_the_stored_path(smollm2_gguf):
