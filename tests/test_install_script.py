@@ -1,7 +1,7 @@
 """scripts/install.sh's choices, run for real in dry-run mode (MORION_INSTALL_DRY_RUN prints the commands
 instead of running pip): a system Python that refuses pip installs (PEP 668, Debian's /usr/bin/python3)
-gets a .venv, any other Python is installed into, and torch is the CPU build on Linux. The full install on
-a stock Debian Python is the manual check in docs/server.md's install notes."""
+gets a .venv, any other Python is installed into, and torch is the CPU build on Linux. A full install
+downloads hundreds of megabytes, too much for the suite: it is checked by hand on Debian's Python."""
 
 from __future__ import annotations
 
