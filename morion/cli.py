@@ -65,6 +65,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reasoning-parser", choices=("qwen3",), help="split <think>...</think> into reasoning_content"
     )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="morion's and uvicorn's logs (info)",
+    )
+    serve.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=None,
+        help="one log line per request: status, tokens, time to first token, duration",
+    )
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
@@ -118,6 +129,8 @@ _SERVER_FLAGS = (
     "shutdown_timeout",
     "tool_call_parser",
     "reasoning_parser",
+    "log_level",
+    "log_requests",
 )
 
 
@@ -126,6 +139,14 @@ def _given(args: argparse.Namespace, names: Sequence[str]) -> dict:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    from morion.loader.model_store import DEFAULT_MODEL
+    from morion.loader.resolve import resolve_model_path
+    from morion.models.presets import is_preset
+
+    if not is_preset(args.model):
+        resolve_model_path(args.model)  # a missing path or id fails here, before seconds of imports
+    # Before the imports: torch alone takes seconds on a small CPU, and the user should see why.
+    print(f"morion: loading {args.model or DEFAULT_MODEL}", file=sys.stderr, flush=True)
     from morion.engine.sampling_params import SamplingParams
     from morion.llm import LLM
 
@@ -147,6 +168,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         prompt_ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
+    print(f"morion: generating after a prompt of {len(prompt_ids)} tokens", file=sys.stderr, flush=True)
     started = time.perf_counter()
     num_tokens = 0
     for step in llm.stream(prompt_ids, params):

@@ -27,7 +27,7 @@ from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
-from morion.engine.outputs import RequestOutput, StepOutput, Usage
+from morion.engine.outputs import PromptLogprob, RequestOutput, StepOutput, Usage
 from morion.engine.request import Request
 from morion.engine.restore_wait import BackendAfterRestores
 from morion.engine.sampler import RequestSampler, SampleResult, sample
@@ -50,6 +50,7 @@ from morion.text.detokenizer import IncrementalDetokenizer
 
 _CPU_DEFAULT_KV_GB = 1.0
 _GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
+_PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once (a [rows, vocab] fp32 temporary)
 _PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight waits this long for them
 
 
@@ -393,6 +394,13 @@ class Engine:
         )
         if params.stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad_bias} is not in the vocabulary [0, {vocab_size})"
+            )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -472,6 +480,10 @@ class Engine:
             logits = None
         sampled: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
+            if chunk.request.prompt_logprobs is not None and chunk.request.num_computed < len(
+                chunk.request.prompt_token_ids
+            ):
+                self._record_prompt_logprobs(chunk.request, hidden[start : start + length])
             if self.speculative is not None and self.speculative.eligible(chunk.request):
                 # An MTP drafter keeps the hidden states of the requests it may draft for.
                 rows = hidden[start : start + length]
@@ -486,6 +498,25 @@ class Engine:
         else:
             logits = logits[[row for _, row in sampled]]
         return [request for request, _ in sampled], logits
+
+    def _record_prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this chunk's rows predict (row j predicts the token after it),
+        from the raw logits as for generated tokens; the logits are made a slice of rows at a time."""
+        first = request.num_computed
+        # The last prompt row predicts the first output token, not a prompt token.
+        rows = min(len(hidden), len(request.prompt_token_ids) - 1 - first)
+        top_n = request.params.prompt_logprobs
+        for offset in range(0, rows, _PROMPT_LOGPROB_ROWS):
+            count = min(_PROMPT_LOGPROB_ROWS, rows - offset)
+            logprobs = self.model.compute_logits(hidden[offset : offset + count]).log_softmax(dim=-1)
+            targets = torch.tensor(request.prompt_token_ids[first + offset + 1 : first + offset + 1 + count])
+            chosen = logprobs.gather(1, targets.to(logprobs.device).unsqueeze(1))
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+            chosen = chosen.squeeze(1).tolist()
+            values, ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+            for j in range(count):
+                top = list(zip(ids[j].tolist(), values[j].tolist(), strict=True)) if top_n else []
+                request.prompt_logprobs[first + offset + 1 + j] = PromptLogprob(chosen[j], ranks[j], top)
 
     def _speculate(self, chunks: list[ScheduledChunk]) -> tuple[list[StepOutput], list[ScheduledChunk]]:
         """Verify forward for the eligible decoding requests (engine/speculative.py); returns its outputs
@@ -525,11 +556,13 @@ class Engine:
             or grammar_done
         ):
             reason = "stop"
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
         elif request.detokenizer is not None and request.stop_matcher is not None:
             check = request.stop_matcher.feed(request.detokenizer.add(token_id))
             new_text = check.emit
             if check.stopped:
                 reason = "stop"
+                request.stop_reason = request.stop_matcher.matched
         if reason is None and len(request.output_token_ids) >= request.max_new_tokens:
             reason = "length"
         if reason is not None and request.stop_matcher is not None and not request.stop_matcher.stopped:
@@ -603,6 +636,8 @@ def _final_output(request: Request) -> RequestOutput:
         usage=Usage(len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens),
         logprobs=list(request.output_logprobs) if wants_logprobs else None,
         top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
+        prompt_logprobs=request.prompt_logprobs,
+        stop_reason=request.stop_reason,
     )
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
-from morion.engine.outputs import Usage
+from morion.engine.outputs import PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- front end -> engine
@@ -62,6 +62,7 @@ class EngineInfo(NamedTuple):
     pool_tokens: int  # the tokens requests can hold (without the scratch page)
     bytes_per_token: int
     pool_bytes: int
+    device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), or "cpu"
 
 
 class EngineFailed(NamedTuple):
@@ -119,6 +120,9 @@ class RequestDelta(NamedTuple):
     usage: Usage | None = None
     error: str | None = None  # with finish_reason "error"
     internal: bool = False  # an error of the engine itself (HTTP 500), not of the request (HTTP 400)
+    # With params.prompt_logprobs, on the request's first delta with tokens (outputs.py, PromptLogprob).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    stop_reason: str | int | None = None  # on the last delta: the stop string or token id (None: EOS)
 
 
 class CacheEvicted(NamedTuple):

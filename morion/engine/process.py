@@ -45,6 +45,7 @@ class EngineLoop:
         self.engine = engine
         self.stopped = False
         self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
+        self._prompt_logprobs_sent: set[str] = set()
         self._integrity = "ok"
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
 
@@ -76,6 +77,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> list[RequestDelta]:
         if self._wants_logprobs.pop(request_id, None) is None:
             return []  # finished already; its last delta is on its way
+        self._prompt_logprobs_sent.discard(request_id)
         final = self.engine.abort(request_id)
         usage = final.usage if final is not None else None
         return [RequestDelta(request_id, [], "", None, None, "abort", usage)]
@@ -88,20 +90,29 @@ class EngineLoop:
             traceback.print_exc()
             return self._fail_all(_describe(error))
         deltas = []
-        running = None
+        running = {r.request_id: r for r in self.engine.scheduler.running}
         for step in steps:
             logprobs = top_logprobs = None
             if self._wants_logprobs.get(step.request_id):
-                if running is None and step.final is None:
-                    running = {r.request_id: r for r in self.engine.scheduler.running}
                 logprobs, top_logprobs = _step_logprobs(step, running)
-            if step.final is None:
-                deltas.append(
-                    RequestDelta(step.request_id, step.new_token_ids, step.new_text, logprobs, top_logprobs)
-                )
-                continue
-            del self._wants_logprobs[step.request_id]
-            final = step.final
+            request = running.get(step.request_id)
+            source = step.final if step.final is not None else request
+            prompt_logprobs = None
+            wants_prompt = source is not None and source.prompt_logprobs is not None
+            if wants_prompt and step.request_id not in self._prompt_logprobs_sent:
+                self._prompt_logprobs_sent.add(step.request_id)
+                prompt_logprobs = source.prompt_logprobs
+            ending = {}
+            if step.final is not None:
+                del self._wants_logprobs[step.request_id]
+                self._prompt_logprobs_sent.discard(step.request_id)
+                final = step.final
+                ending = {
+                    "finish_reason": final.finish_reason,
+                    "usage": final.usage,
+                    "error": final.error,
+                    "stop_reason": final.stop_reason,
+                }
             deltas.append(
                 RequestDelta(
                     step.request_id,
@@ -109,14 +120,14 @@ class EngineLoop:
                     step.new_text,
                     logprobs,
                     top_logprobs,
-                    final.finish_reason,
-                    final.usage,
-                    final.error,
+                    prompt_logprobs=prompt_logprobs,
+                    **ending,
                 )
             )
         return deltas
 
     def _fail_all(self, reason: str) -> list[RequestDelta]:
+        self._prompt_logprobs_sent.clear()
         deltas = []
         for request_id in list(self._wants_logprobs):
             del self._wants_logprobs[request_id]
@@ -215,6 +226,7 @@ def engine_info(engine: Engine) -> EngineInfo:
         pool_tokens=engine.pool_tokens,
         bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
         pool_bytes=pool.num_bytes,
+        device_name=torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
     )
 
 

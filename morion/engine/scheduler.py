@@ -195,7 +195,8 @@ class Scheduler:
     def _admit(self, request: Request) -> _Admission:
         match_node, matched_tokens, matched_pages, snapshot = self.cache.root, 0, [], None
         hit: TierHit | None = None
-        if self.enable_prefix_cache:
+        # A request that wants its prompt's logprobs computes every prompt token: a hit has no logits.
+        if self.enable_prefix_cache and request.params.prompt_logprobs is None:
             # At least one token must run: its logits give the next token.
             match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1])
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages

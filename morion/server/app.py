@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,12 +20,23 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from morion.engine.messages import EngineInfo
+from morion.server.anthropic_messages import register_messages_api
 from morion.server.chat_tools import ChatTooling
+from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
 from morion.server.errors import APIError, error_body
 from morion.server.options import ServeOptions
-from morion.server.prepare import RenderedChat, chat_job, check_model, completion_job, render_chat
+from morion.server.parsers.chat_output import ChatOutputParser
+from morion.server.prepare import (
+    EngineJob,
+    RenderedChat,
+    chat_echo,
+    chat_job,
+    check_model,
+    completion_job,
+    render_chat,
+)
 from morion.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,12 +44,20 @@ from morion.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from morion.server.responses import ChatFormat, CompletionFormat, TokenTexts
+from morion.server.request_log import RequestLogger
+from morion.server.responses import ChatFormat, TokenTexts
+from morion.server.responses_api import register_responses_api
 from morion.server.serving import run_job
-from morion.server.structured import GrammarService, chat_constraint
+from morion.server.structured import GrammarService, chat_constraint, completion_constraint
 from morion.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("morion.server")
+
+
+class PreparedChat(NamedTuple):
+    rendered: RenderedChat
+    job: EngineJob
+    new_parser: Callable[[], ChatOutputParser | None]
 
 
 class ServerContext:
@@ -68,12 +87,30 @@ class ServerContext:
             self._grammars = GrammarService(self.tokenizer, info.vocab_size)
         return self._grammars
 
+    async def prepare_chat(self, body: ChatCompletionRequest, info: EngineInfo) -> PreparedChat:
+        """A chat request's prompt, grammar and engine job, and how to parse each choice's output (the
+        chat, Responses and Messages endpoints all come through here)."""
+        rendered = self.render_chat_request(body)
+        constraint = chat_constraint(body, self.tooling.tool_parser)
+        grammar = await self.grammars(info).compile(constraint) if constraint else None
+        job = chat_job(body, rendered.token_ids, info, grammar)
+
+        def new_parser() -> ChatOutputParser | None:
+            return self.tooling.output_parser(body, rendered.text, constrained=grammar is not None)
+
+        return PreparedChat(rendered, job, new_parser)
+
     def render_chat_request(self, body: ChatCompletionRequest) -> RenderedChat:
         """The prompt of a chat request: tools checked, then shown to the model as its template can."""
         self.tooling.check(body)
         messages, tools = self.tooling.template_inputs(body)
         return render_chat(
-            self.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs, tools
+            self.tokenizer,
+            messages,
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
+            tools,
+            body.continue_final_message,
         )
 
     def ready_info(self) -> EngineInfo:
@@ -121,7 +158,11 @@ def create_app(context: ServerContext) -> FastAPI:
         await context.client.close()
 
     app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # A trailing slash is a 404 with a JSON body, not a bodiless redirect clients do not follow.
+    app.router.redirect_slashes = False
     app.add_middleware(_RequestCounter, context=context)
+    if context.options.log_requests:
+        app.add_middleware(RequestLogger)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -156,29 +197,33 @@ def create_app(context: ServerContext) -> FastAPI:
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = context.ready_info()
-        model = {"object": "model", "created": 0, "owned_by": "morion", "max_model_len": info.max_model_len}
-        return {"object": "list", "data": [{"id": name, **model} for name in context.served_names]}
+        return {"object": "list", "data": [_model_card(name, info) for name in context.served_names]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        info = context.ready_info()
+        check_model(model_id, context.served_names)
+        return _model_card(model_id, info)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         arrival = time.perf_counter()
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered = context.render_chat_request(body)
-        tooling = context.tooling
-        constraint = chat_constraint(body, tooling.tool_parser)
-        grammar = await context.grammars(info).compile(constraint) if constraint else None
-        job = chat_job(body, rendered.token_ids, info, grammar)
+        chat = await context.prepare_chat(body, info)
         response_format = ChatFormat(
             _response_id("chatcmpl"),
             _model(body, context),
             context.token_texts,
             body.logprobs,
-            output_parser=lambda: tooling.output_parser(body, rendered.text, constrained=grammar is not None),
-            reasoning=tooling.reasoning_parser is not None,
+            output_parser=chat.new_parser,
+            reasoning=context.tooling.reasoning_parser is not None,
+            echo=chat_echo(body),
+            prompt_token_ids=chat.rendered.token_ids,
+            return_token_ids=body.return_token_ids,
         )
         return await run_job(
-            request, context.client, job, response_format, body.stream, body.include_usage, arrival
+            request, context.client, chat.job, response_format, body.stream, body.include_usage, arrival
         )
 
     @api.post("/v1/completions")
@@ -186,14 +231,11 @@ def create_app(context: ServerContext) -> FastAPI:
         arrival = time.perf_counter()
         info = context.ready_info()
         body: CompletionRequest = await context.read_json(request, CompletionRequest)
-        job = completion_job(body, context.tokenizer, info)
-        wants_logprobs = body.logprobs is not None
+        constraint = completion_constraint(body)
+        grammar = await context.grammars(info).compile(constraint) if constraint else None
+        job = completion_job(body, context.tokenizer, info, grammar)
         response_format = CompletionFormat(
-            _response_id("cmpl"),
-            _model(body, context),
-            context.token_texts,
-            wants_logprobs,
-            token_ids=context.tokenizer is None,  # without a tokenizer they are the only output
+            _response_id("cmpl"), _model(body, context), context.token_texts, body, job, context.tokenizer
         )
         return await run_job(
             request, context.client, job, response_format, body.stream, body.include_usage, arrival
@@ -247,6 +289,8 @@ def create_app(context: ServerContext) -> FastAPI:
             )
         return {"prompt": context.require_tokenizer().decode(body.tokens)}
 
+    register_responses_api(api, context)
+    register_messages_api(api, context)
     app.include_router(api)
     return app
 
@@ -258,12 +302,24 @@ def _authenticator(api_key: str | None) -> Callable[[Request], None]:
         if expected is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), expected):
             raise APIError(
                 401, "a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
 
     return authenticate
+
+
+def _model_card(name: str, info: EngineInfo) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "morion",
+        "max_model_len": info.max_model_len,
+    }
 
 
 def _response_id(prefix: str) -> str:
@@ -281,7 +337,12 @@ async def _api_error(request: Request, error: Exception) -> Response:
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+    message = str(error.detail)
+    if error.status_code == 404:
+        message = f"{request.method} {request.url.path} is not an endpoint of this server"
+    elif error.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
@@ -323,5 +384,8 @@ _ENDPOINTS = frozenset(
         "/v1/chat/completions/render",
         "/tokenize",
         "/detokenize",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
 )

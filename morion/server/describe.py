@@ -112,7 +112,7 @@ def server_info(
         "load": stats._asdict() if stats is not None else None,
     }
     if info is not None:
-        config.update(device=info.device, dtype=info.dtype)  # resolved, never "auto"
+        config.update(device=info.device, dtype=info.dtype, device_name=info.device_name)  # never "auto"
         body["model"].update(
             path=info.model_path,
             model_type=info.model_type,

@@ -9,12 +9,12 @@ long step while requests pour in) blocks that thread and never the event loop.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from morion.config import EngineConfig
 from morion.engine.messages import (
@@ -30,8 +30,8 @@ from morion.engine.messages import (
     RequestDelta,
     Shutdown,
 )
-from morion.engine.process import run_engine_process
 from morion.engine.sampling_params import SamplingParams
+from morion.server.engine_spawn import EngineProcess
 from morion.server.metrics import ServerMetrics
 
 # Client-side states; /health is 200 only in READY.
@@ -53,6 +53,7 @@ class RequestStream:
         self._last_token_at: dict[str, float] = {}
         self._queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.closed = False
+        self.time_to_first_token: float | None = None  # of any of its choices, from the HTTP arrival
 
     def deliver(self, deltas: list[RequestDelta], now: float) -> None:
         metrics = self._client.metrics
@@ -61,6 +62,8 @@ class RequestStream:
                 previous = self._last_token_at.get(delta.request_id)
                 if previous is None:
                     metrics.time_to_first_token.observe(now - self._arrival)
+                    if self.time_to_first_token is None:
+                        self.time_to_first_token = now - self._arrival
                 else:
                     metrics.inter_token_latency.observe((now - previous) / len(delta.token_ids))
                 self._last_token_at[delta.request_id] = now
@@ -99,7 +102,7 @@ class EngineClient:
         )
         self.open_streams: set[RequestStream] = set()
         self._streams: dict[str, RequestStream] = {}
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: BaseProcess | None = None
         self._inbox: Connection | None = None  # the write end
         self._outbox: Connection | None = None  # the read end
         self._connected = False
@@ -108,22 +111,10 @@ class EngineClient:
         self._on_ready: Callable[[EngineInfo], None] = lambda info: None
         self._on_fatal: Callable[[str], None] = lambda error: None
 
-    def start_process(self) -> None:
-        """Spawns the engine, which starts loading at once; what it sends waits in the pipe until
-        `connect`, so the model loads while the front end gets ready."""
-        context = multiprocessing.get_context("spawn")
-        inbox_read, self._inbox = context.Pipe(duplex=False)
-        self._outbox, outbox_write = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=run_engine_process,
-            args=(self.config, inbox_read, outbox_write),
-            name="morion-engine",
-            daemon=True,  # never outlive the front end
-        )
-        self._process.start()
-        # The engine holds its own copies; with ours closed, end-of-file on a pipe means the peer is gone.
-        inbox_read.close()
-        outbox_write.close()
+    def attach(self, engine: EngineProcess) -> None:
+        """Takes over the engine process (`server/engine_spawn.py`: it starts loading at once, and what it
+        sends waits in the pipe until `connect`, so the model loads while the front end gets ready)."""
+        self._process, self._inbox, self._outbox = engine
 
     async def connect(self, on_ready: Callable[[EngineInfo], None], on_fatal: Callable[[str], None]) -> None:
         assert self._process is not None and self._outbox is not None
@@ -247,13 +238,6 @@ class EngineClient:
         self._on_fatal(error)
 
     # --------------------------------------------------------------- shutdown
-    def kill_process(self) -> None:
-        """For a start-up that fails before the event loop runs."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._close_pipes()
-
     async def close(self, timeout: float = 10.0) -> None:
         """Stops the engine (it aborts what is left), waits up to `timeout` s, then kills it."""
         previous, self.state = self.state, STOPPED

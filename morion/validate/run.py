@@ -1,7 +1,8 @@
 """`morion validate`: reach the server, check every suite can run, run them in order, write the files.
 
 The JSON is rewritten after every suite (status "partial"), so a run stopped early keeps its evidence.
-Exit status 1 when any suite fails; "unsupported" (a server without tool calling) is not a failure.
+Exit status 1 when any suite fails; "unsupported" (a server without tool calling) is not a failure, and
+not a pass either: the overall verdict is then "unsupported".
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def run_validate(args: argparse.Namespace) -> int:
     except BaseException:
         _write_all(path, result)  # the suites that finished, marked partial
         raise
-    failed = [name for name, suite in result["suites"].items() if suite["verdict"] == "fail"]
-    result["verdict"] = "fail" if failed else "pass"
+    verdicts = {suite["verdict"] for suite in result["suites"].values()}
+    failed = "fail" in verdicts
+    result["verdict"] = "fail" if failed else "unsupported" if "unsupported" in verdicts else "pass"
     result["status"] = "complete"
     _write_all(path, result)
     return 1 if failed else 0

@@ -30,6 +30,7 @@ max-model-len = 1024
 chunk-size = 512
 max-request-bytes = 65536
 served-model-name = "smollm2"
+log-requests = true
 """
 MAX_MODEL_LEN = 2048  # from the command line, over the profile's 1024
 

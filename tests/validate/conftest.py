@@ -41,7 +41,8 @@ class FakeBehaviour:
 
     def __init__(self) -> None:
         self.change_repeats = False  # a repeated identical request gets a different answer
-        self.tools = "perfect"  # "perfect": the expected calls of tools-v1; "reject": 400 on tools
+        # "perfect": the expected calls of tools-v1; "reject": 400 on tools; "never": takes tools, never calls
+        self.tools = "perfect"
         self.seen: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -135,8 +136,10 @@ class _Handler(BaseHTTPRequestHandler):
             "total_tokens": prompt + 3,
             "prompt_tokens_details": {"cached_tokens": prompt - 1 if repeat else 0},
         }
-        if body.get("tools"):
+        if body.get("tools") and behaviour.tools == "perfect":
             delta = _tool_reply(body)
+        elif body.get("tools"):
+            delta = {"content": "I would rather not call anything."}
         else:
             text = body["messages"][-1]["content"]
             codes = re.findall(r"code is ([A-Z0-9-]+)\.", text)

@@ -94,8 +94,19 @@ def test_tools_unsupported_when_rejected(fake_server, tmp_path, capsys):
     url, behaviour = fake_server
     behaviour.tools = "reject"
     status, result = _run(capsys, tmp_path, "tools", "--url", url)
-    assert status == 0  # unsupported is reported, not a failure
+    assert status == 0  # unsupported is reported, not a failure, and never called a pass
     assert result["suites"]["tools"]["verdict"] == "unsupported"
+    assert result["verdict"] == "unsupported"
+    assert "**UNSUPPORTED**" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_tools_fail_when_accepted_but_never_called(fake_server, tmp_path, capsys):
+    url, behaviour = fake_server
+    behaviour.tools = "never"
+    status, result = _run(capsys, tmp_path, "tools", "--url", url)
+    suite = result["suites"]["tools"]
+    assert status == 1 and result["verdict"] == "fail" and suite["verdict"] == "fail"
+    assert "accepted tools but the model answered the probe without a tool call" in suite["reason"]
 
 
 @pytest.mark.parametrize(
