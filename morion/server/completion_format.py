@@ -63,6 +63,8 @@ class CompletionFormat(ResponseFormat):
     def finish_choices(self, index: int, reason: str, choice: Choice) -> list[dict[str, Any]]:
         text, logprobs = self._opening(index, choice)  # a choice that ended before any token
         entry = {"index": index, "text": text, "logprobs": logprobs.body() if logprobs else None}
+        if self._token_ids:
+            entry["token_ids"] = []  # every chunk of a choice carries the field
         return [entry | {"finish_reason": reason, "stop_reason": choice.stop_reason}]
 
     def collect(self, index: int, delta: RequestDelta, choice: Choice) -> None:

@@ -102,12 +102,12 @@ def test_text_and_chat_are_refused_with_the_reason(preset_server):
 # process: the engine is spawned). Any error on the way to ready must end the server.
 _BROKEN_READY = """
 import sys
-import morion.server.launch as launch
+import morion.server.describe as describe
 
 def broken_summary(*args, **kwargs):
     raise StopIteration
 
-launch.startup_summary = broken_summary
+describe.startup_summary = broken_summary  # serve() imports it from there once the engine is spawned
 from morion.cli import main
 sys.exit(main(sys.argv[1:]))
 """
