@@ -40,7 +40,7 @@ def test_logit_bias_outside_the_vocabulary_is_rejected(tiny_llama, engine_factor
 
 
 def test_prompt_logprobs_equal_a_full_prefill(tiny_llama, engine_factory, engine_runner, prefill_logits):
-    engine = engine_factory(tiny_llama, chunk_size=8)  # the prompt spans four chunks
+    engine = engine_factory(tiny_llama, chunk_size=8, page_size=8)  # the prompt spans four chunks
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
     first, again = (engine_runner(engine, [PROMPT], params)[0] for _ in range(2))
     expected = prefill_logits(tiny_llama.model, PROMPT).log_softmax(dim=-1)
