@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,11 +28,24 @@ def _bounded(kind: Callable[[str], float], minimum: float, name: str) -> Callabl
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {text}")
         return value
 
     return parse
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: "*" or comma-separated origins as browsers send them (scheme://host[:port])."""
+    origins = tuple(part.strip() for part in text.split(",") if part.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise argparse.ArgumentTypeError(
+                f"--allowed-origins takes origins such as https://app.example:8080 (or *), got {origin!r}"
+            )
+    return origins
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +212,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM (30)",
     )
     serve.add_argument(
+        "--read-timeout",
+        type=_bounded(float, 0.001, "--read-timeout"),
+        help="seconds a client gets to send a request's headers, and then its body (30)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        help="comma-separated browser origins that may call the API, with CORS ('*': any; default: none)",
+    )
+    serve.add_argument(
+        "--grammar-timeout",
+        type=_bounded(float, 0.001, "--grammar-timeout"),
+        help="seconds one structured-output grammar may take to compile (10)",
+    )
+    serve.add_argument(
+        "--grammar-memory-gb",
+        type=_bounded(float, 0.001, "--grammar-memory-gb"),
+        help="memory one grammar's compilation may take (1 GiB)",
+    )
+    serve.add_argument(
         "--tool-call-parser",
         choices=("hermes", "qwen25", "qwen3_coder"),
         help="how tool calls are read from the output (default: from the chat template; hermes)",
@@ -285,6 +320,10 @@ _SERVER_FLAGS = (
     "served_model_name",
     "max_request_bytes",
     "shutdown_timeout",
+    "read_timeout",
+    "allowed_origins",
+    "grammar_timeout",
+    "grammar_memory_gb",
     "tool_call_parser",
     "reasoning_parser",
 )

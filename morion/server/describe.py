@@ -12,7 +12,7 @@ from typing import Any
 from morion import __version__
 from morion.config import EngineConfig
 from morion.engine.messages import EngineInfo, EngineStats
-from morion.server.options import ServeOptions
+from morion.server.options import MAX_GRAMMAR_SOURCE_BYTES, ServeOptions
 from morion.server.protocol import MAX_N
 
 
@@ -64,7 +64,11 @@ def startup_summary(options: ServeOptions, served_names: list[str], info: Engine
         f"x {info.bytes_per_token} B = {info.pool_bytes / 2**30:.2f} GiB",
         f"  max model len  {info.max_model_len} (model context {info.context_length})",
         f"  requests       body <= {options.max_request_bytes} B, n <= {MAX_N}, "
+        f"headers and body within {options.read_timeout:g} s each, "
         f"SIGTERM drains for up to {options.shutdown_timeout:g} s",
+        f"  grammars       <= {MAX_GRAMMAR_SOURCE_BYTES} B of schema or regex, compiled within "
+        f"{options.grammar_timeout:g} s and {options.grammar_memory_gb:g} GiB",
+        f"  browsers       {_origins_line(options.allowed_origins)}",
     ]
     speculative = speculative_feature(config)
     if speculative["method"] != "off":
@@ -72,6 +76,12 @@ def startup_summary(options: ServeOptions, served_names: list[str], info: Engine
         lines.append(f"  speculative    {speculative['method']} drafts, {width}")
     lines += [f"  auto           {decision}" for decision in automatic_decisions(config, info)]
     return "\n".join(lines)
+
+
+def _origins_line(allowed_origins: tuple[str, ...]) -> str:
+    if not allowed_origins:
+        return "no origin allowed (--allowed-origins)"
+    return "any origin (CORS)" if "*" in allowed_origins else f"CORS for {', '.join(allowed_origins)}"
 
 
 def server_info(
@@ -95,6 +105,11 @@ def server_info(
             "max_request_bytes": options.max_request_bytes,
             "max_n": MAX_N,
             "shutdown_timeout": options.shutdown_timeout,
+            "read_timeout": options.read_timeout,
+            "allowed_origins": list(options.allowed_origins),
+            "grammar_timeout": options.grammar_timeout,
+            "grammar_memory_gb": options.grammar_memory_gb,
+            "max_grammar_source_bytes": MAX_GRAMMAR_SOURCE_BYTES,
             "profile": options.profile,
         },
         "features": {**(features or {}), "speculative": speculative_feature(options.engine)},

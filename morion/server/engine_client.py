@@ -149,7 +149,7 @@ class EngineClient:
         self.open_streams.discard(stream)
 
     def abort_all(self) -> None:
-        """Ends every open stream's requests; each stream then sees finish_reason "abort"."""
+        """Ends every open stream's requests; each stream then ends with a 503 error (serving.py)."""
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
 
@@ -216,6 +216,13 @@ class EngineClient:
         self._on_fatal(error)
 
     # --------------------------------------------------------------- shutdown
+    def kill_now(self) -> None:
+        """Kills the engine without waiting or reaping (a forced exit; callable from a signal handler). Its
+        requests get no last delta: the process is about to end with their connections."""
+        self.state = STOPPED  # its exit is expected: no "exited unexpectedly" failure
+        if self._process is not None:
+            self._process.kill()  # SIGKILL; returns at once
+
     def kill_process(self) -> None:
         """For a start-up that fails before the event loop runs."""
         if self._process is not None and self._process.is_alive():

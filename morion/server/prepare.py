@@ -84,6 +84,7 @@ def chat_job(
 ) -> EngineJob:
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    check_vocabulary(request.stop_token_ids or (), info, "stop_token_ids")
     check_prompt_fits(prompt, info, "messages")
     if request.max_completion_tokens is not None:
         requested, name = request.max_completion_tokens, "max_completion_tokens"
@@ -95,6 +96,7 @@ def chat_job(
 
 
 def completion_job(request: CompletionRequest, tokenizer: Tokenizer | None, info: EngineInfo) -> EngineJob:
+    check_vocabulary(request.stop_token_ids or (), info, "stop_token_ids")
     prompts = [completion_prompt(p, tokenizer, info) for p in request.prompt]
     params = []
     for prompt in prompts:
@@ -114,13 +116,15 @@ def completion_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, info
             raise APIError(400, "the prompt is empty", param="prompt")
     else:
         token_ids = prompt
-        bad = next((t for t in token_ids if t >= info.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt"
-            )
+        check_vocabulary(token_ids, info, "prompt")
     check_prompt_fits(token_ids, info, "prompt")
     return token_ids
+
+
+def check_vocabulary(token_ids: Sequence[int], info: EngineInfo, param: str) -> None:
+    bad = next((t for t in token_ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param)
 
 
 def check_prompt_fits(prompt: list[int], info: EngineInfo, param: str) -> None:

@@ -3,6 +3,8 @@
 Both paths consume the same `RequestStream` batches (one per engine step). A request that fails in the
 engine ends a stream with an OpenAI-style error event, or answers non-streaming with 400 (the request was
 invalid) or 500 (the engine failed); either way its other choices are aborted and the server keeps going.
+A request the server aborts (the shutdown drain ran out of time) ends the same way, with a 503 error:
+"abort" is no OpenAI finish_reason, and a cut answer must not look like a finished one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ async def run_job(
         disconnect.cancel()
         if not collect.done():
             collect.cancel()  # the client is gone; closing the stream aborts its engine requests
+        # A cancelled task is done only once it has run again: settle both before reading either.
+        await asyncio.gather(collect, disconnect, return_exceptions=True)
         request_stream.close()
     if collect.cancelled():
         return Response(status_code=499)  # nobody reads it; the access log shows why it ended
@@ -50,9 +54,17 @@ async def run_job(
 
 
 def _error(delta: RequestDelta) -> APIError:
+    if delta.finish_reason == "abort":
+        return APIError(
+            503, "the server is shutting down and stopped this request before it finished", code="aborted"
+        )
     if delta.internal:
         return APIError(500, f"the engine failed on this request: {delta.error}", code="engine_error")
     return APIError(400, delta.error or "the engine rejected the request")
+
+
+def _ended_early(delta: RequestDelta) -> bool:
+    return delta.finish_reason in ("error", "abort")
 
 
 async def _collect(stream: RequestStream, response_format: ResponseFormat, n: int) -> dict[str, Any]:
@@ -60,7 +72,7 @@ async def _collect(stream: RequestStream, response_format: ResponseFormat, n: in
     usage = UsageTotals(n)
     async for batch in stream.batches():
         for index, delta in batch:
-            if delta.finish_reason == "error":
+            if _ended_early(delta):
                 raise _error(delta)
             choice = choices[index]
             if response_format.wants_logprobs and delta.token_ids:
@@ -85,7 +97,7 @@ async def _events(
     async for batch in stream.batches():
         events = []
         for index, delta in batch:
-            if delta.finish_reason == "error":
+            if _ended_early(delta):
                 yield sse_event(_error(delta).body())
                 return
             choice = choices[index]

@@ -93,16 +93,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(args: Sequence[str], log_path: Path, api_key: str | None = None) -> RunningServer:
-    """Starts `morion serve` without waiting for it."""
+def launch(
+    args: Sequence[str],
+    log_path: Path,
+    api_key: str | None = None,
+    entry: Sequence[str] = ("-m", "morion"),
+    env: dict[str, str] | None = None,
+) -> RunningServer:
+    """Starts `morion serve` without waiting for it. `entry`: how Python runs morion (a script in its
+    place, say); `env`: added to the environment."""
     port = free_port()
-    command = [sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:
         command += ["--api-key", api_key]
     # One torch thread: the engine shares a small machine with its front end, the test process and maybe
     # other jobs, and torch's multi-threaded CPU kernels slow down by orders of magnitude when their
     # threads are descheduled. These tests check behaviour, not speed.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     log = log_path.open("w")
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
@@ -129,8 +136,10 @@ def wait_until_ready(server: RunningServer, timeout: float = STARTUP_TIMEOUT_S) 
     raise RuntimeError(f"morion serve was not ready after {timeout} s:\n{server.log()}")
 
 
-def start_server(args: Sequence[str], log_path: Path, api_key: str | None = None) -> RunningServer:
-    server = launch(args, log_path, api_key)
+def start_server(
+    args: Sequence[str], log_path: Path, api_key: str | None = None, **launch_options
+) -> RunningServer:
+    server = launch(args, log_path, api_key, **launch_options)
     wait_until_ready(server)
     return server
 
@@ -170,6 +179,32 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iter
         ["--config", str(profile), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
         directory / "serve.log",
         api_key=API_KEY,
+    )
+    yield running
+    status = stop(running)
+    assert status == 0, running.log()
+
+
+FAILING_SEED = 424242  # faulty_morion.py makes the engine's sampling fail for requests with this seed
+ALLOWED_ORIGIN = "https://app.example"
+HARDENED_READ_TIMEOUT_S = 1.5
+HARDENED_GRAMMAR_MEMORY_GB = 0.25
+
+
+@pytest.fixture(scope="session")
+def hardened_server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[RunningServer]:
+    """A server with short read and grammar bounds, one allowed browser origin, a 4 MiB body limit, and
+    a planted fault: the engine's sampling fails for requests seeded FAILING_SEED (faulty_morion.py)."""
+    directory = tmp_path_factory.mktemp("hardened-server")
+    running = start_server(
+        [
+            *("--kv-cache-tokens", "4096", "--max-model-len", "2048", "--device", "cpu"),
+            *("--read-timeout", str(HARDENED_READ_TIMEOUT_S), "--allowed-origins", ALLOWED_ORIGIN),
+            *("--grammar-timeout", "5", "--grammar-memory-gb", str(HARDENED_GRAMMAR_MEMORY_GB)),
+        ],
+        directory / "serve.log",
+        entry=(str(Path(__file__).with_name("faulty_morion.py")),),
+        env={"MORION_FAULTY_SEED": str(FAILING_SEED)},
     )
     yield running
     status = stop(running)
