@@ -467,17 +467,18 @@ class Engine:
         """One token for each request (row of `logits`). When the batch's sampling raises, each row is
         sampled alone, so a request whose own sampling fails (its parameters, its grammar) fails alone
         and the others get what they get in any batch: a row's token depends only on its own row and
-        generator (engine/sampler.py). The retry draws again, so a failure after the draws (none is
-        known: the draws come last) would move the other rows' seeded streams on by one token."""
+        generator (engine/sampler.py). The retry draws again: a failure after the draws (while
+        gathering logprobs, say; none is known) would move the other rows' seeded streams on by a draw."""
         try:
             result = sample(logits, [request.sampler for request in requests])
-        except Exception:
+        except Exception as error:
+            logger.warning("sampling a batch of %d failed (%r): sampling each alone", len(requests), error)
             outputs = []
             for row, request in enumerate(requests):
                 try:
                     alone = sample(logits[row : row + 1], [request.sampler])
-                except Exception as error:
-                    outputs.append(self._fail(request, error))
+                except Exception as own_error:
+                    outputs.append(self._fail(request, own_error))
                     continue
                 outputs.append(self._append_token(request, 0, alone))
             return outputs

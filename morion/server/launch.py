@@ -6,10 +6,9 @@ answers 503 until the engine reports ready, and the startup summary is printed t
 
 Shutdown: the first SIGTERM or SIGINT stops admission (/health 503, new completions 503), lets in-flight
 requests finish for up to `shutdown_timeout` seconds, aborts the rest, then stops uvicorn and the engine
-and exits 0. A second signal (or a first one before uvicorn runs) kills the engine and grammar processes
-and ends the front end at once, by that signal: waiting for anything (uvicorn's connections, the engine,
-which ignores SIGTERM, or Python's exit-time join of its children) is what a second signal is sent to
-cut short.
+and exits 0. A second signal kills the engine and grammar processes and ends the front end at once, by
+that signal: waiting for anything (uvicorn's connections, the engine, which ignores SIGTERM, or Python's
+exit-time join of its children) is what a second signal is sent to cut short.
 """
 
 from __future__ import annotations
@@ -108,6 +107,7 @@ class _DrainingServer(uvicorn.Server):
         self._client = context.client
         self._drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
         self._draining: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:  # type: ignore[override]
@@ -117,10 +117,10 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
         # process with the signal's status; a drained shutdown exits 0 instead.
-        if self._loop is None or self._draining is not None:
+        if self._loop is None or self._signalled:
             self._stop_at_once(sig)
-        else:
-            self._loop.call_soon_threadsafe(self._start_drain)
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._start_drain)
 
     def _stop_at_once(self, sig: int) -> NoReturn:
         print(

@@ -146,7 +146,9 @@ class GrammarService:
         return compiled
 
     def close(self) -> None:
-        """Stops the compiler child (waiting for a compilation in progress, at most its timeout)."""
+        """Stops the compiler child; a compilation in progress fails at once."""
+        if self._worker is not None:
+            self._worker.kill()  # the waiting thread sees the pipe close and returns
         self._thread.shutdown(wait=True, cancel_futures=True)
         if self._worker is not None:
             self._worker.close()

@@ -39,7 +39,7 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # `encode` holds the GIL throughout (seconds for megabytes); the batch call releases it, so a
         # server thread tokenizing a huge prompt leaves the event loop running.
-        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
