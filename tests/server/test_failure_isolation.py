@@ -20,7 +20,7 @@ NEIGHBOURS = [
     {"prompt": "The capital of France is", "temperature": 0},
     {"prompt": "def fibonacci(n):", "temperature": 1.0, "top_k": 40, "top_p": 0.9, "seed": 11},
 ]
-COMMON = {"max_tokens": 40, "ignore_eos": True}
+COMMON = {"max_tokens": 24, "ignore_eos": True}
 FAILING = {"prompt": "Tell me a story", "temperature": 0.7, "seed": FAILING_SEED, "max_tokens": 8}
 
 
@@ -61,13 +61,14 @@ def test_a_request_failing_in_the_engine_does_not_fail_its_neighbours(hardened_s
     for thread in threads:
         thread.join(timeout=120)
 
+    for index in range(len(NEIGHBOURS)):
+        assert "error" not in results[index][-1], results[index][-1]
+        assert _text(results[index]) == alone[index], NEIGHBOURS[index]
+        assert results[index][-1]["choices"][0]["finish_reason"] == "length"
     [error] = failed
     assert error["error"]["type"] == "internal_server_error" and error["error"]["code"] == "engine_error"
     assert "planted" not in error["error"]["message"] and "server log" in error["error"]["message"]
     assert "planted fault: sampling fails" in hardened_server.log()  # the operator sees the traceback
-    for index, events in results.items():
-        assert _text(events) == alone[index], NEIGHBOURS[index]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
 
     with hardened_server.http() as http:
         whole = http.post("/v1/completions", json=FAILING)

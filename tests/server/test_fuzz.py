@@ -202,7 +202,6 @@ CHAT_BODIES = bodies(CHAT_REQUIRED, CHAT_OPTIONAL)
 COMPLETION_BODIES = bodies(COMPLETION_REQUIRED, COMPLETION_OPTIONAL)
 FUZZ_SETTINGS = settings(
     deadline=None,
-    max_examples=100,
     derandomize=True,  # the same examples on every run: a CI failure reproduces
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -281,13 +280,13 @@ def test_every_field_at_every_extreme(fuzz_http, path):
 
 
 @given(body=CHAT_BODIES)
-@settings(FUZZ_SETTINGS, max_examples=80)
+@settings(FUZZ_SETTINGS, max_examples=60)
 def test_chat_completions_fuzz(fuzz_http, body):
     _send(fuzz_http[0], "/v1/chat/completions", body)
 
 
 @given(body=COMPLETION_BODIES)
-@settings(FUZZ_SETTINGS, max_examples=50)
+@settings(FUZZ_SETTINGS, max_examples=40)
 def test_completions_fuzz(fuzz_http, body):
     _send(fuzz_http[0], "/v1/completions", body)
 
