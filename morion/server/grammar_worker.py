@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -166,6 +167,10 @@ def _serve(connection: Connection, tokenizer_info_json: str, max_compiled_bytes:
             serialized = compile_spec(compiler, GrammarSpec(kind, source)).serialize_json()
         except GrammarError as error:
             connection.send(("error", str(error)))
+            continue
+        except Exception:  # xgrammar failing otherwise on this input: the traceback goes to the log
+            traceback.print_exc()
+            connection.send(("error", "the grammar could not be compiled"))
             continue
         if len(serialized) > max_compiled_bytes:
             connection.send(("too_large", len(serialized)))

@@ -2,6 +2,10 @@
 
 One server (`server`) is shared by every test module here; tests that stop a server start their own with
 `start_server`. Every wait is bounded, and only 127.0.0.1 is ever contacted.
+
+The shared server runs through `faulty_morion.py`, which plants two faults that only a request made for
+them meets (a sampling failure for requests seeded FAILING_SEED, a front-end error for one prompt), and
+has short read and grammar bounds and one allowed browser origin, for the hardening tests.
 """
 
 from __future__ import annotations
@@ -24,12 +28,21 @@ API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
 # The shared server's profile; the command line sets max-model-len again, and must win.
-PROFILE = """
+FAILING_SEED = 424242  # faulty_morion.py makes the engine's sampling fail for requests with this seed
+ALLOWED_ORIGIN = "https://app.example"
+READ_TIMEOUT_S = 1.5
+GRAMMAR_MEMORY_GB = 0.25
+MAX_REQUEST_BYTES = 2 * 2**20
+PROFILE = f"""
 kv-cache-tokens = 8192
 max-model-len = 1024
 chunk-size = 512
-max-request-bytes = 65536
+max-request-bytes = {MAX_REQUEST_BYTES}
 served-model-name = "smollm2"
+read-timeout = {READ_TIMEOUT_S}
+allowed-origins = "{ALLOWED_ORIGIN}"
+grammar-timeout = 5
+grammar-memory-gb = {GRAMMAR_MEMORY_GB}
 """
 MAX_MODEL_LEN = 2048  # from the command line, over the profile's 1024
 
@@ -179,33 +192,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iter
         ["--config", str(profile), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
         directory / "serve.log",
         api_key=API_KEY,
-    )
-    yield running
-    status = stop(running)
-    assert status == 0, running.log()
-
-
-FAILING_SEED = 424242  # faulty_morion.py makes the engine's sampling fail for requests with this seed
-ALLOWED_ORIGIN = "https://app.example"
-HARDENED_READ_TIMEOUT_S = 1.5
-HARDENED_GRAMMAR_MEMORY_GB = 0.25
-
-
-@pytest.fixture(scope="session")
-def hardened_server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[RunningServer]:
-    """A server with short read and grammar bounds, one allowed browser origin, a 4 MiB body limit, and
-    a planted fault: the engine's sampling fails for requests seeded FAILING_SEED (faulty_morion.py)."""
-    directory = tmp_path_factory.mktemp("hardened-server")
-    running = start_server(
-        [
-            *("--kv-cache-tokens", "4096", "--max-model-len", "2048", "--device", "cpu"),
-            *("--read-timeout", str(HARDENED_READ_TIMEOUT_S), "--allowed-origins", ALLOWED_ORIGIN),
-            *("--grammar-timeout", "5", "--grammar-memory-gb", str(HARDENED_GRAMMAR_MEMORY_GB)),
-        ],
-        directory / "serve.log",
         entry=(str(Path(__file__).with_name("faulty_morion.py")),),
         env={"MORION_FAULTY_SEED": str(FAILING_SEED)},
     )
     yield running
     status = stop(running)
     assert status == 0, running.log()
+

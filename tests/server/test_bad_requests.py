@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import MAX_REQUEST_BYTES
+
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
@@ -149,7 +151,7 @@ CASES = [
     (
         "oversized body",
         COMPLETIONS,
-        {"prompt": "x" * 70000},
+        {"prompt": "x" * (MAX_REQUEST_BYTES + 1000)},
         413,
         None,
         "request_too_large",

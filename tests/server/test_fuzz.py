@@ -258,7 +258,7 @@ def fuzz_http(server):
 
 # Every field at every one of these, on an otherwise valid sampled request: the sweep that random
 # combinations may miss (top_k = 2**63 with a temperature used to fail every request in the engine).
-EXTREMES = [None, True, -1, 2**31, 2**63, 2**64, -(2**63), 1e-300, 1e300, math.inf, math.nan, "x", [1], {}]
+EXTREMES = [None, True, -1, 2**31, 2**63, 2**64, 1e-300, math.inf, math.nan, "x", [1]]
 SWEPT = {
     "/v1/chat/completions": (
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 1.0, "seed": 1},
@@ -280,7 +280,7 @@ def test_every_field_at_every_extreme(fuzz_http, path):
 
 
 @given(body=CHAT_BODIES)
-@settings(FUZZ_SETTINGS, max_examples=60)
+@settings(FUZZ_SETTINGS, max_examples=50)
 def test_chat_completions_fuzz(fuzz_http, body):
     _send(fuzz_http[0], "/v1/chat/completions", body)
 

@@ -2,7 +2,7 @@
 drove the front end to 14 GB, and 1,000 properties took 32 s and 3.4 GB to compile. Now a schema past the
 size limit is refused at once; one within it whose compilation passes the memory (or time) bound is
 refused when it does, while the server's memory stays within that bound; structured output keeps working
-afterwards. On the hardened server (conftest.py: --grammar-memory-gb 0.25, --grammar-timeout 5)."""
+afterwards. On the shared server (conftest.py: --grammar-memory-gb 0.25, --grammar-timeout 5)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import HARDENED_GRAMMAR_MEMORY_GB
+from tests.server.conftest import GRAMMAR_MEMORY_GB
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +45,9 @@ def _tree_rss(server) -> int:
     return total
 
 
-def test_a_schema_over_the_size_limit_is_refused_at_once(hardened_server):
+def test_a_schema_over_the_size_limit_is_refused_at_once(server):
     started = time.monotonic()
-    with hardened_server.http() as http:
+    with server.http() as http:
         response = http.post("/v1/chat/completions", json=_chat(_schema(3000)))
     assert time.monotonic() - started < 5
     assert response.status_code == 400, response.text
@@ -56,18 +56,18 @@ def test_a_schema_over_the_size_limit_is_refused_at_once(hardened_server):
     assert "over the limit of 65536 bytes" in error["message"]
 
 
-def test_a_schema_too_costly_to_compile_is_refused_within_the_memory_bound(hardened_server):
+def test_a_schema_too_costly_to_compile_is_refused_within_the_memory_bound(server):
     small = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
-    with hardened_server.http() as http:
+    with server.http() as http:
         assert http.post("/v1/chat/completions", json=_chat(small)).status_code == 200  # compiler started
-        baseline = _tree_rss(hardened_server)
+        baseline = _tree_rss(server)
         peak = [baseline]
         watching = threading.Event()
         watching.set()
 
         def watch() -> None:
             while watching.is_set():
-                peak[0] = max(peak[0], _tree_rss(hardened_server))
+                peak[0] = max(peak[0], _tree_rss(server))
                 time.sleep(0.01)
 
         watcher = threading.Thread(target=watch)
@@ -84,7 +84,7 @@ def test_a_schema_too_costly_to_compile_is_refused_within_the_memory_bound(harde
         assert error["param"] == "response_format.json_schema.schema"
         assert "--grammar-memory-gb" in error["message"] or "--grammar-timeout" in error["message"]
         growth = peak[0] - baseline
-        assert growth <= HARDENED_GRAMMAR_MEMORY_GB * 2**30 + SLACK_BYTES, f"{growth / 2**20:.0f} MiB"
+        assert growth <= GRAMMAR_MEMORY_GB * 2**30 + SLACK_BYTES, f"{growth / 2**20:.0f} MiB"
         # The next grammar gets a fresh compiler, and the answer follows its schema.
         sized = {"type": "object", "properties": {"size": {"type": "integer"}}, "required": ["size"]}
         again = http.post("/v1/chat/completions", json=_chat(sized))
