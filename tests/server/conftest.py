@@ -198,4 +198,3 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iter
     yield running
     status = stop(running)
     assert status == 0, running.log()
-
