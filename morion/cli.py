@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from morion.bench.options import add_bench_arguments
+from morion.engine_flags import add_engine_flags, add_model_flags, bounded, engine_config, engine_options
 from morion.errors import MorionError
 from morion.logs import show_morion_logs
 from morion.validate.options import add_validate_arguments
@@ -22,19 +22,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _bounded(kind: Callable[[str], float], minimum: float, name: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {text}")
-        return value
-
-    return parse
+# The server's numeric flags: (flag, type, minimum, help).
+_SERVE_NUMBERS = (
+    ("--port", int, 1, "TCP port (default 8000)"),
+    ("--max-request-bytes", int, 1, "request body limit (4 MiB)"),
+    ("--shutdown-timeout", float, 0.0, "seconds in-flight requests get to finish after SIGTERM (30)"),
+    ("--read-timeout", float, 0.001, "seconds a client gets to send a request's headers, then its body (30)"),
+    ("--grammar-timeout", float, 0.001, "seconds one structured-output grammar may take to compile (10)"),
+    ("--grammar-memory-gb", float, 0.001, "memory one grammar's compilation may take (1 GiB)"),
+)
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -48,133 +44,6 @@ def _origins(text: str) -> tuple[str, ...]:
     return origins
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="model directory, .gguf file or known name (default: smollm2-135m-instruct)"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model flags plus the engine's; a flag left unset keeps EngineConfig's default."""
-    _add_model_arguments(parser)
-    parser.add_argument(
-        "--page-size", type=_bounded(int, 1, "--page-size"), help="tokens per KV page (default 16)"
-    )
-    parser.add_argument(
-        "--kv-cache-tokens", type=_bounded(int, 1, "--kv-cache-tokens"), help="KV pool capacity in tokens"
-    )
-    parser.add_argument(
-        "--kv-cache-gb",
-        type=_bounded(float, 0.0, "--kv-cache-gb"),
-        help="KV pool size in GiB (default: 1 on CPU, --mem-fraction of free memory on CUDA)",
-    )
-    parser.add_argument(
-        "--mem-fraction", type=_bounded(float, 0.0, "--mem-fraction"), help="share of free CUDA memory (0.85)"
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=_bounded(int, 1, "--max-model-len"),
-        help="longest prompt + generation (default: the model's context, capped by the KV pool)",
-    )
-    parser.add_argument(
-        "--chunk-size", type=_bounded(int, 1, "--chunk-size"), help="token budget of one engine step (4096)"
-    )
-    parser.add_argument(
-        "--max-running-requests", type=_bounded(int, 1, "--max-running-requests"), help="batch size cap (64)"
-    )
-    parser.add_argument(
-        "--load-format",
-        choices=("auto", "dummy"),
-        help="dummy: random weights of the real shapes (benchmarks)",
-    )
-    parser.add_argument(
-        "--state-dtype", choices=("float32", "bfloat16"), help="Gated DeltaNet recurrent state (float32)"
-    )
-    parser.add_argument(
-        "--state-slots",
-        type=_bounded(int, 1, "--state-slots"),
-        help="per-request state slots (4 per running request)",
-    )
-    parser.add_argument(
-        "--host-cache-gb", type=_bounded(float, 0.0, "--host-cache-gb"), help="host-RAM cache tier (off)"
-    )
-    parser.add_argument("--host-cache-write-policy", choices=("write_through", "write_back"))
-    parser.add_argument("--disk-cache-dir", help="disk cache tier root (needs --host-cache-gb)")
-    parser.add_argument(
-        "--disk-cache-gb",
-        type=_bounded(float, 0.0, "--disk-cache-gb"),
-        help="disk tier budget (half the free space)",
-    )
-    parser.add_argument(
-        "--disk-cache-direct-io",
-        action="store_true",
-        default=None,
-        help="write disk cache objects with O_DIRECT (default: buffered: a restart reads the page cache)",
-    )
-    parser.add_argument(
-        "--weight-dtype", choices=("auto", "fp8"), help="fp8: store linear and expert weights in e4m3 (auto)"
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=("auto", "fp8", "float32", "bfloat16", "float16"),
-        help="K/V pool dtype (auto: the model dtype)",
-    )
-    parser.add_argument(
-        "--no-cuda-graph",
-        dest="cuda_graph",
-        action="store_false",
-        default=None,
-        help="run decode steps eagerly (debugging)",
-    )
-    parser.add_argument(
-        "--cuda-graph-max-batch",
-        type=_bounded(int, 1, "--cuda-graph-max-batch"),
-        help="largest decode batch captured in a CUDA graph (64)",
-    )
-    parser.add_argument(
-        "--activation-reserve-gb",
-        type=_bounded(float, 0.0, "--activation-reserve-gb"),
-        help="CUDA memory kept free for activations (default: measured by a warm-up forward)",
-    )
-    parser.add_argument(
-        "--moe-kernel",
-        choices=("auto", "grouped", "triton"),
-        help="routed experts on CUDA: fused Triton kernels to 16 tokens (auto), 64 (triton), or grouped GEMM",
-    )
-    parser.add_argument(
-        "--speculative",
-        choices=("off", "ngram", "mtp"),
-        help="speculative decoding: mtp (the model's own draft head) or ngram (lookups in the conversation)",
-    )
-    parser.add_argument(
-        "--spec-token-map", metavar="FILE", help="FR-Spec draft vocabulary for mtp (morion frspec build)"
-    )
-    parser.add_argument(
-        "--spec-policy", metavar="FILE", help="draft width policy, JSON (docs/speculative.md)"
-    )
-    parser.add_argument(
-        "--spec-width",
-        type=_bounded(int, 1, "--spec-width"),
-        help="a fixed draft width instead of the policy",
-    )
-    parser.add_argument(
-        "--ple-placement",
-        choices=("ram", "mmap"),
-        help="Qwen3.8-Flash-Next's n-gram table: host RAM, pinned on CUDA (ram), or memory-mapped files",
-    )
-    parser.add_argument(
-        "--no-prefix-cache",
-        dest="enable_prefix_cache",
-        action="store_false",
-        default=None,
-        help="do not reuse cached prompt prefixes",
-    )
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="morion", description="Serve and run hybrid MoE language models.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -183,12 +52,12 @@ def _build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default=None, help="known model name (default: the default model)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    _add_engine_arguments(generate)
+    add_engine_flags(generate)
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=_bounded(int, 1, "--max-tokens"), default=256)
-    generate.add_argument("--temperature", type=_bounded(float, 0.0, "--temperature"), default=0.0)
-    generate.add_argument("--top-p", type=_bounded(float, 0.0, "--top-p"), default=1.0)
-    generate.add_argument("--top-k", type=_bounded(int, 0, "--top-k"), default=0)
+    generate.add_argument("--max-tokens", type=bounded(int, 1, "--max-tokens"), default=256)
+    generate.add_argument("--temperature", type=bounded(float, 0.0, "--temperature"), default=0.0)
+    generate.add_argument("--top-p", type=bounded(float, 0.0, "--top-p"), default=1.0)
+    generate.add_argument("--top-k", type=bounded(int, 0, "--top-k"), default=0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument(
         "--chat",
@@ -198,38 +67,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
-    _add_engine_arguments(serve)
+    add_engine_flags(serve)
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=_bounded(int, 1, "--port"), help="TCP port (default 8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
-    serve.add_argument(
-        "--max-request-bytes", type=_bounded(int, 1, "--max-request-bytes"), help="request body limit (4 MiB)"
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=_bounded(float, 0.0, "--shutdown-timeout"),
-        help="seconds in-flight requests get to finish after SIGTERM (30)",
-    )
-    serve.add_argument(
-        "--read-timeout",
-        type=_bounded(float, 0.001, "--read-timeout"),
-        help="seconds a client gets to send a request's headers, and then its body (30)",
-    )
+    for flag, kind, minimum, help_text in _SERVE_NUMBERS:
+        serve.add_argument(flag, type=bounded(kind, minimum, flag), help=help_text)
     serve.add_argument(
         "--allowed-origins",
         type=_origins,
         help="comma-separated browser origins that may call the API, with CORS ('*': any; default: none)",
-    )
-    serve.add_argument(
-        "--grammar-timeout",
-        type=_bounded(float, 0.001, "--grammar-timeout"),
-        help="seconds one structured-output grammar may take to compile (10)",
-    )
-    serve.add_argument(
-        "--grammar-memory-gb",
-        type=_bounded(float, 0.001, "--grammar-memory-gb"),
-        help="memory one grammar's compilation may take (1 GiB)",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -239,11 +86,22 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reasoning-parser", choices=("qwen3",), help="split <think>...</think> into reasoning_content"
     )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="morion's and uvicorn's logs (info)",
+    )
+    serve.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=None,
+        help="one log line per request: status, tokens, time to first token, duration",
+    )
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
     bench = commands.add_parser("bench", help="measure decode, prefill and TTFT against the roofline")
-    _add_engine_arguments(bench)
+    add_engine_flags(bench)
     add_bench_arguments(bench)
 
     validate = commands.add_parser(
@@ -252,7 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_validate_arguments(validate)
 
     info = commands.add_parser("info", help="print a model's architecture summary")
-    _add_model_arguments(info)
+    add_model_flags(info)
 
     cache = commands.add_parser("cache", help="inspect, verify or purge a disk cache tier")
     cache.add_argument("action", choices=("ls", "verify", "purge"))
@@ -269,9 +127,9 @@ def _build_parser() -> argparse.ArgumentParser:
     frspec.add_argument(
         "--corpus", nargs="+", required=True, metavar="FILE", help="text files to count tokens in"
     )
-    frspec.add_argument("--size", type=_bounded(int, 1, "--size"), required=True, help="ids in the map")
+    frspec.add_argument("--size", type=bounded(int, 1, "--size"), required=True, help="ids in the map")
     frspec.add_argument(
-        "--base-count", type=_bounded(int, 0, "--base-count"), help="lowest ids always kept (half of --size)"
+        "--base-count", type=bounded(int, 0, "--base-count"), help="lowest ids always kept (half of --size)"
     )
     frspec.add_argument("--out", required=True, help="the map file to write (JSON)")
     return parser
@@ -283,36 +141,6 @@ def _run_pull(args: argparse.Namespace) -> None:
     print(pull(args.name or DEFAULT_MODEL))
 
 
-_ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "page_size",
-    "kv_cache_tokens",
-    "kv_cache_gb",
-    "mem_fraction",
-    "max_model_len",
-    "chunk_size",
-    "max_running_requests",
-    "enable_prefix_cache",
-    "load_format",
-    "state_dtype",
-    "state_slots",
-    "host_cache_gb",
-    "host_cache_write_policy",
-    "disk_cache_dir",
-    "disk_cache_gb",
-    "disk_cache_direct_io",
-    "weight_dtype",
-    "kv_cache_dtype",
-    "cuda_graph",
-    "cuda_graph_max_batch",
-    "activation_reserve_gb",
-    "moe_kernel",
-    "speculative",
-    "spec_policy",
-    "spec_width",
-    "ple_placement",
-)
 _SERVER_FLAGS = (
     "host",
     "port",
@@ -326,6 +154,8 @@ _SERVER_FLAGS = (
     "grammar_memory_gb",
     "tool_call_parser",
     "reasoning_parser",
+    "log_level",
+    "log_requests",
 )
 
 
@@ -333,11 +163,15 @@ def _given(args: argparse.Namespace, names: Sequence[str]) -> dict:
     return {name: value for name in names if (value := getattr(args, name, None)) is not None}
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
-    return _given(args, _ENGINE_FLAGS)
-
-
 def _run_generate(args: argparse.Namespace) -> None:
+    from morion.loader.model_store import DEFAULT_MODEL
+    from morion.loader.resolve import resolve_model_path
+    from morion.models.presets import is_preset
+
+    if not is_preset(args.model):
+        resolve_model_path(args.model)  # a missing path or id fails here, before seconds of imports
+    # Before the imports: torch alone takes seconds on a small CPU, and the user should see why.
+    print(f"morion: loading {args.model or DEFAULT_MODEL}", file=sys.stderr, flush=True)
     from morion.engine.sampling_params import SamplingParams
     from morion.llm import LLM
 
@@ -348,7 +182,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(model=args.model, **_engine_options(args))
+    llm = LLM(model=args.model, **engine_options(args))
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise MorionError(
@@ -359,6 +193,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         prompt_ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
+    print(f"morion: generating after a prompt of {len(prompt_ids)} tokens", file=sys.stderr, flush=True)
     started = time.perf_counter()
     num_tokens = 0
     for step in llm.stream(prompt_ids, params):
@@ -375,10 +210,9 @@ def _run_generate(args: argparse.Namespace) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> None:
-    from morion.config import EngineConfig
     from morion.loader import load_model
 
-    config = EngineConfig(model=args.model, **_engine_options(args))
+    config = engine_config(args)
     loaded = load_model(
         config.model, config.torch_dtype, config.torch_device, host_table_placement=config.ple_placement
     )
@@ -393,12 +227,10 @@ def _run_info(args: argparse.Namespace) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    from morion.config import EngineConfig
     from morion.server.launch import serve
     from morion.server.options import ServeOptions
 
-    engine = EngineConfig(model=args.model, **_engine_options(args))
-    serve(ServeOptions(engine, profile=args.config, **_given(args, _SERVER_FLAGS)))
+    serve(ServeOptions(engine_config(args), profile=args.config, **_given(args, _SERVER_FLAGS)))
 
 
 def _with_profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None):
@@ -434,7 +266,7 @@ def _run_cache(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from morion.bench.run import run_bench
 
-    return run_bench(args, _engine_options(args))
+    return run_bench(args, engine_options(args))
 
 
 def _run_validate(args: argparse.Namespace) -> int:

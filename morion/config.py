@@ -1,16 +1,22 @@
-"""The one frozen engine configuration that CLI flags map onto, with automatic choices resolved."""
+"""The one frozen engine configuration that CLI flags map onto, with automatic choices resolved.
+
+torch is imported only where a value needs it: the server's front end builds and pickles an
+`EngineConfig` to start the engine process before it imports anything heavy.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from morion.errors import MorionError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("auto", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8", *DTYPES)
+KV_CACHE_DTYPES = ("auto", "fp8", *DTYPE_NAMES)
 # Speculative decoding drafters selectable by name (the synthetic benchmark drafter is passed in code).
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 # Where tables a model keeps in host memory live (Qwen3.8-Flash-Next's PLE table; layers/host_table.py).
@@ -40,7 +46,7 @@ class EngineConfig:
     host_cache_write_policy: str = "write_through"  # or write_back: copy to host only on device eviction
     host_cache_state_fraction: float = 0.25  # share of host_cache_gb for state snapshots (hybrid models)
     disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
-    disk_cache_gb: float | None = None  # disk tier budget; None: half the filesystem's free space at start
+    disk_cache_gb: float | None = None  # disk tier budget; None: half of (free space + its objects) at start
     disk_cache_direct_io: bool = False  # write disk objects with O_DIRECT (else buffered: page-cache warm)
     weight_dtype: str = "auto"  # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales
@@ -55,8 +61,8 @@ class EngineConfig:
     ple_placement: str = "ram"  # PLE n-gram table: ram (pinned on CUDA), or mmap of the checkpoint files
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise MorionError(f"unsupported dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise MorionError(f"unsupported dtype {self.dtype!r} (choose auto, {', '.join(DTYPE_NAMES)})")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise MorionError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -73,6 +79,11 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise MorionError(f"{name} must be positive, got {value}")
+        if self.chunk_size < self.page_size:
+            raise MorionError(
+                f"chunk_size ({self.chunk_size}) must be at least page_size ({self.page_size}): prefill "
+                "chunks end on page boundaries"
+            )
         if not 0 < self.mem_fraction <= 1:
             raise MorionError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("host_cache_gb", "disk_cache_gb"):
@@ -119,6 +130,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
@@ -131,14 +144,28 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
         if self.kv_cache_dtype == "fp8":
             return torch.float8_e4m3fn
-        return DTYPES[self.kv_cache_dtype]
+        return getattr(torch, self.kv_cache_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # name -> torch dtype, built when first asked for (it imports torch)
+        import torch
+
+        value = {dtype: getattr(torch, dtype) for dtype in DTYPE_NAMES}
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'morion.config' has no attribute {name!r}")

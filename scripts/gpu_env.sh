@@ -3,8 +3,9 @@
 # `step NAME SECONDS COMMAND...`: run COMMAND with a time limit, log to $out/NAME.log, print one summary line.
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target /tmp/morion-site .whl/*.whl
-    export PYTHONPATH=/tmp/morion-site:$PWD
+    # Only where they install (wheels for the GPU box's Python: elsewhere they are not for this one).
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target /tmp/morion-site \
+        .whl/*.whl 2> /dev/null && export PYTHONPATH=/tmp/morion-site:$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step() {

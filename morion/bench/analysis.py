@@ -13,9 +13,10 @@ def decode_context(point: dict[str, Any]) -> float:
     return point["context"] + (point["output_tokens"] - 1) / 2
 
 
-def annotate_decode(point: dict[str, Any], cost: ModelCost | None, bandwidth_gbs: float) -> None:
-    """Adds `roofline` (bytes, floor step, per-request and aggregate bounds) and `mbu` to a decode point."""
-    if cost is None:
+def annotate_decode(point: dict[str, Any], cost: ModelCost | None, bandwidth_gbs: float | None) -> None:
+    """Adds `roofline` (bytes, floor step, per-request and aggregate bounds) and `mbu` to a decode point;
+    None for both where the model or the device's bandwidth is unknown."""
+    if cost is None or bandwidth_gbs is None:
         point["roofline"] = point["mbu"] = None
         return
     batch, context = point["concurrency"], decode_context(point)
@@ -34,9 +35,10 @@ def annotate_decode(point: dict[str, Any], cost: ModelCost | None, bandwidth_gbs
     point["mbu"] = None if step_s is None else roofline.mbu(cost, batch, context, step_s, bandwidth_gbs)
 
 
-def annotate_prefill(point: dict[str, Any], cost: ModelCost | None, peak_tflops: float) -> None:
-    """Adds `roofline` (FLOPs per token, FLOP-bound tok/s) and `mfu` to a prefill or TTFT point."""
-    if cost is None:
+def annotate_prefill(point: dict[str, Any], cost: ModelCost | None, peak_tflops: float | None) -> None:
+    """Adds `roofline` (FLOPs per token, FLOP-bound tok/s) and `mfu` to a prefill or TTFT point; None
+    for both where the model or the device's peak is unknown."""
+    if cost is None or peak_tflops is None:
         point["roofline"] = point["mfu"] = None
         return
     bound = roofline.prefill_bound(cost, point["prompt_tokens"], peak_tflops)

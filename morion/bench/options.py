@@ -18,8 +18,10 @@ WORKLOADS = ("decode", "prefill", "ttft", "spec", "restore")
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
 BASELINES = ("hf",)
 RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
-DEFAULT_BANDWIDTH_GBS = 4300.0  # H200 device-to-device copy, measured (performance-anchors.md)
-DEFAULT_PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM, measured
+# Measured peaks of the devices the roofline knows by name: (memory GB/s, dense bf16 TFLOP/s). H200:
+# device-to-device copy and dense GEMM (performance-anchors.md). Any other device's bound is unknown
+# unless --bandwidth-gbs and --peak-tflops say it.
+KNOWN_DEVICE_PEAKS = {"H200": (4300.0, 790.0)}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +77,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     roof = parser.add_argument_group("roofline")
-    roof.add_argument("--bandwidth-gbs", default=str(DEFAULT_BANDWIDTH_GBS), help="memory GB/s (4300)")
-    roof.add_argument("--peak-tflops", default=str(DEFAULT_PEAK_TFLOPS), help="dense TFLOP/s (790)")
+    roof.add_argument(
+        "--bandwidth-gbs",
+        help="memory GB/s (default: a known device's, H200 4300; else the bound is unknown)",
+    )
+    roof.add_argument(
+        "--peak-tflops", help="dense TFLOP/s (default: a known device's, H200 790; else unknown)"
+    )
     roof.add_argument(
         "--roofline-config",
         help="--url: preset:NAME, config.json or model dir for the roofline (default: --model, else the "
@@ -110,8 +117,8 @@ class BenchOptions:
     restore_length: int
     restore_repeats: int
     restore_page_cache: str
-    bandwidth_gbs: float
-    peak_tflops: float
+    bandwidth_gbs: float | None  # None: the device's, when it is known (resolved by run.py)
+    peak_tflops: float | None
     roofline_config: str | None
     baseline: str | None
     baseline_model: str | None
@@ -163,8 +170,8 @@ class BenchOptions:
             restore_length=_number(args.restore_length, "--restore-length", int, 1),
             restore_repeats=_number(args.restore_repeats, "--restore-repeats", int, 1),
             restore_page_cache=args.restore_page_cache,
-            bandwidth_gbs=_number(args.bandwidth_gbs, "--bandwidth-gbs", float, 1e-9),
-            peak_tflops=_number(args.peak_tflops, "--peak-tflops", float, 1e-9),
+            bandwidth_gbs=_optional(args.bandwidth_gbs, "--bandwidth-gbs"),
+            peak_tflops=_optional(args.peak_tflops, "--peak-tflops"),
             roofline_config=args.roofline_config,
             baseline=baseline,
             baseline_model=args.baseline_model,
@@ -181,6 +188,27 @@ def _number(text: str, flag: str, kind: Callable[[str], float], minimum: float):
     if not value >= minimum:  # also rejects NaN
         raise MorionError(f"{flag} must be >= {minimum:g}, got {text!r}")
     return value
+
+
+def _optional(text: str | None, flag: str) -> float | None:
+    return None if text is None else _number(text, flag, float, 1e-9)
+
+
+def device_peaks(options: BenchOptions, device_name: str | None) -> tuple[float | None, float | None, str]:
+    """The roofline's bandwidth and peak: the flags, else a known device's, else None (unknown); and
+    where they come from."""
+    known = next(
+        (peaks for name, peaks in KNOWN_DEVICE_PEAKS.items() if device_name and name in device_name), None
+    )
+    bandwidth = options.bandwidth_gbs if options.bandwidth_gbs is not None else known and known[0]
+    peak = options.peak_tflops if options.peak_tflops is not None else known and known[1]
+    if options.bandwidth_gbs is not None or options.peak_tflops is not None:
+        source = "the command line" + (f" and the measured peaks of {device_name}" if known else "")
+    elif known:
+        source = f"the measured peaks of {device_name}"
+    else:
+        source = f"unknown for {device_name or 'this device'}: pass --bandwidth-gbs and --peak-tflops"
+    return bandwidth or None, peak or None, source
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

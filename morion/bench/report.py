@@ -494,6 +494,10 @@ def _real(section: dict[str, Any] | None) -> bool:
     return bool(section) and section.get("method") == SPEC_METHOD_REAL
 
 
+def _peak(value: float | None, unit: str) -> str:
+    return "unknown" if value is None else f"{value:g} {unit}"
+
+
 def _roofline_inputs(roof: dict[str, Any]) -> list[str]:
     cost = roof.get("model")
     if not cost:
@@ -504,7 +508,9 @@ def _roofline_inputs(roof: dict[str, Any]) -> list[str]:
     return [
         "## Roofline inputs",
         "",
-        f"Bandwidth {roof['bandwidth_gbs']:g} GB/s, peak {roof['peak_tflops']:g} TFLOP/s. Model cost from "
+        f"Bandwidth {_peak(roof.get('bandwidth_gbs'), 'GB/s')}, "
+        f"peak {_peak(roof.get('peak_tflops'), 'TFLOP/s')}"
+        f"{' (' + roof['peaks_source'] + ')' if roof.get('peaks_source') else ''}. Model cost from "
         f"{origin} ({roof.get('model_source', '')}): dense weights {_size(cost['dense_bytes'])} per step; "
         f"{cost['moe_layers']} MoE layers, experts {experts}; per-request state "
         f"{_size(cost['state_bytes_per_request'])} (read and written every step); K/V "

@@ -119,8 +119,8 @@ def check_capacity(engine: Engine, length: int) -> None:
     if stats.disk_bytes_budget < need * 1.1:
         raise MorionError(
             f"the disk cache budget ({_size(stats.disk_bytes_budget)}) is below one {length:,}-token "
-            f"conversation ({_size(need)}) and some room: use --disk-cache-gb "
-            f"{_gib_up(need * 1.5)} or more (the default is half the free space)"
+            f"conversation ({_size(need)}) and some room: use --disk-cache-gb {_gib_up(need * 1.5)} or "
+            "more (the default is half the free space plus the tier's own objects)"
         )
 
 

@@ -7,6 +7,7 @@ late still leaves what it measured; the Markdown and PNG are made from the final
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from morion.bench import analysis, provenance, restore, roofline, speculative
-from morion.bench.options import BenchOptions, add_bench_arguments
+from morion.bench.options import BenchOptions, add_bench_arguments, device_peaks
 from morion.bench.plot import matplotlib_available, write_png
 from morion.bench.prompts import PromptFactory
 from morion.bench.report import DEFINITIONS, markdown, output_paths, slug, write_json
@@ -41,6 +42,8 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     if options.url:
         target, cost, cost_source = _remote_target(options, args, config, engine_options)
         device = None
+        served = (target.server_info or {}).get("config") or {}
+        device_name = served.get("device_name") or served.get("device")
     else:
         from morion.bench.offline import EngineTarget
 
@@ -63,6 +66,10 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         cost = roofline.from_model(target.engine.model, target.engine.pool.spec)
         cost_source, device = "the engine's model and cache spec", str(target.engine.device)
     prov = provenance.collect(command, device)
+    if not options.url:
+        device_name = prov.get("device_name") or device
+    bandwidth, peak, peaks_source = device_peaks(options, device_name)
+    options = dataclasses.replace(options, bandwidth_gbs=bandwidth, peak_tflops=peak)
     prompts = PromptFactory(target.vocab_size)
     label = options.label or _default_label(options, config, target, prov)
     path = output_paths(Path(options.out), prov["date"], slug(label))
@@ -83,7 +90,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
             "prompt_salt": prompts.salt,
             "prompt_id_range": [prompts.low, prompts.high],
         },
-        "roofline": _roofline_header(options, cost, cost_source),
+        "roofline": _roofline_header(options, cost, cost_source, device_name, peaks_source),
         "definitions": DEFINITIONS,
         "decode": [],
         "decode_skipped": [],
@@ -308,15 +315,21 @@ def _check_lengths(options: BenchOptions, max_model_len: int, what: str) -> None
             raise MorionError(f"{flag} needs {tokens} tokens (prompt + output) but {what} is {max_model_len}")
 
 
-def _roofline_header(options: BenchOptions, cost: ModelCost | None, source: str) -> dict[str, Any]:
+def _roofline_header(
+    options: BenchOptions, cost: ModelCost | None, source: str, device: str | None, peaks_source: str
+) -> dict[str, Any]:
     header: dict[str, Any] = {
+        "device": device,
         "bandwidth_gbs": options.bandwidth_gbs,
         "peak_tflops": options.peak_tflops,
+        "peaks_source": peaks_source,
         "model_source": source,
         "model": roofline.describe(cost) if cost is not None else None,
     }
     if cost is None:
         header["note"] = "no roofline: pass --roofline-config (or --model) to describe the served model"
+    elif options.bandwidth_gbs is None or options.peak_tflops is None:
+        header["note"] = f"bound unknown: the device's peaks are {peaks_source}"
     return header
 
 

@@ -1,8 +1,15 @@
 """The disk tier: one file per object in a namespace directory, written and read by worker threads.
 
-The engine thread owns the index (which objects exist, least recently used first, and their sizes);
-worker threads only write and read files and report back through `poll`. An object being read is pinned
-against cleanup. Cleanup is LRU down to a low watermark whenever a write would pass the budget.
+The engine thread owns the index (which objects exist or are being written, least recently used first,
+and their sizes); worker threads only write and read files and report back through `poll`. An object
+being read or written is pinned against cleanup. Cleanup is LRU down to a low watermark whenever a write
+would pass the budget.
+
+Recency follows prefix chains (`touch_chain`): a chain's head is its most recently used object, so LRU
+takes a conversation from its end and what stays is a prefix, a hit as deep as its last snapshot. The
+order survives a restart in the files' modification times: those of objects touched since the last save
+are set to consecutive nanosecond stamps in LRU order every `RECENCY_SAVE_S` and at close, and the
+start-up scan sorts by them.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ import errno
 import logging
 import os
 import shutil
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple
@@ -30,6 +38,7 @@ from morion.cache.disk_format import (
     namespace_of,
     object_file_size,
     object_path,
+    object_relative_path,
     probe_direct_io,
     process_alive,
     read_manifest,
@@ -44,6 +53,8 @@ from morion.cache.spec import CacheSpec
 logger = logging.getLogger("morion.cache")
 
 LOW_WATERMARK = 0.9  # cleanup frees down to this share of the budget, so it runs once per many writes
+AUTO_BUDGET_SHARE = 0.5  # the automatic budget: this share of (free space + the namespace's own objects)
+RECENCY_SAVE_S = 10.0  # how often the LRU order of touched objects is written into modification times
 _MAX_LOGGED_ERRORS = 5
 
 ObjectId = tuple[int, bytes]  # (kind, key)
@@ -69,7 +80,7 @@ class DiskStore:
         root: Path,
         identity: dict,
         info: dict,
-        budget_bytes: int,
+        budget_bytes: int | None,
         payload_bytes: dict[int, int],
         num_threads: int = 4,
         direct_io: bool = False,
@@ -78,22 +89,32 @@ class DiskStore:
         buffered writes leave the objects in the page cache, so a restarted server restores from memory
         (on the H200 machine's virtual disk, ~120 reads per second, O_DIRECT made a 64K-token restore
         read at 0.03 GB/s and take 5x the cold prefill); O_DIRECT keeps a very large cache from
-        crowding the page cache."""
+        crowding the page cache.
+
+        `budget_bytes` None: automatic, `AUTO_BUDGET_SHARE` of the filesystem's free space plus the bytes
+        of this namespace's objects found at start (`automatic_budget`)."""
         self.root = Path(root)
         self.identity = identity
         self.namespace = namespace_of(identity)
         self.dir = self.root / self.namespace
-        self.budget_bytes = budget_bytes
+        self.budget_auto = budget_bytes is None
+        self.budget_bytes = budget_bytes or 0
         self.payload_bytes = payload_bytes  # kind -> bytes of one object's payload (a host row)
         self.enabled = False
         self.skip_reason: str | None = None
         self.direct_io = False
-        self._index: OrderedDict[ObjectId, int] = OrderedDict()  # -> file size; least recently used first
+        # -> file size; least recently used first. Writes in flight are in it (so that touches order them)
+        # but not visible (`has`) until they are done.
+        self._index: OrderedDict[ObjectId, int] = OrderedDict()
         self._pins: dict[ObjectId, int] = {}
         self._writing: set[ObjectId] = set()
         self._reserved = 0  # bytes of writes in flight
         self.used_bytes = 0
         self._futures: list[tuple[Future, str, int, bytes, int]] = []
+        self._touched: set[ObjectId] = set()  # moved in the LRU order since the last save of recency
+        self._last_stamp = 0  # the newest modification time (ns) given or found
+        self._recency_job: Future | None = None
+        self._next_recency_save = time.monotonic() + RECENCY_SAVE_S
         self._errors_logged = 0
         self.num_evicted = 0
         self.removed_temp_files = 0
@@ -145,6 +166,8 @@ class DiskStore:
         objects.mkdir(exist_ok=True)
         self.direct_io = direct_io and probe_direct_io(self.dir)
         self._scan(objects)
+        if self.budget_auto:
+            self.budget_bytes = automatic_budget(self.dir, self.used_bytes)
         self.enabled = True
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="morion-disk")
         if self.used_bytes > self.budget_bytes:  # the budget shrank since the objects were written
@@ -155,8 +178,9 @@ class DiskStore:
         logger.warning("disk cache tier NOT used: %s", reason)
 
     def _scan(self, objects: Path) -> None:
-        """Index every object file, oldest modification first; remove temp files of dead writers."""
-        found: list[tuple[float, ObjectId, int]] = []
+        """Index every object file, oldest modification first (the LRU order saved by the last run);
+        remove temp files of dead writers."""
+        found: list[tuple[int, ObjectId, int]] = []
         for subdir in objects.iterdir():
             if not subdir.is_dir():
                 continue
@@ -176,20 +200,23 @@ class DiskStore:
                 except OSError:
                     continue  # removed meanwhile
                 kind = KIND_PAGE if match.group(2) == "page" else KIND_SNAPSHOT
-                found.append((stat.st_mtime, (kind, bytes.fromhex(match.group(1))), stat.st_size))
+                found.append((stat.st_mtime_ns, (kind, bytes.fromhex(match.group(1))), stat.st_size))
         found.sort(key=lambda item: item[0])
         for _, object_id, size in found:
             self._index[object_id] = size
             self.used_bytes += size
+        if found:
+            self._last_stamp = found[-1][0]
 
     # -- queries ---------------------------------------------------------------------------------------------
 
     @property
     def num_objects(self) -> int:
-        return len(self._index)
+        return len(self._index) - len(self._writing)
 
     def has(self, kind: int, key: bytes) -> bool:
-        return (kind, key) in self._index
+        object_id = (kind, key)
+        return object_id in self._index and object_id not in self._writing
 
     def busy(self) -> bool:
         """True while writes or reads are in flight."""
@@ -214,6 +241,8 @@ class DiskStore:
                 return False
         self._writing.add(object_id)
         self._reserved += size
+        self._index[object_id] = size
+        self._touch(object_id)
         path = object_path(self.dir, kind, key)
         future = self._executor.submit(self._write_job, path, kind, key, payload, before)
         self._futures.append((future, "write", kind, key, size))
@@ -230,10 +259,10 @@ class DiskStore:
     def submit_read(self, kind: int, key: bytes, out: np.ndarray) -> bool:
         """Queue a read of the object into `out` (a host row the caller keeps pinned until the result)."""
         object_id = (kind, key)
-        if not self.enabled or object_id not in self._index:
+        if not self.enabled or not self.has(kind, key):
             return False
         self._pins[object_id] = self._pins.get(object_id, 0) + 1
-        self._index.move_to_end(object_id)
+        self._touch(object_id)
         path = object_path(self.dir, kind, key)
         future = self._executor.submit(self._read_job, path, kind, key, out)
         self._futures.append((future, "read", kind, key, out.nbytes))
@@ -241,8 +270,45 @@ class DiskStore:
 
     def _read_job(self, path: Path, kind: int, key: bytes, out: np.ndarray) -> None:
         read_object(path, kind, key, self.namespace, out)  # buffered: see read_object
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency survives a restart: the next scan orders by modification time
+
+    # -- recency ---------------------------------------------------------------------------------------------
+
+    def touch_chain(self, keys: Sequence[bytes]) -> None:
+        """Mark the objects of a prefix chain used now: `keys` are its page keys from the root, and at
+        each one its page and the snapshot keyed by it (where present). The head ends most recently
+        used and each page's snapshot just before it, so LRU evicts the chain from its end, a snapshot
+        before its page: what stays is a prefix that still ends at a snapshot, a hit as deep as that."""
+        if not self.enabled:
+            return
+        for key in reversed(keys):
+            self._touch((KIND_SNAPSHOT, key))
+            self._touch((KIND_PAGE, key))
+
+    def _touch(self, object_id: ObjectId) -> None:
+        if object_id in self._index:
+            self._index.move_to_end(object_id)
+            self._touched.add(object_id)
+
+    def _save_recency(self) -> None:
+        """Write the LRU order of the objects touched since the last save into their modification times,
+        as consecutive nanosecond stamps newer than any before (touched objects are newer than the rest),
+        in one worker job. Writes still in flight stay for the next save."""
+        stamped: list[ObjectId] = []
+        remaining = len(self._touched)
+        for object_id in reversed(self._index):  # touched objects are the most recently used ones
+            if not remaining:
+                break
+            if object_id in self._touched:
+                remaining -= 1
+                if object_id not in self._writing:
+                    stamped.append(object_id)
+        if not stamped:
+            return
+        self._touched.difference_update(stamped)
+        first = max(time.time_ns(), self._last_stamp + 1)
+        self._last_stamp = first + len(stamped) - 1
+        stamped.reverse()  # least recently used first
+        self._recency_job = self._executor.submit(_stamp_files, str(self.dir), stamped, first)
 
     # -- completion ------------------------------------------------------------------------------------------
 
@@ -253,6 +319,11 @@ class DiskStore:
         a scheduling pass over the waiting hit's pages while holding the GIL the workers need between
         their system calls. Returning at each completion made a 4,096-object restore crawl at one
         object per GIL switch interval (7 ms per object, 0.03 GB/s, on the H200 machine)."""
+        if self._recency_job is not None and self._recency_job.done():
+            self._recency_job = None
+        if self._touched and self._recency_job is None and time.monotonic() >= self._next_recency_save:
+            self._next_recency_save = time.monotonic() + RECENCY_SAVE_S
+            self._save_recency()
         if not self._futures:
             return []
         if timeout:
@@ -274,9 +345,10 @@ class DiskStore:
             self._writing.discard(object_id)
             self._reserved -= size
             if error is None:
-                self._index[object_id] = size
                 self.used_bytes += size
                 return DiskResult(op, kind, key, None, nbytes=size)
+            del self._index[object_id]
+            self._touched.discard(object_id)
             self._log(f"writing a cache object failed: {error}")
             if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._cleanup(self.budget_bytes // 10)  # the disk filled before the budget did
@@ -309,7 +381,7 @@ class DiskStore:
         for object_id, size in self._index.items():
             if self.used_bytes - freed <= target:
                 break
-            if object_id in self._pins:
+            if object_id in self._pins or object_id in self._writing:
                 continue
             victims.append(object_id)
             freed += size
@@ -321,6 +393,7 @@ class DiskStore:
         size = self._index.pop(object_id, None)
         if size is None:
             return
+        self._touched.discard(object_id)
         self.used_bytes -= size
         with contextlib.suppress(OSError):
             object_path(self.dir, *object_id).unlink()
@@ -332,18 +405,29 @@ class DiskStore:
         results = self.poll(timeout=None)
         while self._futures:
             results += self.poll(timeout=1.0)
+        self._save_recency()  # every write is done: all of the order since the last save goes down
         self._executor.shutdown(wait=True)
         self._executor = None
         self.enabled = False
         return results
 
 
-def free_space_budget(root: Path, share: float = 0.5) -> int:
-    """The automatic disk budget: `share` of the free space of the filesystem that holds `root`."""
-    probe = Path(root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return int(shutil.disk_usage(probe).free * share)
+def automatic_budget(directory: Path, own_bytes: int) -> int:
+    """The automatic disk budget: `AUTO_BUDGET_SHARE` of what the tier could use, the free space of the
+    filesystem holding `directory` plus `own_bytes`, the namespace's objects already there. Counting
+    them as used would shrink the budget at every restart (by half of the cache each time) and the
+    start-up trim would evict what fitted before; counted as available, a restart with nothing else
+    changed on the disk computes the same budget as the run that wrote them."""
+    return int((shutil.disk_usage(directory).free + own_bytes) * AUTO_BUDGET_SHARE)
+
+
+def _stamp_files(directory: str, objects: list[ObjectId], first_ns: int) -> None:
+    """Set the modification times of `objects` (least recently used first) in the namespace `directory`
+    to first_ns, first_ns + 1, ..."""
+    for offset, (kind, key) in enumerate(objects):
+        stamp = first_ns + offset
+        with contextlib.suppress(OSError):  # evicted meanwhile
+            os.utime(os.path.join(directory, object_relative_path(kind, key)), ns=(stamp, stamp))
 
 
 def _components(items, shape_attr: str) -> list[dict]:
@@ -363,13 +447,14 @@ def open_disk_store(
     model_identity: dict,
     info: dict,
     spec: CacheSpec,
-    budget_bytes: int,
+    budget_bytes: int | None,
     num_threads: int = 4,
     direct_io: bool = False,
 ) -> DiskStore:
     """The disk tier for `spec`'s page and snapshot objects, in the namespace of `model_identity` (what
     the engine knows about the model: config and weights digests, dtype) plus what the cache itself
-    determines: the format version, the page size, the CacheSpec and the exact byte layout of objects."""
+    determines: the format version, the page size, the CacheSpec and the exact byte layout of objects.
+    `budget_bytes` None: the automatic budget (see `DiskStore`)."""
     page_layout = ObjectLayout.for_pages(spec)
     identity = {
         "format_version": FORMAT_VERSION,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from morion.cache.page_pool import PagePool
@@ -248,8 +248,8 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         if self.root.pages or self.root.token_ids or self.root.snapshot_slot is not None:
             raise CacheIntegrityError("the root must hold no tokens, pages or snapshot")
-        page_places: dict[int, list[str]] = defaultdict(list)
-        slot_places: dict[int, list[str]] = defaultdict(list)
+        node_pages: dict[str, list[int]] = {}  # by owner ("cache node N"), for the message of a failure
+        node_slots: dict[str, list[int]] = {}
         evictable = 0
         for node in self._nodes():
             for key, child in node.children.items():
@@ -268,24 +268,25 @@ class RadixCache(PrefixCache):
                 )
             if node.ref_count == 0:
                 evictable += node.num_pages
-            for page in node.pages:
-                page_places[page].append(f"cache node {node.node_id}")
+            node_pages[f"cache node {node.node_id}"] = node.pages
             if node.snapshot_slot is not None:
-                slot_places[node.snapshot_slot].append(f"snapshot of cache node {node.node_id}")
-        cached = len(page_places)
-        snapshots = len(slot_places)
-        for page in self.page_pool.free_pages():
-            page_places[page].append("the free list")
-        for page in pages_held_by_requests:
-            page_places[page].append("a request")
-        _check_places("page", page_places, self.page_pool.num_pages)
+                node_slots[f"snapshot of cache node {node.node_id}"] = [node.snapshot_slot]
+        cached = sum(len(pages) for pages in node_pages.values())
+        snapshots = len(node_slots)
+        page_owners = {
+            **node_pages,
+            "the free list": self.page_pool.free_pages(),
+            "a request": list(pages_held_by_requests),
+        }
+        _check_places("page", page_owners, self.page_pool.num_pages)
         if self.state_slots is not None:
-            for slot in self.state_slots.free_slots():
-                slot_places[slot].append("the free list")
-            for slot in slots_held_by_requests:
-                slot_places[slot].append("a request")
-            _check_places("state slot", slot_places, self.state_slots.num_slots)
-        elif slot_places:
+            slot_owners = {
+                **node_slots,
+                "the free list": self.state_slots.free_slots(),
+                "a request": list(slots_held_by_requests),
+            }
+            _check_places("state slot", slot_owners, self.state_slots.num_slots)
+        elif node_slots:
             raise CacheIntegrityError("snapshots in a cache whose spec has no state")
         counters = (self._cached_pages, self._evictable_pages, self._cached_snapshots)
         if counters != (cached, evictable, snapshots):
@@ -392,14 +393,22 @@ class RadixCache(PrefixCache):
         return nodes
 
 
-def _check_places(kind: str, places: dict[int, list[str]], total: int) -> None:
-    for index, where in places.items():
-        if not 0 <= index < total:
-            raise CacheIntegrityError(f"{kind} {index} is out of range (pool of {total}), found in {where}")
-        if len(where) > 1:
-            raise CacheIntegrityError(f"{kind} {index} is in several places: {', '.join(where)}")
-    if len(places) != total:
-        leaked = sorted(set(range(total)) - places.keys())
+def _check_places(kind: str, owners: dict[str, Sequence[int]], total: int) -> None:
+    """Every index in [0, total) has exactly one owner. Counted in numpy (a pool of the 80B model has
+    264K pages, and the server checks whenever it goes idle); the owners are named only for a failure."""
+    everything = np.fromiter(itertools.chain.from_iterable(owners.values()), dtype=np.int64)
+    outside = everything[(everything < 0) | (everything >= total)]
+    if outside.size:
+        index = int(outside[0])
+        where = [owner for owner, indices in owners.items() if index in indices]
+        raise CacheIntegrityError(f"{kind} {index} is out of range (pool of {total}), found in {where}")
+    counts = np.bincount(everything, minlength=total)
+    if (counts > 1).any():
+        index = int(np.flatnonzero(counts > 1)[0])
+        where = [owner for owner, indices in owners.items() for i in indices if i == index]
+        raise CacheIntegrityError(f"{kind} {index} is in several places: {', '.join(where)}")
+    if (counts == 0).any():
+        leaked = np.flatnonzero(counts == 0)
         raise CacheIntegrityError(
-            f"{len(leaked)} {kind}s are in no place (not free, not cached, not held): {leaked[:10]}"
+            f"{leaked.size} {kind}s are in no place (not free, not cached, not held): {leaked[:10].tolist()}"
         )

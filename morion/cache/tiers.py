@@ -176,6 +176,7 @@ class CacheTiers:
             return None
         page_keys = list(keys[start_page:now_end])
         snapshot_key = keys[now_end - 1] if self.snapshots is not None else None
+        self._touch_on_disk(keys[:now_end])
         disk_pages = 0
         for key in page_keys:
             entry = host.pin(key)
@@ -308,6 +309,7 @@ class CacheTiers:
             if key in host:
                 host.touch(key)
         if not new_keys and snapshot_row is None:
+            self._touch_on_disk(keys)
             return
         transfer = self.copy_engine.backup(
             self.pool,
@@ -337,10 +339,11 @@ class CacheTiers:
             stats.bytes_device_to_host += self.snapshots.layout.row_bytes
         if self.disk is not None and self.disk.enabled:
             self._write_to_disk(objects, transfer)
+        self._touch_on_disk(keys)  # after the writes: the new objects are the chain's tail
         self._retire_copies()
 
     def _write_to_disk(self, objects: list[tuple[int, bytes]], transfer: Transfer) -> None:
-        for kind, key in reversed(objects):  # the head last: most recently used in the disk's LRU
+        for kind, key in objects:
             store = self._store(kind)
             entry = store.pin(key)  # rule 1: the writer reads the row until its result comes back
             # Rule 3 (host side): the writer reads the row only after the backup copy has filled it.
@@ -355,6 +358,13 @@ class CacheTiers:
         keys = extend_page_keys([], prefix_tokens, self.page_size, len(prefix_tokens) // self.page_size)
         node_keys = keys[len(keys) - len(node_pages) :]
         self.backup(node_keys, node_pages, snapshot_slot, keys[-1] if keys else None)
+        self._touch_on_disk(keys)  # the node is its chain's tail: the head stays more recent on disk
+
+    def _touch_on_disk(self, chain_keys: Sequence[bytes]) -> None:
+        """The disk's LRU order follows chains (`DiskStore.touch_chain`): whenever a chain is written or
+        hit, its head becomes the most recently used, so disk cleanup evicts conversations from their end."""
+        if self.disk is not None:
+            self.disk.touch_chain(chain_keys)
 
     # -- progress --------------------------------------------------------------------------------------------
 

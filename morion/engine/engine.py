@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 import morion
-from morion.cache.copy_engine import make_copy_engine
+from morion.cache.copy_engine import Transfer, make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
-from morion.cache.disk_store import free_space_budget, open_disk_store
+from morion.cache.disk_store import open_disk_store
 from morion.cache.page_pool import PagePool
 from morion.cache.radix_cache import RadixCache
 from morion.cache.spec import CacheSpec
@@ -26,8 +26,9 @@ from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
+from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
-from morion.engine.outputs import RequestOutput, StepOutput, Usage, internal_error
+from morion.engine.outputs import PromptLogprob, RequestOutput, StepOutput, Usage, internal_error
 from morion.engine.request import Request
 from morion.engine.restore_wait import BackendAfterRestores
 from morion.engine.sampler import RequestSampler, SampleResult, sample
@@ -52,6 +53,7 @@ logger = logging.getLogger("morion.engine")
 
 _CPU_DEFAULT_KV_GB = 1.0
 _GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
+_PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once (a [rows, vocab] fp32 temporary)
 _PREFETCH_WAIT_S = 0.05  # a step with nothing to run but disk reads in flight waits this long for them
 
 
@@ -131,9 +133,12 @@ class Engine:
             self.tiers,
             self._cache_stats,
         )
-        pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
+        # The tokens requests can hold: the pool less the CUDA-graph scratch page.
+        self.pool_tokens = (self.pool.num_pages - len(self._scratch_pages)) * config.page_size
         context = self.model.config.max_position_embeddings
-        self.max_model_len = min(context, pool_tokens, config.max_model_len or context)
+        self.max_model_len, self.max_model_len_limit = max_model_len(
+            context, self.pool_tokens, config.max_model_len
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.grammars = GrammarRuntime(self.tokenizer, self.model.config.vocab_size)
         self._requests: dict[str, Request] = {}
@@ -293,11 +298,7 @@ class Engine:
             self.prefix_cache.evict_listener = tiers.on_device_evict
         if config.disk_cache_dir is not None:
             root = Path(config.disk_cache_dir).expanduser()
-            budget = (
-                int(config.disk_cache_gb * 2**30)
-                if config.disk_cache_gb is not None
-                else free_space_budget(root)
-            )
+            budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
             identity = {
                 "model": {
                     "config_digest": config_digest(loaded.hf_config),
@@ -349,7 +350,7 @@ class Engine:
         line += f" = {self.cache_stats.host_bytes / 2**30:.2f} GiB, {config.host_cache_write_policy}"
         disk = tiers.disk
         if disk is not None and disk.enabled:
-            origin = "" if config.disk_cache_gb is not None else " (auto: half the free space)"
+            origin = "" if config.disk_cache_gb is not None else " (auto: half of free space + own objects)"
             line += (
                 f"; disk cache {disk.dir} ({disk.num_objects} objects, {disk.used_bytes / 2**30:.2f} of "
                 f"{disk.budget_bytes / 2**30:.2f} GiB{origin}, "
@@ -396,6 +397,13 @@ class Engine:
         )
         if params.stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad_bias} is not in the vocabulary [0, {vocab_size})"
+            )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -431,14 +439,36 @@ class Engine:
             outputs, chunks = self._speculate(chunks)
             if not chunks:
                 return outputs
+        restores = self.tiers.take_for_forward() if self.tiers is not None else []
+        sampling: list[Request] = []
+        logit_rows: list[torch.Tensor] = []
+        for group in forward_groups(chunks, FORWARD_GROUP_MAX_TOKENS):
+            requests, logits = self._forward(group, restores)
+            if requests:
+                sampling += requests
+                logit_rows.append(logits)
+        if not sampling:
+            return outputs
+        logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
+        return outputs + self._sample(logits, sampling)
+
+    def _forward(
+        self, chunks: list[ScheduledChunk], restores: list[Transfer]
+    ) -> tuple[list[Request], torch.Tensor | None]:
+        """One forward over `chunks` (one kind: engine/forward_groups.py) and its bookkeeping. Returns the
+        requests whose prompt is now computed and their logits rows [n, vocab] (a copy: a graph's output
+        buffer is rewritten by its next replay), in that order; None for no request."""
         batch = build_forward_batch(
             [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
             [c.request.state_slot for c in chunks],
             self.config.page_size,
             self.device,
         )
-        restores = self.tiers.take_for_forward() if self.tiers is not None else []
-        if self.graphs is not None and not restores and self.graphs.can_run(batch):
+        if self.graphs is not None and self.graphs.can_run(batch):
+            # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
+            # the GPU) for this step's restores instead.
+            for restore in restores:
+                restore.wait_all()
             logits = self.graphs.run(batch)  # decode-only: every row is a sequence's last token
             hidden = self.graphs.last_hidden(len(batch.query_ranges))
         else:
@@ -448,20 +478,45 @@ class Engine:
                 backend = BackendAfterRestores(backend, restores, components)
             hidden = self.model(batch.input_ids, batch.positions, backend)
             logits = None
-        sampling: list[tuple[Request, int]] = []
+        sampled: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
+            if chunk.request.prompt_logprobs is not None and chunk.request.num_computed < len(
+                chunk.request.prompt_token_ids
+            ):
+                self._record_prompt_logprobs(chunk.request, hidden[start : start + length])
             if self.speculative is not None and self.speculative.eligible(chunk.request):
                 # An MTP drafter keeps the hidden states of the requests it may draft for.
                 rows = hidden[start : start + length]
                 self.speculative.observe(chunk.request, chunk.request.num_computed, rows)
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
             if chunk.request.num_uncomputed == 0:
-                sampling.append((chunk.request, last_row))
-        if not sampling:
-            return outputs
+                sampled.append((chunk.request, last_row))
+        if not sampled:
+            return [], None
         if logits is None:
-            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
-        return outputs + self._sample(logits, [request for request, _ in sampling])
+            logits = self.model.compute_logits(hidden[[row for _, row in sampled]])
+        else:
+            logits = logits[[row for _, row in sampled]]
+        return [request for request, _ in sampled], logits
+
+    def _record_prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this chunk's rows predict (row j predicts the token after it),
+        from the raw logits as for generated tokens; the logits are made a slice of rows at a time."""
+        first = request.num_computed
+        # The last prompt row predicts the first output token, not a prompt token.
+        rows = min(len(hidden), len(request.prompt_token_ids) - 1 - first)
+        top_n = request.params.prompt_logprobs
+        for offset in range(0, rows, _PROMPT_LOGPROB_ROWS):
+            count = min(_PROMPT_LOGPROB_ROWS, rows - offset)
+            logprobs = self.model.compute_logits(hidden[offset : offset + count]).log_softmax(dim=-1)
+            targets = torch.tensor(request.prompt_token_ids[first + offset + 1 : first + offset + 1 + count])
+            chosen = logprobs.gather(1, targets.to(logprobs.device).unsqueeze(1))
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+            chosen = chosen.squeeze(1).tolist()
+            values, ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+            for j in range(count):
+                top = list(zip(ids[j].tolist(), values[j].tolist(), strict=True)) if top_n else []
+                request.prompt_logprobs[first + offset + 1 + j] = PromptLogprob(chosen[j], ranks[j], top)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[StepOutput]:
         """One token for each request (row of `logits`). When the batch's sampling raises, each row is
@@ -530,11 +585,13 @@ class Engine:
             or grammar_done
         ):
             reason = "stop"
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
         elif request.detokenizer is not None and request.stop_matcher is not None:
             check = request.stop_matcher.feed(request.detokenizer.add(token_id))
             new_text = check.emit
             if check.stopped:
                 reason = "stop"
+                request.stop_reason = request.stop_matcher.matched
         if reason is None and len(request.output_token_ids) >= request.max_new_tokens:
             reason = "length"
         if reason is not None and request.stop_matcher is not None and not request.stop_matcher.stopped:
@@ -579,12 +636,11 @@ class Engine:
         eviction under memory pressure: under write-back the eviction listener copies each node to the
         host before its pages go back to the free list; under write-through the host has them already.
 
-        Only while the engine is idle: raises RuntimeError when a request is waiting or running (a
-        running request's prefix is locked and would stay; this is a measurement tool, not a serving one).
+        While requests run, what they hold stays: their prefixes are locked (and its pages not counted).
+        The server offers it as `POST /v1/cache/evict_device`, so `morion validate restore` can take
+        conversations out of GPU memory without flooding the pool.
         """
-        if self.has_unfinished():
-            raise RuntimeError("evict_device_cache needs an idle engine: requests are waiting or running")
-        # Idle, nothing is locked: evicting as many pages as are cached empties the tree (leaves first).
+        # Leaves first, as any eviction; locked nodes are never taken.
         return self.prefix_cache.evict(self.prefix_cache.cached_pages)
 
     def close(self) -> None:
@@ -592,6 +648,15 @@ class Engine:
         everything). Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def max_model_len(context: int, pool_tokens: int, requested: int | None) -> tuple[int, str]:
+    """The longest prompt + generation, and what limits it: "max_model_len" (asked for; it wins ties),
+    "context" (the model's) or "kv_pool" (the tokens the pool can hold for requests)."""
+    limits = [(context, "context"), (pool_tokens, "kv_pool")]
+    if requested is not None:
+        limits.insert(0, (requested, "max_model_len"))
+    return min(limits, key=lambda limit: limit[0])
 
 
 def _width_policy(config: EngineConfig) -> WidthPolicy:
@@ -611,6 +676,8 @@ def _final_output(request: Request, error: str | None = None) -> RequestOutput:
         usage=Usage(len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens),
         logprobs=list(request.output_logprobs) if wants_logprobs else None,
         top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
+        prompt_logprobs=request.prompt_logprobs,
+        stop_reason=request.stop_reason,
         error=error,
     )
 

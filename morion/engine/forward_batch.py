@@ -163,11 +163,14 @@ class PagedAttentionBackend:
         kv_layer = self._kv[layer_index]
         store_kv(kv_layer, batch.out_slots, k, v, k_scale, v_scale)
         if q.is_cuda:
-            from morion.ops.paged_attention_triton import paged_attention
+            from morion.ops.paged_attention_triton import kv_split_count, paged_attention
 
+            # From the pool's size, never this batch's: a row's result must not depend on its batch, or
+            # on whether the step replays a graph (whose page table is the widest) or runs eagerly.
+            splits = kv_split_count(kv_layer.shape[2], self._pool.num_pages * self._page_size, q.device)
             return paged_attention(
                 q, kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, self._page_size, scale,
-                max_query_len=batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
+                max_query_len=batch.max_query_len, k_scale=k_scale, v_scale=v_scale, num_kv_splits=splits,
             )  # fmt: skip
         return paged_attention_reference(
             q, kv_layer, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, self._page_size, scale,

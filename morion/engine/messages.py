@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
-from morion.engine.outputs import Usage
+from morion.engine.outputs import PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- front end -> engine
@@ -34,7 +34,14 @@ class Shutdown(NamedTuple):
     reason: str = "shutdown"
 
 
-InboxMessage = AddRequest | AbortRequest | Shutdown
+class EvictDeviceCache(NamedTuple):
+    """Drop the device prefix cache's unused pages and snapshots (`POST /v1/cache/evict_device`): a cached
+    conversation is then served from the host or disk tier, or recomputed. Answered by `CacheEvicted`."""
+
+    reply_id: str
+
+
+InboxMessage = AddRequest | AbortRequest | Shutdown | EvictDeviceCache
 
 # ---------------------------------------------------------------- engine -> front end
 
@@ -50,9 +57,12 @@ class EngineInfo(NamedTuple):
     context_length: int  # the model's own max_position_embeddings
     vocab_size: int
     max_model_len: int  # min(context, pool tokens, --max-model-len)
-    num_pages: int
+    max_model_len_limit: str  # which of those it is: "max_model_len", "context" or "kv_pool"
+    num_pages: int  # the whole pool, the CUDA-graph scratch page included
+    pool_tokens: int  # the tokens requests can hold (without the scratch page)
     bytes_per_token: int
     pool_bytes: int
+    device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), or "cpu"
 
 
 class EngineFailed(NamedTuple):
@@ -110,6 +120,16 @@ class RequestDelta(NamedTuple):
     usage: Usage | None = None
     error: str | None = None  # with finish_reason "error"
     internal: bool = False  # an error of the engine itself (HTTP 500), not of the request (HTTP 400)
+    # With params.prompt_logprobs, on the request's first delta with tokens (outputs.py, PromptLogprob).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    stop_reason: str | int | None = None  # on the last delta: the stop string or token id (None: EOS)
+
+
+class CacheEvicted(NamedTuple):
+    """The answer to `EvictDeviceCache`: how many device pages went back to the free list."""
+
+    reply_id: str
+    pages: int
 
 
 class EngineOutputs(NamedTuple):

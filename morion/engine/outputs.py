@@ -11,6 +11,12 @@ class Usage(NamedTuple):
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
 
 
+class PromptLogprob(NamedTuple):
+    logprob: float  # of the prompt token, given the tokens before it
+    rank: int  # 1 + how many tokens were more likely there
+    top: list[tuple[int, float]]  # the most likely tokens there, highest first
+
+
 class RequestOutput(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
@@ -21,6 +27,8 @@ class RequestOutput(NamedTuple):
     logprobs: list[float] | None = None  # per generated token, when requested
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None  # set with finish_reason "error"
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with params.prompt_logprobs (request.py)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
 
 class StepOutput(NamedTuple):

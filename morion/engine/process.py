@@ -23,10 +23,12 @@ from morion.engine.engine import Engine
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
+    CacheEvicted,
     EngineFailed,
     EngineInfo,
     EngineOutputs,
     EngineStats,
+    EvictDeviceCache,
     InboxMessage,
     RequestDelta,
     Shutdown,
@@ -45,7 +47,9 @@ class EngineLoop:
         self.engine = engine
         self.stopped = False
         self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
+        self._prompt_logprobs_sent: set[str] = set()
         self._integrity = "ok"
+        self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
 
     # ----------------------------------------------------------------- inbox
     def handle(self, message: InboxMessage) -> list[RequestDelta]:
@@ -56,6 +60,9 @@ class EngineLoop:
         if isinstance(message, Shutdown):
             self.stopped = True
             return [delta for request_id in list(self._wants_logprobs) for delta in self._abort(request_id)]
+        if isinstance(message, EvictDeviceCache):
+            self.replies.append(CacheEvicted(message.reply_id, self.engine.evict_device_cache()))
+            return []
         raise TypeError(f"unknown inbox message {message!r}")
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
@@ -72,6 +79,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> list[RequestDelta]:
         if self._wants_logprobs.pop(request_id, None) is None:
             return []  # finished already; its last delta is on its way
+        self._prompt_logprobs_sent.discard(request_id)
         final = self.engine.abort(request_id)
         usage = final.usage if final is not None else None
         return [RequestDelta(request_id, [], "", None, None, "abort", usage)]
@@ -84,20 +92,30 @@ class EngineLoop:
             traceback.print_exc()
             return self._fail_all()
         deltas = []
-        running = None
+        running = {r.request_id: r for r in self.engine.scheduler.running}
         for step in steps:
             logprobs = top_logprobs = None
             if self._wants_logprobs.get(step.request_id):
-                if running is None and step.final is None:
-                    running = {r.request_id: r for r in self.engine.scheduler.running}
                 logprobs, top_logprobs = _step_logprobs(step, running)
-            if step.final is None:
-                deltas.append(
-                    RequestDelta(step.request_id, step.new_token_ids, step.new_text, logprobs, top_logprobs)
-                )
-                continue
-            del self._wants_logprobs[step.request_id]
-            final = step.final
+            request = running.get(step.request_id)
+            source = step.final if step.final is not None else request
+            prompt_logprobs = None
+            wants_prompt = source is not None and source.prompt_logprobs is not None
+            if wants_prompt and step.request_id not in self._prompt_logprobs_sent:
+                self._prompt_logprobs_sent.add(step.request_id)
+                prompt_logprobs = source.prompt_logprobs
+            ending = {}
+            if step.final is not None:
+                del self._wants_logprobs[step.request_id]
+                self._prompt_logprobs_sent.discard(step.request_id)
+                final = step.final
+                ending = {
+                    "finish_reason": final.finish_reason,
+                    "usage": final.usage,
+                    "error": final.error,
+                    "stop_reason": final.stop_reason,
+                    "internal": final.finish_reason == "error",  # the engine's own failure on this request
+                }
             deltas.append(
                 RequestDelta(
                     step.request_id,
@@ -105,15 +123,14 @@ class EngineLoop:
                     step.new_text,
                     logprobs,
                     top_logprobs,
-                    final.finish_reason,
-                    final.usage,
-                    final.error,
-                    internal=final.finish_reason == "error",  # the engine's own failure on this request
+                    prompt_logprobs=prompt_logprobs,
+                    **ending,
                 )
             )
         return deltas
 
     def _fail_all(self) -> list[RequestDelta]:
+        self._prompt_logprobs_sent.clear()
         deltas = []
         for request_id in list(self._wants_logprobs):
             del self._wants_logprobs[request_id]
@@ -207,9 +224,12 @@ def engine_info(engine: Engine) -> EngineInfo:
         context_length=model_config.max_position_embeddings,
         vocab_size=model_config.vocab_size,
         max_model_len=engine.max_model_len,
+        max_model_len_limit=engine.max_model_len_limit,
         num_pages=pool.num_pages,
+        pool_tokens=engine.pool_tokens,
         bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
         pool_bytes=pool.num_bytes,
+        device_name=torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
     )
 
 
@@ -225,12 +245,18 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             handled = True
         if loop.stopped:
             break
+        for reply in loop.replies:
+            outbox.send(reply)
+        loop.replies.clear()
         if loop.engine.has_unfinished():
             deltas += loop.step()
         if deltas or handled:
-            if not loop.engine.has_unfinished():
-                loop.check_integrity()
             outbox.send(EngineOutputs(deltas, loop.stats()))
+            if not loop.engine.has_unfinished():
+                # Gone idle: the pool's integrity check runs after the last answers went out (it must never
+                # delay them), and its result follows in a message of its own.
+                loop.check_integrity()
+                outbox.send(EngineOutputs([], loop.stats()))
 
 
 def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
@@ -244,6 +270,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
     try:
         try:
             engine = Engine(config)
+            info = engine_info(engine)
         except MorionError as error:  # a user-fixable problem: one line is enough
             outbox.send(EngineFailed(str(error)))
             sys.exit(1)
@@ -251,7 +278,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             traceback.print_exc()
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
-        outbox.send(engine_info(engine))
+        outbox.send(info)
         try:
             serve(EngineLoop(engine), inbox, outbox)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.stop import StopStringMatcher
@@ -58,6 +59,10 @@ class Request:
     text: str = ""
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With params.prompt_logprobs: entry i is prompt token i's (logprob, top alternatives) given the tokens
+    # before it; entry 0 stays None (nothing predicts the first token).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
     @property
     def token_ids(self) -> list[int]:

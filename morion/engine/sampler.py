@@ -1,7 +1,7 @@
 """Batched token sampling for requests with different sampling parameters.
 
-Per step: penalties → grammar mask → greedy argmax for greedy requests → temperature → top-k → top-p →
-min-p → draw.
+Per step: penalties → logit bias → grammar mask → greedy argmax for greedy requests → temperature → top-k →
+top-p → min-p → draw.
 The masks are computed for the whole batch at once; each request draws with its own generator, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
@@ -124,6 +124,7 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
     raw_logprobs = scores.log_softmax(dim=-1) if want_logprobs else None
 
     apply_penalties(scores, samplers)
+    apply_logit_bias(scores, samplers)
     if any(s.grammar is not None for s in samplers):
         apply_grammar_masks(scores, [s.grammar for s in samplers])
 
@@ -160,6 +161,17 @@ def apply_penalties(scores: torch.Tensor, samplers: Sequence[RequestSampler]) ->
     ]
     if rows:
         _apply_output_penalties(scores, rows, [samplers[i] for i in rows])
+
+
+def apply_logit_bias(scores: torch.Tensor, samplers: Sequence[RequestSampler]) -> None:
+    """Adds each request's `logit_bias` to its row of fp32 `scores` [B, V] in place."""
+    entries = [(row, token, bias) for row, s in enumerate(samplers) for token, bias in s.params.logit_bias]
+    if not entries:
+        return
+    rows, tokens, biases = zip(*entries, strict=True)
+    device = scores.device
+    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+    scores.index_put_(index, torch.tensor(biases, dtype=scores.dtype, device=device), accumulate=True)
 
 
 def _apply_repetition_penalty(scores: torch.Tensor, rows: list[int], samplers: list[RequestSampler]) -> None:

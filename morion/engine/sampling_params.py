@@ -23,7 +23,10 @@ class SamplingParams:
     `GREEDY_TEMPERATURE` is greedy. `logprobs` is the number of top logprobs returned per generated token
     (0 returns only the chosen token's logprob; None returns none). `stop` and `stop_token_ids` accept any
     sequence (a lone string is one stop string) and are stored as tuples. `grammar` constrains the output
-    (compile it with `morion.engine.grammar.GrammarCompilerCache`).
+    (compile it with `morion.engine.grammar.GrammarCompilerCache`). `logit_bias` adds (token id, bias)
+    pairs to the logits before sampling (OpenAI's, biases in [-100, 100]). `prompt_logprobs` returns, for
+    every prompt token after the first, its logprob and that many top alternatives (0: its own only); such
+    a request computes its whole prompt (no prefix-cache hit: a cached prefix has no logits).
     """
 
     max_tokens: int = 256
@@ -40,6 +43,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: CompiledGrammar | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -65,6 +70,14 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        object.__setattr__(self, "logit_bias", _as_tuple("logit_bias", self.logit_bias))
+        for entry in self.logit_bias:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise InvalidRequestError(f"logit_bias entries must be (token id, bias) pairs, got {entry!r}")
+            _check_int("logit_bias token id", entry[0], low=0)
+            _check_float("logit_bias value", entry[1], "in [-100, 100]", lambda v: -100 <= v <= 100)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
             raise InvalidRequestError(f"grammar must be a CompiledGrammar, got {type(self.grammar).__name__}")
 

@@ -115,8 +115,9 @@ class Scheduler:
                 break
             if request.num_uncomputed > 1:
                 chunk = self._chunk(request, budget)
-                scheduled.append(ScheduledChunk(request, chunk))
-                budget -= chunk
+                if chunk:
+                    scheduled.append(ScheduledChunk(request, chunk))
+                    budget -= chunk
         deferred: list[Request] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             request = self.waiting.popleft()
@@ -128,19 +129,32 @@ class Scheduler:
                 self.waiting.appendleft(request)
                 break
             chunk = self._chunk(request, budget)
+            if not chunk:
+                break  # admitted (its prefix and pages held), computed from the next step on
             scheduled.append(ScheduledChunk(request, chunk))
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         return scheduled
 
     def _chunk(self, request: Request, budget: int) -> int:
-        chunk = min(request.num_uncomputed, budget)
-        if self.slots is not None:
-            # Stop at the prompt's last page boundary so a snapshot can be taken there.
-            boundary = len(request.prompt_token_ids) // self.page_size * self.page_size
-            if request.num_computed < boundary < request.num_computed + chunk:
-                chunk = boundary - request.num_computed
-        return chunk
+        """How many of the request's uncomputed tokens run this step, within `budget` (0: none this step).
+
+        Chunks end on page boundaries, but for the one that completes the request's tokens; and the last
+        page boundary before its final token always ends one, so its *tail* (the 1 to page_size tokens
+        after it) is a chunk of its own. There a state model leaves a snapshot, every model leaves whole
+        pages, and the same prompt sent again (from the device, host or disk tier) restores exactly up
+        to there and recomputes exactly the tail, in a forward of the tail's own kind
+        (forward_groups.py): as the cold run did, so it answers as the cold run did, whatever else runs.
+        """
+        start, end = request.num_computed, request.num_tokens
+        page = self.page_size
+        tail = (end - 1) // page * page
+        cut = min(end, start + budget)
+        if start < tail < cut:
+            cut = tail
+        elif cut < end:
+            cut = cut // page * page  # out of budget mid-prompt: whole pages only
+        return max(0, cut - start)
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -181,7 +195,8 @@ class Scheduler:
     def _admit(self, request: Request) -> _Admission:
         match_node, matched_tokens, matched_pages, snapshot = self.cache.root, 0, [], None
         hit: TierHit | None = None
-        if self.enable_prefix_cache:
+        # A request that wants its prompt's logprobs computes every prompt token: a hit has no logits.
+        if self.enable_prefix_cache and request.params.prompt_logprobs is None:
             # At least one token must run: its logits give the next token.
             match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1])
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
@@ -327,7 +342,14 @@ class Scheduler:
             if is_decode:
                 self._keep_boundary_state(request)
             else:
-                self._cache_computed(request, snapshot_working_state=True)
+                # Only the tail's snapshot goes to the host tier: the one a returning conversation
+                # restores from. Earlier chunks' snapshots stay on the device (each is a whole recurrent
+                # state: 75 MB on the 80B model, where a page of K/V is 200 KB), so host memory holds
+                # many conversations rather than a few with every chunk's state.
+                tail = (request.num_tokens - 1) // self.page_size * self.page_size
+                self._cache_computed(
+                    request, snapshot_working_state=True, snapshot_to_host=request.num_computed >= tail
+                )
 
     def _keep_boundary_state(self, request: Request) -> None:
         if request.boundary_slot is None:
@@ -338,11 +360,16 @@ class Scheduler:
         request.boundary_position = request.num_computed
 
     def _cache_computed(
-        self, request: Request, snapshot_working_state: bool = False, donate: bool = False
+        self,
+        request: Request,
+        snapshot_working_state: bool = False,
+        donate: bool = False,
+        snapshot_to_host: bool = True,
     ) -> None:
         """Hands the request's computed full pages to the prefix cache; a running request keeps using
         them, locked. With `snapshot_working_state`, the node at `num_computed` gets the current state
-        (a copy, or the working slot itself when `donate`)."""
+        (a copy, or the working slot itself when `donate`). Under write-through the pages go to the host
+        tier too, and the snapshot with them when `snapshot_to_host`."""
         if not self.enable_prefix_cache:
             return
         num_tokens = request.num_computed // self.page_size * self.page_size
@@ -361,7 +388,8 @@ class Scheduler:
         if self.tiers is not None and self.tiers.write_through and num_tokens:
             keys = self._page_keys(request, num_tokens // self.page_size)
             pages = request.pages[: num_tokens // self.page_size]
-            self.tiers.backup(keys, pages, snapshot, keys[-1] if snapshot is not None else None)
+            to_host = snapshot if snapshot_to_host else None
+            self.tiers.backup(keys, pages, to_host, keys[-1] if to_host is not None else None)
         self._insert(request, num_tokens, snapshot)
 
     def _insert(self, request: Request, num_tokens: int, snapshot: int | None) -> None:

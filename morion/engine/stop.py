@@ -27,6 +27,7 @@ class StopStringMatcher:
         self._stop = tuple(stop)
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that ended generation
 
     @property
     def stopped(self) -> bool:
@@ -40,11 +41,12 @@ class StopStringMatcher:
         if self._stopped:
             return StopCheck("", True)
         text = self._held + new_text
-        matches = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        matches = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
         if matches:
+            at, self.matched = min(matches, key=lambda match: match[0])
             self._held = ""
             self._stopped = True
-            return StopCheck(text[: min(matches)], True)
+            return StopCheck(text[:at], True)
         keep = self._partial_match_length(text)
         self._held = text[len(text) - keep :]
         return StopCheck(text[: len(text) - keep], False)

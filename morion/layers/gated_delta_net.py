@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from morion.layers.hybrid_backend import HybridBackend
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from morion.ops.gated_delta_rule import (
@@ -149,14 +149,18 @@ class GatedDeltaNet(nn.Module):
 
         A decode step (`backend.decode_only`) is CUDA-graph capturable: it reads only the backend's
         device tensors (`state_indices`, the pools), never syncs with the host and makes no tensor
-        from Python data. Prefill is not captured; it passes fla the host copy of cu_seqlens.
+        from Python data. Prefill is not captured; it passes fla the host copy of cu_seqlens. Short
+        chunks (every sequence at most SHORT_CHUNK_TOKENS new tokens: a prompt's tail after its last page
+        boundary, which the engine runs in forwards of their own) step token by token in our kernel
+        rather than fla's autotuned one, so their result is the same in every batch and every process.
         """
         # Imported here: Triton (and fla) are only needed, and on CPU installs only present, for CUDA.
         from morion.ops.causal_conv1d_triton import causal_conv1d_update_, causal_conv1d_varlen_
-        from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, gdn_prefill_
+        from morion.ops.gated_delta_rule_triton import fused_gdn_chunks_, fused_gdn_decode_, gdn_prefill_
 
         tokens = x.shape[0]
         decode_only = backend.decode_only
+        short = max((length for _, length in backend.query_ranges), default=0) <= SHORT_CHUNK_TOKENS
         state_indices = backend.state_indices
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
@@ -182,6 +186,12 @@ class GatedDeltaNet(nn.Module):
             out = fused_gdn_decode_(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, scale
             )
+        elif short:
+            log_once(logger, "Gated DeltaNet short chunks: Triton varlen conv + token-by-token fused steps")
+            out = fused_gdn_chunks_(
+                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
+                scale,
+            )  # fmt: skip
         else:
             out = gdn_prefill_(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,

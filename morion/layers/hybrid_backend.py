@@ -24,6 +24,12 @@ import torch
 
 from morion.layers.attention import AttentionBackend
 
+# Chunks of at most this many new tokens per sequence are "short": the engine runs them (a prompt's tail
+# after its last page boundary) in forwards of their own, where every layer computes each sequence the
+# same way in any batch (Gated DeltaNet token by token, attention through the split-KV kernels, whose
+# query limit this equals: ops/paged_attention_triton.MAX_SPLIT_QUERY_LEN). Longer chunks are prefill.
+SHORT_CHUNK_TOKENS = 16
+
 
 class HybridBackend(AttentionBackend, Protocol):
     @property

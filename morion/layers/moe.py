@@ -26,13 +26,14 @@ from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_r
 
 logger = logging.getLogger(__name__)
 
-# `--moe-kernel triton` runs the fused kernels up to this many tokens (decode and speculative verify
-# batches); larger batches keep the grouped GEMMs, which read the weights faster once most experts are hit.
-TRITON_MAX_TOKENS = 64
-# `auto` runs them up to the largest batch where the H200 measured them ahead of the grouped GEMMs at the
-# 80B preset's expert shapes (tests/ops/test_moe_decode_triton_gpu.py, FP8: 2.3x at 1 token, 1.45x at 4,
-# 1.14x at 16; results/2026-11-30-h200-moe-kernels.md).
-AUTO_TRITON_MAX_TOKENS = 16
+# `auto` runs the fused kernels up to this many tokens, larger batches the grouped GEMMs (which read the
+# weights faster once most experts are hit). The fused kernels' tiles never depend on the token count
+# (ops/moe_tiles.py), so up to here a token's result is the same in every batch: the engine's decode and
+# short-chunk forwards stay within it, and a request answers the same whatever else runs beside it
+# (a restored conversation as its cold run did). The H200 measured the fused kernels ahead of the grouped
+# GEMMs up to 16 tokens at the 80B preset's expert shapes (FP8: 2.3x at 1 token, 1.45x at 4, 1.14x at 16;
+# results/2026-11-30-h200-moe-kernels.md); from 17 to 64 they are kept for that invariance.
+AUTO_TRITON_MAX_TOKENS = 64
 
 
 class StackedExperts(nn.Module):
@@ -86,9 +87,9 @@ class StackedExperts(nn.Module):
         )
 
     def _path(self, x: torch.Tensor, num_pairs: int) -> str:
-        """ "triton" on CUDA for at most TRITON_MAX_TOKENS tokens under `kernel == "triton"` (at most
-        AUTO_TRITON_MAX_TOKENS under "auto") and the fused kernels' MAX_PAIRS (token, expert) pairs (any
-        weight dtype and shapes); otherwise "grouped" where a
+        """ "triton" on CUDA for at most AUTO_TRITON_MAX_TOKENS tokens under `kernel == "auto"` (any number
+        under "triton") within the fused kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and
+        shapes); otherwise "grouped" where a
         grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
         loop, which syncs with the host) and 16-byte aligned rows; "dense" for other unquantized weights on
         CUDA (no host sync, so decode stays capturable); else "reference"."""
@@ -96,12 +97,12 @@ class StackedExperts(nn.Module):
         if not x.is_cuda:
             log_once(logger, f"MoE experts on {x.device.type}: reference (a loop over the routed experts)")
             return "reference"
-        fused_limit = {"triton": TRITON_MAX_TOKENS, "auto": AUTO_TRITON_MAX_TOKENS}.get(self.kernel, 0)
+        fused_limit = {"triton": x.shape[0], "auto": AUTO_TRITON_MAX_TOKENS}.get(self.kernel, 0)
         if x.shape[0] <= fused_limit:
             from morion.ops import moe_decode_triton as fused
 
             if num_pairs <= fused.MAX_PAIRS:
-                log_once(logger, f"MoE experts on cuda: fused Triton kernels (<= {fused_limit} tokens)")
+                log_once(logger, f"MoE experts on cuda: fused Triton kernels ({self.kernel})")
                 return "triton"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8

@@ -224,11 +224,11 @@ class QSAAttention(GatedAttentionProjections):
         positions: torch.Tensor,
         page_table: torch.Tensor,
         backend: TokenCacheBackend,
-        num_kv_splits: int | None = None,
     ) -> torch.Tensor:
         """Rows b * n .. b * n + n - 1 are the n queries of sequence b (page_table row b) at consecutive
         positions: a decode or verify step, or a tile of one sequence's prefill chunk. No host syncs
-        (but with exact CPU ties)."""
+        (but with exact CPU ties). The attention's split count follows the fixed selection width alone, so
+        a query's result is the same in a prefill tile, a decode step or a verify (any batch)."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
         page_size = backend.page_size
         num_seqs, rows = page_table.shape[0], q.shape[0]
@@ -254,9 +254,7 @@ class QSAAttention(GatedAttentionProjections):
         if q.is_cuda:
             from morion.ops import qsa_triton
 
-            return qsa_triton.sparse_attention(
-                q, kv_layer, slots, counts, self.scale, k_scale, v_scale, num_kv_splits
-            )
+            return qsa_triton.sparse_attention(q, kv_layer, slots, counts, self.scale, k_scale, v_scale)
         k, v = gather_token_kv(kv_layer, slots, k_scale, v_scale)
         return static_sparse_attention(q, k, v, counts, self.scale)
 
@@ -266,19 +264,11 @@ class QSAAttention(GatedAttentionProjections):
         """Prefill / mixed batches on the static path: each sequence's rows in tiles of at most
         PREFILL_TILE_ROWS consecutive queries, each tile one sequence of the static path."""
         out = torch.zeros_like(q)
-        splits = None
-        if q.is_cuda:
-            from morion.ops.paged_attention_triton import default_num_kv_splits
-
-            width = self.block_topk * self.compress_ratio + self.compress_ratio - 1
-            splits = default_num_kv_splits(
-                PREFILL_TILE_ROWS, backend.kv_pool(self.attention_ordinal).shape[2], width, q.device
-            )
         for n, (start, length) in enumerate(backend.query_ranges):
             for tile in range(start, start + length, PREFILL_TILE_ROWS):
                 rows = slice(tile, min(tile + PREFILL_TILE_ROWS, start + length))
                 out[rows] = self._attend_static(
-                    q[rows], index_q[rows], positions[rows], backend.page_table[n : n + 1], backend, splits
+                    q[rows], index_q[rows], positions[rows], backend.page_table[n : n + 1], backend
                 )
         return out
 

@@ -1,138 +1,22 @@
-"""Model loading: resolve what the user named, read its config/tokenizer, build and fill the model."""
+"""Model loading (`load.py`) and what a model name means (`resolve.py`).
+
+The names below are imported on first use: resolving a name needs no torch, and the server's front end
+resolves the model and starts the engine process before it imports anything heavy.
+"""
 
 from __future__ import annotations
 
-import logging
-import sys
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any, NamedTuple
+from morion.lazy import lazy_attributes
 
-import torch
-from torch import nn
+__all__ = ["LOAD_FORMATS", "LoadedModel", "load_model", "read_source", "resolve_model_path"]
 
-from morion.errors import ModelLoadError
-from morion.layers.host_table import PLACEMENTS, host_tables
-from morion.loader.dummy_weights import fill_dummy_weights
-from morion.loader.fp8_block import block_fp8_size, dequantized_weights
-from morion.loader.gguf_loader import GGUFModel, read_gguf
-from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS, pull
-from morion.loader.nvfp4 import dequantized_nvfp4_weights, is_nvfp4_checkpoint
-from morion.loader.safetensors_loader import HFDirectory, read_hf_directory
-from morion.loader.safetensors_mmap import mapped_weights
-from morion.models.presets import is_preset, preset_config
-from morion.models.registry import build_model
-from morion.progress import Progress
-from morion.text.tokenizer import Tokenizer
-
-LOAD_FORMATS = ("auto", "dummy")
-
-logger = logging.getLogger(__name__)
-
-
-class LoadedModel(NamedTuple):
-    model: nn.Module
-    tokenizer: Tokenizer | None
-    hf_config: dict[str, Any]
-    path: Path
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A path on disk, a known model name (pulled once), or nothing (the default model)."""
-    if model is None or model in KNOWN_MODELS:
-        return pull(model or DEFAULT_MODEL, verify_existing=False)
-    path = Path(model).expanduser()
-    if not path.exists():
-        known = ", ".join(sorted(KNOWN_MODELS))
-        raise ModelLoadError(f"model path does not exist: {model} (known model names: {known})")
-    return path
-
-
-def read_source(path: Path, require_weights: bool = True) -> HFDirectory | GGUFModel:
-    """Config, tokenizer and (lazy) weights of a model directory or a GGUF file."""
-    if path.is_dir():
-        return read_hf_directory(path, require_weights)
-    if path.is_file():
-        return read_gguf(path)  # checks the GGUF magic: any other file is reported as not a GGUF
-    raise ModelLoadError(f"{path} is neither a model directory nor a file")
-
-
-def load_model(
-    model: str | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "auto",
-    seed: int = 0,
-    weight_dtype: str = "auto",
-    host_table_placement: str = "ram",
-) -> LoadedModel:
-    """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them.
-
-    `weight_dtype` "fp8" keeps linear layers, experts and the LM head in e4m3 (layers/fp8_convert.py):
-    each weight is quantized on `device` as it is read or drawn, so device memory peaks at about the
-    FP8 model plus one tensor's temporaries, and those are freed before this returns.
-
-    Tables a model keeps in host memory and never on `device` (its `host_tables` hook: Qwen3.8-Flash-Next's
-    PLE table) are copied into RAM (page-locked when `device` is CUDA), or with `host_table_placement`
-    "mmap" left in the checkpoint files, memory-mapped (layers/host_table.py).
-    """
-    if load_format not in LOAD_FORMATS:
-        raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
-    if host_table_placement not in PLACEMENTS:
-        raise ModelLoadError(
-            f"unknown host table placement {host_table_placement!r} (choose {', '.join(PLACEMENTS)})"
-        )
-    if is_preset(model):
-        hf_config, tokenizer, path, weights = preset_config(model), None, Path(model), None
-    else:
-        path = resolve_model_path(model)
-        source = read_source(path, require_weights=load_format != "dummy")
-        hf_config, tokenizer = source.hf_config, source.tokenizer
-        weights = None if load_format == "dummy" else source
-    module = build_model(hf_config, dtype, device, weight_dtype)
-    tables = host_tables(module)
-    for table in tables:
-        table.place(host_table_placement, pin_memory=device.type == "cuda", model_dtype=dtype)
-    if weights is None:
-        fill_dummy_weights(module, seed)
-    else:
-        map_files = bool(tables) and host_table_placement == "mmap"
-        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device, map_files)
-    for table in tables:
-        print(f"morion: host table {table.describe()}", file=sys.stderr)
-    if device.type == "cuda":
-        # Quantization and dequantization temporaries go back to the driver before the KV pool is
-        # sized from the memory that is really free (design.md §4).
-        torch.cuda.empty_cache()
-    return LoadedModel(module, tokenizer, hf_config, path)
-
-
-def _load_checkpoint(
-    module: nn.Module,
-    weights: HFDirectory | GGUFModel,
-    hf_config: dict[str, Any],
-    path: Path,
-    weight_dtype: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    map_files: bool = False,
-) -> None:
-    """`map_files`: hand over every tensor as a map of its file (safetensors only) instead of reading it,
-    so host tables placed "mmap" keep those maps; everything else is copied from them as usual."""
-    progress = Progress(f"loading {path.name}", weights.num_tensors, " tensors")
-
-    def counted(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in tensors:
-            yield item
-            progress.advance()
-
-    mapped = map_files and isinstance(weights, HFDirectory)
-    tensors = counted(mapped_weights(weights.shards) if mapped else weights.weights())
-    if is_nvfp4_checkpoint(hf_config, path):
-        logger.info("NVFP4 checkpoint: quantized weights dequantized to %s as they load", dtype)
-        tensors = dequantized_nvfp4_weights(tensors, dtype, device)
-    block = block_fp8_size(hf_config)
-    if block and weight_dtype == "fp8":
-        logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
-    module.load_weights(dequantized_weights(tensors, block) if block else tensors)
-    progress.finish()
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "LOAD_FORMATS": "morion.loader.load",
+        "LoadedModel": "morion.loader.load",
+        "load_model": "morion.loader.load",
+        "read_source": "morion.loader.load",
+        "resolve_model_path": "morion.loader.resolve",
+    },
+)

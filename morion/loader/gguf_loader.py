@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import gguf.quants
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
 
 from morion.errors import ModelLoadError
+from morion.loader.gguf_header import GGUFTensor, read_gguf_header
 from morion.loader.gguf_tokenizer import build_gguf_tokenizer
 from morion.text.tokenizer import Tokenizer
 
@@ -36,19 +36,23 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # rows dequantized per call: temporaries of a few x 16 MiB
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class GGUFModel(NamedTuple):
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
-    num_tensors: int
-    reader: GGUFReader
+    tensors: list[GGUFTensor]
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensors)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantizes one tensor at a time, so peak memory stays near the largest tensor."""
         config = self.hf_config
-        for tensor in self.reader.tensors:
+        for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
             array = _dequantize(tensor)
             # llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it so the
@@ -56,7 +60,7 @@ class GGUFModel(NamedTuple):
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
                 array = _unpermute_rotary_rows(array, heads)
-            yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
+            yield name, torch.from_numpy(np.ascontiguousarray(array))
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -69,19 +73,30 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 
 
-def _dequantize(tensor: ReaderTensor) -> np.ndarray:
-    array = dequantize(tensor.data, tensor.tensor_type)
-    # GGUF lists dims fastest-first; numpy wants them slowest-first.
-    return array.reshape(tuple(int(d) for d in reversed(tensor.shape))).astype(np.float32, copy=False)
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
+    """A new float32 array (never a view of the read-only file) in numpy's order, slowest dim first.
+
+    Block types go through gguf's `dequantize_rows` a chunk of rows at a time: `gguf.quants.dequantize`
+    works in groups of 16 rows, whose per-call overhead tripled the default model's load time, while one
+    call per tensor would hold several float32 temporaries of a whole embedding matrix at once.
+    """
+    shape = tuple(reversed(tensor.shape))
+    quant = getattr(gguf.quants, tensor.tensor_type.name, None)
+    if quant is None or not hasattr(quant, "dequantize_rows"):
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.array(array, dtype=np.float32).reshape(shape)
+    quant.init_grid()  # the lattice tables of the IQ types; a no-op for the others
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])
+    out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+    step = max(1, _DEQUANTIZE_CHUNK_ELEMENTS // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        out[start : start + step] = quant.dequantize_rows(rows[start : start + step])
+    return out.reshape(shape)
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     head_half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, head_half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def _hf_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -120,10 +135,9 @@ def _hf_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, An
 
 def read_gguf(path: Path) -> GGUFModel:
     try:
-        reader = GGUFReader(path)
-        metadata = _metadata(reader)
-    except Exception as error:  # the gguf package raises ValueError, IndexError, struct errors...
+        header = read_gguf_header(path)
+    except Exception as error:  # ValueError, struct.error, UnicodeDecodeError, mmap's OSError...
         raise ModelLoadError(f"{path} is not a valid GGUF file ({type(error).__name__}: {error})") from None
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    hf_config = _hf_config(metadata, tensor_names)
-    return GGUFModel(hf_config, build_gguf_tokenizer(metadata), len(reader.tensors), reader)
+    tensor_names = {tensor.name for tensor in header.tensors}
+    hf_config = _hf_config(header.metadata, tensor_names)
+    return GGUFModel(hf_config, build_gguf_tokenizer(header.metadata), header.tensors)

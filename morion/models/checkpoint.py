@@ -39,7 +39,32 @@ def copy_checkpoint_tensor(
         quantize_fp8_(tensor, target, scale)
         return
     with torch.no_grad():
-        target.copy_(tensor)
+        if _owns_whole_storage(tensor) and _can_take_storage(target, tensor):
+            target.set_(tensor)  # a fresh tensor becomes the parameter: no second copy of its memory
+        else:
+            target.copy_(tensor)
+
+
+def _owns_whole_storage(tensor: torch.Tensor) -> bool:
+    """A tensor made for this load (a dequantized GGUF tensor), not a view of a file or of a larger
+    buffer (safetensors' tensors are views of their shard): taking it over shares memory with nothing."""
+    return (
+        tensor._base is None
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+    )
+
+
+def _can_take_storage(target: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """A whole parameter on the tensor's device and dtype, in pageable memory (a host table placed in
+    page-locked memory must stay there)."""
+    return (
+        target._base is None
+        and target.device == tensor.device
+        and target.dtype == tensor.dtype
+        and not (target.device.type == "cpu" and torch.cuda.is_available() and target.is_pinned())
+    )
 
 
 def require_complete(missing: Collection[str]) -> None:

@@ -1,6 +1,7 @@
 """Full-size configurations for random-weight benchmarking (`--model preset:NAME`): real shapes, no
 checkpoint. Values are the released Qwen3-Next-80B-A3B config.json and Qwen3.8-Flash-Next's text_config
-(see the reference notes, §1 and §4.2)."""
+(see the reference notes, §1 and §4.2). One toy-sized preset keeps the Qwen3-Next layer pattern for smoke
+runs of the server and tools on a CPU."""
 
 from __future__ import annotations
 
@@ -99,6 +100,32 @@ _QWEN3_8_FLASH_NEXT: dict[str, Any] = {
     "eos_token_id": 248044,
 }
 
+# The 80B preset's layer pattern and options (gated attention every 2nd layer here, MoE, MTP head) at toy
+# sizes: 4 layers, hidden 64, vocabulary 512, 0.3 M parameters. It starts on a CPU in seconds, so the
+# server path can be tried and tested without a checkpoint; its outputs mean nothing.
+_QWEN3_NEXT_TINY: dict[str, Any] = {
+    **_QWEN3_NEXT_80B_A3B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B_A3B,
     # The same layers, 12 of 48 (3 GDN : 1 attention kept): fits a GPU in BF16 for quick benchmarks.
@@ -106,6 +133,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.8-flash-next": _QWEN3_8_FLASH_NEXT,
     # 12 of 48 layers (3 GDN : 1 QSA, PLE at layer 1 kept; the full n-gram table): fits a GPU in BF16.
     "qwen3.8-flash-next-12l": {**_QWEN3_8_FLASH_NEXT, "num_hidden_layers": 12},
+    "qwen3-next-tiny": _QWEN3_NEXT_TINY,
 }
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,9 +49,36 @@ def build_model(
         )
     parse_config, architecture = _ARCHITECTURES[model_type]
     config = parse_config(hf_config)
-    # Building on the meta device skips random initialisation, which costs more than loading.
-    with torch.device("meta"):
+    # Built on the meta device with the initialisers switched off: the loader fills every parameter, and
+    # a meta initialiser's first call imports torch's reference decompositions (3 s on a 2-core CPU).
+    with torch.device("meta"), _no_initialisers():
         model = architecture(config).to(dtype)
     if weight_dtype == "fp8":
         logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ())).summary())
-    return model.to_empty(device=device).requires_grad_(False).eval()
+    # Not `to_empty`: its meta-to-device path imports sympy through torch's shape reasoning (1 s).
+    model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
+    return model.requires_grad_(False).eval()
+
+
+# The in-place initialisers module constructors call (nn.Linear, nn.Embedding, ...).
+_INITIALISERS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_initialisers() -> Iterator[None]:
+    """`torch.nn.init`'s in-place initialisers return their tensor untouched while building a model."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(nn.init, name, _leave_as_is)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _leave_as_is(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor

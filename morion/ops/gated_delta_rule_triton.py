@@ -1,6 +1,6 @@
 """The gated delta rule on CUDA, reading and updating slot-indexed states in place.
 
-Two entry points, both taking the layer's raw per-head inputs (q, k before L2 normalisation; a, b before
+Three entry points, all taking the layer's raw per-head inputs (q, k before L2 normalisation; a, b before
 the gate and the sigmoid) and a state pool `[num_slots, HV, K, V]` addressed by `state_indices`:
 
 - `fused_gdn_steps_`: a few tokens per sequence (a speculative verify forward), our own Triton kernel;
@@ -9,6 +9,9 @@ the gate and the sigmoid) and a state pool `[num_slots, HV, K, V]` addressed by 
   and the write-back of the state into its slot (after each token into that token's slot, the state
   kept in registers between tokens). It allocates only its output and never syncs with the host, so a
   CUDA graph can capture it.
+- `fused_gdn_chunks_`: short chunks of any lengths (a prompt's last tokens after its last page boundary),
+  token by token as decode steps them, our own Triton kernel: no autotuning, nothing shared between
+  sequences, so a chunk's result is the same in any batch and any process.
 - `gdn_prefill_`: any number of tokens per sequence, through fla-core's chunked kernel (varlen), with the
   initial states gathered from the pool and the final states scattered back.
 
@@ -29,6 +32,33 @@ import triton.language as tl
 
 # Same epsilon as `l2_normalize` in ops/gated_delta_rule.py and fla's `l2norm_fwd`.
 L2_NORM_EPS = 1e-6
+
+
+@triton.jit
+def _gdn_token(state, q, k, v, a, b, a_log, dt_bias, scale, eps):
+    """One token of the gated delta rule on a [K, BV] state tile held in registers (fp32): the q/k L2 norms,
+    the gate and beta, the decay, the delta update and the output. Returns (new state, out [BV]). Every
+    kernel here steps tokens through this one function, so a token's arithmetic is the same whichever
+    kernel (decode, verify, short chunks) runs it."""
+    q, k, v = tl.cast(q, tl.float32), tl.cast(k, tl.float32), tl.cast(v, tl.float32)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
+
+    # The gate, in fp32 whatever the input dtype: softplus as torch's (threshold 20); the exp
+    # argument is clamped so the branch that `where` discards cannot overflow.
+    a = tl.cast(a, tl.float32)
+    b = tl.cast(b, tl.float32)
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    decay = tl.exp(-tl.exp(a_log) * softplus)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BV]
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], axis=0)  # S^T (scale * q)
+    return state, out
 
 
 @triton.jit
@@ -99,24 +129,9 @@ def _gdn_steps_kernel(
         q = tl.load(q_ptr + row * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0)
         k = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0)
         v = tl.load(v_ptr + row * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
-        q, k, v = tl.cast(q, tl.float32), tl.cast(k, tl.float32), tl.cast(v, tl.float32)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
-
-        # The gate, in fp32 whatever the input dtype: softplus as torch's (threshold 20); the exp
-        # argument is clamped so the branch that `where` discards cannot overflow.
-        a = tl.cast(tl.load(a_ptr + row * stride_an + hv * stride_ah), tl.float32)
-        b = tl.cast(tl.load(b_ptr + row * stride_bn + hv * stride_bh), tl.float32)
-        x = a + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        decay = tl.exp(-tl.exp(a_log) * softplus)
-        beta = 1.0 / (1.0 + tl.exp(-b))
-
-        state = state * decay
-        predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BV]
-        delta = (v - predicted) * beta
-        state = state + k[:, None] * delta[None, :]
-        out = tl.sum(state * q[:, None], axis=0)  # S^T (scale * q)
+        a = tl.load(a_ptr + row * stride_an + hv * stride_ah)
+        b = tl.load(b_ptr + row * stride_bn + hv * stride_bh)
+        state, out = _gdn_token(state, q, k, v, a, b, a_log, dt_bias, scale, eps)
 
         # The state stored is the one the next token continues from, rounded like the pool's dtype.
         stored = tl.cast(state, pool_ptr.dtype.element_ty)
@@ -131,8 +146,132 @@ def _gdn_steps_kernel(
         )
 
 
+@triton.jit
+def _gdn_chunks_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    pool_ptr,
+    indices_ptr,
+    cu_seqlens_ptr,
+    out_ptr,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_an,
+    stride_ah,
+    stride_bn,
+    stride_bh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_on,
+    stride_oh,
+    scale,
+    eps,
+    K,
+    V,
+    HEADS_PER_QK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV), over the sequence's rows
+    cu_seqlens[n] .. cu_seqlens[n+1] token by token, from and back into slot indices[n]. The state is
+    rounded to the pool's dtype after every token, as a decode step stores it, so a chunk's result is
+    that of its tokens decoded one by one."""
+    n = tl.program_id(0)
+    hv = tl.cast(tl.program_id(1), tl.int64)
+    iv = tl.program_id(2)
+    h = hv // HEADS_PER_QK
+
+    offs_k = tl.arange(0, BK)
+    offs_v = iv * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    tile_mask = mask_k[:, None] & mask_v[None, :]
+    slot = tl.cast(tl.load(indices_ptr + n), tl.int64)
+    state_ptrs = pool_ptr + slot * stride_ps + hv * stride_ph + offs_k[:, None] * stride_pk + offs_v[None, :]
+    state = tl.cast(tl.load(state_ptrs, mask=tile_mask, other=0.0), tl.float32)
+    a_log = tl.cast(tl.load(a_log_ptr + hv), tl.float32)
+    dt_bias = tl.cast(tl.load(dt_bias_ptr + hv), tl.float32)
+    start = tl.load(cu_seqlens_ptr + n)
+    end = tl.load(cu_seqlens_ptr + n + 1)
+    for t in range(start, end):
+        row = tl.cast(t, tl.int64)
+        q = tl.load(q_ptr + row * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + row * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
+        a = tl.load(a_ptr + row * stride_an + hv * stride_ah)
+        b = tl.load(b_ptr + row * stride_bn + hv * stride_bh)
+        state, out = _gdn_token(state, q, k, v, a, b, a_log, dt_bias, scale, eps)
+        state = tl.cast(tl.cast(state, pool_ptr.dtype.element_ty), tl.float32)
+        tl.store(
+            out_ptr + row * stride_on + hv * stride_oh + offs_v,
+            tl.cast(out, out_ptr.dtype.element_ty),
+            mask=mask_v,
+        )
+    tl.store(state_ptrs, tl.cast(state, pool_ptr.dtype.element_ty), mask=tile_mask)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _checked_step_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The shape rules both token-stepping entry points share (index values are not checked: that would
+    sync); returns q, k, v, A_log, dt_bias as the kernels read them and the output [T, HV, V]."""
+    rows, num_qk_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, HV] = {(rows, num_v_heads)}")
+    if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
+        raise ValueError(
+            f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
+        )
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
+        raise ValueError(
+            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
+        )
+    if state_pool.stride(-1) != 1:
+        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
+    return q, k, v, A_log.contiguous(), dt_bias.contiguous(), out
+
+
+def _strides(q, k, v, a, b, state_pool, out) -> tuple[int, ...]:
+    """The strides both kernels take, in their order."""
+    return (
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
+def _tiles(q: torch.Tensor, v: torch.Tensor, block_v: int) -> dict[str, int]:
+    return {
+        "HEADS_PER_QK": v.shape[1] // q.shape[1],
+        "BK": triton.next_power_of_2(q.shape[2]),
+        "BV": block_v,
+    }
 
 
 def fused_gdn_decode_(
@@ -183,45 +322,61 @@ def fused_gdn_steps_(
     (negative = padding row: no slot is read or written). Returns out [N * T, HV, V] in v's dtype. Shapes
     are checked; index values are not (that would sync).
     """
-    rows, num_qk_heads, key_dim = q.shape
-    num_v_heads, value_dim = v.shape[1:]
+    rows = q.shape[0]
     if slots.dim() != 2 or slots.shape[0] * slots.shape[1] != rows:
         raise ValueError(f"slots {tuple(slots.shape)} must be [N, T] with N * T = {rows} rows")
-    if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
-        raise ValueError(
-            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [N * T, HV] = {(rows, num_v_heads)}"
-        )
-    if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
-        raise ValueError(
-            f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
-        )
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, key_dim, value_dim):
-        raise ValueError(
-            f"state_pool {tuple(state_pool.shape)}, expected [S, {num_v_heads}, {key_dim}, {value_dim}]"
-        )
-    if state_pool.stride(-1) != 1:
-        raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
-
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    num_v_heads, value_dim = v.shape[1:]
     slots = slots.contiguous()  # the kernel reads slot (n, t) at offset n * T + t
-    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
     if rows == 0:
         return out
-    block_k = triton.next_power_of_2(key_dim)
     block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
     grid = (slots.shape[0], num_v_heads, triton.cdiv(value_dim, block_v))
     _gdn_steps_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state_pool, slots, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-        out.stride(0), out.stride(1),
-        scale, L2_NORM_EPS, key_dim, value_dim,
-        STEPS=slots.shape[1], HEADS_PER_QK=num_v_heads // num_qk_heads, BK=block_k, BV=block_v,
-        num_warps=num_warps,
+        *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
+        STEPS=slots.shape[1], **_tiles(q, v, block_v), num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def fused_gdn_chunks_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Short chunks (a prompt's tail, a few tokens each) of N packed sequences, token by token in one
+    launch: each sequence continues from `state_pool[state_indices[n]]`, which then holds the state after
+    its last token. Shapes as `gdn_prefill_` (state_indices distinct, non-negative; cu_seqlens [N+1] int32
+    or int64 on the device). Each token takes the same arithmetic as in a decode step, and nothing
+    depends on the other sequences or on autotuning: the same chunk gives the same bits in any batch
+    and any process (a restored prefix answers as the cold run did). Cost grows with the longest chunk:
+    for chunks of up to a page, not for prefill."""
+    num_seqs = state_indices.shape[0]
+    if cu_seqlens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
+    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    num_v_heads, value_dim = v.shape[1:]
+    state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
+    if num_seqs == 0:
+        return out
+    block_v = block_v or min(triton.next_power_of_2(value_dim), 16)
+    grid = (num_seqs, num_v_heads, triton.cdiv(value_dim, block_v))
+    _gdn_chunks_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state_pool, state_indices, cu_seqlens, out,
+        *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
+        **_tiles(q, v, block_v), num_warps=num_warps,
     )  # fmt: skip
     return out
 

@@ -100,15 +100,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) for decode, from static sizes only (batch size, heads, page-table
-    width): about four programs per SM, at most MAX_KV_SPLITS, and no more than keeps >= 256 keys per
-    split at the page table's full context."""
+def kv_split_count(num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) for the split-KV kernels, from static sizes only: the KV head count
+    and the longest context the caller can ever pass (its pool or model length), never the batch size or
+    this step's page-table width. A row's splits then depend on its own sequence alone, so its result
+    does not depend on the batch it runs in, nor on whether the step replays a CUDA graph or runs eagerly
+    (a restored prefix answers exactly as the cold run did). About four programs per SM for one sequence,
+    at most MAX_KV_SPLITS, and no more than keeps >= 256 keys per split at `max_context`."""
     if device.type == "cuda":
         sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sm_count = 1
-    wanted = triton.next_power_of_2(triton.cdiv(4 * sm_count, max(1, num_seqs * num_kv_heads)))
+    wanted = triton.next_power_of_2(triton.cdiv(4 * sm_count, max(1, num_kv_heads)))
     return max(1, min(wanted, MAX_KV_SPLITS, triton.cdiv(max_context, 256)))
 
 
@@ -513,7 +516,8 @@ def paged_attention(
     the extend kernel; `split_kv` forces one or the other.
     k_scale, v_scale: host floats, an FP8 pool's scales (real = stored * scale); ignored for other pools.
     out: optional [T, Hq, D] output; rows outside cu_seqlens_q[0]:cu_seqlens_q[B] are left untouched.
-    Split-KV only: num_kv_splits (default: `default_num_kv_splits`, or the workspace's) and workspace
+    Split-KV only: num_kv_splits (default: the workspace's, or `kv_split_count` at this page table's width:
+    callers whose rows must not depend on their batch pass the count for their longest context) and workspace
     (default: allocated with torch.empty per call, which inside CUDA-graph capture comes from the graph's
     pool; shapes are static, so that is valid too). No host sync on either path.
     """
@@ -566,7 +570,7 @@ def paged_attention(
         num_kv_splits = (
             workspace.partial_lse.shape[2]
             if workspace is not None
-            else default_num_kv_splits(num_seqs, num_kv_heads, page_table.shape[1] * page_size, q.device)
+            else kv_split_count(num_kv_heads, page_table.shape[1] * page_size, q.device)
         )
     if workspace is None:
         workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_kv_splits, q.device)
@@ -613,7 +617,7 @@ __all__ = [
     "KernelConfig",
     "decode_config",
     "decode_workspace",
-    "default_num_kv_splits",
     "extend_config",
+    "kv_split_count",
     "paged_attention",
 ]

@@ -109,15 +109,14 @@ def sparse_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """q [rows, Hq, D]; kv_layer [num_slots, 2, Hkv, D] (any pool dtype the paged kernels take); slots
     [rows, W] flat pool slots of each row's selected tokens, the first counts[row] real. Returns
-    [rows, Hq, D] in q's dtype (as `qsa.static_sparse_attention`). num_kv_splits: the paged kernel's
-    (default: from the number of rows)."""
+    [rows, Hq, D] in q's dtype (as `qsa.static_sparse_attention`). The paged kernel's split count follows
+    W alone (`kv_split_count`), never the number of rows: a row's result does not depend on its batch."""
     rows = q.shape[0]
     cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
     return paged_attention(
         q.contiguous(), kv_layer, slots.to(torch.int32), cu_seqlens, counts.to(torch.int32), 1, scale,
-        max_query_len=1, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits,
+        max_query_len=1, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

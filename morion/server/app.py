@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,14 +24,19 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from morion.engine.messages import EngineInfo
+from morion.server.anthropic_messages import register_messages_api
 from morion.server.chat_tools import ChatTooling
+from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
 from morion.server.errors import APIError, error_body
 from morion.server.http_guards import install_browser_guards
 from morion.server.options import ServeOptions
+from morion.server.parsers.chat_output import ChatOutputParser
 from morion.server.prepare import (
+    EngineJob,
     RenderedChat,
+    chat_echo,
     chat_job,
     check_model,
     check_vocabulary,
@@ -45,12 +50,20 @@ from morion.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from morion.server.responses import ChatFormat, CompletionFormat, TokenTexts
+from morion.server.request_log import RequestLogger
+from morion.server.responses import ChatFormat, TokenTexts
+from morion.server.responses_api import register_responses_api
 from morion.server.serving import run_job
-from morion.server.structured import Constraint, GrammarService, chat_constraint
+from morion.server.structured import Constraint, GrammarService, chat_constraint, completion_constraint
 from morion.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("morion.server")
+
+
+class PreparedChat(NamedTuple):
+    rendered: RenderedChat
+    job: EngineJob
+    new_parser: Callable[[], ChatOutputParser | None]
 
 
 class ServerContext:
@@ -94,16 +107,34 @@ class ServerContext:
         if self._grammars is not None:
             self._grammars.kill()
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[RenderedChat, Constraint | None]:
-        """The prompt and the grammar spec of a chat request (run it in a worker thread)."""
-        return self.render_chat_request(body), chat_constraint(body, self.tooling.tool_parser)
+    async def prepare_chat(self, body: ChatCompletionRequest, info: EngineInfo) -> PreparedChat:
+        """A chat request's prompt, grammar and engine job, and how to parse each choice's output (the
+        chat, Responses and Messages endpoints all come through here). The template, tokenization and the
+        grammar's spec run in a worker thread, its compilation in the bounded grammar process."""
+
+        def render_and_constrain() -> tuple[RenderedChat, Constraint | None]:
+            return self.render_chat_request(body), chat_constraint(body, self.tooling.tool_parser)
+
+        rendered, constraint = await asyncio.to_thread(render_and_constrain)
+        grammar = await self.grammars(info).compile(constraint) if constraint else None
+        job = chat_job(body, rendered.token_ids, info, grammar)
+
+        def new_parser() -> ChatOutputParser | None:
+            return self.tooling.output_parser(body, rendered.text, constrained=grammar is not None)
+
+        return PreparedChat(rendered, job, new_parser)
 
     def render_chat_request(self, body: ChatCompletionRequest) -> RenderedChat:
         """The prompt of a chat request: tools checked, then shown to the model as its template can."""
         self.tooling.check(body)
         messages, tools = self.tooling.template_inputs(body)
         return render_chat(
-            self.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs, tools
+            self.tokenizer,
+            messages,
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
+            tools,
+            body.continue_final_message,
         )
 
     def ready_info(self) -> EngineInfo:
@@ -162,16 +193,14 @@ def create_app(context: ServerContext) -> FastAPI:
         yield
         await context.close()
 
-    app = FastAPI(
-        title="morion",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        redirect_slashes=False,
-    )
+    app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # A trailing slash is a 404 with a JSON body, not a redirect: clients do not follow it, and its
+    # Location would echo the client's Host header back.
+    app.router.redirect_slashes = False
     install_browser_guards(app, context.options.allowed_origins)
-    app.add_middleware(_RequestCounter, context=context)  # outermost: counts the guards' refusals too
+    app.add_middleware(_RequestCounter, context=context)  # outside the guards: counts their refusals too
+    if context.options.log_requests:
+        app.add_middleware(RequestLogger)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -200,34 +229,39 @@ def create_app(context: ServerContext) -> FastAPI:
             client.state,
             client.info,
             client.stats,
-            context.tooling.describe(),
+            {**context.tooling.describe(), "tokenizer": context.tokenizer is not None},
         )
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = context.ready_info()
-        model = {"object": "model", "created": 0, "owned_by": "morion", "max_model_len": info.max_model_len}
-        return {"object": "list", "data": [{"id": name, **model} for name in context.served_names]}
+        return {"object": "list", "data": [_model_card(name, info) for name in context.served_names]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        info = context.ready_info()
+        check_model(model_id, context.served_names)
+        return _model_card(model_id, info)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         arrival = time.perf_counter()
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered, constraint = await asyncio.to_thread(context.prepare_chat, body)
-        tooling = context.tooling
-        grammar = await context.grammars(info).compile(constraint) if constraint else None
-        job = chat_job(body, rendered.token_ids, info, grammar)
+        chat = await context.prepare_chat(body, info)
         response_format = ChatFormat(
             _response_id("chatcmpl"),
             _model(body, context),
             context.token_texts,
             body.logprobs,
-            output_parser=lambda: tooling.output_parser(body, rendered.text, constrained=grammar is not None),
-            reasoning=tooling.reasoning_parser is not None,
+            output_parser=chat.new_parser,
+            reasoning=context.tooling.reasoning_parser is not None,
+            echo=chat_echo(body),
+            prompt_token_ids=chat.rendered.token_ids,
+            return_token_ids=body.return_token_ids,
         )
         return await run_job(
-            request, context.client, job, response_format, body.stream, body.include_usage, arrival
+            request, context.client, chat.job, response_format, body.stream, body.include_usage, arrival
         )
 
     @api.post("/v1/completions")
@@ -235,14 +269,23 @@ def create_app(context: ServerContext) -> FastAPI:
         arrival = time.perf_counter()
         info = context.ready_info()
         body: CompletionRequest = await context.read_json(request, CompletionRequest)
-        job = await asyncio.to_thread(completion_job, body, context.tokenizer, info)
-        wants_logprobs = body.logprobs is not None
+        constraint = completion_constraint(body)
+        grammar = await context.grammars(info).compile(constraint) if constraint else None
+        job = await asyncio.to_thread(completion_job, body, context.tokenizer, info, grammar)
         response_format = CompletionFormat(
-            _response_id("cmpl"), _model(body, context), context.token_texts, wants_logprobs
+            _response_id("cmpl"), _model(body, context), context.token_texts, body, job, context.tokenizer
         )
         return await run_job(
             request, context.client, job, response_format, body.stream, body.include_usage, arrival
         )
+
+    @api.post("/v1/cache/evict_device")
+    async def evict_device_cache() -> dict[str, Any]:
+        # Operators and `morion validate restore`: conversations leave GPU memory and are served from
+        # the host or disk tier next time (or recomputed without tiers); running requests keep theirs.
+        context.ready_info()
+        pages = await context.client.evict_device_cache()
+        return {"object": "cache.eviction", "tier": "device", "evicted_pages": pages}
 
     @api.post("/v1/chat/completions/render")
     async def render(request: Request) -> dict[str, Any]:
@@ -283,6 +326,8 @@ def create_app(context: ServerContext) -> FastAPI:
         check_vocabulary(body.tokens, info, "tokens")
         return {"prompt": await asyncio.to_thread(context.require_tokenizer().decode, body.tokens)}
 
+    register_responses_api(api, context)
+    register_messages_api(api, context)
     app.include_router(api)
     return app
 
@@ -294,12 +339,24 @@ def _authenticator(api_key: str | None) -> Callable[[Request], None]:
         if expected is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), expected):
             raise APIError(
                 401, "a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
 
     return authenticate
+
+
+def _model_card(name: str, info: EngineInfo) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "morion",
+        "max_model_len": info.max_model_len,
+    }
 
 
 def _response_id(prefix: str) -> str:
@@ -319,7 +376,12 @@ async def _api_error(request: Request, error: Exception) -> Response:
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+    message = str(error.detail)
+    if error.status_code == 404:
+        message = f"{request.method} {request.url.path} is not an endpoint of this server"
+    elif error.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
@@ -364,5 +426,8 @@ _ENDPOINTS = frozenset(
         "/v1/chat/completions/render",
         "/tokenize",
         "/detokenize",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
 )

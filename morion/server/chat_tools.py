@@ -45,7 +45,7 @@ class ChatTooling:
         return {
             "tool_call_parser": self.tool_parser_name,
             "reasoning_parser": self.reasoning_parser_name,
-            "structured_output": ["json_object", "json_schema", "regex"],
+            "structured_output": ["json_object", "json_schema", "regex", "ebnf", "choice"],
         }
 
     def check(self, request: ChatCompletionRequest) -> None:

@@ -1,7 +1,10 @@
 """The resolved configuration, said once: the startup summary and the /v1/server_info body.
 
 Both come from the same facts (the server options and the engine's `EngineInfo`), and every automatic
-decision is spelled out with what it was decided from.
+decision is spelled out with what it was decided from. They only format what the engine reported, never
+derive or search it again, so neither can fail on numbers the engine computed its own way (a summary
+that searched for the bound of max model len failed the ready path when the pool lost its CUDA-graph
+scratch page).
 """
 
 from __future__ import annotations
@@ -28,15 +31,14 @@ def automatic_decisions(config: EngineConfig, info: EngineInfo) -> list[str]:
             if info.device.startswith("cuda")
             else "1 GiB on CPU; set --kv-cache-tokens or --kv-cache-gb to change it"
         )
-        decisions.append(f"KV pool: {info.num_pages * config.page_size} tokens (auto: {rule})")
-    limits = {
-        "the model's context": info.context_length,
-        "the KV pool": info.num_pages * config.page_size,
-    }
-    if config.max_model_len is None or config.max_model_len > info.max_model_len:
-        bound = next(name for name, value in limits.items() if value == info.max_model_len)
+        decisions.append(f"KV pool: {info.pool_tokens} tokens (auto: {rule})")
+    if info.max_model_len_limit != "max_model_len":
+        bound = _LIMITS.get(info.max_model_len_limit, info.max_model_len_limit)
         decisions.append(f"max model len: {info.max_model_len} (auto: limited by {bound})")
     return decisions
+
+
+_LIMITS = {"context": "the model's context", "kv_pool": "the KV pool"}
 
 
 def speculative_feature(config: EngineConfig) -> dict[str, Any]:
@@ -50,7 +52,9 @@ def speculative_feature(config: EngineConfig) -> dict[str, Any]:
     return {"method": config.speculative, "policy": config.spec_policy or "default", "width": None}
 
 
-def startup_summary(options: ServeOptions, served_names: list[str], info: EngineInfo) -> str:
+def startup_summary(
+    options: ServeOptions, served_names: list[str], info: EngineInfo, has_tokenizer: bool = True
+) -> str:
     config = options.engine
     auth = "API key required" if options.api_key else "no API key"
     lines = [
@@ -60,8 +64,8 @@ def startup_summary(options: ServeOptions, served_names: list[str], info: Engine
         f"  engine         device {info.device}, dtype {info.dtype}, page size {config.page_size}, "
         f"chunk {config.chunk_size}, max running {config.max_running_requests}, "
         f"prefix cache {'on' if config.enable_prefix_cache else 'off'}",
-        f"  KV pool        {info.num_pages} pages = {info.num_pages * config.page_size} tokens "
-        f"x {info.bytes_per_token} B = {info.pool_bytes / 2**30:.2f} GiB",
+        f"  KV pool        {info.num_pages} pages x {config.page_size} tokens x {info.bytes_per_token} B "
+        f"= {info.pool_bytes / 2**30:.2f} GiB; {info.pool_tokens} tokens for requests",
         f"  max model len  {info.max_model_len} (model context {info.context_length})",
         f"  requests       body <= {options.max_request_bytes} B, n <= {MAX_N}, "
         f"headers and body within {options.read_timeout:g} s each, "
@@ -70,6 +74,11 @@ def startup_summary(options: ServeOptions, served_names: list[str], info: Engine
         f"{options.grammar_timeout:g} s and {options.grammar_memory_gb:g} GiB",
         f"  browsers       {_origins_line(options.allowed_origins)}",
     ]
+    if not has_tokenizer:
+        lines.append(
+            "  tokenizer      none: /v1/completions takes token-id prompts and returns token_ids; "
+            "text prompts and chat are refused (400)"
+        )
     speculative = speculative_feature(config)
     if speculative["method"] != "off":
         width = f"width {speculative['width']}" if speculative["width"] else f"policy {speculative['policy']}"
@@ -118,7 +127,7 @@ def server_info(
         "load": stats._asdict() if stats is not None else None,
     }
     if info is not None:
-        config.update(device=info.device, dtype=info.dtype)  # resolved, never "auto"
+        config.update(device=info.device, dtype=info.dtype, device_name=info.device_name)  # never "auto"
         body["model"].update(
             path=info.model_path,
             model_type=info.model_type,
@@ -129,7 +138,7 @@ def server_info(
             "max_model_len": info.max_model_len,
             "page_size": options.engine.page_size,
             "num_pages": info.num_pages,
-            "kv_cache_tokens": info.num_pages * options.engine.page_size,
+            "kv_cache_tokens": info.pool_tokens,
             "bytes_per_token": info.bytes_per_token,
             "kv_cache_bytes": info.pool_bytes,
         }

@@ -9,33 +9,51 @@ long step while requests pour in) blocks that thread and never the event loop.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from morion.config import EngineConfig
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
+    CacheEvicted,
     EngineFailed,
     EngineInfo,
     EngineOutputs,
     EngineStats,
+    EvictDeviceCache,
     InboxMessage,
     RequestDelta,
     Shutdown,
 )
-from morion.engine.process import run_engine_process
 from morion.engine.sampling_params import SamplingParams
+from morion.server.engine_spawn import EngineProcess
+from morion.server.errors import APIError
 from morion.server.metrics import ServerMetrics
 
 # Client-side states; /health is 200 only in READY.
 LOADING, READY, DRAINING, STOPPED, FAILED = "loading", "ready", "draining", "stopped", "failed"
 
 Batch = list[tuple[int, RequestDelta]]  # (choice index, delta) pairs of one engine step
+
+
+def delta_error(delta: RequestDelta) -> APIError | None:
+    """What the client is told when its engine request ended without an answer, else None: 400 (the engine
+    refused the request), 500 (the engine failed on it) or 503 (the server aborted it while shutting down;
+    "abort" is no OpenAI finish_reason, and a cut answer must not look like a finished one)."""
+    if delta.finish_reason == "abort":
+        return APIError(
+            503, "the server is shutting down and stopped this request before it finished", code="aborted"
+        )
+    if delta.finish_reason != "error":
+        return None
+    if delta.internal:
+        return APIError(500, f"the engine failed on this request: {delta.error}", code="engine_error")
+    return APIError(400, delta.error or "the engine rejected the request")
 
 
 class RequestStream:
@@ -51,6 +69,7 @@ class RequestStream:
         self._last_token_at: dict[str, float] = {}
         self._queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.closed = False
+        self.time_to_first_token: float | None = None  # of any of its choices, from the HTTP arrival
 
     def deliver(self, deltas: list[RequestDelta], now: float) -> None:
         metrics = self._client.metrics
@@ -59,6 +78,8 @@ class RequestStream:
                 previous = self._last_token_at.get(delta.request_id)
                 if previous is None:
                     metrics.time_to_first_token.observe(now - self._arrival)
+                    if self.time_to_first_token is None:
+                        self.time_to_first_token = now - self._arrival
                 else:
                     metrics.inter_token_latency.observe((now - previous) / len(delta.token_ids))
                 self._last_token_at[delta.request_id] = now
@@ -97,30 +118,19 @@ class EngineClient:
         )
         self.open_streams: set[RequestStream] = set()
         self._streams: dict[str, RequestStream] = {}
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: BaseProcess | None = None
         self._inbox: Connection | None = None  # the write end
         self._outbox: Connection | None = None  # the read end
         self._connected = False
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morion-engine-inbox")
+        self._evictions: dict[str, asyncio.Future[int]] = {}  # EvictDeviceCache sent, not yet answered
         self._on_ready: Callable[[EngineInfo], None] = lambda info: None
         self._on_fatal: Callable[[str], None] = lambda error: None
 
-    def start_process(self) -> None:
-        """Spawns the engine, which starts loading at once; what it sends waits in the pipe until
-        `connect`, so the model loads while the front end gets ready."""
-        context = multiprocessing.get_context("spawn")
-        inbox_read, self._inbox = context.Pipe(duplex=False)
-        self._outbox, outbox_write = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=run_engine_process,
-            args=(self.config, inbox_read, outbox_write),
-            name="morion-engine",
-            daemon=True,  # never outlive the front end
-        )
-        self._process.start()
-        # The engine holds its own copies; with ours closed, end-of-file on a pipe means the peer is gone.
-        inbox_read.close()
-        outbox_write.close()
+    def attach(self, engine: EngineProcess) -> None:
+        """Takes over the engine process (`server/engine_spawn.py`: it starts loading at once, and what it
+        sends waits in the pipe until `connect`, so the model loads while the front end gets ready)."""
+        self._process, self._inbox, self._outbox = engine
 
     async def connect(self, on_ready: Callable[[EngineInfo], None], on_fatal: Callable[[str], None]) -> None:
         assert self._process is not None and self._outbox is not None
@@ -148,6 +158,17 @@ class EngineClient:
                 self._send(AbortRequest(request_id))
         self.open_streams.discard(stream)
 
+    async def evict_device_cache(self) -> int:
+        """Asks the engine to drop its device prefix cache's unused pages (cached conversations stay in
+        the host and disk tiers); returns how many pages it freed."""
+        reply_id = uuid.uuid4().hex
+        done = self._evictions[reply_id] = asyncio.get_running_loop().create_future()
+        self._send(EvictDeviceCache(reply_id))
+        try:
+            return await done
+        finally:
+            self._evictions.pop(reply_id, None)
+
     def abort_all(self) -> None:
         """Ends every open stream's requests; each stream then ends with a 503 error (serving.py)."""
         for request_id in list(self._streams):
@@ -173,12 +194,26 @@ class EngineClient:
             if isinstance(message, EngineOutputs):
                 self._deliver(message)
             elif isinstance(message, EngineInfo):
-                self.info = message
-                if self.state == LOADING:
-                    self.state = READY
-                self._on_ready(message)
+                self._ready(message)
+            elif isinstance(message, CacheEvicted):
+                done = self._evictions.get(message.reply_id)
+                if done is not None and not done.done():
+                    done.set_result(message.pages)
             elif isinstance(message, EngineFailed):
                 self._fail(message.error)
+
+    def _ready(self, info: EngineInfo) -> None:
+        # READY only once the ready path has run: an error there must stop the server, not leave it
+        # half alive (/health 200 while the rest of start-up never happened).
+        try:
+            self._on_ready(info)
+        except Exception as error:
+            detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            self._fail(f"start-up failed after the engine loaded: {detail}")
+            return
+        self.info = info
+        if self.state == LOADING:
+            self.state = READY
 
     def _deliver(self, message: EngineOutputs) -> None:
         self.stats = message.stats
@@ -213,6 +248,9 @@ class EngineClient:
         self._streams.clear()
         for stream, deltas in by_stream.items():
             stream.deliver(deltas, now)
+        for done in self._evictions.values():
+            if not done.done():
+                done.set_exception(RuntimeError(error))
         self._on_fatal(error)
 
     # --------------------------------------------------------------- shutdown
@@ -222,13 +260,6 @@ class EngineClient:
         self.state = STOPPED  # its exit is expected: no "exited unexpectedly" failure
         if self._process is not None:
             self._process.kill()  # SIGKILL; returns at once
-
-    def kill_process(self) -> None:
-        """For a start-up that fails before the event loop runs."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._close_pipes()
 
     async def close(self, timeout: float = 10.0) -> None:
         """Stops the engine (it aborts what is left), waits up to `timeout` s, then kills it."""
@@ -241,7 +272,7 @@ class EngineClient:
             loop.remove_reader(process.sentinel)
         if previous == LOADING:
             process.kill()  # nothing in flight, and loading could take minutes
-        elif previous != FAILED:
+        elif process.is_alive():  # also after a failure on the front end's side: the engine is fine
             self._send(Shutdown())
         await asyncio.to_thread(process.join, timeout)
         if process.is_alive():

@@ -37,7 +37,7 @@ def install_browser_guards(app: FastAPI, allowed_origins: Sequence[str]) -> None
             CORSMiddleware,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type"],
+            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
         )
 
 

@@ -1,8 +1,13 @@
 """`morion serve`: spawn the engine, load the tokenizer, run uvicorn, drain on SIGTERM.
 
 Start-up order: the model path is resolved (pulling the default model once), the engine process is
-spawned and starts loading, the front end reads the tokenizer meanwhile, then uvicorn listens; /health
-answers 503 until the engine reports ready, and the startup summary is printed then.
+spawned and starts loading, the front end imports its own modules and reads the tokenizer meanwhile (this
+module imports nothing heavy before the spawn), then uvicorn listens; /health answers 503 until the
+engine reports ready and the ready path (the startup summary) has run. An error in that path stops the
+server with one `morion: error:` line and exit status 1, never a half-started server.
+
+`preset:NAME` serves random weights of a preset's shapes with no tokenizer: /v1/completions takes token
+ids and answers with `token_ids`; text prompts and chat get a 400 that says why.
 
 Shutdown: the first SIGTERM or SIGINT stops admission (/health 503, new completions 503), lets in-flight
 requests finish for up to `shutdown_timeout` seconds, aborts the rest, then stops uvicorn and the engine
@@ -22,30 +27,34 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from morion.engine.messages import EngineInfo
 from morion.errors import MorionError
-from morion.loader import resolve_model_path
-from morion.loader.model_store import DEFAULT_MODEL, KNOWN_MODELS
-from morion.loader.tokenizer_loader import load_tokenizer
-from morion.server.app import ServerContext, create_app
-from morion.server.describe import startup_summary
-from morion.server.engine_client import DRAINING, READY, EngineClient
-from morion.server.http_guards import with_header_deadline
+from morion.loader.model_store import DEFAULT_MODEL
+from morion.loader.resolve import is_model_name, resolve_model_path
+from morion.logs import LEVEL_VARIABLE, show_morion_logs
+from morion.models.presets import is_preset, preset_config
+from morion.server.engine_spawn import kill_engine, spawn_engine
 from morion.server.options import ServeOptions
+
+if TYPE_CHECKING:
+    from morion.engine.messages import EngineInfo
+    from morion.server.app import ServerContext
+    from morion.server.engine_client import EngineClient
 
 _ABORT_GRACE_S = 2.0  # after aborting what outlived the drain, how long its streams get to end
 
 
-def served_names(requested: str | None, model: str | None, path: Path) -> list[str]:
-    """The name /v1/models lists first, then aliases a client may also send (the --model text)."""
+def served_names(requested: str | None, model: str | None, path: Path | None) -> list[str]:
+    """The name /v1/models lists first, then aliases a client may also send (the --model text).
+    `path` is None for a preset, which is served by its `preset:NAME`."""
     if requested:
         primary = requested
-    elif model is None or model in KNOWN_MODELS:
+    elif path is None:
+        primary = model
+    elif is_model_name(model):  # the default, a known name or a Hugging Face id: the name, not a path
         primary = model or DEFAULT_MODEL
     else:
         primary = path.name if path.is_dir() else path.stem
@@ -56,20 +65,44 @@ def serve(options: ServeOptions) -> None:
     """Runs until shut down; raises MorionError when the engine cannot start or dies."""
     _check_can_listen(options.host, options.port)  # before minutes of loading, not after
     model = options.engine.model
-    path = resolve_model_path(model)
-    options = dataclasses.replace(options, engine=dataclasses.replace(options.engine, model=str(path)))
+    path = None
+    if is_preset(model):
+        preset_config(model)  # an unknown preset fails here, before the engine starts
+    else:
+        path = resolve_model_path(model)
+        options = dataclasses.replace(options, engine=dataclasses.replace(options.engine, model=str(path)))
     names = served_names(options.served_model_name, model, path)
-    client = EngineClient(options.engine)
-    client.start_process()  # the model loads while the front end reads the tokenizer
+    os.environ[LEVEL_VARIABLE] = options.log_level  # the engine process reads it
+    show_morion_logs(options.log_level)
+    engine = spawn_engine(options.engine)
+    print(
+        f"morion serve: loading {names[0]} in the engine process (pid {engine.process.pid}); "
+        "/health answers 503 until it is ready",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        tokenizer = load_tokenizer(path)
+        # The front end's own imports (fastapi, its request models, torch through the engine's messages)
+        # run here, while the engine loads: before the spawn they delayed it by seconds.
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        from morion.loader.tokenizer_loader import load_tokenizer
+        from morion.server.app import ServerContext, create_app
+        from morion.server.describe import startup_summary
+        from morion.server.engine_client import EngineClient
+        from morion.server.http_guards import with_header_deadline
+
+        client = EngineClient(options.engine)
+        client.attach(engine)
+        tokenizer = load_tokenizer(path) if path is not None else None
     except BaseException:
-        client.kill_process()
+        kill_engine(engine)
         raise
     fatal: list[str] = []
 
     def on_ready(info: EngineInfo) -> None:
-        print(startup_summary(options, names, info), file=sys.stderr, flush=True)
+        summary = startup_summary(options, names, info, has_tokenizer=tokenizer is not None)
+        print(summary, file=sys.stderr, flush=True)
 
     def on_fatal(error: str) -> None:
         fatal.append(error)
@@ -83,7 +116,7 @@ def serve(options: ServeOptions) -> None:
         http=with_header_deadline(AutoHTTPProtocol, options.read_timeout),
         access_log=False,  # a log line per request costs more than a token; /metrics counts requests
         timeout_graceful_shutdown=5,
-        log_level="info",
+        log_level=options.log_level,
     )
     server = _DrainingServer(config, context, options.shutdown_timeout)
     server.run()
@@ -140,6 +173,8 @@ class _DrainingServer(uvicorn.Server):
             self._draining = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
+        from morion.server.engine_client import DRAINING, READY  # imported by serve() before this runs
+
         client = self._client
         if client.state == READY:
             client.state = DRAINING

@@ -28,3 +28,5 @@ class ServeOptions:
     tool_call_parser: str | None = None  # None: from the chat template (see server/chat_tools.py)
     reasoning_parser: str | None = None  # None: no reasoning split
     profile: str | None = None  # the --config file, reported in the startup summary
+    log_level: str = "info"  # morion's and uvicorn's loggers, in both processes
+    log_requests: bool = False  # one line per request (server/request_log.py)

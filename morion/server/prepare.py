@@ -58,9 +58,20 @@ def render_chat(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
     tools: list[Any] | None = None,
+    continue_final_message: bool = False,
 ) -> RenderedChat:
-    """`messages` as `ChatMessage.for_template` gives them; `tools` for templates that render them."""
-    if tokenizer is None or tokenizer.chat_template is None:
+    """`messages` as `ChatMessage.for_template` gives them; `tools` for templates that render them.
+
+    `continue_final_message`: the prompt ends inside the last (assistant) message, right after its text,
+    so that the answer continues it (the template's end-of-turn after it is cut off)."""
+    if tokenizer is None:
+        raise APIError(
+            400,
+            "this model has no tokenizer (random weights of a preset, or a directory without one), so it "
+            "cannot render chat messages: send token ids as the prompt of /v1/completions",
+            param="messages",
+        )
+    if tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; send a prompt to /v1/completions instead")
     kwargs = template_kwargs or {}
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -72,8 +83,28 @@ def render_chat(
         )
     except InvalidRequestError as error:
         raise APIError(400, str(error), param="messages") from None
+    if continue_final_message:
+        text = _open_final_message(text, messages[-1]["content"])
     # The template writes BOS itself where the model wants one (as Tokenizer.encode_chat).
     return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
+
+
+def _open_final_message(text: str, final: str) -> str:
+    end = text.rfind(final.rstrip()) if final.strip() else -1
+    if end < 0:
+        raise APIError(
+            400,
+            "continue_final_message: the chat template does not show the last message's text as it is",
+            param="continue_final_message",
+        )
+    return text[: end + len(final.rstrip())]
+
+
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """With `echo`, the answer starts with the last message's text when that message is the assistant's
+    (the one `continue_final_message` continues), as vLLM does."""
+    last = request.messages[-1]
+    return (last.content or "") if request.echo and last.role == "assistant" else ""
 
 
 def chat_job(
@@ -92,25 +123,71 @@ def chat_job(
         requested, name = request.max_tokens, "max_tokens"
     budget = token_budget(requested, name, len(prompt), info.max_model_len, default=None)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return EngineJob([prompt], sampling_params(request, budget, logprobs, grammar), request.n)
+    params = sampling_params(request, budget, logprobs, grammar, request.prompt_logprobs)
+    return EngineJob([prompt], params, request.n)
 
 
-def completion_job(request: CompletionRequest, tokenizer: Tokenizer | None, info: EngineInfo) -> EngineJob:
+def completion_job(
+    request: CompletionRequest,
+    tokenizer: Tokenizer | None,
+    info: EngineInfo,
+    grammar: CompiledGrammar | None = None,
+) -> EngineJob:
+    """`request.candidates` engine requests per prompt (best_of, else n). With best_of, every candidate
+    reports its tokens' logprobs, by which the best n are chosen (responses.py)."""
     check_vocabulary(request.stop_token_ids or (), info, "stop_token_ids")
-    prompts = [completion_prompt(p, tokenizer, info) for p in request.prompt]
+    prompts = [completion_prompt(p, tokenizer, info, request.suffix) for p in request.prompt]
+    logprobs = request.logprobs
+    if logprobs is None and request.candidates > request.n:
+        logprobs = 0  # the chosen tokens' logprobs rank the candidates
+    # echo with logprobs: the prompt's tokens have logprobs too (their first one none).
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
     params = []
     for prompt in prompts:
         budget = token_budget(
             request.max_tokens, "max_tokens", len(prompt), info.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
-        params += sampling_params(request, budget, request.logprobs)
-    return EngineJob(prompts, params, request.n)
+        params += sampling_params(
+            request, budget, logprobs, grammar, prompt_logprobs, candidates=request.candidates
+        )
+    return EngineJob(prompts, params, request.candidates)
 
 
-def completion_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, info: EngineInfo) -> list[int]:
+# Fill-in-the-middle tokens of the families that have them, in prefix-suffix-middle order.
+_FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+)
+
+
+def fill_in_the_middle(tokenizer: Tokenizer, prompt: str, suffix: str) -> str:
+    """The prompt of a `suffix` completion: the model writes what goes between prompt and suffix."""
+    vocabulary = tokenizer.backend.get_vocab()
+    for prefix_token, suffix_token, middle_token in _FIM_TOKENS:
+        if all(token in vocabulary for token in (prefix_token, suffix_token, middle_token)):
+            return f"{prefix_token}{prompt}{suffix_token}{suffix}{middle_token}"
+    raise APIError(
+        400, "suffix needs a model with fill-in-the-middle tokens, and this one has none", param="suffix"
+    )
+
+
+def completion_prompt(
+    prompt: str | list[int], tokenizer: Tokenizer | None, info: EngineInfo, suffix: str | None = None
+) -> list[int]:
+    if suffix and not isinstance(prompt, str):
+        raise APIError(400, "suffix needs a text prompt", param="suffix")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            raise APIError(
+                400,
+                "this model has no tokenizer (random weights of a preset, or a directory without one), so "
+                "it cannot read text: send the prompt as token ids",
+                param="prompt",
+            )
+        if suffix:
+            prompt = fill_in_the_middle(tokenizer, prompt, suffix)
         token_ids = tokenizer.encode(prompt)
         if not token_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -157,9 +234,16 @@ def token_budget(
 
 
 def sampling_params(
-    fields: SamplingFields, max_tokens: int, logprobs: int | None, grammar: CompiledGrammar | None = None
+    fields: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    grammar: CompiledGrammar | None = None,
+    prompt_logprobs: int | None = None,
+    candidates: int | None = None,
 ) -> list[SamplingParams]:
-    """n parameter sets; with a seed, choice i samples with seed + i, so choices differ but reproduce."""
+    """`candidates` (default n) parameter sets; with a seed, choice i samples with seed + i, so choices
+    differ but reproduce."""
+    count = candidates or fields.n
     options: dict[str, Any] = {
         "temperature": fields.temperature,
         "top_p": fields.top_p,
@@ -170,11 +254,7 @@ def sampling_params(
         "frequency_penalty": fields.frequency_penalty,
     }
     options = {name: value for name, value in options.items() if value is not None}
-    seeds = (
-        [None] * fields.n
-        if fields.seed is None
-        else [(fields.seed + i) % _SEED_SPACE for i in range(fields.n)]
-    )
+    seeds = [None] * count if fields.seed is None else [(fields.seed + i) % _SEED_SPACE for i in range(count)]
     try:
         return [
             SamplingParams(
@@ -185,6 +265,8 @@ def sampling_params(
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
                 grammar=grammar,
+                logit_bias=fields.token_bias,
+                prompt_logprobs=prompt_logprobs,
                 **options,
             )
             for seed in seeds

@@ -2,7 +2,8 @@
 
 Models are strict (no "5" for 5, no true for 1) and ignore unknown fields, as OpenAI clients send
 fields we do not use (`user`, `store`, `metadata`); fields that would change the answer and that morion
-cannot honour yet are rejected by `unsupported_fields` instead of being silently ignored.
+cannot honour are rejected by `check` instead of being silently ignored: OpenAI's own (`functions`), and
+the extensions other servers take that clients send through `extra_body` (`_OUTPUT_CHANGING_EXTRAS`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 64  # engine requests one HTTP request may start: n x prompts
 _MAX_SEED = 2**64 - 1
-_MAX_INT32 = 2**31 - 1  # top_k and token ids: anything larger is a client bug, never a meaning
+MAX_INT32 = 2**31 - 1  # top_k and token ids: anything larger is a client bug, never a meaning
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -38,8 +39,43 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+# Extensions of other OpenAI-compatible servers (vLLM, SGLang) that change the output and that morion
+# does not implement, with the value that changes nothing (None: any value but null changes the output).
+_OUTPUT_CHANGING_EXTRAS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "structural_tag": None,
+    "guided_whitespace_pattern": None,
+    "truncate_prompt_tokens": None,
+    "return_tokens_as_token_ids": False,
+    "chat_template": None,
+    "documents": None,
+    "lora_path": None,
+    "no_stop_trim": False,
+    "min_new_tokens": 0,
+    "thinking_token_budget": None,
+}
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class FunctionDefinition(_Body):
@@ -149,6 +185,8 @@ def _arguments(text: str) -> Any:
 class SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions. None means "the default"."""
 
+    model_config = ConfigDict(strict=True, extra="allow")  # `check` looks for known extensions
+
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
@@ -161,13 +199,36 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # morion (and vLLM) extensions
-    top_k: int | None = Field(None, ge=-1, le=_MAX_INT32)  # 0 or -1: off; above the vocabulary: all
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # 0 or -1: off; above the vocabulary: all
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=_MAX_INT32)]] | None = None
-    # accepted only at their neutral value
-    logit_bias: dict[str, Any] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
+    echo: bool = False  # completions: the prompt before the answer; chat: the last assistant message
+    # vLLM extensions: the prompt's token ids and each choice's token ids in the response; logprobs of
+    # the prompt tokens.
+    return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Structured output as other servers take it (server/structured.py): SGLang's `regex` and `ebnf`,
+    # vLLM's `structured_outputs` and its older `guided_*` fields.
+    regex: str | None = Field(None, min_length=1)
+    ebnf: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not (token.isascii() and token.isdigit() and int(token) <= MAX_INT32):
+                raise ValueError(f"keys must be token ids, got {_short(token)}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -185,8 +246,25 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(token), float(bias)) for token, bias in (self.logit_bias or {}).items())
+
+    def check(self) -> None:
+        """What the field types cannot say: combinations, and fields this server will not silently drop."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        unsupported = self.unsupported_fields()
+        if unsupported:
+            raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
+
     def unsupported_fields(self) -> list[str]:
-        return ["logit_bias"] if self.logit_bias else []
+        extras = self.model_extra or {}
+        return [
+            name
+            for name, neutral in _OUTPUT_CHANGING_EXTRAS.items()
+            if name in extras and extras[name] not in (None, [], {}, "") and extras[name] != neutral
+        ]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -200,10 +278,23 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    # morion extension (also SGLang's name): constrain the output to a regular expression.
-    regex: str | None = Field(None, min_length=1)
+    # vLLM's: the last (assistant) message is left open and the answer continues it.
+    continue_final_message: bool = False
     functions: list[Any] | None = None
     function_call: Any = None
+
+    def check(self) -> None:
+        super().check()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message needs add_generation_prompt to be false",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(
+                400, "continue_final_message needs an assistant message last", param="continue_final_message"
+            )
 
     def unsupported_fields(self) -> list[str]:
         fields = super().unsupported_fields()
@@ -224,9 +315,8 @@ class CompletionRequest(SamplingFields):
     prompt: list[str | list[int]]
     max_tokens: int | None = Field(None, ge=1)  # OpenAI's default for completions is 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = None  # fill in the middle (server/prepare.py): models with FIM tokens
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # candidates per prompt; the n most likely return
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -254,15 +344,25 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"n x prompts may be at most {MAX_CHOICES}, got {n} x {len(value)}")
         return value
 
-    def unsupported_fields(self) -> list[str]:
-        fields = super().unsupported_fields()
-        if self.echo:
-            fields.append("echo")
-        if self.suffix:
-            fields.append("suffix")
-        if self.best_of not in (None, self.n):
-            fields.append("best_of")
-        return fields
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.candidates * len(self.prompt) > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"best_of x prompts may be at most {MAX_CHOICES}, got {self.candidates} x {len(self.prompt)}",
+                param="best_of",
+            )
+        if self.stream and self.best_of not in (None, self.n):
+            raise APIError(400, "best_of cannot be used with stream", param="best_of")
+        if self.suffix and self.echo:
+            raise APIError(400, "suffix cannot be used with echo", param="suffix")
+
+    @property
+    def candidates(self) -> int:
+        """Engine requests per prompt: best_of, else n."""
+        return self.best_of or self.n
 
 
 class TokenizeRequest(_Body):
@@ -278,7 +378,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=_MAX_INT32)]]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_INT32)]]
 
 
 def _is_token_id(value: Any) -> bool:
@@ -291,9 +391,9 @@ def parse_body(body: bytes, model: type[_Model]) -> _Model:
         parsed = model.model_validate_json(body)
     except ValidationError as error:
         raise _as_api_error(error) from None
-    unsupported = getattr(parsed, "unsupported_fields", list)()
-    if unsupported:
-        raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0])
+    check = getattr(parsed, "check", None)
+    if check is not None:
+        check()
     return parsed
 
 

@@ -9,19 +9,17 @@ A request the server aborts (the shutdown drain ran out of time) ends the same w
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from morion.engine.messages import RequestDelta
-from morion.server.engine_client import EngineClient, RequestStream
-from morion.server.errors import APIError
+from morion.server.engine_client import EngineClient, RequestStream, delta_error
 from morion.server.prepare import EngineJob
+from morion.server.request_log import note_generation
 from morion.server.responses import ResponseFormat, UsageTotals
-from morion.server.sse import DONE, EventStreamResponse, sse_event, wait_for_disconnect
+from morion.server.sse import DONE, ClientGone, EventStreamResponse, sse_event, unless_client_leaves
 
 
 async def run_job(
@@ -34,73 +32,55 @@ async def run_job(
     arrival: float,
 ) -> Response | EventStreamResponse:
     request_stream = client.submit(job.submissions(), arrival)
+    usage = UsageTotals(job.n)
+    note_generation(request, lambda: request_stream.time_to_first_token, usage.body)
     if stream:
-        events = _events(request_stream, response_format, job.n, include_usage)
+        events = _events(request_stream, response_format, usage, include_usage)
         return EventStreamResponse(events, request_stream.close)
-    collect = asyncio.create_task(_collect(request_stream, response_format, job.n))
-    disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():
-            collect.cancel()  # the client is gone; closing the stream aborts its engine requests
-        # A cancelled task is done only once it has run again: settle both before reading either.
-        await asyncio.gather(collect, disconnect, return_exceptions=True)
-        request_stream.close()
-    if collect.cancelled():
-        return Response(status_code=499)  # nobody reads it; the access log shows why it ended
-    return JSONResponse(collect.result())
-
-
-def _error(delta: RequestDelta) -> APIError:
-    if delta.finish_reason == "abort":
-        return APIError(
-            503, "the server is shutting down and stopped this request before it finished", code="aborted"
+        body = await unless_client_leaves(
+            request, _collect(request_stream, response_format, usage), request_stream.close
         )
-    if delta.internal:
-        return APIError(500, f"the engine failed on this request: {delta.error}", code="engine_error")
-    return APIError(400, delta.error or "the engine rejected the request")
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the request log shows why it ended
+    return JSONResponse(body)
 
 
-def _ended_early(delta: RequestDelta) -> bool:
-    return delta.finish_reason in ("error", "abort")
-
-
-async def _collect(stream: RequestStream, response_format: ResponseFormat, n: int) -> dict[str, Any]:
+async def _collect(
+    stream: RequestStream, response_format: ResponseFormat, usage: UsageTotals
+) -> dict[str, Any]:
     choices = [response_format.new_choice() for _ in stream.request_ids]
-    usage = UsageTotals(n)
     async for batch in stream.batches():
         for index, delta in batch:
-            if _ended_early(delta):
-                raise _error(delta)
+            error = delta_error(delta)
+            if error is not None:
+                raise error
             choice = choices[index]
-            if response_format.wants_logprobs and delta.token_ids:
-                response_format.delta_logprobs(delta, choice)
-            choice.add(delta.text)
+            choice.record(delta)
+            response_format.collect(index, delta, choice)
             if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
                 usage.add(index, delta.usage)
     return response_format.response(choices, usage)
 
 
 async def _events(
-    stream: RequestStream, response_format: ResponseFormat, n: int, include_usage: bool
+    stream: RequestStream, response_format: ResponseFormat, usage: UsageTotals, include_usage: bool
 ) -> AsyncIterator[bytes]:
     # With include_usage, OpenAI puts "usage": null on every chunk and the totals on one last chunk.
     usage_field = {"usage": None} if include_usage else {}
     choices = [response_format.new_choice() for _ in stream.request_ids]
-    usage = UsageTotals(n)
     opening = response_format.opening_chunks(len(choices))
     if opening:
         yield b"".join(sse_event(chunk | usage_field) for chunk in opening)
     async for batch in stream.batches():
         events = []
         for index, delta in batch:
-            if _ended_early(delta):
-                yield sse_event(_error(delta).body())
+            error = delta_error(delta)
+            if error is not None:
+                yield sse_event(error.body())
                 return
             choice = choices[index]
+            choice.record(delta)
             delta_choice = response_format.delta_choice(index, delta, choice)
             choice.add(delta.text)
             if delta_choice is not None:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("morion.server")
 
 DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -29,6 +31,51 @@ async def wait_for_disconnect(receive: Receive) -> None:
     """Returns once the client has disconnected (call only after the request body has been read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientGone(Exception):
+    """The client of a whole (not streamed) response disconnected before it was ready."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T], on_close: Callable[[], None]) -> T:
+    """The result of `work`, unless the client goes away first (then `ClientGone`: nobody would read the
+    answer); `on_close`, which aborts the engine requests, always runs. Raises what `work` raises."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not task.done():
+            task.cancel()
+        on_close()
+        # A cancelled task is done only once it has run again: settle both before reading either.
+        await asyncio.gather(task, disconnect, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def respond(
+    request: Request,
+    events: AsyncIterator[bytes],
+    on_close: Callable[[], None],
+    stream: bool,
+    whole: Callable[[], Any],
+) -> Any:
+    """The events as a stream, or (not `stream`) run to their end and answered by `whole()`."""
+    if stream:
+        return EventStreamResponse(events, on_close)
+
+    async def drain() -> None:
+        async for _ in events:
+            pass
+
+    try:
+        await unless_client_leaves(request, drain(), on_close)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    return whole()
 
 
 class EventStreamResponse(Response):

@@ -1,10 +1,14 @@
-"""Structured output: which grammar a chat request is constrained to, compiled off the event loop.
+"""Structured output: which grammar a request is constrained to, compiled off the event loop.
 
-`response_format` (`json_object`, `json_schema`), the `regex` extension, and forced tool calls
-(`tool_choice: "required"` or a named function: the tool parser's own call syntax, so that even a tiny
-model writes a call the parser reads) become one `GrammarSpec`; a child process compiles it, bounded in
-source size, time, memory and result size (`grammar_worker.py`), with a cache keyed by the spec, and the
-engine receives the compiled grammar. A grammar past a bound is a 400 naming the field.
+`response_format` (`json_object`, `json_schema`; chat, and the Responses API's `text.format`), the
+extensions other servers take (SGLang's `regex` and `ebnf`, vLLM's `structured_outputs` with `json` /
+`regex` / `choice` / `grammar` / `json_object`, and its older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`), and forced tool calls (`tool_choice: "required"` or a named function,
+also the Messages API's `any` and `tool`: the tool parser's own call syntax, so that even a tiny model
+writes a call the parser reads) become one `GrammarSpec`. Whatever its source, a child process compiles
+it, bounded in source size, time, memory and result size (`grammar_worker.py`), with a cache keyed by the
+spec, and the engine receives the compiled grammar. A grammar past a bound is a 400 naming the field.
+Grammars are xgrammar's EBNF.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from morion.server.errors import APIError
 from morion.server.grammar_worker import GrammarWorker
 from morion.server.options import MAX_GRAMMAR_SOURCE_BYTES
 from morion.server.parsers.tool_calls import ToolCallParser
-from morion.server.protocol import ChatCompletionRequest, NamedToolChoice
+from morion.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from morion.text.tokenizer import Tokenizer
 
 _MAX_WAITING = 16  # compilations queued behind the one running; more are refused (503) until some finish
@@ -41,12 +45,63 @@ def chat_constraint(request: ChatCompletionRequest, tool_parser: type[ToolCallPa
         constraints.append(
             Constraint(GrammarSpec("json_schema", schema), "response_format.json_schema.schema")
         )
-    if request.regex is not None:
-        constraints.append(Constraint(GrammarSpec("regex", request.regex), "regex"))
+    constraints += _extension_constraints(request)
     if request.tools and (
         request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
     ):
         constraints.append(Constraint(_forced_tool_calls(request, tool_parser), "tools"))
+    return _one(constraints)
+
+
+def completion_constraint(request: SamplingFields) -> Constraint | None:
+    """The grammar a completion request asks for through the extensions, or None."""
+    return _one(_extension_constraints(request))
+
+
+def _extension_constraints(request: SamplingFields) -> list[Constraint]:
+    found: list[Constraint] = []
+    outputs = request.structured_outputs
+    sources = [
+        ("regex", "regex", request.regex),
+        ("ebnf", "ebnf", request.ebnf),
+        ("json_schema", "guided_json", request.guided_json),
+        ("regex", "guided_regex", request.guided_regex),
+        ("choice", "guided_choice", request.guided_choice),
+        ("ebnf", "guided_grammar", request.guided_grammar),
+    ]
+    if outputs is not None:
+        sources += [
+            ("json_schema", "structured_outputs.json", outputs.json_),
+            ("regex", "structured_outputs.regex", outputs.regex),
+            ("choice", "structured_outputs.choice", outputs.choice),
+            ("ebnf", "structured_outputs.grammar", outputs.grammar),
+            ("json_object", "structured_outputs.json_object", outputs.json_object or None),
+        ]
+    for kind, param, value in sources:
+        if value is None:
+            continue
+        if kind == "json_schema":
+            spec = GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
+        elif kind == "choice":
+            spec = GrammarSpec("ebnf", _choice_grammar(value, param))
+        elif kind == "json_object":
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec(kind, value)
+        found.append(Constraint(spec, param))
+    if outputs is not None and not any(c.param.startswith("structured_outputs") for c in found):
+        raise APIError(400, "structured_outputs names no constraint", param="structured_outputs")
+    return found
+
+
+def _choice_grammar(choices: list[str], param: str) -> str:
+    """One of the strings, exactly: an EBNF alternation of string literals."""
+    if not choices or not all(isinstance(choice, str) and choice for choice in choices):
+        raise APIError(400, f"{param}: give a list of non-empty strings", param=param)
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _one(constraints: list[Constraint]) -> Constraint | None:
     if len(constraints) > 1:
         names = " and ".join(c.param.split(".")[0] for c in constraints)
         raise APIError(

@@ -1,55 +1,25 @@
 """Streaming `/v1/chat/completions` as the suites send it: one request, one `ChatReply` with its evidence.
 
-Every request streams with `stream_options.include_usage`, so the reply carries the server's own token
-counts (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens`) beside the client's
-timing of each content chunk. Tool-call deltas are assembled into whole calls. A rejection (non-200) or
-an error event in the stream is a `RequestFailed`; nothing here retries (a first attempt is the result).
+The stream, the server's counts and the client's timing are `streaming.py`'s; here, the content and the
+tool calls (their deltas assembled into whole calls).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from morion.bench.endpoint import Endpoint
+from morion.validate.streaming import StreamedReply, Timing, events
 
 
-class RequestFailed(Exception):
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"HTTP {status}: {text[:300]}")
-        self.status = status
-        self.text = text
-
-
-class ChatReply(NamedTuple):
+@dataclass(frozen=True)
+class ChatReply(StreamedReply):
     content: str
     tool_calls: list[dict[str, Any]]  # [{"id", "name", "arguments": raw JSON text}], in index order
-    finish_reason: str | None
-    usage: dict[str, Any] | None  # the final usage chunk; None when the server sent none
-    done: bool  # the stream ended with `data: [DONE]`
-    ttft_s: float | None  # submission to the first content (or tool-call) chunk
-    chunk_gaps_s: list[float]  # between consecutive content chunks: inter-token latency at the client
-    latency_s: float
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        return (self.usage or {}).get("prompt_tokens")
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return (self.usage or {}).get("completion_tokens")
-
-    @property
-    def cached_tokens(self) -> int | None:
-        """None when the server does not report prompt_tokens_details (cache hits cannot be checked)."""
-        details = (self.usage or {}).get("prompt_tokens_details")
-        if not isinstance(details, dict) or details.get("cached_tokens") is None:
-            return None
-        return int(details["cached_tokens"])
 
     def evidence(self) -> dict[str, Any]:
         """What a case keeps of its reply: the text, calls, finish, server counts and timing."""
@@ -94,49 +64,32 @@ class ChatClient:
     async def send(
         self, client: httpx.AsyncClient, messages: list[dict[str, Any]], max_tokens: int, **extra: Any
     ) -> ChatReply:
-        body = self.body(messages, max_tokens, **extra)
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
-        gaps: list[float] = []
-        finish = usage = first = last = None
+        finish = usage = None
         done = False
-        start = time.perf_counter()
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RequestFailed(response.status_code, (await response.aread()).decode(errors="replace"))
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RequestFailed(500, json.dumps(chunk["error"])[:300])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or delta.get("tool_calls"):
-                        first = now if first is None else first
-                        if delta.get("content"):
-                            if last is not None:
-                                gaps.append(now - last)
-                            last = now
-                            content.append(delta["content"])
-                        for call in delta.get("tool_calls") or ():
-                            _merge_call(calls, call)
-                    finish = choice.get("finish_reason") or finish
+        timing = Timing()
+        async for now, chunk in events(
+            client, "/v1/chat/completions", self.body(messages, max_tokens, **extra)
+        ):
+            if chunk is None:
+                done = True
+                break
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    timing.output(now)
+                    content.append(delta["content"])
+                if delta.get("tool_calls"):
+                    timing.first_output(now)  # a call counts for TTFT, not for the gaps between tokens
+                    for call in delta["tool_calls"]:
+                        _merge_call(calls, call)
+                finish = choice.get("finish_reason") or finish
         return ChatReply(
-            "".join(content),
-            [calls[i] for i in sorted(calls)],
-            finish,
-            usage,
-            done,
-            None if first is None else first - start,
-            gaps,
-            time.perf_counter() - start,
+            **timing.reply_fields(finish, usage, done),
+            content="".join(content),
+            tool_calls=[calls[i] for i in sorted(calls)],
         )
 
 

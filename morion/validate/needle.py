@@ -16,9 +16,9 @@ import httpx
 
 from morion.errors import MorionError
 from morion.validate import cases as case_files
-from morion.validate.chat import RequestFailed
 from morion.validate.counting import Count, PromptCounter
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 _MAX_COUNTS = 12  # Pennyroyal converges in at most 8 counts; a few more for the scan near the target
 _RATE_PROBE_WORDS = 256

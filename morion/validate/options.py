@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 from dataclasses import dataclass
 
 from morion.bench.options import _int_list, _number
 from morion.errors import MorionError
 
 SUITES = ("needle", "restore", "soak", "perf", "tools")
+SOAK_PROMPTS = ("chat", "token-ids")
 
 
 def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,28 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     restore.add_argument(
         "--restart-timeout", default="900", help="seconds to wait for /health after it (900)"
     )
+    restore.add_argument(
+        "--restore-conversations",
+        default="0",
+        help="instead of the frozen chat cases, this many generated token-id conversations (for servers "
+        "without a tokenizer, and qualification at scale; 0: the chat cases)",
+    )
+    restore.add_argument(
+        "--restore-lengths", default="1024:65536", help="their prompt lengths, MIN:MAX tokens (1024:65536)"
+    )
+    restore.add_argument(
+        "--restore-group",
+        default="10",
+        help="conversations per round of cold, device and host requests between device-cache evictions (10)",
+    )
+    restore.add_argument("--restore-max-tokens", default="16", help="greedy tokens per answer (16)")
+    restore.add_argument("--restore-seed", default="random", help="seed of the conversations (random)")
+    restore.add_argument(
+        "--restore-resume",
+        metavar="FILE.json",
+        help="the conversations and answers of an earlier run's results: only the disk step is sent (the "
+        "server was restarted on the same disk cache since)",
+    )
 
     soak = parser.add_argument_group("soak")
     soak.add_argument("--soak-clients", default="4", help="concurrent clients (4)")
@@ -53,6 +77,25 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     soak.add_argument("--soak-max-requests", default="0", help="request count bound (0: time only)")
     soak.add_argument(
         "--soak-max-growth-mib", default="200", help="pass bound on resident-memory growth (200 MiB)"
+    )
+    soak.add_argument(
+        "--soak-max-tokens", default="case", help="tokens per reply (case: the case file's, 64)"
+    )
+    soak.add_argument(
+        "--soak-prompts",
+        default="chat",
+        choices=SOAK_PROMPTS,
+        help="chat: the frozen conversations; token-ids: blocks of random token ids on /v1/completions (a "
+        "server without a tokenizer)",
+    )
+    soak.add_argument(
+        "--soak-turn-tokens", default="1024", help="token-ids: prompt tokens each turn adds (1024)"
+    )
+    soak.add_argument(
+        "--soak-during-restore",
+        action="store_true",
+        help="with restore and soak: run soak's clients while restore runs (the other traffic restores "
+        "must be immune to); soak ends before restore's --restart-cmd",
     )
 
     perf = parser.add_argument_group("perf (the decode sweep and cold prefill of `morion bench --url`)")
@@ -80,10 +123,20 @@ class ValidateOptions:
     flood_tokens: int | None  # None: auto
     restart_cmd: str | None
     restart_timeout_s: float
+    restore_conversations: int
+    restore_lengths: tuple[int, int]
+    restore_group: int
+    restore_max_tokens: int
+    restore_seed: int
+    restore_resume: str | None
     soak_clients: int
     soak_minutes: float
     soak_max_requests: int
     soak_max_growth_mib: float
+    soak_max_tokens: int | None  # None: the case file's
+    soak_prompts: str
+    soak_turn_tokens: int
+    soak_during_restore: bool
     perf_concurrency: tuple[int, ...]
     perf_contexts: tuple[int, ...]
     perf_output_tokens: int
@@ -121,10 +174,24 @@ class ValidateOptions:
             else _number(args.flood_tokens, "--flood-tokens", int, 1),
             restart_cmd=args.restart_cmd,
             restart_timeout_s=_number(args.restart_timeout, "--restart-timeout", float, 1),
+            restore_conversations=_number(args.restore_conversations, "--restore-conversations", int, 0),
+            restore_lengths=_length_range(args.restore_lengths),
+            restore_group=_number(args.restore_group, "--restore-group", int, 1),
+            restore_max_tokens=_number(args.restore_max_tokens, "--restore-max-tokens", int, 1),
+            restore_seed=secrets.randbits(32)
+            if args.restore_seed == "random"
+            else _number(args.restore_seed, "--restore-seed", int, 0),
+            restore_resume=args.restore_resume,
             soak_clients=_number(args.soak_clients, "--soak-clients", int, 1),
             soak_minutes=_number(args.soak_minutes, "--soak-minutes", float, 0.01),
             soak_max_requests=_number(args.soak_max_requests, "--soak-max-requests", int, 0),
             soak_max_growth_mib=_number(args.soak_max_growth_mib, "--soak-max-growth-mib", float, 0),
+            soak_max_tokens=None
+            if args.soak_max_tokens == "case"
+            else _number(args.soak_max_tokens, "--soak-max-tokens", int, 1),
+            soak_prompts=args.soak_prompts,
+            soak_turn_tokens=_number(args.soak_turn_tokens, "--soak-turn-tokens", int, 1),
+            soak_during_restore=args.soak_during_restore,
             perf_concurrency=_int_list(args.perf_concurrency, "--perf-concurrency"),
             perf_contexts=_int_list(args.perf_contexts, "--perf-contexts"),
             perf_output_tokens=_number(args.perf_output_tokens, "--perf-output-tokens", int, 1),
@@ -137,6 +204,15 @@ class ValidateOptions:
     def settings(self) -> dict[str, object]:
         """The options as results record them (never the API key)."""
         return {key: value for key, value in self.__dict__.items() if key != "api_key"}
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    if not sep:
+        raise MorionError(f"--restore-lengths must be MIN:MAX tokens, got {text!r}")
+    low_value = _number(low, "--restore-lengths MIN", int, 2)
+    high_value = _number(high, "--restore-lengths MAX", int, low_value)
+    return low_value, high_value
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -153,5 +229,6 @@ def command_line(args: argparse.Namespace) -> str:
             and value is not None
             and value != defaults[key]
         ):
-            words += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            words += [flag] if value is True else [flag, str(value)]
     return " ".join(words)

@@ -38,10 +38,10 @@ def _header(result: dict[str, Any]) -> list[str]:
         "",
         f"`{prov.get('command', '')}`",
         "",
-        f"**{result['verdict'].upper()}** ({verdicts}). Server {server['url']}, served model "
-        f"`{server['served_model']}` ({identity}). Client: morion {prov.get('morion_version')} at commit "
-        f"`{commit}`, httpx {prov.get('httpx')}, Python {prov.get('python')}, host {prov.get('hostname')}. "
-        f"Status {result['status']}; every reply raw in the JSON beside this file.",
+        f"**{(result['verdict'] or 'incomplete').upper()}** ({verdicts}). Server {server['url']}, served "
+        f"model `{server['served_model']}` ({identity}). Client: morion {prov.get('morion_version')} at "
+        f"commit `{commit}`, httpx {prov.get('httpx')}, Python {prov.get('python')}, host "
+        f"{prov.get('hostname')}. Status {result['status']}; every reply raw in the JSON beside this file.",
         "",
     ]
 
@@ -77,6 +77,8 @@ def _needle(suite: dict[str, Any]) -> list[str]:
 
 
 def _restore(suite: dict[str, Any]) -> list[str]:
+    if "steps" not in suite:
+        return _restore_conversations(suite)
     steps = suite["steps"]
     rows = [
         (
@@ -88,15 +90,57 @@ def _restore(suite: dict[str, Any]) -> list[str]:
         for case in suite["cases"]
     ]
     ttft = suite["figures"]["ttft_s"]
-    flood = suite["events"].get("flood") or {}
     lines = [
-        f"Salts {suite['salts']}; tiers declared by the server: {suite['tiers_declared']}. Flood before the "
-        f"host step: {flood.get('tokens', 0):,} prompt tokens ({flood.get('source', flood.get('error'))}).",
+        f"Salts {suite['salts']}; tiers declared by the server: {suite['tiers_declared']}. Before the host "
+        f"step: {_eviction(suite['events']['eviction'])}.",
         "",
         *_table(("case", *(f"cached ({s})" for s in steps), "verdict", "why"), rows),
         "Median TTFT ms by step: " + ", ".join(f"{step} {_ms(value)}" for step, value in ttft.items()) + ".",
         "",
     ]
+    return lines
+
+
+def _eviction(event: dict[str, Any]) -> str:
+    if "error" in event:
+        return f"eviction failed ({event['error']})"
+    if event["method"] == "evict_device":
+        return f"the server dropped its device cache ({event['evicted_pages']:,} pages)"
+    return f"a flood of {event.get('tokens', 0):,} prompt tokens ({event.get('source')})"
+
+
+def _restore_conversations(suite: dict[str, Any]) -> list[str]:
+    figures, lengths = suite["figures"], suite["lengths"]
+    hits, wrong = figures["hits"], figures["wrong_by_step"]
+    rows = [
+        (step, hits[step], wrong[step], _ms(figures["median_ttft_s"][step]))
+        for step in ("device", "host", "disk")
+    ]
+    failed = [case for case in suite["cases"] if case["verdict"] != "pass"]
+    drawn = lengths["drawn"]
+    evictions = suite["events"]["evictions"]
+    lines = [
+        f"{figures['conversations']} generated token-id conversations (seed {suite['seed']}), "
+        f"{min(drawn):,} to {max(drawn):,} prompt tokens ({sum(drawn):,} in all; drawn from "
+        f"{lengths['min']:,}:{lengths['max']:,}), page size {suite['page_size']}; tiers declared by the "
+        f"server: {suite['tiers_declared']}. Before each round's host step: "
+        f"{_eviction(evictions[0]) if evictions else 'none'} ({len(evictions)} rounds).",
+        "",
+        f"**{figures['hits_total']} hits, {figures['wrong_answers']} wrong answers** (an answer is wrong "
+        "when its text, any token's log probability or its token ids differ from cold).",
+        "",
+        *_table(("step", "hits", "wrong answers", "median TTFT ms"), rows),
+        f"Cold median TTFT: {_ms(figures['median_ttft_s']['cold'])} ms. Server cache counters over the "
+        f"steps (all traffic): {suite['events']['counters']}.",
+        "",
+    ]
+    if failed:
+        lines += [
+            *_table(
+                ("conversation", "tokens", "why"),
+                [(c["id"], c["prompt_tokens"], c["reason"]) for c in failed],
+            )
+        ]
     return lines
 
 

@@ -5,21 +5,26 @@ Each case is sent, greedy, at each step; every step's text must equal the cold t
 - cold: a unique salt leads the case's first message, so at most a chat template's fixed preamble (a
   default system prompt) can be cached;
 - device: sent again at once (`cached_tokens` must grow beyond cold's);
-- host: after a flood of other prompts (twice the KV pool by default) has pushed it out of GPU memory
-  (growth required only when the server declares a host tier; otherwise it is recomputed);
+- host: after the server dropped its device cache (`POST /v1/cache/evict_device`, morion's), or where it
+  has no such route after a flood of other prompts (twice the KV pool by default) pushed the cases out of
+  GPU memory (growth required only when the server declares a host tier; otherwise it is recomputed);
 - disk: after `--restart-cmd` and the server answering /health again (growth required only when the
   server declares a disk tier).
 
 A server that does not report `prompt_tokens_details.cached_tokens` is checked on identity alone, and the
 result says so. Steps run for all cases before the next step, so one flood and one restart serve all.
+With `--restore-conversations N` the suite runs generated token-id conversations instead
+(restore_tokens.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import secrets
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -28,15 +33,33 @@ from morion.bench.prompts import PromptFactory
 from morion.bench.remote import RemoteTarget
 from morion.errors import MorionError
 from morion.validate import cases as case_files
-from morion.validate.chat import RequestFailed
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 _DEFAULT_FLOOD_TOKENS = 262_144  # when the server does not say how large its KV pool is
 _FLOOD_PROMPT_TOKENS = 4096
 _FLOOD_CONCURRENCY = 4
 
 
-def run(session: Session) -> dict[str, Any]:
+def check(session: Session) -> None:
+    """Before any suite runs: a run to resume must be readable and of generated conversations."""
+    if session.options.restore_resume:
+        from morion.validate import restore_tokens
+
+        restore_tokens.earlier_run(session.options.restore_resume)
+
+
+def run(session: Session, before_restart: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """`before_restart` runs just before `--restart-cmd` (a suite running beside this one ends first)."""
+
+    def restart_after_hook(session: Session) -> dict[str, Any]:
+        before_restart()
+        return restart(session)
+
+    if session.options.restore_conversations or session.options.restore_resume:
+        from morion.validate import restore_tokens
+
+        return restore_tokens.run(session, _declared_tiers(session), make_room, restart_after_hook)
     case_file = case_files.load("restore")
     data = case_file.data
     # A salt per case, not per run: cases salted alike would share their first page with each other.
@@ -51,10 +74,10 @@ def run(session: Session) -> dict[str, Any]:
     events: dict[str, Any] = {}
     steps["cold"] = _send_all(session, cases, data["max_tokens"], "cold")
     steps["device"] = _send_all(session, cases, data["max_tokens"], "device")
-    events["flood"] = _flood(session)
+    events["eviction"] = make_room(session)
     steps["host"] = _send_all(session, cases, data["max_tokens"], "host")
     if session.options.restart_cmd:
-        events["restart"] = _restart(session)
+        events["restart"] = restart_after_hook(session)
         steps["disk"] = _send_all(session, cases, data["max_tokens"], "disk")
     results = [
         _grade(case["id"], {step: replies[case["id"]] for step, replies in steps.items()}, tiers)
@@ -63,7 +86,7 @@ def run(session: Session) -> dict[str, Any]:
     for result in results:
         session.say(f"restore {result['id']}: {result['verdict']} {result['reason']}")
     verdict = "pass" if results and all(r["verdict"] == "pass" for r in results) else "fail"
-    if "error" in events["flood"]:
+    if "error" in events["eviction"]:
         verdict = "fail"  # the host step did not follow an eviction: it proved nothing
     return {
         "verdict": verdict,
@@ -139,6 +162,27 @@ def _grade(case_id: str, steps: dict[str, dict[str, Any]], tiers: dict[str, bool
     }
 
 
+def make_room(session: Session) -> dict[str, Any]:
+    """Takes the cases out of the server's GPU memory: its `POST /v1/cache/evict_device` where it has one
+    (morion), else a flood of other prompts."""
+
+    async def evict() -> httpx.Response:
+        async with session.endpoint.client() as client:
+            return await client.post("/v1/cache/evict_device", json={})
+
+    started = time.perf_counter()
+    try:
+        response = asyncio.run(evict())
+    except httpx.HTTPError as error:
+        return {"method": "evict_device", "error": str(error) or type(error).__name__}
+    if response.status_code in (404, 405):
+        return {"method": "flood", **_flood(session)}
+    if response.status_code != 200:
+        return {"method": "evict_device", "error": f"HTTP {response.status_code}: {response.text[:200]}"}
+    pages = response.json().get("evicted_pages")
+    return {"method": "evict_device", "evicted_pages": pages, "s": time.perf_counter() - started}
+
+
 def _flood(session: Session) -> dict[str, Any]:
     """Unrelated fresh prompts, `max_tokens` 1, through bench's URL target: enough to evict the cases."""
     tokens = session.options.flood_tokens
@@ -175,7 +219,7 @@ def _flood(session: Session) -> dict[str, Any]:
     }
 
 
-def _restart(session: Session) -> dict[str, Any]:
+def restart(session: Session) -> dict[str, Any]:
     command = session.options.restart_cmd
     timeout = session.options.restart_timeout_s
     session.say(f"restore: restarting the server: {command}")

@@ -1,13 +1,15 @@
 """`morion validate`: reach the server, check every suite can run, run them in order, write the files.
 
 The JSON is rewritten after every suite (status "partial"), so a run stopped early keeps its evidence.
-Exit status 1 when any suite fails; "unsupported" (a server without tool calling) is not a failure.
+Exit status 1 when any suite fails; "unsupported" (a server without tool calling) is not a failure, and
+not a pass either: the overall verdict is then "unsupported".
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +52,49 @@ def run_validate(args: argparse.Namespace) -> int:
         "suites": {},
     }
     session.say(f"writing {path}")
+    beside = options.soak_during_restore and {"restore", "soak"} <= set(options.suites)
     try:
         for name in options.suites:
-            session.say(f"suite {name}")
-            result["suites"][name] = _SUITES[name].run(session)
+            if beside and name == "soak":
+                continue  # it ran beside restore
+            session.say(f"suite {name}" + (" with soak beside it" if beside and name == "restore" else ""))
+            if beside and name == "restore":
+                result["suites"]["restore"], result["suites"]["soak"] = _restore_beside_soak(session)
+            else:
+                result["suites"][name] = _SUITES[name].run(session)
             write_json(path, result)
     except BaseException:
         _write_all(path, result)  # the suites that finished, marked partial
         raise
-    failed = [name for name, suite in result["suites"].items() if suite["verdict"] == "fail"]
-    result["verdict"] = "fail" if failed else "pass"
+    verdicts = {suite["verdict"] for suite in result["suites"].values()}
+    failed = "fail" in verdicts
+    result["verdict"] = "fail" if failed else "unsupported" if "unsupported" in verdicts else "pass"
     result["status"] = "complete"
     _write_all(path, result)
     return 1 if failed else 0
+
+
+def _restore_beside_soak(session: Session) -> tuple[dict[str, Any], dict[str, Any]]:
+    """restore while soak's clients run (the other traffic a restore must be immune to). The soak ends
+    before any `--restart-cmd` (its clients would see the restart as errors), and its idle checks wait
+    for a moment the server is idle, however long restore keeps it busy."""
+    outcome: dict[str, Any] = {}
+
+    def soak_thread() -> None:
+        try:
+            outcome["soak"] = soak.run(session, idle_wait_s=session.options.request_timeout_s)
+        except BaseException as error:  # re-raised in the main thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=soak_thread, name="validate-soak")
+    thread.start()
+    try:
+        restored = restore.run(session, before_restart=thread.join)
+    finally:
+        thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return restored, outcome["soak"]
 
 
 def _check_case_ids(options: ValidateOptions) -> None:

@@ -2,7 +2,10 @@
 
 Each client takes the next conversation of the case file and sends its user turns one at a time with the
 growing history (its own greedy replies appended), then starts the next. Every request is a first attempt:
-an error is recorded and the client moves on to a new conversation, never retrying.
+an error is recorded and the client moves on to a new conversation, never retrying. With `--soak-prompts
+token-ids` (a server without a tokenizer or chat template: a random-weight preset) the turns are blocks of
+`--soak-turn-tokens` random token ids on `/v1/completions`, the history growing by a block a turn (the
+replies are not appended: the next turn still extends a cached prefix).
 
 Recorded per request: start time, TTFT, the gaps between content chunks (inter-token latency at the
 client), tokens, finish reason; errors, empty replies (no text, no tool call) and truncated streams (no
@@ -21,9 +24,11 @@ from typing import Any
 
 import httpx
 
+from morion.bench.prompts import PromptFactory
 from morion.validate import cases as case_files
-from morion.validate.chat import RequestFailed
+from morion.validate.completions import complete
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 _WINDOWS = 6
 _RSS = "process_resident_memory_bytes"
@@ -33,20 +38,24 @@ _ENGINE_RSS = "morion_engine_process_resident_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
 
 
-def run(session: Session) -> dict[str, Any]:
+def run(session: Session, idle_wait_s: float = _IDLE_WAIT_S) -> dict[str, Any]:
+    """`idle_wait_s`: how long the end checks wait for the server to go idle (longer when another suite
+    runs beside this one: `--soak-during-restore`)."""
     case_file = case_files.load("soak")
     data = case_file.data
     conversations = case_files.select(data["conversations"], session.options.cases)
     options = session.options
     before = session.metrics() or {}
     session.say(
-        f"soak: {options.soak_clients} clients for up to {options.soak_minutes:g} min"
+        f"soak: {options.soak_clients} clients ({options.soak_prompts} prompts) for up to "
+        f"{options.soak_minutes:g} min"
         + (f" or {options.soak_max_requests} requests" if options.soak_max_requests else "")
     )
     started = time.perf_counter()
-    records = asyncio.run(_soak(session, conversations, data["max_tokens"], started))
+    max_tokens = options.soak_max_tokens or data["max_tokens"]
+    records = asyncio.run(_soak(session, conversations, max_tokens, started))
     elapsed = time.perf_counter() - started
-    idle = _idle_state(session)
+    idle = _idle_state(session, idle_wait_s)
     after = session.metrics() or {}
     problems = []
     counts = {
@@ -110,20 +119,31 @@ async def _soak(
             budget[0] -= 1
         return True
 
+    vocab = ((session.server_info or {}).get("model") or {}).get("vocab_size")
+    blocks = PromptFactory(vocab)
+
     async def client_loop(client_id: int, client: httpx.AsyncClient) -> None:
         index = client_id
         while True:
             conversation = conversations[index % len(conversations)]
             index += options.soak_clients
             messages: list[dict[str, Any]] = []
+            history: list[int] = []
             for turn, text in enumerate(conversation["turns"]):
                 if not may_send():
                     return
-                messages.append({"role": "user", "content": text})
                 record = {"client": client_id, "conversation": conversation["id"], "turn": turn}
                 record["t_s"] = time.perf_counter() - started
                 try:
-                    reply = await session.chat.send(client, messages, max_tokens)
+                    if options.soak_prompts == "token-ids":
+                        history += blocks.make(f"soak:{client_id}:{index}:{turn}", options.soak_turn_tokens)
+                        reply = await complete(client, session.model, history, max_tokens)
+                        empty = not reply.completion_tokens
+                    else:
+                        messages.append({"role": "user", "content": text})
+                        reply = await session.chat.send(client, messages, max_tokens)
+                        empty = not reply.content and not reply.tool_calls
+                        messages.append({"role": "assistant", "content": reply.content})
                 except (httpx.HTTPError, RequestFailed) as error:
                     records.append({**record, **_failed(error)})
                     break  # a new conversation: the history of this one is broken
@@ -131,7 +151,7 @@ async def _soak(
                     {
                         **record,
                         "error": None,
-                        "empty": not reply.content and not reply.tool_calls,
+                        "empty": empty,
                         "truncated": not reply.done or reply.finish_reason is None,
                         "finish_reason": reply.finish_reason,
                         "completion_tokens": reply.completion_tokens,
@@ -141,7 +161,6 @@ async def _soak(
                         "latency_s": reply.latency_s,
                     }
                 )
-                messages.append({"role": "assistant", "content": reply.content})
 
     async with session.endpoint.client(max_connections=options.soak_clients + 1) as client:
         await asyncio.gather(*(client_loop(i, client) for i in range(options.soak_clients)))
@@ -152,9 +171,9 @@ def _failed(error: Exception) -> dict[str, Any]:
     return {"error": str(error) or type(error).__name__, "empty": False, "truncated": False}
 
 
-def _idle_state(session: Session) -> dict[str, Any]:
+def _idle_state(session: Session, wait_s: float) -> dict[str, Any]:
     """morion's pool load once idle (pages held must be 0); empty for servers without /v1/server_info."""
-    deadline = time.monotonic() + _IDLE_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         info = session.endpoint.server_info() or {}
         load = info.get("load") or {}

@@ -1,8 +1,9 @@
 """`tools`: tool calling against local deterministic mock tools, graded exactly.
 
-A probe first: a server that rejects `tools` (400/422), or answers the probe (an explicit request to call
-a tool) without a tool call, is reported "unsupported" and no case runs. Otherwise each case runs up to
-`max_turns` model turns: every tool call is answered by the mock (the case file's fixed result for those
+A probe first: a server that rejects `tools` (400/422) is reported "unsupported" and no case runs; one that
+takes tools but answers the probe (an explicit request to call a tool) without a tool call fails (tool
+calling is offered and does not work with this model), and no case runs either. Otherwise each case runs up
+to `max_turns` model turns: every tool call is answered by the mock (the case file's fixed result for those
 exact arguments; anything else gets an error result), and the conversation continues until the model
 answers without a call. Pass: the calls made equal the expected calls exactly (names, order and JSON
 arguments, parsed and compared as values), every argument string parsed as JSON, and the final answer
@@ -18,8 +19,9 @@ from typing import Any
 import httpx
 
 from morion.validate import cases as case_files
-from morion.validate.chat import ChatReply, RequestFailed
+from morion.validate.chat import ChatReply
 from morion.validate.session import Session
+from morion.validate.streaming import RequestFailed
 
 
 class MockTools:
@@ -53,13 +55,9 @@ def run(session: Session) -> dict[str, Any]:
     except httpx.HTTPError as error:
         return {**header, "verdict": "fail", "reason": f"probe failed: {error or type(error).__name__}"}
     if not probe.tool_calls:
-        session.say("tools: unsupported (no tool call in the probe)")
-        return {
-            **header,
-            "verdict": "unsupported",
-            "reason": "the server accepted tools but returned no tool call to the probe",
-            "probe": probe.evidence(),
-        }
+        reason = "the server accepted tools but the model answered the probe without a tool call"
+        session.say(f"tools: FAIL ({reason})")
+        return {**header, "verdict": "fail", "reason": reason, "probe": probe.evidence()}
     mocks = MockTools(data["responses"])
     results = []
     for case in case_files.select(data["cases"], session.options.cases):

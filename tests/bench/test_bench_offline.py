@@ -15,6 +15,11 @@ from morion.cli import main
 from tests.bench.conftest import run_bench
 
 TINY_SWEEP = [
+    # A CPU has no known peaks: the roofline's are given (the H200's, as numbers to compute with).
+    "--bandwidth-gbs",
+    "4300",
+    "--peak-tflops",
+    "790",
     "--device",
     "cpu",
     "--kv-cache-tokens",
@@ -60,6 +65,7 @@ def test_json_records_provenance_config_and_settings(qwen3_next_result):
     assert result["target"]["model_type"] == "qwen3_next"
     assert result["settings"]["concurrency"] == [1, 2] and result["settings"]["repeats"] == 2
     assert result["roofline"]["bandwidth_gbs"] == 4300 and result["roofline"]["peak_tflops"] == 790
+    assert result["roofline"]["peaks_source"] == "the command line"
     assert result["roofline"]["model"]["moe_layers"] == 4
     assert result["roofline"]["model"]["source"] == "model"
 

@@ -392,13 +392,17 @@ def test_evict_device_cache_frees_every_page_and_the_next_request_is_a_host_hit(
     engine.close()
 
 
-def test_evict_device_cache_without_tiers_and_only_when_idle(tiny_qwen3_next, engine_factory, engine_runner):
+def test_evict_device_cache_without_tiers_keeps_what_running_requests_hold(
+    tiny_qwen3_next, engine_factory, engine_runner
+):
     engine = engine_factory(tiny_qwen3_next, page_size=PAGE)
     prompt = [(5 * i + 1) % 500 + 3 for i in range(LENGTH + 1)]
-    engine_runner(engine, [prompt], GREEDY)
+    other = [(3 * i + 2) % 500 + 3 for i in range(LENGTH + 1)]
+    engine_runner(engine, [prompt, other], GREEDY)
     engine.add_request(prompt, GREEDY)
-    with pytest.raises(RuntimeError, match="needs an idle engine"):
-        engine.evict_device_cache()
+    engine.step()  # running, its prefix locked (a device hit)
+    assert engine.evict_device_cache() == LENGTH // PAGE  # the other conversation's pages
+    assert engine.prefix_cache.cached_pages >= LENGTH // PAGE
     while engine.has_unfinished():
         engine.step()
     assert engine.evict_device_cache() > 0 and engine.prefix_cache.cached_pages == 0

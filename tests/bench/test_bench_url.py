@@ -28,16 +28,20 @@ def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         stop(running)
 
 
-def test_bench_against_a_server(tiny_server, tmp_path, capsys):
+def _bench(tiny_server, tmp_path, capsys, *flags: str) -> tuple[dict, Path]:
     base_url, model_dir = tiny_server
-    flags = [
-        "--url", base_url, "--api-key", API_KEY, "--model", str(model_dir),
-        "--concurrency", "1,2", "--contexts", "32", "--output-tokens", "8", "--repeats", "2",
-        "--prefill-lengths", "32", "--ttft-length", "32", "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert main(["bench", *flags]) == 0, capsys.readouterr().err
+    common = ["--url", base_url, "--api-key", API_KEY, "--model", str(model_dir), "--out", str(tmp_path)]
+    assert main(["bench", *common, *flags]) == 0, capsys.readouterr().err
     [path] = tmp_path.glob("*.json")
-    result = json.loads(path.read_text())
+    return json.loads(path.read_text()), path
+
+
+def test_bench_against_a_server(tiny_server, tmp_path, capsys):
+    _, model_dir = tiny_server
+    result, path = _bench(
+        tiny_server, tmp_path, capsys, "--concurrency", "1,2", "--contexts", "32", "--output-tokens", "8",
+        "--repeats", "2", "--prefill-lengths", "32", "--ttft-length", "32",
+    )  # fmt: skip
     assert result["mode"] == "url" and result["status"] == "complete"
     target = result["target"]
     assert target["served_model"] == model_dir.name
@@ -54,11 +58,26 @@ def test_bench_against_a_server(tiny_server, tmp_path, capsys):
                 assert request["cached_tokens"] == 0
                 assert request["decode_tok_s"] > 0 and request["ttft_s"] > 0
     assert all(run["cached_tokens"] == 0 for p in [*result["prefill"], result["ttft"]] for run in p["runs"])
-    # The roofline comes from the model's config (--model), in the dtype the server reports (CPU: fp32).
+    # The roofline comes from the model's config (--model), in the dtype the server reports (CPU: fp32);
+    # the server is on a CPU, whose peaks are unknown: no bound, and the files say why (never an H200's).
     assert result["roofline"]["model"]["source"] == "config"
     assert result["roofline"]["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert result["roofline"]["device"] == "cpu"
+    assert result["roofline"]["bandwidth_gbs"] is None and "unknown for cpu" in result["roofline"]["note"]
+    assert result["decode"][0]["roofline"] is None and result["decode"][0]["mbu"] is None
+    markdown = path.with_suffix(".md").read_text()
+    assert "| server | 2 | 32 |" in markdown
+    assert "Bandwidth unknown" in markdown and "4300" not in markdown
+
+
+def test_bench_url_bound_from_the_flags(tiny_server, tmp_path, capsys):
+    result, _ = _bench(
+        tiny_server, tmp_path, capsys, "--workloads", "decode", "--concurrency", "1", "--contexts", "32",
+        "--output-tokens", "4", "--repeats", "1", "--bandwidth-gbs", "50", "--peak-tflops", "1",
+    )  # fmt: skip
+    roof = result["roofline"]
+    assert roof["bandwidth_gbs"] == 50 and roof["peaks_source"] == "the command line"
     assert result["decode"][0]["roofline"]["per_request_tok_s"] > 0
-    assert "| server | 2 | 32 |" in path.with_suffix(".md").read_text()
 
 
 def test_wrong_api_key_is_one_line(tiny_server, capsys):

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from morion.cache import disk_admin, disk_format
 from morion.cache.disk_format import BLOCK, KIND_PAGE, KIND_SNAPSHOT, CorruptObject, object_path
-from morion.cache.disk_store import DiskStore
+from morion.cache.disk_store import LOW_WATERMARK, DiskStore
 from morion.errors import MorionError
 
 PAYLOAD = 1000  # not a multiple of the block: the padding is exercised
@@ -19,7 +21,7 @@ IDENTITY = {"format_version": 1, "model": {"weights_digest": "abc", "dtype": "fl
 INFO = {"model_name": "tiny", "model_type": "llama"}
 
 
-def _store(root, budget=1 << 30, identity=IDENTITY) -> DiskStore:
+def _store(root, budget: int | None = 1 << 30, identity=IDENTITY) -> DiskStore:
     return DiskStore(
         root, identity, INFO, budget, {KIND_PAGE: PAYLOAD, KIND_SNAPSHOT: 2 * PAYLOAD}, num_threads=2
     )
@@ -116,6 +118,63 @@ def test_budget_cleanup_evicts_least_recently_used(tmp_path) -> None:
     assert (
         store.has(KIND_PAGE, _key(0)) and store.has(KIND_PAGE, _key(5)) and not store.has(KIND_PAGE, _key(1))
     )
+
+
+def _small_filesystem(monkeypatch, root: Path, capacity: int) -> None:
+    """As if `root` were alone on a filesystem of `capacity` bytes: its free space is what root's files
+    leave (a real filesystem this small cannot be made here without privileges)."""
+    real = shutil.disk_usage
+
+    def usage(path):
+        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        return real(path)._replace(total=capacity, used=used, free=capacity - used)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+
+
+def test_the_automatic_budget_counts_its_own_objects_and_a_restart_keeps_them(tmp_path, monkeypatch) -> None:
+    object_bytes = 2 * BLOCK
+    _small_filesystem(monkeypatch, tmp_path, capacity=40 * object_bytes)
+    first = _store(tmp_path, budget=None)
+    assert 19 * object_bytes < first.budget_bytes <= 20 * object_bytes  # half of the free space
+    _write(first, 15)  # under the budget's low watermark: nothing evicted
+    assert first.num_objects == 15 and first.num_evicted == 0
+    again = _store(tmp_path, budget=None)
+    # Half of (free space + its own objects): the same budget as the run that wrote them, so the restart
+    # trims nothing. (Half of the free space alone would be 12.5 objects and evict four of them.)
+    assert again.budget_bytes == first.budget_bytes
+    assert again.num_objects == 15 and again.num_evicted == 0
+    assert all(again.has(KIND_PAGE, _key(i)) for i in range(15))
+    again.close()
+
+
+def test_a_trim_takes_chains_from_their_end(tmp_path) -> None:
+    """Two conversations, each backed up in two runs as the tiers do it: the run's pages and the snapshot
+    at its end are written, then the chain so far is touched. A restart under a smaller budget evicts the
+    older conversation's second run (its snapshot first), so what stays of it is still a hit."""
+    object_bytes = 2 * BLOCK  # pages and snapshots alike, at these payload sizes
+    chains = [[_key(100 * c + i) for i in range(8)] for c in (1, 2)]
+    store = _store(tmp_path)
+    for keys in chains:
+        for run in (keys[:4], keys[4:]):
+            for key in run:
+                assert store.submit_write(KIND_PAGE, key, _payload(1), lambda: None)
+            assert store.submit_write(KIND_SNAPSHOT, run[-1], np.zeros(2 * PAYLOAD, np.uint8), lambda: None)
+            store.touch_chain(keys[: keys.index(run[-1]) + 1])
+        store.poll(timeout=5.0)
+    store.close()  # saves the order into the files' modification times
+
+    budget = 17 * object_bytes  # 20 objects; the trim frees down to 15.3 of them
+    assert int(budget * LOW_WATERMARK) // object_bytes == 15
+    trimmed = _store(tmp_path, budget=budget)
+    assert trimmed.num_evicted == 5 and trimmed.num_objects == 15
+    older, newer = chains
+    assert not any(trimmed.has(KIND_PAGE, key) for key in older[4:])
+    assert not trimmed.has(KIND_SNAPSHOT, older[7])
+    assert all(trimmed.has(KIND_PAGE, key) for key in older[:4]) and trimmed.has(KIND_SNAPSHOT, older[3])
+    assert all(trimmed.has(KIND_PAGE, key) for key in newer)
+    assert trimmed.has(KIND_SNAPSHOT, newer[3]) and trimmed.has(KIND_SNAPSHOT, newer[7])
+    trimmed.close()
 
 
 def test_a_failed_write_is_counted_and_frees_room(tmp_path, monkeypatch) -> None:

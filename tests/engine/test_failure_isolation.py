@@ -12,9 +12,9 @@ from morion.engine.sampling_params import SamplingParams
 PROMPTS = [[1, 5, 9, 13], [2, 4, 8, 16, 32], [7, 7, 3], [11, 12, 13, 14, 15, 16]]
 FAILING_SEED = 999
 NEIGHBOURS = [
-    SamplingParams(max_tokens=12, temperature=0.9, seed=1, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=1.2, top_k=20, top_p=0.9, seed=2, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.9, seed=1, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=1.2, top_k=20, top_p=0.9, seed=2, ignore_eos=True),
 ]
 
 
@@ -56,7 +56,7 @@ def test_a_request_whose_sampling_raises_fails_alone(engine, engine_runner, monk
         return real(scores, params)
 
     monkeypatch.setattr(sampler, "sampling_probs", failing)
-    failing_params = SamplingParams(max_tokens=12, temperature=0.7, seed=FAILING_SEED)
+    failing_params = SamplingParams(max_tokens=6, temperature=0.7, seed=FAILING_SEED)
     neighbours, failed = _run_together(engine, failing_params, after_steps=3)
     assert [final.token_ids for final in neighbours] == alone
     assert all(final.finish_reason == "length" for final in neighbours)
@@ -77,7 +77,7 @@ def test_a_request_whose_token_handling_raises_fails_alone(engine, engine_runner
         real(self, token_id)
 
     monkeypatch.setattr(sampler.RequestSampler, "append", append)
-    failing_params = SamplingParams(max_tokens=12, temperature=0.0, seed=FAILING_SEED)
+    failing_params = SamplingParams(max_tokens=6, temperature=0.0, seed=FAILING_SEED)
     neighbours, failed = _run_together(engine, failing_params, after_steps=2)
     assert [final.token_ids for final in neighbours] == alone
     assert failed.finish_reason == "error" and "planted" not in failed.error

@@ -1,5 +1,6 @@
 """`--moe-kernel auto|grouped|triton`: the flag reaches EngineConfig, `set_moe_kernel` reaches every
-routed-experts module, and (on a GPU) the layer runs the fused kernels only up to TRITON_MAX_TOKENS."""
+routed-experts module, and (on a GPU) the layer runs the fused kernels up to AUTO_TRITON_MAX_TOKENS under
+auto, and as far as their pair limit goes under triton."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from torch import nn
 
 from morion import cli
 from morion.config import EngineConfig
+from morion.engine_flags import engine_options
 from morion.errors import MorionError
 from morion.layers.moe import (
     AUTO_TRITON_MAX_TOKENS,
-    TRITON_MAX_TOKENS,
     SparseMoE,
     StackedExperts,
     set_moe_kernel,
 )
+from morion.ops.moe_decode_triton import MAX_PAIRS
 
 
 def small_moe() -> SparseMoE:
@@ -30,7 +32,7 @@ def small_moe() -> SparseMoE:
 
 def test_the_flag_reaches_the_engine_config():
     args = cli._build_parser().parse_args(["generate", "--prompt", "hi", "--moe-kernel", "triton"])
-    options = cli._engine_options(args)
+    options = engine_options(args)
     assert options["moe_kernel"] == "triton"
     assert EngineConfig(**options).moe_kernel == "triton"
     assert EngineConfig().moe_kernel == "auto"
@@ -63,12 +65,13 @@ def test_triton_runs_up_to_the_threshold_on_cuda():
     moe = small_moe().to("cuda", torch.bfloat16)
     experts = moe.experts
     set_moe_kernel(moe, "triton")
-    small = torch.randn(TRITON_MAX_TOKENS, 64, device="cuda")
-    assert experts._path(small, small.shape[0] * 2) == "triton"
-    assert experts._path(torch.randn(TRITON_MAX_TOKENS + 1, 64, device="cuda"), 130) == "grouped"
+    large = torch.randn(AUTO_TRITON_MAX_TOKENS * 2, 64, device="cuda")
+    assert experts._path(large, large.shape[0] * 2) == "triton"
+    assert experts._path(large, MAX_PAIRS + 1) == "grouped"  # past what the fused kernels hold
     set_moe_kernel(moe, "auto")
-    assert experts._path(small[:AUTO_TRITON_MAX_TOKENS], AUTO_TRITON_MAX_TOKENS * 2) == "triton"
-    assert experts._path(small[: AUTO_TRITON_MAX_TOKENS + 1], AUTO_TRITON_MAX_TOKENS * 2 + 2) == "grouped"
+    small = large[:AUTO_TRITON_MAX_TOKENS]
+    assert experts._path(small, AUTO_TRITON_MAX_TOKENS * 2) == "triton"
+    assert experts._path(large[: AUTO_TRITON_MAX_TOKENS + 1], AUTO_TRITON_MAX_TOKENS * 2 + 2) == "grouped"
     set_moe_kernel(moe, "grouped")
     assert experts._path(small[:1], 2) == "grouped"
     set_moe_kernel(moe, "triton")

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from morion.cache.disk_format import BLOCK, KIND_SNAPSHOT, object_path
+from morion.cache.disk_format import BLOCK, KIND_PAGE, KIND_SNAPSHOT, object_path
+from morion.cache.disk_store import LOW_WATERMARK
 from morion.cache.page_keys import page_keys
 from morion.cache.testing import InFlightCopyEngine, flood
 from morion.engine.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ def tiered(loaded, engine_factory, tmp_path):
     def make(disk: bool = True, **options):
         options = {"page_size": PAGE, "chunk_size": CHUNK, "host_cache_gb": HOST_GB, **options}
         if disk:
-            options.update(disk_cache_dir=str(tmp_path / "disk"), disk_cache_gb=1.0)
+            options = {"disk_cache_dir": str(tmp_path / "disk"), "disk_cache_gb": 1.0, **options}
         engine = engine_factory(loaded, **options)
         engines.append(engine)
         return engine
@@ -120,6 +121,33 @@ def test_disk_hit_after_restart_and_a_corrupted_snapshot(tiered, engine_runner, 
     assert fallback.usage.cached_tokens == 40 and fallback.token_ids == cold(follow_up)
     assert again.cache_stats.checksum_failures == 1
     again.check_integrity()
+
+
+def test_a_smaller_disk_budget_at_restart_trims_conversations_from_their_end(
+    tiered, engine_runner, conversation, cold
+):
+    follow_up = _follow_up(conversation, cold)
+    first = tiered()
+    engine_runner(first, [conversation], GREEDY)
+    first.close()
+    keys = page_keys(follow_up, PAGE)
+    disk = first.tiers.disk.dir
+
+    def size(kind: int, page: int) -> int:
+        return object_path(disk, kind, keys[page]).stat().st_size
+
+    # On disk: pages 0-6 and the snapshots at 16, 32, 40 and 56 tokens (pages 1, 3, 4, 6). A budget whose
+    # low watermark holds all but the pages after 40 and the snapshot at 56 (half of page 5 to spare).
+    total = sum(f.stat().st_size for f in disk.glob("objects/*/*") if f.is_file())
+    tail = size(KIND_SNAPSHOT, 6) + size(KIND_PAGE, 6) + size(KIND_PAGE, 5)
+    budget = (total - tail + size(KIND_PAGE, 5) // 2) / LOW_WATERMARK
+    restarted = tiered(disk_cache_gb=budget / 2**30)
+    assert restarted.cache_stats.disk_evictions == 3
+    resumed = engine_runner(restarted, [follow_up], GREEDY)[0]
+    # What the trim left is a prefix ending at a snapshot: still a disk hit, as deep as that snapshot.
+    assert resumed.usage.cached_tokens == 40 and resumed.token_ids == cold(follow_up)
+    assert restarted.cache_stats.disk_hit_tokens == 40
+    restarted.check_integrity()
 
 
 def test_host_eviction_during_an_in_flight_restore(tiered, engine_runner, conversation, cold):

@@ -64,8 +64,9 @@ def block_key_checks(monkeypatch) -> list[tuple[bool, bool]]:
 def test_block_keys_equal_recomputation_through_prefill_decode_and_hits(
     qwen4_exp_tiny, engine_factory, engine_runner, block_key_checks
 ):
-    """Chunks of 7 end mid-block; follow-ups hit their prefix on the device, then from host memory."""
-    engine = engine_factory(qwen4_exp_tiny, page_size=8, chunk_size=7, host_cache_gb=8 / 1024)
+    """A budget of 12 makes chunks of one page (8: budget-bound chunks end on page boundaries), then each
+    prompt's tail ends mid-block; follow-ups hit their prefix on the device, then from host memory."""
+    engine = engine_factory(qwen4_exp_tiny, page_size=8, chunk_size=12, host_cache_gb=8 / 1024)
     prompts = qwen4_exp_prompts(3, seed=4, lengths=(20, 45))
     first = engine_runner(engine, prompts, GREEDY)
     follow_ups = [p + o.token_ids + [7, 8, 9] for p, o in zip(prompts, first, strict=True)]

@@ -26,7 +26,12 @@ from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, fused_gdn_steps_, gdn_prefill_
+from morion.ops.gated_delta_rule_triton import (
+    fused_gdn_chunks_,
+    fused_gdn_decode_,
+    fused_gdn_steps_,
+    gdn_prefill_,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WIDTH = 4
@@ -94,6 +99,44 @@ def test_decode_step_matches_reference(dtype, heads, v_heads, k_dim, v_dim, bloc
     torch.testing.assert_close(out.float(), ref_out.float(), atol=out_atol, rtol=0)
     torch.testing.assert_close(pool[slots], ref_state, atol=1e-5, rtol=0)
     assert untouched(pool, before, slots)
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_short_chunks_equal_their_tokens_decoded_one_by_one(state_dtype):
+    """Chunks of 3, 1, 0 and 5 tokens packed in one launch: each output and final state is bitwise what
+    decoding the chunk's tokens one step at a time gives (the arithmetic a cold run's decode would do),
+    whatever the other chunks are; other slots stay untouched; and it matches the reference."""
+    heads, v_heads, k_dim, v_dim = 2, 4, 16, 16
+    lengths, slots = [3, 1, 0, 5], [4, 1, 2, 6]
+    tokens = sum(lengths)
+    q, k, v, a, b, a_log, dt_bias = decode_inputs(tokens, heads, v_heads, k_dim, v_dim, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    pool = randn(8, v_heads, k_dim, v_dim, gen=gen, scale=0.5, dtype=state_dtype)
+    before = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    scale = k_dim**-0.5
+    out = fused_gdn_chunks_(q, k, v, a, b, a_log, dt_bias, pool, indices, cu, scale)
+    assert untouched(pool, before, [s for s, n in zip(slots, lengths, strict=True) if n])
+    stepped = before.clone()
+    for n, (start, length) in enumerate(zip(cu[:-1].tolist(), lengths, strict=True)):
+        slot = torch.tensor([slots[n]], dtype=torch.int32, device=DEVICE)
+        for row in range(start, start + length):
+            r = [row]
+            one = fused_gdn_decode_(q[r], k[r], v[r], a[r], b[r], a_log, dt_bias, stepped, slot, scale)
+            assert torch.equal(out[r], one)
+        assert torch.equal(pool[slots[n]], stepped[slots[n]])
+    alone = before.clone()
+    fused_gdn_chunks_(q[:3], k[:3], v[:3], a[:3], b[:3], a_log, dt_bias, alone, indices[:1], cu[:2], scale)
+    assert torch.equal(alone[slots[0]], pool[slots[0]])  # the first chunk without the others
+    if state_dtype == torch.float32:
+        g = -a_log.exp() * F.softplus(a + dt_bias)
+        ref_out, ref_state = recurrent_gated_delta_rule_reference(
+            q[None, 4:], k[None, 4:], v[None, 4:], g[None, 4:], b[None, 4:].sigmoid(), scale=scale,
+            initial_state=before[[6]], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out[4:], ref_out[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(pool[[6]], ref_state, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
@@ -369,8 +412,9 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
 )
 def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     """`GatedDeltaNet._forward_cuda` (the in-place kernels; it needs no CUDA itself, only fla, stood in
-    for here) against the reference path on one pool: prefill of 6, 0, 2 and 1 tokens (the 2- and
-    1-token ones keep part of their conv window), 3 decode steps, then a prefill continuing all four."""
+    for here) against the reference path on one pool: a prefill of 20, 0, 2 and 1 tokens (fla's chunked
+    kernel; the 2- and 1-token ones keep part of their conv window), 3 decode steps, then short chunks
+    continuing all four (our token-by-token kernel)."""
     torch.manual_seed(0)
     layer = GatedDeltaNet(0, 32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
                           conv_kernel_size=WIDTH, rms_norm_eps=1e-6)  # fmt: skip
@@ -387,11 +431,11 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     fast_pools = {c: p.clone() for c, p in reference_pools.items()}
     slots = [4, 0, 2, 5]
     with torch.no_grad():
-        for lengths in ([6, 0, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 4]):
+        for lengths in ([20, 0, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 4]):
             x = torch.randn(sum(lengths), 32, generator=gen)
             ref_out = layer(x, pool_backend(reference_pools, slots, lengths))
             out = layer._forward_cuda(x, pool_backend(fast_pools, slots, lengths))
             torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
             for component, pool in fast_pools.items():
                 torch.testing.assert_close(pool, reference_pools[component], atol=1e-5, rtol=0)
-    assert reference_fla == [True, True]  # the layer hands fla the host copy of cu_seqlens
+    assert reference_fla == [True]  # the prefill only; the layer hands fla the host copy of cu_seqlens

@@ -15,7 +15,7 @@ from morion.ops.paged_attention_triton import (
     _INTERPRET,
     MAX_SPLIT_QUERY_LEN,
     decode_workspace,
-    default_num_kv_splits,
+    kv_split_count,
     paged_attention,
 )
 
@@ -312,11 +312,39 @@ def test_fp8_kv_matches_reference_on_the_same_pool(dtype, query_lens) -> None:
 # --- host-side behaviour ---------------------------------------------------------------------------------
 
 
-def test_default_num_kv_splits_depends_only_on_sizes() -> None:
+def test_kv_split_count_depends_only_on_static_sizes() -> None:
     cpu = torch.device("cpu")
-    assert default_num_kv_splits(1, 2, 32768, cpu) == 2  # about 4 programs (1 "SM" on the CPU)
-    assert default_num_kv_splits(64, 8, 32768, cpu) == 1
-    assert default_num_kv_splits(1, 1, 100, cpu) == 1  # short page tables are not split finely
+    assert kv_split_count(2, 32768, cpu) == 2  # about 4 programs for one sequence (1 "SM" on the CPU)
+    assert kv_split_count(8, 32768, cpu) == 1
+    assert kv_split_count(1, 100, cpu) == 1  # short contexts are not split finely
+
+
+def test_a_sequences_result_does_not_depend_on_its_batch_at_a_fixed_split_count() -> None:
+    """The split-KV contract the engine relies on (a restored prefix must answer as the cold run did): at
+    one split count, a sequence's output is bitwise the same alone, beside other sequences, and under a
+    wider page table (a CUDA graph's is as wide as the longest context)."""
+    heads = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16, "page_size": 4}
+    lone = make_batch([37], [3], **heads, seed=11)
+    others = make_batch([9, 50], [1, 2], **heads, seed=12)
+    lone_pages = lone.kv_layer.shape[0] // lone.page_size
+    width = lone.page_table.shape[1] + others.page_table.shape[1] + 8
+    page_table = torch.full((3, width), int(lone.page_table[0, -1]), dtype=torch.int32, device=DEVICE)
+    page_table[0, : others.page_table.shape[1]] = others.page_table[0] + lone_pages
+    page_table[1, : lone.page_table.shape[1]] = lone.page_table[0]
+    page_table[2, : others.page_table.shape[1]] = others.page_table[1] + lone_pages
+    q_rows = [others.q[:1], lone.q, others.q[1:]]
+    crowd = lone._replace(
+        q=torch.cat(q_rows),
+        kv_layer=torch.cat([lone.kv_layer, others.kv_layer]),
+        page_table=page_table,
+        cu_seqlens_q=torch.tensor([0, 1, 4, 6], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([9, 37, 50], dtype=torch.int32, device=DEVICE),
+    )
+    splits = kv_split_count(heads["num_kv_heads"], width * lone.page_size, torch.device("cpu")) + 2
+    alone = run_triton(lone, 0.3, num_kv_splits=splits)
+    together = run_triton(crowd, 0.3, num_kv_splits=splits)
+    assert torch.equal(together[1:4], alone)
+    assert_close(alone, run_reference(lone, 0.3), TOLERANCE[torch.float32])
 
 
 def test_rejects_inconsistent_shapes() -> None:

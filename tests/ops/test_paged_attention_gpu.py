@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
-from morion.ops.paged_attention_triton import decode_workspace, default_num_kv_splits, paged_attention
+from morion.ops.paged_attention_triton import decode_workspace, kv_split_count, paged_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -154,7 +154,7 @@ def test_decode_cuda_graph_replays_with_new_lengths_and_pages(kv_dtype: torch.dt
     num_q_heads, num_kv_heads, head_dim = SHAPES["qwen3_next"]
     batch, width = 8, 16384 // PAGE_SIZE
     pool = make_pool(batch * 16384, num_kv_heads, head_dim, kv_dtype, seed=5)
-    splits = default_num_kv_splits(batch, num_kv_heads, width * PAGE_SIZE, torch.device("cuda"))
+    splits = kv_split_count(num_kv_heads, width * PAGE_SIZE, torch.device("cuda"))
     workspace = decode_workspace(batch, num_q_heads, head_dim, splits, torch.device("cuda"))
     static = {
         "q": torch.zeros(batch, num_q_heads, head_dim, dtype=torch.bfloat16, device="cuda"),
@@ -227,7 +227,7 @@ def test_decode_bandwidth_report(record_property) -> None:
     args = (q, pool.kv_layer, page_table, cu_seqlens([1] * batch), torch.full((batch,), context).int().cuda())
     out = torch.empty_like(q)
     workspace = decode_workspace(
-        batch, num_q_heads, head_dim, default_num_kv_splits(batch, num_kv_heads, context, q.device), q.device
+        batch, num_q_heads, head_dim, kv_split_count(num_kv_heads, context, q.device), q.device
     )
     for _ in range(3):
         paged_attention(*args, PAGE_SIZE, 0.06, max_query_len=1, out=out, workspace=workspace)

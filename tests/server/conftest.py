@@ -43,6 +43,7 @@ read-timeout = {READ_TIMEOUT_S}
 allowed-origins = "{ALLOWED_ORIGIN}"
 grammar-timeout = 5
 grammar-memory-gb = {GRAMMAR_MEMORY_GB}
+log-requests = true
 """
 MAX_MODEL_LEN = 2048  # from the command line, over the profile's 1024
 

@@ -124,3 +124,28 @@ def test_stats_after_idle_integrity_check(loop):
         0,
         "ok",
     )
+
+
+def test_the_last_answer_goes_out_before_the_idle_integrity_check():
+    """The check walks the whole pool (264K pages on the 80B preset): a request that ends the engine's work
+    must not wait for it, and the check's result follows in a message of its own."""
+    from morion.engine.process import serve
+
+    engine = StubEngine()
+    sent: list[tuple[str, object]] = []
+
+    def check() -> None:
+        sent.append(("check", None))
+
+    engine.check_integrity = check
+    loop = EngineLoop(engine)
+    inbox = SimpleNamespace(
+        messages=[AddRequest("r", [1, 2], SamplingParams(max_tokens=1)), Shutdown()],
+    )
+    inbox.poll = lambda timeout=0: bool(inbox.messages) and (len(inbox.messages) > 1 or not engine.requests)
+    inbox.recv = lambda: inbox.messages.pop(0)
+    outbox = SimpleNamespace(send=lambda message: sent.append(("send", message)))
+    serve(loop, inbox, outbox)
+    kinds = [kind for kind, _ in sent]
+    assert kinds == ["send", "check", "send"]
+    assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []

@@ -19,7 +19,7 @@ NEIGHBOURS = [
     {"prompt": "The capital of France is", "temperature": 0},
     {"prompt": "def fibonacci(n):", "temperature": 1.0, "top_k": 40, "top_p": 0.9, "seed": 11},
 ]
-COMMON = {"max_tokens": 20, "ignore_eos": True}
+COMMON = {"max_tokens": 12, "ignore_eos": True}
 FAILING = {"prompt": "Tell me a story", "temperature": 0.7, "seed": FAILING_SEED, "max_tokens": 8}
 
 

@@ -2,7 +2,8 @@
 drove the front end to 14 GB, and 1,000 properties took 32 s and 3.4 GB to compile. Now a schema past the
 size limit is refused at once; one within it whose compilation passes the memory (or time) bound is
 refused when it does, while the server's memory stays within that bound; structured output keeps working
-afterwards. On the shared server (conftest.py: --grammar-memory-gb 0.25, --grammar-timeout 5)."""
+afterwards. Every field a grammar can come from, on every route, meets the same bounds. On the shared
+server (conftest.py: --grammar-memory-gb 0.25, --grammar-timeout 5)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,45 @@ def test_a_schema_over_the_size_limit_is_refused_at_once(server):
     error = response.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert "over the limit of 65536 bytes" in error["message"]
+
+
+HUGE = _schema(3000)  # about 100 KB of JSON
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "guided_json": HUGE}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"json": HUGE}}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "guided_choice": ["a choice"] * 8000}),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "max_tokens": 2, "ebnf": "root ::= " + '"a" | ' * 20000 + '"a"'},
+        ),
+        (
+            "/v1/responses",
+            {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": HUGE}}},
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 2,
+                "messages": HELLO,
+                "tools": [{"name": "f", "input_schema": HUGE}],
+                "tool_choice": {"type": "any"},
+            },
+        ),
+    ],
+    ids=["guided_json", "structured_outputs", "guided_choice", "ebnf", "responses", "messages"],
+)
+def test_every_grammar_source_meets_the_size_bound(server, path, body):
+    started = time.monotonic()
+    with server.http() as http:
+        response = http.post(path, json=body)
+    assert time.monotonic() - started < 5
+    assert response.status_code == 400, response.text
+    assert "over the limit of 65536 bytes" in response.text
 
 
 def test_a_schema_too_costly_to_compile_is_refused_within_the_memory_bound(server):

@@ -82,7 +82,8 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
 @pytest.fixture(scope="module")
 def own_server(server_control, tmp_path_factory):
     log = tmp_path_factory.mktemp("own-server") / "serve.log"
-    running = server_control.launch(["--kv-cache-tokens", "4096", "--device", "cpu"], log)
+    args = ["--kv-cache-tokens", "4096", "--device", "cpu", "--log-level", "warning"]
+    running = server_control.launch(args, log)
     try:
         server_control.wait_until_ready(running)
         yield running
@@ -95,6 +96,15 @@ def test_health_is_503_while_loading(own_server):
     seen = own_server.health_seen
     assert seen[-1] == 200
     assert 503 in seen, seen
+    # It says so at once (the engine process is started before the front end's imports), and its load's
+    # progress and the startup summary follow; --log-level warning silences uvicorn's INFO lines.
+    lines = own_server.log().splitlines()
+    engine = int(lines[0].split("(pid ")[1].split(")")[0])
+    assert lines[0].startswith("morion serve: loading smollm2-135m-instruct in the engine process")
+    assert engine in own_server.child_pids()
+    assert any(line.startswith("loading SmolLM2-135M-Instruct.Q4_1.gguf: 272/272") for line in lines)
+    assert any(line.startswith("morion serve: ready on http://127.0.0.1:") for line in lines)
+    assert not any("Uvicorn running" in line or line.startswith("INFO:") for line in lines)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(own_server):

@@ -1,5 +1,5 @@
 """Reasoning and tool-call parsers: recorded outputs, fed whole and split at every position (and token by
-token), give the same reasoning, content and calls."""
+token), give the same reasoning, content and calls; a call's arguments stream before the call ends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
 from morion.server.parsers.reasoning import Qwen3ReasoningParser
-from morion.server.parsers.tool_calls import TOOL_CALL_PARSERS
+from morion.server.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCallDelta
+from morion.server.responses import assembled_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 TOOLS = {"get_weather": WEATHER, "noop": None}
@@ -30,8 +31,16 @@ def _run(parser: ChatOutputParser, pieces: list[str]) -> tuple[str, str, list[tu
 def _merge(deltas: list[ParsedDelta]) -> tuple[str, str, list[tuple[str, dict]]]:
     reasoning = "".join(d.reasoning for d in deltas)
     content = "".join(d.content for d in deltas)
-    calls = [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls]
+    pieces = [piece for delta in deltas for piece in delta.tool_calls]
+    calls = [(call.name, _value(call.arguments)) for call in assembled_calls(pieces)]
     return reasoning, content, calls
+
+
+def _value(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the model's own text, compared as it is
 
 
 def _splits(text: str) -> list[list[str]]:
@@ -88,14 +97,34 @@ CASES = [
         [("get_weather", {"city": "Oslo", "days": 2}), ("noop", {})],
     ),
     (
-        "hermes invalid json is text",
+        "hermes call of a known tool keeps arguments that are not JSON",
         "hermes",
         False,
         False,
         'A <tool_call>{"name": "get_weather", "arguments": {city}}</tool_call> B',
         "",
-        'A <tool_call>{"name": "get_weather", "arguments": {city}}</tool_call> B',
+        "A  B",
+        [("get_weather", "{city}")],
+    ),
+    (
+        "hermes envelope that is not JSON is text",
+        "hermes",
+        False,
+        False,
+        "A <tool_call>{name: get_weather}</tool_call> B",
+        "",
+        "A <tool_call>{name: get_weather}</tool_call> B",
         [],
+    ),
+    (
+        "hermes arguments before the name",
+        "hermes",
+        False,
+        False,
+        '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>',
+        "",
+        "",
+        [("get_weather", {"city": "Oslo"})],
     ),
     (
         "hermes unknown function is text",
@@ -190,3 +219,27 @@ def test_whole_token_pieces_from_a_recorded_stream() -> None:
               ': "get_weather", "arguments": {"city": "Rome"}}', "\n</", "tool_call", ">"]  # fmt: skip
     got = _run(_parser("hermes", reasoning=True), tokens)
     assert got == ("\nPlan.\n", "", [("get_weather", {"city": "Rome"})])
+
+
+def test_hermes_arguments_stream_as_written_before_the_call_ends() -> None:
+    parser = _parser("hermes", reasoning=False)
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa').tool_calls == [
+        ToolCallDelta(0, "get_weather", '{"city": "Pa')
+    ]
+    assert parser.feed('ris"}').tool_calls == [ToolCallDelta(0, None, 'ris"')]  # "}" may close the envelope
+    assert parser.feed(', "days": 2}').tool_calls == [ToolCallDelta(0, None, '}, "days": 2')]
+    assert parser.feed("}\n</tool_call>").tool_calls == [ToolCallDelta(0, None, "}")]
+    second = parser.feed('<tool_call>{"name": "noop", "arguments": {}}</tool_call>').tool_calls
+    assert second == [ToolCallDelta(1, "noop", "{}")]
+
+
+def test_qwen3_coder_arguments_stream_parameter_by_parameter() -> None:
+    parser = _parser("qwen3_coder", reasoning=False)
+    head = parser.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar")
+    assert head.tool_calls == [ToolCallDelta(0, "get_weather", "{")]
+    assert parser.feed("is\n</parameter>\n<parameter=days>\n2").tool_calls == [
+        ToolCallDelta(0, None, '"city": "Paris"')
+    ]
+    assert parser.feed("\n</parameter>\n</function>\n</tool_call>").tool_calls == [
+        ToolCallDelta(0, None, ', "days": 2}')
+    ]

@@ -41,7 +41,8 @@ class FakeBehaviour:
 
     def __init__(self) -> None:
         self.change_repeats = False  # a repeated identical request gets a different answer
-        self.tools = "perfect"  # "perfect": the expected calls of tools-v1; "reject": 400 on tools
+        # "perfect": the expected calls of tools-v1; "reject": 400 on tools; "never": takes tools, never calls
+        self.tools = "perfect"
         self.seen: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -97,11 +98,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if self.path == "/v1/completions":  # the restore flood and bench's probe: one token each
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 0}
+        if self.path == "/v1/completions":  # the flood, bench's probe, generated restores: one token each
+            key = json.dumps(body["prompt"])
+            with self.behaviour.lock:
+                repeat = self.behaviour.seen.get(key, 0)
+                self.behaviour.seen[key] = repeat + 1
+            usage = {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": 1,
+                "total_tokens": 0,
+                "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1 if repeat else 0},
+            }
+            changed = self.behaviour.change_repeats and repeat
+            logprobs = {"tokens": ["x"], "token_logprobs": [-0.5 if changed else -0.25]}
             self._sse(
                 [
-                    {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]},
+                    {"choices": [{"index": 0, "text": "x", "logprobs": logprobs, "finish_reason": "length"}]},
                     {"choices": [], "usage": usage},
                 ]
             )
@@ -124,8 +136,10 @@ class _Handler(BaseHTTPRequestHandler):
             "total_tokens": prompt + 3,
             "prompt_tokens_details": {"cached_tokens": prompt - 1 if repeat else 0},
         }
-        if body.get("tools"):
+        if body.get("tools") and behaviour.tools == "perfect":
             delta = _tool_reply(body)
+        elif body.get("tools"):
+            delta = {"content": "I would rather not call anything."}
         else:
             text = body["messages"][-1]["content"]
             codes = re.findall(r"code is ([A-Z0-9-]+)\.", text)

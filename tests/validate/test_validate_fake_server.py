@@ -32,7 +32,8 @@ def test_restore_fails_when_a_cache_hit_changes_the_answer(fake_server, tmp_path
         assert case["verdict"] == "fail"
         assert "device: text differs from cold" in case["reason"]
         assert case["steps"]["cold"]["content"] == "The answer is 4."  # the first attempt, kept
-    assert suite["events"]["flood"]["tokens"] >= 64
+    # The fake server has no /v1/cache/evict_device: the cases leave its GPU memory through a flood.
+    assert suite["events"]["eviction"]["method"] == "flood" and suite["events"]["eviction"]["tokens"] >= 64
     assert suite["case_file"]["sha256"] == case_files.FROZEN["restore-v1.json"]
 
 
@@ -46,6 +47,23 @@ def test_restore_passes_on_a_consistent_server(fake_server, tmp_path, capsys):
     assert suite["tiers_declared"] == {"host": False, "disk": False}
     assert marker.exists() and suite["steps"] == ["cold", "device", "host", "disk"]
     assert suite["events"]["restart"]["exit_status"] == 0
+
+
+def test_generated_conversations_count_a_hit_that_changes_a_logprob_as_wrong(fake_server, tmp_path, capsys):
+    """Same text, same token count, one log probability different: a wrong answer (the fake's cache hits
+    are all on the device: it declares no lower tier, and evicts by flood)."""
+    url, behaviour = fake_server
+    behaviour.change_repeats = True
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "3",
+            "--restore-lengths", "20:60", "--restore-group", "3")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 1 and suite["verdict"] == "fail"
+    figures = suite["figures"]
+    assert figures["hits"]["device"] == 3 and figures["wrong_by_step"]["device"] == 3
+    assert figures["wrong_answers"] == 6  # device and host, three conversations each
+    assert "token 0: logprob -0.5 vs -0.25" in suite["cases"][0]["reason"]
+    assert "**6 hits, 6 wrong answers**" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
 
 
 def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
@@ -76,8 +94,19 @@ def test_tools_unsupported_when_rejected(fake_server, tmp_path, capsys):
     url, behaviour = fake_server
     behaviour.tools = "reject"
     status, result = _run(capsys, tmp_path, "tools", "--url", url)
-    assert status == 0  # unsupported is reported, not a failure
+    assert status == 0  # unsupported is reported, not a failure, and never called a pass
     assert result["suites"]["tools"]["verdict"] == "unsupported"
+    assert result["verdict"] == "unsupported"
+    assert "**UNSUPPORTED**" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_tools_fail_when_accepted_but_never_called(fake_server, tmp_path, capsys):
+    url, behaviour = fake_server
+    behaviour.tools = "never"
+    status, result = _run(capsys, tmp_path, "tools", "--url", url)
+    suite = result["suites"]["tools"]
+    assert status == 1 and result["verdict"] == "fail" and suite["verdict"] == "fail"
+    assert "accepted tools but the model answered the probe without a tool call" in suite["reason"]
 
 
 @pytest.mark.parametrize(
@@ -107,3 +136,56 @@ def test_unknown_case_id_is_one_line(fake_server, capsys):
 def test_case_files_are_frozen():
     for suite in case_files.CURRENT:
         assert case_files.load(suite).sha256 == case_files.FROZEN[case_files.CURRENT[suite]]
+
+
+def test_soak_with_token_id_prompts(fake_server, tmp_path, capsys):
+    """For a server without a tokenizer: blocks of token ids on /v1/completions, the history growing."""
+    url, _ = fake_server
+    argv = ("soak", "--url", url, "--soak-prompts", "token-ids", "--soak-turn-tokens", "32",
+            "--soak-clients", "2", "--soak-max-requests", "6")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["soak"]
+    assert status == 0 and suite["verdict"] == "pass", suite["reason"]
+    records = suite["requests"]
+    assert len(records) == 6 and all(r["completion_tokens"] == 1 for r in records)
+    by_client = {}
+    for record in records:
+        by_client.setdefault((record["client"], record["conversation"]), []).append(record["prompt_tokens"])
+    assert any(lengths[:2] == [32, 64] for lengths in by_client.values())  # a block a turn
+
+
+def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    marker = tmp_path / "restarted"
+    argv = ("restore", "soak", "--url", url, "--soak-during-restore", "--soak-prompts", "token-ids",
+            "--soak-turn-tokens", "8", "--soak-clients", "2", "--soak-minutes", "0.05",
+            "--restore-conversations", "2", "--restore-lengths", "20:40", "--flood-tokens", "16",
+            "--restart-cmd", f"touch {marker}")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    restore, soak = result["suites"]["restore"], result["suites"]["soak"]
+    assert status == 0 and restore["verdict"] == "pass" and soak["verdict"] == "pass", soak["reason"]
+    assert soak["figures"]["requests"] > 0 and marker.exists()
+    assert "--soak-during-restore" in result["provenance"]["command"].split()
+
+
+def test_resume_sends_only_the_disk_step_of_an_earlier_run(fake_server, tmp_path, capsys):
+    """A restart outside validate (another process, a later device call): the disk step of the earlier run's
+    conversations, graded with the earlier answers."""
+    url, behaviour = fake_server
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "3",
+            "--restore-lengths", "20:60", "--restore-group", "3", "--label", "first")  # fmt: skip
+    status, first = _run(capsys, tmp_path / "first", *argv)
+    assert status == 0 and "disk" not in first["suites"]["restore"]["cases"][0]["steps"]
+    [earlier] = (tmp_path / "first").glob("*.json")
+    sent_before = sum(behaviour.seen.values())
+    argv = ("restore", "--url", url, "--restore-resume", str(earlier))
+    status, second = _run(capsys, tmp_path / "second", *argv)
+    suite = second["suites"]["restore"]
+    assert status == 0 and suite["verdict"] == "pass" and suite["seed"] == first["suites"]["restore"]["seed"]
+    assert sum(behaviour.seen.values()) - sent_before == 3  # the disk step only
+    assert [set(c["steps"]) for c in suite["cases"]] == [{"cold", "device", "host", "disk"}] * 3
+    assert suite["events"]["resumed_from"] == earlier.name
+    bad = ["validate", "restore", "--url", url, "--restore-resume", str(tmp_path / "none.json")]
+    assert main([*bad, "--out", str(tmp_path / "third")]) == 1
+    assert "no restore suite to resume" in capsys.readouterr().err
+    assert not (tmp_path / "third").exists()  # refused before any suite ran

@@ -44,7 +44,8 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     restore = suites["restore"]
     assert restore["verdict"] == "pass", restore["cases"]
     assert restore["tiers_declared"] == {"host": True, "disk": False}
-    assert restore["events"]["flood"]["tokens"] >= 2 * 1024  # twice the KV pool, from /v1/server_info
+    eviction = restore["events"]["eviction"]
+    assert eviction["method"] == "evict_device" and eviction["evicted_pages"] > 0
     for case in restore["cases"]:
         cached = case["cached_tokens"]
         assert cached["device"] > cached["cold"] and cached["host"] > cached["cold"]
@@ -71,3 +72,30 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     assert status == (1 if failed else 0) and result["verdict"] == ("fail" if failed else "pass")
     report = path.with_suffix(".md").read_text()
     assert "## restore: **pass**" in report and "| single-depth-50 | 300 | 300 |" in report
+
+
+def test_restore_over_generated_token_id_conversations(morion_url, tmp_path, capsys):
+    """The qualification's mode: conversations of drawn lengths, by token ids, in rounds with a device-cache
+    eviction between the device and host steps; every hit reuses every full page before the last token
+    and answers as cold, logprob for logprob."""
+    url, api_key = morion_url
+    argv = [
+        "validate", "restore", "--url", url, "--api-key", api_key, "--restore-conversations", "4",
+        "--restore-lengths", "40:400", "--restore-group", "2", "--restore-max-tokens", "4",
+        "--restore-seed", "7", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    [path] = tmp_path.glob("*.json")
+    suite = json.loads(path.read_text())["suites"]["restore"]
+    assert suite["verdict"] == "pass" and suite["seed"] == 7 and suite["page_size"] == 16
+    assert suite["figures"]["hits"] == {"device": 4, "host": 4, "disk": 0}
+    assert suite["figures"]["wrong_answers"] == 0
+    drawn = suite["lengths"]["drawn"]
+    assert drawn[0] % 256 == 0 and drawn[1] % 16 and all(40 <= n <= 400 for n in drawn)
+    assert [e["method"] for e in suite["events"]["evictions"]] == ["evict_device"] * 2
+    for case in suite["cases"]:
+        cold = case["steps"]["cold"]
+        assert len(cold["token_logprobs"]) == 4 and cold["cached_tokens"] == 0
+        assert case["steps"]["host"]["cached_tokens"] == (case["prompt_tokens"] - 1) // 16 * 16
+    report = path.with_suffix(".md").read_text()
+    assert "**8 hits, 0 wrong answers**" in report

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from morion.server.parsers.reasoning import Qwen3ReasoningParser, ReasoningPiece
-from morion.server.parsers.tool_calls import ParsedToolCall, ToolCallParser
+from morion.server.parsers.tool_calls import ToolCallDelta, ToolCallParser
 
 
 class ParsedDelta(NamedTuple):
     reasoning: str
     content: str
-    tool_calls: list[ParsedToolCall]
+    tool_calls: list[ToolCallDelta]  # pieces of calls: a call's first names it (tool_calls.py)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)

@@ -1,8 +1,14 @@
-"""`--tool-call-parser`: tool calls out of the model's text, streamed or whole.
+"""`--tool-call-parser`: tool calls out of the model's text, streamed piece by piece or whole.
 
 `hermes` / `qwen25`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2.5, Qwen3).
 `qwen3_coder`: `<tool_call><function=NAME><parameter=P>value</parameter>…</function></tool_call>` (XML).
-A call the parser cannot read (bad JSON, an unknown function) is returned as text, never dropped.
+
+A call is announced (its name, in its first `ToolCallDelta`) as soon as the name is read and names one of
+the tools; its arguments then follow as the model writes them: Hermes' JSON text as written, Qwen3-Coder's
+parameters as JSON members, each once complete. What is streamed of a call depends only on its text so
+far, never on how the text was split, so the pieces add up to what the whole text gives. A call whose name
+cannot be read, or names no tool, is returned as text, never dropped; a call announced is kept even if
+its arguments turn out not to be JSON (as OpenAI's own: clients check them).
 """
 
 from __future__ import annotations
@@ -19,9 +25,15 @@ class ParsedToolCall(NamedTuple):
     arguments: str  # JSON text of an object, as OpenAI returns it
 
 
+class ToolCallDelta(NamedTuple):
+    index: int  # the call's place in this output, from 0
+    name: str | None  # set on the call's first delta only
+    arguments: str  # the next piece of the arguments' JSON text
+
+
 class ToolPiece(NamedTuple):
     content: str
-    calls: list[ParsedToolCall]
+    calls: list[ToolCallDelta]
 
 
 class ToolCallParser:
@@ -43,6 +55,9 @@ class ToolCallParser:
         self._open: tuple[str, str] | None = None  # the start and end marker of the call being read
         self._body: list[str] = []
         self._ends = dict(self.markers)
+        self._calls = 0  # calls announced so far
+        self._announced = False  # the open call's name has been sent
+        self._sent = 0  # characters of the open call's arguments sent
 
     @property
     def start_markers(self) -> list[str]:
@@ -51,7 +66,7 @@ class ToolCallParser:
     def feed(self, text: str) -> ToolPiece:
         self._scanner.feed(text)
         content: list[str] = []
-        calls: list[ParsedToolCall] = []
+        calls: list[ToolCallDelta] = []
         while True:
             if self._open is None:
                 scan = self._scanner.scan(self.start_markers)
@@ -64,6 +79,7 @@ class ToolCallParser:
             scan = self._scanner.scan([end])
             self._body.append(scan.text)
             if scan.marker is None:
+                self._stream(start, calls)
                 break
             self._close(start, end, content, calls)
         return ToolPiece("".join(content), calls)
@@ -74,22 +90,45 @@ class ToolCallParser:
             return ToolPiece(held, [])
         self._body.append(held)
         content: list[str] = []
-        calls: list[ParsedToolCall] = []
+        calls: list[ToolCallDelta] = []
         self._close(self._open[0], None, content, calls)
         return ToolPiece("".join(content), calls)
 
-    def _close(self, start: str, end: str | None, content: list[str], calls: list[ParsedToolCall]) -> None:
+    def _stream(self, start: str, calls: list[ToolCallDelta]) -> None:
+        progress = self.streamed_call(start, "".join(self._body), None, final=False)
+        if progress is not None:
+            self._send(progress, calls)
+
+    def _send(self, progress: ParsedToolCall, calls: list[ToolCallDelta]) -> None:
+        piece = progress.arguments[self._sent :]
+        if not self._announced or piece:
+            calls.append(ToolCallDelta(self._calls, None if self._announced else progress.name, piece))
+        self._announced, self._sent = True, len(progress.arguments)
+
+    def _close(self, start: str, end: str | None, content: list[str], calls: list[ToolCallDelta]) -> None:
         body = "".join(self._body)
         self._open, self._body = None, []
-        call = self.parse_call(start, body, end)
-        if call is not None and call.name in self.parameters:
-            calls.append(call)
-        else:
-            content.append(start + body + (end or ""))
+        call = self.streamed_call(start, body, end, final=True)
+        if call is None:  # never streamable: read as a whole
+            call = self.parse_call(start, body, end)
+            if call is None or call.name not in self.parameters:
+                content.append(start + body + (end or ""))
+                return
+        self._send(call, calls)
+        self._calls += 1
+        self._announced, self._sent = False, 0
+
+    def streamed_call(self, start: str, body: str, end: str | None, final: bool) -> ParsedToolCall | None:
+        """The call as far as `body` shows it: its name (a known tool) and the arguments text that can be
+        sent already (`final`: all of it, `end` being the end marker or None when the output ended), or
+        None while (and if) the call cannot be streamed. Once not None for a body it stays so, and its
+        arguments only grow, for every longer body."""
+        return None
 
     def parse_call(self, start: str, body: str, end: str | None) -> ParsedToolCall | None:
-        """The call between `start` and `end` (None: the output ended first), or None if unreadable."""
-        raise NotImplementedError
+        """The call between `start` and `end` (None: the output ended first) read as a whole, for calls
+        `streamed_call` cannot stream, or None if unreadable."""
+        return None
 
     @classmethod
     def format_call(cls, name: str, arguments: Any) -> str:
@@ -97,10 +136,36 @@ class ToolCallParser:
         raise NotImplementedError
 
 
+# `{"name": "NAME", "arguments": ` up to the first character of the value (so that whitespace before it
+# is never sent, however the text was split).
+_HERMES_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+)
+_ENVELOPE_TAIL = re.compile(r"\s*\}?\s*\Z")  # may still be the end of the envelope around the arguments
+
+
 class HermesToolParser(ToolCallParser):
     name = "hermes"
     structural_tag_model = "qwen_3"
     markers = (("<tool_call>", "</tool_call>"),)
+
+    def streamed_call(self, start: str, body: str, end: str | None, final: bool) -> ParsedToolCall | None:
+        head = _HERMES_HEAD.match(body)
+        if head is None or body[head.end()] == '"':  # arguments written as a JSON string: read whole
+            return None
+        try:
+            name = json.loads(head.group(1))
+        except ValueError:  # a bad escape in the name
+            return None
+        if name not in self.parameters:
+            return None
+        rest = body[head.end() :]
+        if not final:
+            return ParsedToolCall(name, rest[: _ENVELOPE_TAIL.search(rest).start()])
+        whole = rest.rstrip()
+        if not _is_json(whole):  # the usual case: the envelope's closing brace follows the arguments
+            whole = rest[: _ENVELOPE_TAIL.search(rest).start()]
+        return ParsedToolCall(name, whole)
 
     def parse_call(self, start: str, body: str, end: str | None) -> ParsedToolCall | None:
         try:
@@ -129,8 +194,10 @@ class Qwen25ToolParser(HermesToolParser):
     name = "qwen25"
 
 
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_FUNCTION_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+# A parameter known to be complete before the function is: its end tag, or the next parameter, follows.
+_COMPLETE_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=))", re.DOTALL)
 
 
 class Qwen3CoderToolParser(ToolCallParser):
@@ -138,18 +205,26 @@ class Qwen3CoderToolParser(ToolCallParser):
     structural_tag_model = "qwen_3_coder"
     markers = (("<tool_call>", "</tool_call>"), ("<function=", "</function>"))
 
-    def parse_call(self, start: str, body: str, end: str | None) -> ParsedToolCall | None:
+    def streamed_call(self, start: str, body: str, end: str | None, final: bool) -> ParsedToolCall | None:
+        """Arguments as JSON members (`{"P": value, ...`), one per parameter once it is complete; the
+        closing brace at the end. Joined, they are `json.dumps` of the arguments."""
         text = body if start == "<tool_call>" else start + body + (end or "")
-        function = _FUNCTION.search(text)
-        if function is None or text[: function.start()].strip():
+        head = _FUNCTION_HEAD.match(text)
+        if head is None or head.group(1).strip() not in self.parameters:
             return None
-        name = function.group(1).strip()
+        name = head.group(1).strip()
+        region = text[head.end() :]
+        close = region.find("</function>")
+        complete = final or close >= 0
+        if close >= 0:
+            region = region[:close]
         schema = (self.parameters.get(name) or {}).get("properties", {})
-        arguments = {
-            key.strip(): _typed_value(_strip_one_newline(value), schema.get(key.strip()))
-            for key, value in _PARAMETER.findall(function.group(2))
-        }
-        return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
+        members = [
+            f"{json.dumps(key.strip(), ensure_ascii=False)}: "
+            + json.dumps(_typed_value(_strip_one_newline(value), schema.get(key.strip())), ensure_ascii=False)
+            for key, value in (_PARAMETER if complete else _COMPLETE_PARAMETER).findall(region)
+        ]
+        return ParsedToolCall(name, "{" + ", ".join(members) + ("}" if final else ""))
 
     @classmethod
     def format_call(cls, name: str, arguments: Any) -> str:
@@ -158,6 +233,14 @@ class Qwen3CoderToolParser(ToolCallParser):
             for key, value in (arguments.items() if isinstance(arguments, dict) else ())
         )
         return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _strip_one_newline(value: str) -> str:

@@ -1,0 +1,265 @@
+"""One GPU build's qualification from its pieces (`scripts/gpu_qualify.sh`): `morion validate restore soak
+perf` against `morion serve` (one results JSON) and `morion bench` offline with the same engine flags on
+the same machine (another), into `<date>-<label>.json` + `.md`.
+
+The verdict: every restored answer identical to its cold one (0 wrong answers), at least `--min-hits`
+hits on each lower tier and on the device, the soak clean and bounded, the perf figures valid. The
+through-the-server speed is reported against offline as ratios with issue #20's targets (C1 per-request
+>= 0.97, aggregate at the highest concurrency >= 0.9): reported, never a reason for the exit status.
+
+    python -m morion.validate.qualify --validate V.json --offline B.json --label h200-qualify-MODEL
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from morion.bench.report import output_paths, write_json
+from morion.validate.restore_tokens import regrade
+
+SCHEMA = "morion-qualify/1"
+TIERS = ("device", "host", "disk")
+# Through the server over offline, same flags and machine (issue #20).
+RATIO_TARGETS = {"per_request_tok_s": 0.97, "aggregate_tok_s": 0.9}
+
+
+def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits: int) -> dict[str, Any]:
+    suites = validate["suites"]
+    problems = []
+    restore = suites.get("restore") or {}
+    if "seed" in restore:  # generated conversations: graded with today's rules
+        restore = regrade(restore)
+    figures = restore.get("figures") or {}
+    hits, wrong = figures.get("hits") or {}, figures.get("wrong_answers")
+    if not restore or "hits" not in figures:
+        problems.append("no generated-conversation restore suite")
+    else:
+        if wrong:
+            problems.append(f"{wrong} wrong answers")
+        short = [f"{tier} {hits.get(tier, 0)}" for tier in TIERS if hits.get(tier, 0) < min_hits]
+        if short:
+            problems.append(f"fewer than {min_hits} hits: {', '.join(short)}")
+        if restore.get("verdict") != "pass":
+            problems.append("restore failed")
+    for name in ("soak", "perf"):
+        suite = suites.get(name)
+        if suite is None:
+            problems.append(f"no {name} suite")
+        elif suite.get("verdict") != "pass":
+            problems.append(f"{name} failed: {suite.get('reason')}")
+    return {
+        "schema": SCHEMA,
+        "verdict": "fail" if problems else "pass",
+        "problems": problems,
+        "restore": {
+            "conversations": figures.get("conversations"),
+            "hits": hits,
+            "hits_total": figures.get("hits_total"),
+            "wrong_answers": wrong,
+            "wrong_by_step": figures.get("wrong_by_step"),
+            "recomputed_differently_by_step": figures.get("recomputed_differently_by_step"),
+            "median_ttft_s": figures.get("median_ttft_s"),
+            "lengths": {k: v for k, v in (restore.get("lengths") or {}).items() if k != "drawn"},
+        },
+        "soak": _soak(suites.get("soak")),
+        "perf": _perf(suites.get("perf"), offline),
+    }
+
+
+def _soak(suite: dict[str, Any] | None) -> dict[str, Any] | None:
+    if suite is None:
+        return None
+    figures = suite["figures"]
+    keys = ("requests", "errors", "empty", "truncated", "elapsed_s", "memory_growth_mib", "idle", "drift")
+    return {"verdict": suite["verdict"], **{key: figures.get(key) for key in keys}}
+
+
+def _points(decode: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, float]]:
+    return {(p["concurrency"], p["context"]): p["median"] for p in decode}
+
+
+def _perf(suite: dict[str, Any] | None, offline: dict[str, Any] | None) -> dict[str, Any] | None:
+    if suite is None:
+        return None
+    served = _points(suite["decode"])
+    alone = _points(offline["decode"]) if offline else {}
+    top = max(concurrency for concurrency, _ in served)
+    rows = []
+    for (concurrency, context), median in sorted(served.items()):
+        other = alone.get((concurrency, context))
+        row: dict[str, Any] = {
+            "concurrency": concurrency,
+            "context": context,
+            "server": median,
+            "offline": other,
+        }
+        if other:
+            row["ratios"] = {
+                key: median[key] / other[key] for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s")
+            }
+            checked = ["per_request_tok_s"] if concurrency == 1 else []
+            checked += ["aggregate_tok_s"] if concurrency == top and concurrency > 1 else []
+            row["targets"] = {
+                key: {"target": RATIO_TARGETS[key], "met": row["ratios"][key] >= RATIO_TARGETS[key]}
+                for key in checked
+            }
+        rows.append(row)
+    prefill = [
+        {"prompt_tokens": p["prompt_tokens"], "server": p.get("median")} for p in suite.get("prefill", [])
+    ]
+    return {"decode": rows, "prefill": prefill}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    summary, prov = result["summary"], result["provenance"]
+    restore, soak, perf = summary["restore"], summary["soak"], summary["perf"]
+    gpu = ", ".join(f"{g['name']} (driver {g['driver_version']})" for g in prov.get("gpus") or []) or "no GPU"
+    lines = [
+        f"# Qualification: {result['label']} ({result['date']})",
+        "",
+        f"**{summary['verdict'].upper()}**"
+        + (f": {'; '.join(summary['problems'])}" if summary["problems"] else ""),
+        "",
+        f"`morion serve` {result['serve_command']}, then `{prov['command']}`; offline: "
+        f"`{result['offline_command']}`. Commit `{prov.get('git_commit')}`"
+        f"{' (dirty)' if prov.get('git_dirty') else ''}, {gpu}, torch {prov.get('torch')}, triton "
+        f"{prov.get('triton')}, {prov.get('time_utc')}. Raw: `{result['sources']['validate']}`"
+        + (f", `{result['sources']['offline']}`" if result["sources"].get("offline") else "")
+        + ".",
+        "",
+        "## Restore identity (generated token-id conversations, soak traffic beside them)",
+        "",
+        f"{restore['conversations']} conversations, prompt lengths drawn from "
+        f"{restore['lengths'].get('min'):,} to {restore['lengths'].get('max'):,} tokens. "
+        f"**{restore['hits_total']} hits, {restore['wrong_answers']} wrong answers.**",
+        "",
+        "| step | hits | wrong answers (hits) | misses computed again differently | median TTFT ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    ttft = restore.get("median_ttft_s") or {}
+    for step in ("cold", *TIERS):
+        hits = "—" if step == "cold" else restore["hits"].get(step, 0)
+        wrong = "—" if step == "cold" else (restore.get("wrong_by_step") or {}).get(step, 0)
+        other = "—" if step == "cold" else (restore.get("recomputed_differently_by_step") or {}).get(step, 0)
+        lines.append(f"| {step} | {hits} | {wrong} | {other} | {_ms(ttft.get(step))} |")
+    if soak:
+        lines += [
+            "",
+            "## Soak",
+            "",
+            f"{soak['verdict']}: {soak['requests']} requests in {soak['elapsed_s']:.0f} s, "
+            f"{soak['errors']} errors, {soak['empty']} empty, {soak['truncated']} truncated; "
+            f"resident memory growth {_num(soak['memory_growth_mib'])} MiB; idle {soak['idle']}; "
+            f"drift {soak['drift']}.",
+        ]
+    if perf:
+        lines += [
+            "",
+            "## Decode through the server and offline (same flags, same machine; median of runs)",
+            "",
+            "| C | context | server tok/s per request | offline | ratio | server aggregate | offline | "
+            "ratio | server TTFT ms | offline |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in perf["decode"]:
+            server, offline, ratios = row["server"], row.get("offline") or {}, row.get("ratios") or {}
+            lines.append(
+                f"| {row['concurrency']} | {row['context']:,} | {_num(server['per_request_tok_s'])} | "
+                f"{_num(offline.get('per_request_tok_s'))} | {_ratio(ratios, 'per_request_tok_s', row)} | "
+                f"{_num(server['aggregate_tok_s'])} | {_num(offline.get('aggregate_tok_s'))} | "
+                f"{_ratio(ratios, 'aggregate_tok_s', row)} | {_ms(server['ttft_s'])} | "
+                f"{_ms(offline.get('ttft_s'))} |"
+            )
+        lines += [
+            "",
+            "Ratio targets (issue #20): C1 per request >= 0.97, aggregate at the highest C >= 0.9; "
+            "a ✓ or ✗ marks the checked ones.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(ratios: dict[str, float], key: str, row: dict[str, Any]) -> str:
+    if key not in ratios:
+        return "—"
+    mark = ""
+    target = (row.get("targets") or {}).get(key)
+    if target is not None:
+        mark = " ✓" if target["met"] else " ✗"
+    return f"{ratios[key]:.2f}{mark}"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:,.0f}"
+
+
+def _declared(commit: str | None, recorded: dict[str, Any]) -> dict[str, Any]:
+    if commit is None:
+        return {}
+    return {
+        "git_commit": commit,
+        "git_dirty": False,
+        "git_commit_source": "--source-commit",
+        "git_commit_recorded_by_the_runs": recorded.get("git_commit"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m morion.validate.qualify", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--validate",
+        action="append",
+        required=True,
+        help="a results JSON of morion validate (repeat: their suites are merged, e.g. restore+soak, perf)",
+    )
+    parser.add_argument("--offline", help="the results JSON of morion bench offline (same flags)")
+    parser.add_argument("--label", required=True, help="file label, e.g. h200-qualify-qwen3-next-80b-a3b")
+    parser.add_argument("--serve-command", default="", help="the morion serve command, as run")
+    parser.add_argument("--min-hits", type=int, default=100, help="hits each tier must reach (100)")
+    parser.add_argument(
+        "--source-commit",
+        help="the commit the runs' tree was, where their machine had it without its history (recorded as "
+        "declared, beside what the runs themselves recorded)",
+    )
+    parser.add_argument("--out", default="results", help="output directory (results)")
+    args = parser.parse_args(argv)
+    runs = [json.loads(Path(path).read_text()) for path in args.validate]
+    validate = {**runs[0], "suites": {name: suite for run in runs for name, suite in run["suites"].items()}}
+    offline = json.loads(Path(args.offline).read_text()) if args.offline else None
+    result = {
+        "schema": SCHEMA,
+        "label": args.label,
+        "date": validate["date"],
+        "provenance": {**validate["provenance"], **_declared(args.source_commit, validate["provenance"])},
+        "serve_command": args.serve_command,
+        "offline_command": (offline or {}).get("provenance", {}).get("command", "none"),
+        "sources": {
+            "validate": ", ".join(Path(path).name for path in args.validate),
+            "offline": Path(args.offline).name if args.offline else None,
+        },
+        "server": validate["server"],
+        "summary": summarize(validate, offline, args.min_hits),
+    }
+    path = output_paths(Path(args.out), validate["date"], args.label)
+    write_json(path, result)
+    path.with_suffix(".md").write_text(markdown(result))
+    summary = result["summary"]
+    print(
+        f"qualify: {summary['verdict']}"
+        + (f": {'; '.join(summary['problems'])}" if summary["problems"] else "")
+    )
+    print(f"qualify: wrote {path} and {path.with_suffix('.md').name}")
+    return 1 if summary["verdict"] == "fail" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

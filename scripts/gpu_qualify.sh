@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# One command qualifies a GPU build where users run it: `morion serve` with a hybrid model, FP8 weights and
+# K/V, host and disk tiers, checked by `morion validate` (docs/validate.md, README "Qualify a GPU build").
+#
+#   bash scripts/gpu_qualify.sh MODEL [PART...]
+#
+# MODEL: 80b (preset:qwen3-next-80b-a3b), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
+# (the default model on a CPU: checks this script itself). PARTs, in the order given (default: all):
+#   restore: restore over generated token-id conversations (cold, device and host hits; every answer
+#            compared with its cold one, logprob for logprob) with soak's clients running beside it; the
+#            server stops at the end, its disk writes finished;
+#   disk:    a new server on the same disk cache (a restart), and the disk hit of every conversation
+#            (`morion validate restore --restore-resume` of the restore part's results);
+#   perf:    the decode sweep through the server (`morion validate perf`);
+#   offline: `morion bench` in-process with the same engine flags, on the same machine;
+#   report:  all of it into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on
+#            any wrong answer, too few hits per tier, a failed soak or invalid perf figures;
+#   all:     restore disk perf offline report.
+# On the H200, `restore` fills one device call (about 8 minutes for 80b) and `disk perf offline report` the
+# next, on the same machine (its disk holds the cache: chain the calls while it stays warm).
+# Results and logs stay in $QUALIFY_DIR (default /tmp/morion-qualify) from one call to the next; where $OUT is
+# set (the device tool's folder that comes back), each invocation ends by packing that directory into
+# $OUT/qualify-<time>.tgz. Carry .whl/ (scripts/gpu_wheels.sh); set MORION_SOURCE_COMMIT where the tree
+# arrives without its history.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(all)
+out=${QUALIFY_DIR:-/tmp/morion-qualify}
+back=${OUT:-}
+source scripts/gpu_env.sh
+port=${QUALIFY_PORT:-8765}
+url=http://127.0.0.1:$port
+disk=${QUALIFY_DISK_DIR:-/tmp/morion-qualify-disk}
+mkdir -p "$disk"
+fp8=(--weight-dtype fp8 --kv-cache-dtype fp8)
+# Soak's clients run beside restore: the other traffic a restored answer must be immune to. Not on a CPU,
+# whose BLAS computes a row differently at other batch sizes (docs/validate.md).
+beside=(--soak-during-restore)
+case "$model" in
+80b)
+    label=h200-qualify-qwen3-next-80b-a3b
+    engine=(--model preset:qwen3-next-80b-a3b "${fp8[@]}" --host-cache-gb 24 --max-running-requests 16
+        --cuda-graph-max-batch 16)
+    restore=(--restore-conversations 100 --restore-lengths 1024:65536 --restore-group 10)
+    # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
+    # still hold every conversation of restore at its disk step.
+    soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
+        --perf-prefill-lengths 1024)
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
+    ;;
+flash-next)
+    label=h200-qualify-qwen3.8-flash-next
+    engine=(--model preset:qwen3.8-flash-next "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
+        --cuda-graph-max-batch 8)
+    restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
+    soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
+        --perf-prefill-lengths 1024)
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024)
+    ;;
+cpu-smoke)
+    label=cpu-qualify-smoke
+    beside=()
+    engine=(--device cpu --kv-cache-tokens 4096 --max-model-len 1024 --host-cache-gb 0.25)
+    restore=(--restore-conversations 4 --restore-lengths 40:400 --restore-group 2)
+    soak=(--soak-clients 2 --soak-minutes 0.3 --soak-turn-tokens 32 --soak-max-tokens 8)
+    perf=(--perf-concurrency 1,2 --perf-contexts 64 --perf-output-tokens 8 --perf-repeats 1
+        --perf-prefill-lengths 64)
+    offline=(--concurrency 1,2 --contexts 64 --output-tokens 8 --repeats 1 --prefill-lengths 64)
+    ;;
+*)
+    echo "gpu_qualify.sh: unknown model $model (80b, flash-next, cpu-smoke)" >&2
+    exit 2
+    ;;
+esac
+# The disk tier holds every conversation until the disk step: most of the filesystem's free space, measured
+# once and kept (measured again at the restart, the tier's own objects would shrink it, and the start-up
+# trim would evict what the disk step needs: the first 80b qualification lost its disk step so).
+budget_file=$out/disk-budget-gb
+if [ ! -s "$budget_file" ]; then
+    df -k --output=avail "$disk" | tail -1 | awk '{printf "%d\n", $1 / 1048576 * 0.85}' > "$budget_file"
+fi
+disk_gb=$(cat "$budget_file")
+serve_args=("${engine[@]}" --disk-cache-dir "$disk" --disk-cache-gb "$disk_gb")
+serve_command="morion serve ${serve_args[*]} --port $port"
+
+server_up() {  # LOG: `morion serve` in the background unless one of this script's is running; waits for /health
+    if [ -f "$out/server.pid" ] && kill -0 "$(cat "$out/server.pid")" 2> /dev/null; then return 0; fi
+    setsid python3 -m morion serve "${serve_args[@]}" --port "$port" > "$1" 2>&1 &
+    echo $! > "$out/server.pid"
+    for _ in $(seq 1200); do
+        if curl -sf "$url/health" > /dev/null; then return 0; fi
+        if ! kill -0 "$(cat "$out/server.pid")" 2> /dev/null; then
+            echo "morion serve exited while starting: $(tail -5 "$1")" >&2
+            return 1
+        fi
+        sleep 1
+    done
+    echo "morion serve was not ready in 20 minutes" >&2
+    return 1
+}
+
+stop_server() {  # SIGTERM drains and exits 0; the engine finishes its disk writes first
+    [ -f "$out/server.pid" ] || return 0
+    local pid
+    pid=$(cat "$out/server.pid")
+    rm -f "$out/server.pid"
+    kill -TERM "$pid" 2> /dev/null || return 0
+    for _ in $(seq 600); do kill -0 "$pid" 2> /dev/null || return 0; sleep 1; done
+    echo "morion serve did not stop in 10 minutes; killing it" >&2
+    kill -KILL "$pid"
+}
+finish() {
+    stop_server
+    if [ -n "$back" ] && [ "$back" != "$out" ]; then tar czf "$back/qualify-$(date +%H%M%S).tgz" -C "$out" .; fi
+}
+trap finish EXIT
+trap 'exit 143' TERM INT  # a time limit still packs what is there
+
+restore_part() {
+    server_up "$out/serve.log" || return 1
+    python3 -m morion validate restore soak --url "$url" "${beside[@]}" --soak-prompts token-ids \
+        "${restore[@]}" "${soak[@]}" --label "$label-restore" --out "$out" 2>&1 | tee "$out/validate-restore.log"
+    local status=${PIPESTATUS[0]}
+    stop_server  # the disk step needs a new process: a restart
+    return "$status"
+}
+
+disk_part() {
+    local restored
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    server_up "$out/serve-restarted.log" || return 1
+    python3 -m morion validate restore --url "$url" --restore-resume "$restored" --label "$label-disk" \
+        --out "$out" 2>&1 | tee "$out/validate-disk.log"
+    return "${PIPESTATUS[0]}"
+}
+
+perf_part() {
+    server_up "$out/serve-perf.log" || return 1
+    python3 -m morion validate perf --url "$url" "${perf[@]}" --label "$label-perf" --out "$out" 2>&1 |
+        tee "$out/validate-perf.log"
+    return "${PIPESTATUS[0]}"
+}
+
+offline_part() {
+    stop_server  # the GPU for the in-process engine
+    # The same engine flags as the server's, disk tier included (a directory of its own).
+    python3 -m morion bench "${engine[@]}" --disk-cache-dir "$disk-offline" --disk-cache-gb "$disk_gb" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
+        --out "$out" 2>&1 | tee "$out/offline.log"
+}
+
+report_part() {
+    # restore + soak, then the disk step's run (its restore suite, the whole one, replaces the first), perf.
+    local restored disk perf offline
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    disk=$(ls -t "$out"/*-validate-"$label"-disk.json 2> /dev/null | head -1)
+    perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
+    offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
+    python3 -m morion.validate.qualify --validate "$restored" ${disk:+--validate "$disk"} ${perf:+--validate "$perf"} \
+        ${offline:+--offline "$offline"} --label "$label" --serve-command "$serve_command" \
+        --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
+}
+
+status=0
+for part in "${parts[@]}"; do
+    case "$part" in
+    restore) restore_part || status=1 ;;
+    disk) disk_part || status=1 ;;
+    perf) perf_part || status=1 ;;
+    offline) offline_part || status=1 ;;
+    report) report_part || status=1 ;;
+    all)
+        for each in restore_part disk_part perf_part offline_part report_part; do "$each" || status=1; done
+        ;;
+    *) echo "gpu_qualify.sh: unknown part $part (restore, disk, perf, offline, report, all)" >&2; exit 2 ;;
+    esac
+done
+exit "$status"

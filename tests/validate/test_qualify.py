@@ -1,0 +1,136 @@
+"""`python -m morion.validate.qualify`: a validate run and an offline bench run into one qualification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from morion.validate.qualify import main
+
+PROVENANCE = {"command": "morion validate restore soak perf", "git_commit": "abc", "gpus": [], "date": "d"}
+
+
+def _median(per_request: float, aggregate: float, ttft: float) -> dict[str, float]:
+    return {"per_request_tok_s": per_request, "aggregate_tok_s": aggregate, "ttft_s": ttft, "step_s": 0.01}
+
+
+def _validate(wrong: int = 0, host_hits: int = 100) -> dict:
+    restore = {
+        "verdict": "fail" if wrong else "pass",
+        "lengths": {"min": 1024, "max": 65536, "drawn": [1024]},
+        "figures": {
+            "conversations": 100,
+            "hits": {"device": 100, "host": host_hits, "disk": 100},
+            "hits_total": 200 + host_hits,
+            "wrong_answers": wrong,
+            "wrong_by_step": {"device": 0, "host": wrong, "disk": 0},
+            "median_ttft_s": {"cold": 1.0, "device": 0.03, "host": 0.2, "disk": 0.5},
+        },
+    }
+    soak = {
+        "verdict": "pass",
+        "figures": {
+            "requests": 300, "errors": 0, "empty": 0, "truncated": 0, "elapsed_s": 301.0,
+            "memory_growth_mib": 12.0, "idle": {"pages_held": 0}, "drift": {},
+        },
+    }  # fmt: skip
+    decode = [
+        {"concurrency": c, "context": 1024, "median": _median(p, a, t)}
+        for c, p, a, t in ((1, 112.0, 110.0, 0.25), (4, 95.0, 340.0, 0.3), (8, 80.0, 600.0, 0.4))
+    ]
+    perf = {"verdict": "pass", "decode": decode, "prefill": [{"prompt_tokens": 1024, "median": {}}]}
+    return {
+        "date": "2026-12-01",
+        "provenance": PROVENANCE,
+        "server": {},
+        "suites": {"restore": restore, "soak": soak, "perf": perf},
+    }
+
+
+def _offline() -> dict:
+    decode = [
+        {"concurrency": c, "context": 1024, "median": _median(p, a, t)}
+        for c, p, a, t in ((1, 114.8, 112.0, 0.22), (4, 100.0, 337.0, 0.25), (8, 90.0, 700.0, 0.3))
+    ]
+    return {"provenance": {"command": "morion bench ..."}, "decode": decode}
+
+
+def _run(tmp_path: Path, validate: dict, *extra: str) -> tuple[int, dict, str]:
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "v.json").write_text(json.dumps(validate))
+    (tmp_path / "b.json").write_text(json.dumps(_offline()))
+    argv = ["--validate", str(tmp_path / "v.json"), "--offline", str(tmp_path / "b.json"),
+            "--label", "h200-qualify-test", "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+    status = main(argv)
+    [path] = (tmp_path / "out").glob("*.json")
+    return status, json.loads(path.read_text()), path.with_suffix(".md").read_text()
+
+
+def test_a_clean_run_passes_with_the_ratios_against_offline(tmp_path):
+    status, result, report = _run(tmp_path, _validate())
+    summary = result["summary"]
+    assert status == 0 and summary["verdict"] == "pass" and summary["problems"] == []
+    c1, _, c8 = summary["perf"]["decode"]
+    assert abs(c1["ratios"]["per_request_tok_s"] - 112.0 / 114.8) < 1e-9
+    assert c1["targets"]["per_request_tok_s"]["met"] is True  # 0.976 >= 0.97
+    assert c8["targets"]["aggregate_tok_s"]["met"] is False  # 600 / 700 < 0.9: reported, not failing
+    assert "**300 hits, 0 wrong answers.**" in report and "0.86 ✗" in report
+    assert (
+        result["label"] == "h200-qualify-test"
+        and (tmp_path / "out" / "2026-12-01-h200-qualify-test.md").exists()
+    )
+
+
+def test_a_wrong_answer_or_too_few_hits_fails(tmp_path):
+    status, result, _ = _run(tmp_path, _validate(wrong=1))
+    assert status == 1 and "1 wrong answers" in result["summary"]["problems"]
+    status, result, _ = _run(tmp_path / "b", _validate(host_hits=99))
+    assert status == 1 and result["summary"]["problems"] == ["fewer than 100 hits: host 99"]
+
+
+def test_restore_and_perf_from_two_validate_runs_are_merged(tmp_path):
+    """The script's two device calls: restore + soak in one validate run, perf in another."""
+    whole = _validate()
+    restored = {**whole, "suites": {k: v for k, v in whole["suites"].items() if k != "perf"}}
+    perf = {**whole, "suites": {"perf": whole["suites"]["perf"]}}
+    (tmp_path / "r.json").write_text(json.dumps(restored))
+    (tmp_path / "p.json").write_text(json.dumps(perf))
+    (tmp_path / "b.json").write_text(json.dumps(_offline()))
+    argv = ["--validate", str(tmp_path / "r.json"), "--validate", str(tmp_path / "p.json"), "--offline",
+            str(tmp_path / "b.json"), "--label", "q", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    [path] = (tmp_path / "out").glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["summary"]["verdict"] == "pass" and len(result["summary"]["perf"]["decode"]) == 3
+    assert result["sources"]["validate"] == "r.json, p.json"
+
+
+def test_a_miss_computed_again_is_counted_apart_from_wrong_hits(tmp_path):
+    """A recorded generated-conversation suite is graded again: a disk step that missed (0 cached tokens)
+    and recomputed another answer is not a wrong hit, but the step still fails for want of a hit."""
+    cold = {
+        "text": "",
+        "token_logprobs": [-1.0],
+        "token_ids": None,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+    }
+    hit = {**cold, "cached_tokens": 48}
+    steps = {"cold": cold, "device": hit, "host": hit, "disk": {**cold, "token_logprobs": [-2.0]}}
+    suite = {
+        "seed": 1,
+        "verdict": "pass",
+        "lengths": {"min": 50, "max": 60, "drawn": [50]},
+        "page_size": 16,
+        "tiers_declared": {"host": True, "disk": True},
+        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
+    }
+    validate = {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
+    status, result, report = _run(tmp_path, validate, "--min-hits", "1", "--source-commit", "abc123")
+    restore = result["summary"]["restore"]
+    assert status == 1 and restore["wrong_answers"] == 0 and restore["hits"]["disk"] == 0
+    assert restore["recomputed_differently_by_step"]["disk"] == 1
+    assert result["summary"]["problems"][0] == "fewer than 1 hits: disk 0"
+    assert result["provenance"]["git_commit"] == "abc123"
+    assert result["provenance"]["git_commit_recorded_by_the_runs"] == "abc"
+    assert "| disk | 0 | 0 | 1 |" in report
