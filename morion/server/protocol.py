@@ -224,7 +224,7 @@ class SamplingFields(_Body):
     @classmethod
     def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not (token.isascii() and token.isdigit() and int(token) <= MAX_INT32):
+            if not (token.isascii() and token.isdigit() and len(token) <= 10 and int(token) <= MAX_INT32):
                 raise ValueError(f"keys must be token ids, got {_short(token)}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
