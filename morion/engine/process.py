@@ -201,7 +201,8 @@ def _step_logprobs(
         source_logprobs, source_top = request.output_logprobs, request.output_top_logprobs
     if source_logprobs is None or source_top is None:
         return None, None
-    return source_logprobs[-count:], source_top[-count:]
+    start = len(source_logprobs) - count  # not [-count:]: a step that adds no token (count 0) sends none
+    return source_logprobs[start:], source_top[start:]
 
 
 def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:

@@ -10,7 +10,7 @@ import torch
 from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import AbortRequest, AddRequest, Shutdown
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
-from morion.engine.process import EngineLoop
+from morion.engine.process import EngineLoop, _step_logprobs
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
 
@@ -149,3 +149,13 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     kinds = [kind for kind, _ in sent]
     assert kinds == ["send", "check", "send"]
     assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
+
+
+def test_a_step_without_new_tokens_carries_no_logprobs():
+    """A request that ends (an error, an abort) in a step that added no token sends no logprobs, not the
+    whole answer's again."""
+    running = {
+        "r": SimpleNamespace(output_logprobs=[-0.1, -0.2], output_top_logprobs=[[(1, -0.1)], [(2, -0.2)]])
+    }
+    assert _step_logprobs(StepOutput("r", [], "", False, None), running) == ([], [])
+    assert _step_logprobs(StepOutput("r", [2], "", False, None), running) == ([-0.2], [[(2, -0.2)]])
