@@ -18,6 +18,7 @@ from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 
 
 def generate(
@@ -101,6 +102,9 @@ class EngineTarget:
         built = time.perf_counter()
         self.engine = Engine(self.config)
         return closed - started, time.perf_counter() - built
+
+    def step_times(self) -> StepTimes:
+        return self.engine.step_times.snapshot()
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine

@@ -35,6 +35,7 @@ from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk, Scheduler
 from morion.engine.speculative import SpeculativeDecoding
+from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
 from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
@@ -124,6 +125,7 @@ class Engine:
             self.speculative = SpeculativeDecoding(drafts, policy, spec.has_state, forced_acceptance)
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self._cache_stats = CacheStats()
+        self.step_times = StepTimes()  # engine/step_timing.py: where the steps' time goes
         self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.prefix_cache,
@@ -421,24 +423,33 @@ class Engine:
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
+        outputs, decode = self._step()
+        self.step_times.record(decode, time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> tuple[list[StepOutput], bool]:
+        """One step's outputs, and whether it was a decode step (every scheduled request generating, one
+        token each: engine/step_timing.py)."""
         if self.tiers is not None:
             self.tiers.poll()  # retire finished copies and disk jobs before scheduling
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.waiting and self.tiers is not None and self.tiers.loads_in_flight():
                 self.tiers.poll(_PREFETCH_WAIT_S)  # every waiting request waits for disk: let it come
-                return []
+                return [], False
             if self.scheduler.waiting:
                 raise RuntimeError(
                     "waiting requests but nothing schedulable: the pool cannot hold one request"
                 )
             self.check_integrity()
-            return []
+            return [], False
+        decode = all(c.num_tokens == 1 and c.request.output_token_ids for c in chunks)
         outputs: list[StepOutput] = []
         if self.speculative is not None:
             outputs, chunks = self._speculate(chunks)
             if not chunks:
-                return outputs
+                return outputs, decode
         restores = self.tiers.take_for_forward() if self.tiers is not None else []
         sampling: list[Request] = []
         logit_rows: list[torch.Tensor] = []
@@ -448,9 +459,9 @@ class Engine:
                 sampling += requests
                 logit_rows.append(logits)
         if not sampling:
-            return outputs
+            return outputs, decode
         logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
-        return outputs + self._sample(logits, sampling)
+        return outputs + self._sample(logits, sampling), decode
 
     def _forward(
         self, chunks: list[ScheduledChunk], restores: list[Transfer]

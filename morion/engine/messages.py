@@ -14,6 +14,7 @@ from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
 from morion.engine.outputs import PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 
 # ---------------------------------------------------------------- front end -> engine
 
@@ -106,6 +107,7 @@ class EngineStats(NamedTuple):
     cache: CacheStats  # hits, restores and traffic by tier (a copy)
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
     spec: SpecSnapshot | None  # None: speculative decoding is off
+    step_times: StepTimes  # the engine's steps and its loop, cumulative (engine/step_timing.py)
 
 
 class RequestDelta(NamedTuple):

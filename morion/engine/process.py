@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -167,6 +168,7 @@ class EngineLoop:
             if self.engine.device.type == "cuda"
             else 0,
             spec=_spec_snapshot(self.engine.speculative),
+            step_times=self.engine.step_times.snapshot(),
         )
 
 
@@ -236,9 +238,11 @@ def engine_info(engine: Engine) -> EngineInfo:
 
 def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
     """Runs until Shutdown. Raises EOFError or BrokenPipeError when the front end is gone."""
+    times = loop.engine.step_times
     while not loop.stopped:
         if not loop.engine.has_unfinished():
             inbox.poll(None)  # idle: sleep until a message arrives (or the front end's end closes)
+        busy_since = time.perf_counter()
         deltas: list[RequestDelta] = []
         handled = False
         while inbox.poll():
@@ -253,6 +257,7 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             deltas += loop.step()
         if deltas or handled:
             outbox.send(EngineOutputs(deltas, loop.stats()))
+            times.busy_seconds += time.perf_counter() - busy_since  # the next stats carry it
             if not loop.engine.has_unfinished():
                 # Gone idle: the pool's integrity check runs after the last answers went out (it must never
                 # delay them), and its result follows in a message of its own.

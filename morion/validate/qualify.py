@@ -178,7 +178,23 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "Ratio targets (issue #20): C1 per request >= 0.97, aggregate at the highest C >= 0.9; "
             "a ✓ or ✗ marks the checked ones.",
+            "",
+            "Where a step's time goes: the client's time per token (1 / per-request rate) beside the "
+            "engine's own decode step (`Engine.step` wall time, from the server's /metrics and in-process "
+            "offline; engine/step_timing.py). Client minus engine is the serving path (engine loop, IPC, "
+            "front end, HTTP, client).",
+            "",
+            "| C | context | server: client ms/token | server: engine decode step ms | "
+            "offline: client ms/token | offline: engine decode step ms |",
+            "|---:|---:|---:|---:|---:|---:|",
         ]
+        for row in perf["decode"]:
+            server, offline = row["server"], row.get("offline") or {}
+            lines.append(
+                f"| {row['concurrency']} | {row['context']:,} | {_ms(server.get('step_s'), 2)} | "
+                f"{_fixed(server.get('engine_decode_step_ms'))} | {_ms(offline.get('step_s'), 2)} | "
+                f"{_fixed(offline.get('engine_decode_step_ms'))} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -196,8 +212,12 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def _ms(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{seconds * 1000:,.0f}"
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:,.{digits}f}"
+
+
+def _fixed(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _declared(commit: str | None, recorded: dict[str, Any]) -> dict[str, Any]:

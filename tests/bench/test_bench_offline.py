@@ -85,7 +85,12 @@ def test_decode_medians_are_medians_of_the_raw_runs(qwen3_next_result):
             assert run["per_request_tok_s"] == statistics.median(r["decode_tok_s"] for r in requests)
             assert run["aggregate_tok_s"] == pytest.approx(run["total_tokens"] / run["makespan_s"])
             assert run["total_tokens"] == 8 * point["concurrency"]
-        for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s", "step_s"):
+            # The engine's own steps of the run: one prefill for the batch, then a decode step per token.
+            steps = run["engine_steps"]
+            assert steps["decode_steps"] == 7 and steps["other_steps"] >= 1
+            assert 0 < run["engine_decode_step_ms"] == steps["decode_step_ms"]
+            assert steps["loop_overhead_ms_per_step"] is None  # no serving loop in-process
+        for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s", "step_s", "engine_decode_step_ms"):
             assert point["median"][key] == statistics.median(run[key] for run in point["runs"])
         bound = point["roofline"]
         assert bound["context_avg"] == 32 + 3.5
