@@ -224,8 +224,9 @@ class Engine:
         return NgramDrafter()  # config.speculative == "ngram"
 
     def _activation_reserve_bytes(self, spec: CacheSpec) -> int:
-        """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk (it also
-        compiles the prefill kernels), plus a margin for CUDA graphs and allocator fragmentation."""
+        """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk, plus a
+        margin for CUDA graphs and allocator fragmentation; the warm-up compiles the kernels of every
+        shape of forward (engine/warmup.py)."""
         config = self.config
         if self.device.type != "cuda":
             return 0
@@ -233,7 +234,15 @@ class Engine:
             return int(config.activation_reserve_gb * 2**30)
         tokens = min(config.chunk_size, self.model.config.max_position_embeddings)
         started = time.perf_counter()
-        peak = measure_forward_peak_bytes(self.model, spec, tokens, self.device, self.kv_scales)
+        peak = measure_forward_peak_bytes(
+            self.model,
+            spec,
+            tokens,
+            self.device,
+            self.kv_scales,
+            FORWARD_GROUP_MAX_TOKENS,
+            config.max_running_requests,
+        )
         reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
         print(
             f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "

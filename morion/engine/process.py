@@ -40,6 +40,8 @@ from morion.engine.speculative import SpeculativeDecoding
 from morion.errors import InvalidRequestError, MorionError
 from morion.logs import show_morion_logs
 
+_CUDA_ALLOCATED_PERIOD_S = 1.0
+
 
 class EngineLoop:
     """Turns inbox messages and engine steps into `RequestDelta`s; the transport lives in `serve`."""
@@ -51,6 +53,8 @@ class EngineLoop:
         self._prompt_logprobs_sent: set[str] = set()
         self._integrity = "ok"
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
+        self._cuda_allocated = 0
+        self._cuda_allocated_due = 0.0  # time.monotonic() after which the next stats read it again
 
     # ----------------------------------------------------------------- inbox
     def handle(self, message: InboxMessage) -> list[RequestDelta]:
@@ -164,12 +168,22 @@ class EngineLoop:
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
             cache=self.engine.cache_stats.snapshot(),
-            cuda_allocated_bytes=torch.cuda.memory_allocated(self.engine.device)
-            if self.engine.device.type == "cuda"
-            else 0,
+            cuda_allocated_bytes=self._cuda_allocated_bytes(),
             spec=_spec_snapshot(self.engine.speculative),
             step_times=self.engine.step_times.snapshot(),
         )
+
+    def _cuda_allocated_bytes(self) -> int:
+        """torch's CUDA allocations, read at most once a second: `memory_allocated` builds the allocator's
+        whole statistics dict (0.15 ms a call on the H200 box, 2 % of an 80B decode step when read every
+        step), and a gauge scraped every few seconds needs no fresher value."""
+        if self.engine.device.type != "cuda":
+            return 0
+        now = time.monotonic()
+        if now >= self._cuda_allocated_due:
+            self._cuda_allocated = torch.cuda.memory_allocated(self.engine.device)
+            self._cuda_allocated_due = now + _CUDA_ALLOCATED_PERIOD_S
+        return self._cuda_allocated
 
 
 def _spec_snapshot(speculative: SpeculativeDecoding | None) -> SpecSnapshot | None:
