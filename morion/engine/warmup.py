@@ -1,11 +1,10 @@
 """Warm-up forwards on scratch memory (CUDA): one of a full chunk compiles the prefill kernels and measures
 the activation peak that the KV pool must leave free; then unmeasured ones compile what requests would
-otherwise compile while the server runs: every kind of forward (engine/forward_groups.py: short chunks,
-long ones, eager decode beyond the captured graphs), with one and several sequences, at every tile width
-the fused MoE kernels take for up to `max_tokens` tokens (their pair block is the power of two at or above
-tokens x top-k). A kernel compiled while serving stalls every running request for seconds (the H200 saw
-a 4.1 s time to first token through the server); Triton keeps what was compiled on disk, so only a
-machine's first start pays for all of it."""
+otherwise compile while the server runs: long and short chunks (engine/forward_groups.py) of one and
+several sequences, at every tile width the fused MoE kernels take for up to a decode or short forward's
+tokens (their pair block is the power of two at or above tokens x top-k). A kernel compiled while serving
+stalls every running request for seconds (the H200 saw a 4.1 s time to first token through the server);
+Triton keeps what it compiled on disk, so a machine's first start pays for it."""
 
 from __future__ import annotations
 
@@ -42,8 +41,9 @@ def warmup_batches(chunk_tokens: int, max_group_tokens: int, max_sequences: int)
     """Sequence lengths of the unmeasured warm-up forwards, after the full chunk: a long chunk split into
     two sequences at no page boundary, then for each total of tokens that starts a new MoE pair block
     (2, 3, 5, 9, ... up to `max_group_tokens`, the most a decode or short forward holds) a short forward
-    (sequences of at most SHORT_CHUNK_TOKENS), an eager decode forward (one token per sequence, where
-    `max_sequences` running requests can make one) and a long chunk of that many tokens."""
+    of that many tokens (sequences of at most SHORT_CHUNK_TOKENS, at most `max_sequences` of them). The
+    kernels of decode forwards are compiled when their graphs are captured; the fused MoE kernels are the
+    same in every kind of forward."""
     batches = []
     if chunk_tokens > 2 * SHORT_CHUNK_TOKENS + 14:
         half = chunk_tokens // 2
@@ -51,11 +51,8 @@ def warmup_batches(chunk_tokens: int, max_group_tokens: int, max_sequences: int)
     totals = sorted({min(2**k + 1, max_group_tokens) for k in range(max_group_tokens.bit_length())})
     for total in (t for t in totals if 1 < t <= chunk_tokens):
         full, rest = divmod(total, SHORT_CHUNK_TOKENS)
-        batches.append([SHORT_CHUNK_TOKENS] * full + ([rest] if rest else []))
-        if total <= max_sequences:
-            batches.append([1] * total)
-        if total > SHORT_CHUNK_TOKENS:
-            batches.append([total])
+        lengths = [SHORT_CHUNK_TOKENS] * full + ([rest] if rest else [])
+        batches.append(lengths[:max_sequences])
     return batches
 
 
