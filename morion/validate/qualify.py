@@ -64,6 +64,11 @@ def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits
             "recomputed_differently_by_step": figures.get("recomputed_differently_by_step"),
             "median_ttft_s": figures.get("median_ttft_s"),
             "lengths": {k: v for k, v in (restore.get("lengths") or {}).items() if k != "drawn"},
+            "wrong_cases": [
+                {"id": c["id"], "prompt_tokens": c["prompt_tokens"], "reason": c["reason"]}
+                for c in restore.get("cases") or []
+                if c.get("wrong")
+            ],
         },
         "soak": _soak(suites.get("soak")),
         "perf": _perf(suites.get("perf"), offline),
@@ -146,6 +151,10 @@ def markdown(result: dict[str, Any]) -> str:
         wrong = "—" if step == "cold" else (restore.get("wrong_by_step") or {}).get(step, 0)
         other = "—" if step == "cold" else (restore.get("recomputed_differently_by_step") or {}).get(step, 0)
         lines.append(f"| {step} | {hits} | {wrong} | {other} | {_ms(ttft.get(step))} |")
+    if restore.get("wrong_cases"):
+        lines += ["", "Wrong answers:", ""]
+    for case in restore.get("wrong_cases") or []:
+        lines.append(f"- {case['id']} ({case['prompt_tokens']:,} tokens): {case['reason']}")
     if soak:
         lines += [
             "",

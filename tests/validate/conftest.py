@@ -41,6 +41,7 @@ class FakeBehaviour:
 
     def __init__(self) -> None:
         self.change_repeats = False  # a repeated identical request gets a different answer
+        self.odd_repeat: int | None = None  # only this repeat of a completion prompt (1: the second) does
         # "perfect": the expected calls of tools-v1; "reject": 400 on tools; "never": takes tools, never calls
         self.tools = "perfect"
         self.seen: dict[str, int] = {}
@@ -109,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "total_tokens": 0,
                 "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1 if repeat else 0},
             }
-            changed = self.behaviour.change_repeats and repeat
+            changed = (self.behaviour.change_repeats and repeat) or repeat == self.behaviour.odd_repeat
             logprobs = {"tokens": ["x"], "token_logprobs": [-0.5 if changed else -0.25]}
             self._sse(
                 [

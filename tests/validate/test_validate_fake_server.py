@@ -63,7 +63,27 @@ def test_generated_conversations_count_a_hit_that_changes_a_logprob_as_wrong(fak
     assert figures["hits"]["device"] == 3 and figures["wrong_by_step"]["device"] == 3
     assert figures["wrong_answers"] == 6  # device and host, three conversations each
     assert "token 0: logprob -0.5 vs -0.25" in suite["cases"][0]["reason"]
+    # Sent twice more after its group: both repeats answer as the hits did (every hit is the odd one here).
+    for case in suite["cases"]:
+        assert len(case["steps"]["again-host"]) == 2
+        assert case["sent_again"]["host"] == {"sent": 2, "as_hit": 2, "as_cold": 0}
+    assert "sent again 2: 2 as this hit, 0 as cold" in suite["cases"][0]["reason"]
     assert "**6 hits, 6 wrong answers**" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+
+
+def test_a_one_off_wrong_hit_is_sent_again_and_the_repeats_answer_as_cold(fake_server, tmp_path, capsys):
+    """Only the third request of each prompt (its host hit) answers otherwise: the two repeats sent after
+    the group answer as cold, which says the host hit was the odd run, not the cold one."""
+    url, behaviour = fake_server
+    behaviour.odd_repeat = 2
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "2",
+            "--restore-lengths", "20:60", "--restore-group", "2")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 1 and suite["figures"]["wrong_by_step"] == {"device": 0, "host": 2, "disk": 0}
+    for case in suite["cases"]:
+        assert case["sent_again"] == {"host": {"sent": 2, "as_hit": 0, "as_cold": 2}}
+        assert "sent again 2: 0 as this hit, 2 as cold" in case["reason"]
 
 
 def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
