@@ -12,6 +12,7 @@ from morion.engine.messages import AbortRequest, AddRequest, Shutdown
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.process import EngineLoop, _step_logprobs
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 from morion.errors import InvalidRequestError
 
 
@@ -27,6 +28,7 @@ class StubEngine:
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
         self.speculative = None
+        self.step_times = StepTimes()
 
     def add_request(self, prompt, params, request_id):
         if not prompt:
@@ -149,6 +151,8 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     kinds = [kind for kind, _ in sent]
     assert kinds == ["send", "check", "send"]
     assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
+    # The loop's busy time, counted once the answer went out, reaches the front end with the idle stats.
+    assert sent[0][1].stats.step_times.busy_seconds == 0 < sent[2][1].stats.step_times.busy_seconds
 
 
 def test_a_step_without_new_tokens_carries_no_logprobs():
