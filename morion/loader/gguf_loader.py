@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf.quants
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where weights are read: the server's front end reads the tokenizer without it
+    import torch
 
 from morion.errors import ModelLoadError
 from morion.loader.gguf_header import GGUFTensor, read_gguf_header
@@ -60,7 +62,13 @@ class GGUFModel(NamedTuple):
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
                 array = _unpermute_rotary_rows(array, heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(array))
+            yield name, _as_tensor(np.ascontiguousarray(array))
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(array)
 
 
 def hf_tensor_name(gguf_name: str) -> str:
