@@ -29,6 +29,7 @@ from pathlib import Path
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.engine_flags import add_engine_flags, engine_options
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
@@ -54,29 +55,23 @@ def _parting(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, ob
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="preset:qwen3-next-80b-a3b-12l")
-    parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--weight-dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--moe-kernel", default="auto")
-    parser.add_argument("--no-cuda-graph", action="store_true")
-    parser.add_argument("--kv-cache-tokens", type=int, default=262144)
+    add_engine_flags(parser)  # every engine flag, as `morion bench` takes them (bisect with them)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="off a page boundary by default")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe-seed", type=int, default=0, help="draws the prompts")
     parser.add_argument("--out", help="a directory for <date>-decode-invariance.json")
     args = parser.parse_args(argv)
-    config = EngineConfig(
-        model=args.model, load_format=args.load_format, device=args.device, weight_dtype=args.weight_dtype,
-        kv_cache_dtype=args.kv_cache_dtype, moe_kernel=args.moe_kernel, cuda_graph=not args.no_cuda_graph,
-        kv_cache_tokens=args.kv_cache_tokens, max_running_requests=max(args.batch, 1),
-    )  # fmt: skip
+    if args.model is None:
+        args.model = "preset:qwen3-next-80b-a3b-12l"
+    options = engine_options(args)
+    options.setdefault("kv_cache_tokens", 262144)
+    options["max_running_requests"] = max(args.batch, options.get("max_running_requests", 1))
+    config = EngineConfig(model=args.model, **options)
     engine = Engine(config)
     vocab = engine.model.config.vocab_size
-    rng = random.Random(args.seed)
+    rng = random.Random(args.probe_seed)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     answers: dict[str, list[list[float]]] = {}

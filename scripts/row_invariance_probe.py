@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from morion.config import EngineConfig
+from morion.engine_flags import add_engine_flags, engine_options
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
 from morion.loader import load_model
@@ -73,16 +74,14 @@ def probe(op: Callable[[torch.Tensor], torch.Tensor], features: int, trials: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="preset:qwen3-next-80b-a3b-12l")
-    parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--weight-dtype", default="auto")
+    add_engine_flags(parser)  # the model's and the weights' flags (--weight-dtype fp8), as the engine's
     parser.add_argument("--trials", type=int, default=500)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--out", help="a directory for <date>-row-invariance.json")
     args = parser.parse_args(argv)
-    config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                          weight_dtype=args.weight_dtype)  # fmt: skip
+    if args.model is None:
+        args.model = "preset:qwen3-next-80b-a3b-12l"
+    config = EngineConfig(model=args.model, **engine_options(args))
     loaded = load_model(config.model, config.torch_dtype, config.torch_device, config.load_format,
                         config.seed, weight_dtype=config.weight_dtype)  # fmt: skip
     results = {}
