@@ -20,6 +20,7 @@ import torch
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
+from morion.engine.heap_trim import release_free_heap
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -49,6 +50,7 @@ class EngineLoop:
         self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
         self._prompt_logprobs_sent: set[str] = set()
         self._integrity = "ok"
+        self._cache_memory_bytes = engine.cache_memory_bytes()
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
 
     # ----------------------------------------------------------------- inbox
@@ -152,6 +154,10 @@ class EngineLoop:
         else:
             self._integrity = "ok"
 
+    def measure_cache_memory(self) -> None:
+        """Only meaningful while idle: what the caches hold then is what a soak may subtract."""
+        self._cache_memory_bytes = self.engine.cache_memory_bytes()
+
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         return EngineStats(
@@ -162,6 +168,7 @@ class EngineLoop:
             pages_held=sum(len(r.owned_pages) for r in scheduler.running),
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
+            cache_memory_bytes=self._cache_memory_bytes,
             cache=self.engine.cache_stats.snapshot(),
             cuda_allocated_bytes=torch.cuda.memory_allocated(self.engine.device)
             if self.engine.device.type == "cuda"
@@ -255,9 +262,13 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             outbox.send(EngineOutputs(deltas, loop.stats()))
             if not loop.engine.has_unfinished():
                 # Gone idle: the pool's integrity check runs after the last answers went out (it must never
-                # delay them), and its result follows in a message of its own.
+                # delay them), and its result follows in a message of its own with what the caches hold
+                # (cache_memory.py). Then the heap memory the work freed goes back to the OS
+                # (heap_trim.py): resident memory is what is in use.
                 loop.check_integrity()
+                loop.measure_cache_memory()
                 outbox.send(EngineOutputs([], loop.stats()))
+                release_free_heap()
 
 
 def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
@@ -280,8 +291,12 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
         outbox.send(info)
+        loop = EngineLoop(engine)
+        # Load and cache figures from the start (/metrics, /v1/server_info), not only after a first request:
+        # a soak's starting point needs them.
+        outbox.send(EngineOutputs([], loop.stats()))
         try:
-            serve(EngineLoop(engine), inbox, outbox)
+            serve(loop, inbox, outbox)
         finally:
             # Whatever ended serving: finish the disk tier's writes, so the next start finds this run's
             # conversations.

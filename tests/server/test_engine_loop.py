@@ -45,6 +45,9 @@ class StubEngine:
     def check_integrity(self):
         pass
 
+    def cache_memory_bytes(self):
+        return 0
+
     def step(self):
         if self.fail_next_step:
             self.fail_next_step = False
