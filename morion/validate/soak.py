@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -44,9 +45,14 @@ _CACHE_MEMORY = "morion_engine_cache_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
 
 
-def run(session: Session, idle_wait_s: float = _IDLE_WAIT_S) -> dict[str, Any]:
+def run(
+    session: Session, idle_wait_s: float = _IDLE_WAIT_S, before_end: Callable[[], object] = lambda: None
+) -> dict[str, Any]:
     """`idle_wait_s`: how long the end checks wait for the server to go idle (longer when another suite
-    runs beside this one: `--soak-during-restore`)."""
+    runs beside this one: `--soak-during-restore`). `before_end` returns when the end may be measured:
+    beside restore, once restore's traffic is over, so that memory is compared between two idle points
+    (between two requests of restore the server is idle too, but only for a moment, and busy again by
+    the time /metrics is read)."""
     case_file = case_files.load("soak")
     data = case_file.data
     conversations = case_files.select(data["conversations"], session.options.cases)
@@ -61,6 +67,7 @@ def run(session: Session, idle_wait_s: float = _IDLE_WAIT_S) -> dict[str, Any]:
     max_tokens = options.soak_max_tokens or data["max_tokens"]
     records = asyncio.run(_soak(session, conversations, max_tokens, started))
     elapsed = time.perf_counter() - started
+    before_end()
     idle = _idle_state(session, idle_wait_s)
     after = session.metrics() or {}
     problems = []

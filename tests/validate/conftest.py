@@ -52,6 +52,7 @@ class FakeBehaviour:
         self.cache_bytes = 0
         self.kept: list[bytes] = []
         self.cache_held = 0
+        self.events: list[str] = []  # "metrics" and "completion", in the order they were served
 
 
 def _words(messages: list[dict[str, Any]]) -> int:
@@ -100,6 +101,8 @@ class _Handler(BaseHTTPRequestHandler):
         with open("/proc/self/statm") as statm:
             resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         lines = [f"process_resident_memory_bytes {resident}"]
+        with self.behaviour.lock:
+            self.behaviour.events.append("metrics")
         if self.behaviour.cache_bytes:
             lines.append(f"morion_engine_cache_memory_bytes {self.behaviour.cache_held}")
         data = ("\n".join(lines) + "\n").encode()
@@ -112,6 +115,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _keep_memory(self) -> None:
         behaviour = self.behaviour
         with behaviour.lock:
+            behaviour.events.append("completion")
             for size in (behaviour.leak_bytes, behaviour.cache_bytes):
                 if size:
                     behaviour.kept.append(os.urandom(64) * (size // 64))  # written: resident

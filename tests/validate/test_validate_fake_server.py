@@ -186,6 +186,22 @@ def test_soak_memory_bound_catches_a_leak_but_not_filling_caches(
         assert "resident memory grew" in soak["reason"]
 
 
+def test_soak_beside_restore_measures_its_end_once_restore_traffic_is_over(fake_server, tmp_path, capsys):
+    """Memory is compared between two idle points: the soak's clients stop after 2 requests, restore goes
+    on (6 conversations, 3 steps each), and the soak reads /metrics for its end only after all of it."""
+    url, behaviour = fake_server
+    behaviour.cache_bytes = 64  # /metrics exported
+    argv = ("restore", "soak", "--url", url, "--soak-during-restore", "--soak-prompts", "token-ids",
+            "--soak-turn-tokens", "8", "--soak-clients", "1", "--soak-max-requests", "2",
+            "--restore-conversations", "6", "--restore-lengths", "20:40", "--flood-tokens", "16")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    assert status == 0 and result["suites"]["soak"]["figures"]["requests"] == 2
+    events = behaviour.events
+    assert events.count("completion") >= 2 + 6 * 3 and events.count("metrics") == 2  # the soak's start, end
+    last_completion = len(events) - 1 - events[::-1].index("completion")
+    assert events.index("metrics") == 0 and events[last_completion + 1 :] == ["metrics"]
+
+
 def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):
     url, _ = fake_server
     marker = tmp_path / "restarted"
