@@ -199,7 +199,7 @@ def test_soak_beside_restore_measures_its_end_once_restore_traffic_is_over(fake_
     events = behaviour.events
     assert events.count("completion") >= 2 + 6 * 3 and events.count("metrics") == 2  # the soak's start, end
     last_completion = len(events) - 1 - events[::-1].index("completion")
-    assert events.index("metrics") == 0 and events[last_completion + 1 :] == ["metrics"]
+    assert events[last_completion + 1 :] == ["metrics"]  # (the start may race restore's first request)
 
 
 def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):
