@@ -6,6 +6,7 @@ perfect or rejected tool calls. Only 127.0.0.1 is contacted; every wait is bound
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import threading
@@ -50,7 +51,7 @@ class FakeBehaviour:
         # `leak_bytes` unexplained, `cache_bytes` reported in /metrics as what its caches hold by design.
         self.leak_bytes = 0
         self.cache_bytes = 0
-        self.kept: list[bytes] = []
+        self.kept: list[mmap.mmap] = []
         self.cache_held = 0
         self.events: list[str] = []  # "metrics" and "completion", in the order they were served
 
@@ -118,7 +119,12 @@ class _Handler(BaseHTTPRequestHandler):
             behaviour.events.append("completion")
             for size in (behaviour.leak_bytes, behaviour.cache_bytes):
                 if size:
-                    behaviour.kept.append(os.urandom(64) * (size // 64))  # written: resident
+                    # A mapping of its own, every page written: resident growth of exactly `size`, never
+                    # memory an earlier test freed and the allocator kept.
+                    kept = mmap.mmap(-1, size)
+                    for offset in range(0, size, mmap.PAGESIZE):
+                        kept[offset] = 1
+                    behaviour.kept.append(kept)
             behaviour.cache_held += behaviour.cache_bytes
 
     def do_GET(self) -> None:
@@ -205,3 +211,5 @@ def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
     finally:
         server.shutdown()
         server.server_close()
+        for kept in behaviour.kept:
+            kept.close()
