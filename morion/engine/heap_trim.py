@@ -5,8 +5,8 @@ every large block freed (the dynamic mmap threshold, up to 32 MiB); what is free
 stays resident. A step's transient buffers (prompt tensors, page tables, copy indices, on the CPU the
 whole forward's activations) are freed but kept so: measured in the engine process on the CPU, 40
 conversations of up to 2,000 tokens left the heap 61 MiB larger with 8 MiB of it in use. `malloc_trim(0)`
-hands back the free pages of every arena (madvise), a few milliseconds at most. Elsewhere (musl, macOS)
-there is no such call and nothing is done.
+hands back the free pages of every arena (madvise): 0.4 to 14 ms there, which is why the engine waits
+for a second of idleness first. Elsewhere (musl, macOS) there is no such call and nothing is done.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 
 from morion.libc import libc_function
+
+HEAP_TRIM_IDLE_S = 1.0  # the engine trims once it has been idle this long (process.serve)
 
 
 def release_free_heap() -> bool:

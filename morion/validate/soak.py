@@ -43,6 +43,9 @@ _ENGINE_RSS = "morion_engine_process_resident_memory_bytes"
 # What the caches hold by design (morion/cache/cache_memory.py), measured by the engine when idle.
 _CACHE_MEMORY = "morion_engine_cache_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
+# Once idle, before the memory is read: a server may give freed memory back after a moment of idleness
+# (morion's engine after 1 s: morion/engine/heap_trim.py).
+_SETTLE_S = 2.0
 
 
 def run(
@@ -69,6 +72,7 @@ def run(
     elapsed = time.perf_counter() - started
     before_end()
     idle = _idle_state(session, idle_wait_s)
+    time.sleep(_SETTLE_S)
     after = session.metrics() or {}
     problems = []
     counts = {
