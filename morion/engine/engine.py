@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import morion
+from morion.cache.cache_memory import storage_resident_bytes
 from morion.cache.copy_engine import Transfer, make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
 from morion.cache.disk_store import open_disk_store
@@ -646,6 +647,16 @@ class Engine:
         )
         if self.tiers is not None:
             self.tiers.check_integrity()
+
+    def cache_memory_bytes(self) -> int:
+        """Host memory its caches hold by design, bounded by their capacity (cache_memory.py): what a
+        soak subtracts from the growth of resident memory before calling the rest a leak."""
+        storages = self.pool.storages() + (self.state_slots.storages() if self.state_slots else [])
+        total = self.prefix_cache.index_bytes()
+        if self.tiers is not None:
+            total += self.tiers.index_bytes()
+            storages += self.tiers.arenas()
+        return total + storage_resident_bytes(storages)
 
     def evict_device_cache(self) -> int:
         """Evicts every page and snapshot of the device prefix cache; returns the number of pages freed.

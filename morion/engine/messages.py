@@ -104,6 +104,8 @@ class EngineStats(NamedTuple):
     pages_held: int
     retractions: int
     integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
+    # Host memory the caches hold by design (morion/cache/cache_memory.py), measured when last idle.
+    cache_memory_bytes: int
     cache: CacheStats  # hits, restores and traffic by tier (a copy)
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
     spec: SpecSnapshot | None  # None: speculative decoding is off

@@ -21,6 +21,7 @@ import torch
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
+from morion.engine.heap_trim import HEAP_TRIM_IDLE_S, release_free_heap
 from morion.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -52,6 +53,7 @@ class EngineLoop:
         self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
         self._prompt_logprobs_sent: set[str] = set()
         self._integrity = "ok"
+        self._cache_memory_bytes = engine.cache_memory_bytes()
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
         self._cuda_allocated = 0
         self._cuda_allocated_due = 0.0  # time.monotonic() after which the next stats read it again
@@ -157,6 +159,10 @@ class EngineLoop:
         else:
             self._integrity = "ok"
 
+    def measure_cache_memory(self) -> None:
+        """Only meaningful while idle: what the caches hold then is what a soak may subtract."""
+        self._cache_memory_bytes = self.engine.cache_memory_bytes()
+
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         return EngineStats(
@@ -167,6 +173,7 @@ class EngineLoop:
             pages_held=sum(len(r.owned_pages) for r in scheduler.running),
             retractions=scheduler.num_retractions,
             integrity=self._integrity,
+            cache_memory_bytes=self._cache_memory_bytes,
             cache=self.engine.cache_stats.snapshot(),
             cuda_allocated_bytes=self._cuda_allocated_bytes(),
             spec=_spec_snapshot(self.engine.speculative),
@@ -253,9 +260,16 @@ def engine_info(engine: Engine) -> EngineInfo:
 def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
     """Runs until Shutdown. Raises EOFError or BrokenPipeError when the front end is gone."""
     times = loop.engine.step_times
+    worked = False  # since the heap was last trimmed
     while not loop.stopped:
         if not loop.engine.has_unfinished():
-            inbox.poll(None)  # idle: sleep until a message arrives (or the front end's end closes)
+            # Idle. Once nothing has come for HEAP_TRIM_IDLE_S, the heap memory the work freed goes back to
+            # the OS (heap_trim.py: resident memory is then what is in use). Not at once: back-to-back
+            # requests would pay the trim (up to 14 ms measured on the CPU) and fault the pages in again.
+            if worked and not inbox.poll(HEAP_TRIM_IDLE_S):
+                release_free_heap()
+                worked = False
+            inbox.poll(None)  # sleep until a message arrives (or the front end's end closes)
         busy_since = time.perf_counter()
         deltas: list[RequestDelta] = []
         handled = False
@@ -270,12 +284,15 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
         if loop.engine.has_unfinished():
             deltas += loop.step()
         if deltas or handled:
+            worked = True
             outbox.send(EngineOutputs(deltas, loop.stats()))
             times.busy_seconds += time.perf_counter() - busy_since  # the next stats carry it
             if not loop.engine.has_unfinished():
                 # Gone idle: the pool's integrity check runs after the last answers went out (it must never
-                # delay them), and its result follows in a message of its own.
+                # delay them), and its result follows in a message of its own with what the caches hold
+                # (cache_memory.py).
                 loop.check_integrity()
+                loop.measure_cache_memory()
                 outbox.send(EngineOutputs([], loop.stats()))
 
 
@@ -299,8 +316,12 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
         outbox.send(info)
+        loop = EngineLoop(engine)
+        # Load and cache figures from the start (/metrics, /v1/server_info), not only after a first request:
+        # a soak's starting point needs them.
+        outbox.send(EngineOutputs([], loop.stats()))
         try:
-            serve(EngineLoop(engine), inbox, outbox)
+            serve(loop, inbox, outbox)
         finally:
             # Whatever ended serving: finish the disk tier's writes, so the next start finds this run's
             # conversations.

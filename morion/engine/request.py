@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -54,6 +55,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
     page_keys: list[bytes] = field(default_factory=list)  # content keys of its first full pages (tiers)
+    # Its first tokens packed as uint32, what the radix cache matches on (`packed_token_ids`).
+    packed_tokens: array = field(default_factory=lambda: array("I"), repr=False)
     prefetch_rounds: int = 0  # disk prefetches it started since it was last admitted
     tier_wait_started: float | None = None  # when the first of them began (restore latency counts it)
     text: str = ""
@@ -67,6 +70,17 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def packed_token_ids(self, num_tokens: int) -> array:
+        """The first `num_tokens` token ids as `array("I")`. Tokens are only ever appended, so the packed
+        copy grows by the new ones: a long prompt is packed once, not at every prefill chunk."""
+        packed = self.packed_tokens
+        prompt = self.prompt_token_ids
+        if len(packed) < min(num_tokens, len(prompt)):
+            packed.extend(prompt[len(packed) : num_tokens])
+        if len(packed) < num_tokens:
+            packed.extend(self.output_token_ids[len(packed) - len(prompt) : num_tokens - len(prompt)])
+        return packed[:num_tokens]
 
     @property
     def num_tokens(self) -> int:

@@ -109,6 +109,12 @@ class _EngineCollector(Collector):
             "morion_kv_pages_cached": ("Pages held by the prefix cache", stats.pages_cached),
             "morion_kv_pages_held": ("Pages owned by running requests", stats.pages_held),
             "morion_kv_cache_usage_ratio": ("Share of pages not free", 1 - stats.pages_free / info.num_pages),
+            "morion_engine_cache_memory_bytes": (
+                "Host memory the caches hold by design, bounded by their capacity: index entries of the "
+                "device, host and disk tiers, resident bytes of preallocated pools and arenas; as of the "
+                "engine's last idle moment",
+                stats.cache_memory_bytes,
+            ),
             "morion_engine_cuda_memory_allocated_bytes": (
                 "CUDA memory torch has allocated in the engine process",
                 stats.cuda_allocated_bytes,

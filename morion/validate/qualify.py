@@ -79,7 +79,18 @@ def _soak(suite: dict[str, Any] | None) -> dict[str, Any] | None:
     if suite is None:
         return None
     figures = suite["figures"]
-    keys = ("requests", "errors", "empty", "truncated", "elapsed_s", "memory_growth_mib", "idle", "drift")
+    keys = (
+        "requests",
+        "errors",
+        "empty",
+        "truncated",
+        "elapsed_s",
+        "memory_growth_mib",
+        "resident_growth_mib",
+        "cache_memory_growth_mib",
+        "idle",
+        "drift",
+    )
     return {"verdict": suite["verdict"], **{key: figures.get(key) for key in keys}}
 
 
@@ -162,7 +173,8 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"{soak['verdict']}: {soak['requests']} requests in {soak['elapsed_s']:.0f} s, "
             f"{soak['errors']} errors, {soak['empty']} empty, {soak['truncated']} truncated; "
-            f"resident memory growth {_num(soak['memory_growth_mib'])} MiB; idle {soak['idle']}; "
+            f"resident memory growth beyond the caches {_num(soak['memory_growth_mib'])} MiB "
+            f"({_num(soak.get('resident_growth_mib'))} MiB in all); idle {soak['idle']}; "
             f"drift {soak['drift']}.",
         ]
     if perf:

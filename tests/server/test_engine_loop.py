@@ -47,6 +47,9 @@ class StubEngine:
     def check_integrity(self):
         pass
 
+    def cache_memory_bytes(self):
+        return 0
+
     def step(self):
         if self.fail_next_step:
             self.fail_next_step = False
@@ -153,6 +156,32 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
     # The loop's busy time, counted once the answer went out, reaches the front end with the idle stats.
     assert sent[0][1].stats.step_times.busy_seconds == 0 < sent[2][1].stats.step_times.busy_seconds
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["idle-a-second", "next-request-sooner"])
+def test_the_heap_is_trimmed_after_a_second_of_idleness_only(monkeypatch, quiet):
+    """Back-to-back requests never pay the trim (nor fault its pages in again); an engine left idle for
+    HEAP_TRIM_IDLE_S gives the memory its work freed back, once."""
+    from morion.engine import process
+
+    trims = []
+    monkeypatch.setattr(process, "release_free_heap", lambda: trims.append("trim"))
+    engine = StubEngine()
+    ready = [AddRequest("r", [1, 2], SamplingParams(max_tokens=1))]  # in the pipe now
+    later = [AddRequest("s", [1], SamplingParams(max_tokens=1)), Shutdown()]  # arriving one by one
+    asked = []
+
+    def poll(timeout=0.0):
+        asked.append(timeout)
+        arrives = timeout is None or (timeout == process.HEAP_TRIM_IDLE_S and not quiet)
+        if arrives and not ready:
+            ready.append(later.pop(0))
+        return bool(ready)
+
+    inbox = SimpleNamespace(poll=poll, recv=lambda: ready.pop(0))
+    process.serve(EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: None))
+    assert process.HEAP_TRIM_IDLE_S in asked
+    assert trims == (["trim", "trim"] if quiet else [])
 
 
 def test_a_step_without_new_tokens_carries_no_logprobs():

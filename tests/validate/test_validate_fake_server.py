@@ -174,6 +174,54 @@ def test_soak_with_token_id_prompts(fake_server, tmp_path, capsys):
     assert any(lengths[:2] == [32, 64] for lengths in by_client.values())  # a block a turn
 
 
+@pytest.mark.parametrize(
+    ("leak_mib", "cache_mib", "verdict"),
+    [(4, 0, "fail"), (0, 4, "pass"), (4, 4, "fail")],
+    ids=["a-leak", "caches-filling", "a-leak-beside-filling-caches"],
+)
+def test_soak_memory_bound_catches_a_leak_but_not_filling_caches(
+    fake_server, tmp_path, capsys, leak_mib, cache_mib, verdict
+):
+    """The server's real resident memory grows by 4 MiB a request (48 MiB over the soak, bound 24). Memory
+    it reports as its caches' (`morion_engine_cache_memory_bytes`, bounded by design) is not a leak; the
+    same growth unreported is, also when reported cache growth runs beside it."""
+    url, behaviour = fake_server
+    behaviour.leak_bytes, behaviour.cache_bytes = leak_mib * 2**20, cache_mib * 2**20
+    argv = ("soak", "--url", url, "--soak-prompts", "token-ids", "--soak-turn-tokens", "8",
+            "--soak-clients", "2", "--soak-max-requests", "12", "--soak-max-growth-mib", "24")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    soak = result["suites"]["soak"]
+    figures = soak["figures"]
+    assert soak["verdict"] == verdict and status == (1 if verdict == "fail" else 0), figures
+    assert figures["resident_growth_mib"] >= 12 * (leak_mib + cache_mib) * 0.9
+    if cache_mib:
+        assert figures["cache_memory_growth_mib"] == 12 * cache_mib
+        assert figures["memory_metric"].endswith("- morion_engine_cache_memory_bytes")
+        assert figures["memory_growth_mib"] == figures["resident_growth_mib"] - 12 * cache_mib
+    else:
+        assert figures["cache_memory_growth_mib"] is None and figures["memory_metric"] == (
+            "process_resident_memory_bytes"
+        )
+    if verdict == "fail":
+        assert "resident memory grew" in soak["reason"]
+
+
+def test_soak_beside_restore_measures_its_end_once_restore_traffic_is_over(fake_server, tmp_path, capsys):
+    """Memory is compared between two idle points: the soak's clients stop after 2 requests, restore goes
+    on (6 conversations, 3 steps each), and the soak reads /metrics for its end only after all of it."""
+    url, behaviour = fake_server
+    behaviour.cache_bytes = 64  # /metrics exported
+    argv = ("restore", "soak", "--url", url, "--soak-during-restore", "--soak-prompts", "token-ids",
+            "--soak-turn-tokens", "8", "--soak-clients", "1", "--soak-max-requests", "2",
+            "--restore-conversations", "6", "--restore-lengths", "20:40", "--flood-tokens", "16")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    assert status == 0 and result["suites"]["soak"]["figures"]["requests"] == 2
+    events = behaviour.events
+    assert events.count("completion") >= 2 + 6 * 3 and events.count("metrics") == 2  # the soak's start, end
+    last_completion = len(events) - 1 - events[::-1].index("completion")
+    assert events[last_completion + 1 :] == ["metrics"]  # (the start may race restore's first request)
+
+
 def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):
     url, _ = fake_server
     marker = tmp_path / "restarted"
