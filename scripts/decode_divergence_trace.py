@@ -28,7 +28,9 @@ from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.engine_flags import add_engine_flags, engine_options
 
-Trace = list[dict[str, torch.Tensor]]  # per decode step: "module#call" -> its output, [tokens, ...] on the CPU
+Trace = list[
+    dict[str, torch.Tensor]
+]  # per decode step: "module#call" -> its output, [tokens, ...] on the CPU
 
 
 class OutputRecorder:
@@ -83,7 +85,7 @@ def _row(tensor: torch.Tensor, tokens: int, index: int) -> torch.Tensor | None:
 def compare(alone: Trace, together: Trace, embed_key: str) -> list[dict[str, object]]:
     """Per decode step: the traced row's modules whose output differs alone against together."""
     steps = []
-    for number, (mine, theirs) in enumerate(zip(alone, together)):
+    for number, (mine, theirs) in enumerate(zip(alone, together, strict=False)):  # together may run longer
         batch = theirs[embed_key].shape[0]
         matches = [i for i in range(batch) if torch.equal(theirs[embed_key][i], mine[embed_key][0])]
         if len(matches) != 1:
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         args.model = "preset:qwen3-next-80b-a3b-12l"
     options = engine_options(args)
-    options.update(cuda_graph=False, max_running_requests=max(args.batch, options.get("max_running_requests", 1)))
+    options.update(
+        cuda_graph=False, max_running_requests=max(args.batch, options.get("max_running_requests", 1))
+    )
     options.setdefault("kv_cache_tokens", 262144)
     engine = Engine(EngineConfig(model=args.model, **options))
     vocab = engine.model.config.vocab_size
@@ -130,16 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     alone, (alone_logprobs,) = _run_traced(engine, recorder, [prompts[args.trace_prompt]], params)
     together, together_logprobs = _run_traced(engine, recorder, prompts, params)
     traced = together_logprobs[args.trace_prompt]
-    parting = next((t for t, (x, y) in enumerate(zip(alone_logprobs, traced)) if x != y), None)
+    parting = next((t for t, (x, y) in enumerate(zip(alone_logprobs, traced, strict=True)) if x != y), None)
     embed_key = next(key for key in alone[0] if "embed" in key)
     steps = compare(alone, together, embed_key)
-    print(f"decode_divergence_trace: logprobs part at token {parting} ({time.perf_counter() - started:.0f} s)")
+    print(
+        f"decode_divergence_trace: logprobs part at token {parting} ({time.perf_counter() - started:.0f} s)"
+    )
     for step in steps[:6]:
-        print(f"decode_divergence_trace: step {step['step']}: {step['differing']} outputs differ, first {step['first'][:3]}")
+        first = step["first"][:3]
+        print(f"decode_divergence_trace: step {step['step']}: {step['differing']} differ, first {first}")
     if args.out:
         path = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-decode-divergence-trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": vars(args), "parting_token": parting, "steps": steps}, indent=1) + "\n")
+        path.write_text(
+            json.dumps({"settings": vars(args), "parting_token": parting, "steps": steps}, indent=1) + "\n"
+        )
         print(f"decode_divergence_trace: wrote {path}", file=sys.stderr)
     return 0
 

@@ -33,7 +33,9 @@ def _narrow_linear_kernel(
         k = start + depth
         x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0)
         w = tl.load(
-            w_ptr + cols[:, None] * stride_w + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0
+            w_ptr + cols[:, None] * stride_w + k[None, :],
+            mask=(cols[:, None] < N) & (k[None, :] < K),
+            other=0.0,
         )
         acc += tl.cast(x, tl.float32)[None, :] * tl.cast(w, tl.float32)
     out = tl.sum(acc, axis=1)

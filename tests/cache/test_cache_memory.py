@@ -91,7 +91,7 @@ def test_storage_counts_the_pages_written_so_far() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_idle_trim_returns_freed_heap_memory() -> None:
-    """Blocks of 200 KB freed below a live one stay in glibc's heap (the mmap threshold rose past them);
+    """Blocks of 200 KB freed below a live one stay in glibc's heap (the mmap threshold set above them);
     release_free_heap hands them back. In a fresh process, so the heap is only this one's."""
     script = textwrap.dedent(
         """
@@ -106,11 +106,10 @@ def test_idle_trim_returns_freed_heap_memory() -> None:
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
         libc.free.argtypes = [ctypes.c_void_p]
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 200 KB blocks come from the heap, whatever ran before
-        blocks = [libc.malloc(200_000) for _ in range(400)]
+        blocks = [libc.malloc(200_000) for _ in range(401)]
         for block in blocks:
             ctypes.memset(block, 1, 200_000)
-        keep = libc.malloc(1000)  # a live block above them: the heap's top cannot shrink
-        for block in blocks:
+        for block in blocks[:-1]:  # the last stays live above them: the heap's top cannot shrink past it
             libc.free(block)
         before = resident()
         assert release_free_heap()
