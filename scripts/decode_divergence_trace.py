@@ -13,20 +13,15 @@ many do. The op that computes a row differently beside other rows is the first o
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from morion.config import EngineConfig
+from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
-from morion.engine_flags import add_engine_flags, engine_options
 
 Trace = list[
     dict[str, torch.Tensor]
@@ -104,26 +99,15 @@ def compare(alone: Trace, together: Trace, embed_key: str) -> list[dict[str, obj
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)
+    parser = probe_parser(__doc__.splitlines()[0], "decode-divergence-trace")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--trace-prompt", type=int, default=1, help="its index in the batch")
     parser.add_argument("--probe-seed", type=int, default=0, help="draws the prompts, as decode_invariance")
-    parser.add_argument("--out", help="a directory for <date>-decode-divergence-trace.json")
     args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = "preset:qwen3-next-80b-a3b-12l"
-    options = engine_options(args)
-    options.update(
-        cuda_graph=False, max_running_requests=max(args.batch, options.get("max_running_requests", 1))
-    )
-    options.setdefault("kv_cache_tokens", 262144)
-    engine = Engine(EngineConfig(model=args.model, **options))
-    vocab = engine.model.config.vocab_size
-    rng = random.Random(args.probe_seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.batch)]
+    engine = Engine(probe_config(args, batch=args.batch, cuda_graph=False))  # hooks do not fire in replays
+    prompts = probe_prompts(engine.model.config.vocab_size, args.batch, args.prompt_tokens, args.probe_seed)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     for prompt in prompts:  # cold, one at a time: the hits below then take the same path
         engine.add_request(prompt, params)
@@ -143,13 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps[:6]:
         first = step["first"][:3]
         print(f"decode_divergence_trace: step {step['step']}: {step['differing']} differ, first {first}")
-    if args.out:
-        path = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-decode-divergence-trace.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            json.dumps({"settings": vars(args), "parting_token": parting, "steps": steps}, indent=1) + "\n"
-        )
-        print(f"decode_divergence_trace: wrote {path}", file=sys.stderr)
+    write_probe_result(
+        args.out,
+        "decode-divergence-trace",
+        {"settings": vars(args), "parting_token": parting, "steps": steps},
+    )
     return 0
 
 

@@ -19,17 +19,12 @@ token where each does. Engine flags (`--no-cuda-graph`, `--moe-kernel grouped`, 
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
 import sys
 import time
-from pathlib import Path
 
-from morion.config import EngineConfig
+from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
-from morion.engine_flags import add_engine_flags, engine_options
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
@@ -54,25 +49,15 @@ def _parting(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, ob
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)  # every engine flag, as `morion bench` takes them (bisect with them)
+    parser = probe_parser(__doc__.splitlines()[0], "decode-invariance")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="off a page boundary by default")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--probe-seed", type=int, default=0, help="draws the prompts")
-    parser.add_argument("--out", help="a directory for <date>-decode-invariance.json")
     args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = "preset:qwen3-next-80b-a3b-12l"
-    options = engine_options(args)
-    options.setdefault("kv_cache_tokens", 262144)
-    options["max_running_requests"] = max(args.batch, options.get("max_running_requests", 1))
-    config = EngineConfig(model=args.model, **options)
-    engine = Engine(config)
-    vocab = engine.model.config.vocab_size
-    rng = random.Random(args.probe_seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+    engine = Engine(probe_config(args, batch=args.batch))
+    prompts = probe_prompts(engine.model.config.vocab_size, args.prompts, args.prompt_tokens, args.probe_seed)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     answers: dict[str, list[list[float]]] = {}
     for phase in ("cold", "alone", "together"):
@@ -93,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("alone_vs_together", "cold_vs_alone"):
         figures = result[name]
         print(f"decode_invariance: {name}: {figures['prompts_differing']} of {args.prompts} prompts part")
-    if args.out:
-        path = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-decode-invariance.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"decode_invariance: wrote {path}", file=sys.stderr)
+    write_probe_result(args.out, "decode-invariance", result)
     return 0
 
 

@@ -16,17 +16,13 @@ several identical tokens; one row per batch size, as the first probe compared
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from morion.config import EngineConfig
-from morion.engine_flags import add_engine_flags, engine_options
+from morion.bench.invariance_probe import probe_config, probe_parser, write_probe_result
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
 from morion.loader import load_model
@@ -73,15 +69,11 @@ def probe(op: Callable[[torch.Tensor], torch.Tensor], features: int, trials: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)  # the model's and the weights' flags (--weight-dtype fp8), as the engine's
+    parser = probe_parser(__doc__.splitlines()[0], "row-invariance")
     parser.add_argument("--trials", type=int, default=500)
     parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--out", help="a directory for <date>-row-invariance.json")
     args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = "preset:qwen3-next-80b-a3b-12l"
-    config = EngineConfig(model=args.model, **engine_options(args))
+    config = probe_config(args)
     loaded = load_model(config.model, config.torch_dtype, config.torch_device, config.load_format,
                         config.seed, weight_dtype=config.weight_dtype)  # fmt: skip
     results = {}
@@ -95,13 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({time.perf_counter() - started:.1f} s)",
             file=sys.stderr,
         )
-    if args.out:
-        path = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-row-invariance.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            json.dumps({"settings": vars(args), "buckets": BUCKETS, "ops": results}, indent=1) + "\n"
-        )
-        print(f"row_invariance: wrote {path}", file=sys.stderr)
+    write_probe_result(
+        args.out, "row-invariance", {"settings": vars(args), "buckets": BUCKETS, "ops": results}
+    )
     return 0
 
 
