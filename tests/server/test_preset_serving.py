@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from morion.bench.endpoint import parse_prometheus
 from morion.models.presets import preset_config
-from morion.validate.session import parse_prometheus
 from tests.server.conftest import RunningServer, free_port, start_server, stop
 
 MODEL = "preset:qwen3-next-tiny"
