@@ -1,4 +1,5 @@
-"""GGUF files: config from `{arch}.*` metadata, tensors dequantized by the `gguf` package, HF names."""
+"""GGUF files: config from `{arch}.*` metadata, tensors dequantized (Q8_0, Q4_0, Q4_1 in torch,
+`gguf_dequant_torch.py`; the rest by the `gguf` package), HF names."""
 
 from __future__ import annotations
 
@@ -53,10 +54,13 @@ class GGUFModel(NamedTuple):
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantizes one tensor at a time, so peak memory stays near the largest tensor."""
+        from morion.loader.gguf_dequant_torch import dequantize_torch  # torch: only where weights are read
+
         config = self.hf_config
         for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
-            array = _dequantize(tensor)
+            dequantized = dequantize_torch(tensor)  # the commonest block types, on every core
+            array = _dequantize(tensor) if dequantized is None else dequantized.numpy()
             # llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it so the
             # rotate-half RoPE of the HF layout applies.
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
