@@ -52,7 +52,10 @@ case "$model" in
     soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
         --perf-prefill-lengths 1024)
-    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
+    # --logprobs 0: the server, serving a preset without a tokenizer, is timed through `logprobs: 0`;
+    # the offline engine does the same work (a log-softmax per step), so the ratio compares like with like.
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
+        --logprobs 0)
     ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
@@ -62,7 +65,8 @@ flash-next)
     soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
         --perf-prefill-lengths 1024)
-    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024)
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
+        --logprobs 0)  # as for 80b
     ;;
 cpu-smoke)
     label=cpu-qualify-smoke

@@ -54,8 +54,10 @@ class RemoteTarget:
         api_key: str | None,
         timeout_s: float,
         vocab_size: int | None,
+        logprobs: int | None = None,
     ) -> None:
         self.url = url
+        self.logprobs = logprobs  # every request's `logprobs` (bench --logprobs); timing may need 0 anyway
         self.name = f"server at {url}"
         self.vocab_size = vocab_size
         self.endpoint = Endpoint(url, api_key, timeout_s)
@@ -133,7 +135,9 @@ class RemoteTarget:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.token_timing == "logprobs":
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
+        elif self.token_timing == "logprobs":
             body["logprobs"] = 0
         return body
 

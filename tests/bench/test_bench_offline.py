@@ -164,6 +164,7 @@ def test_plot_regenerates_markdown_and_png(qwen3_next_result, tmp_path, capsys):
         (["--concurrency", "two"], "--concurrency must be comma-separated integers"),
         (["--baseline", "vllm"], "--baseline must be one of hf"),
         (["--url", "localhost:8000"], "--url must start with http:// or https://"),
+        (["--logprobs", "-1"], "--logprobs must be >= 0, got '-1'"),
         (["--concurrency", "4", "--max-running-requests", "2"], "--concurrency 4 exceeds --max-running"),
     ],
 )
@@ -208,3 +209,22 @@ def test_hf_baseline_in_the_same_table(tiny_llama, tmp_path, capsys):
     text = path.with_suffix(".md").read_text()
     assert len([line for line in text.splitlines() if line.startswith("| transformers | 1 | 32 |")]) == 1
     assert "LlamaForCausalLM, random weights" in text
+
+
+def test_logprobs_reach_every_offline_request(tiny_qwen3_next_config_dir):
+    """`--logprobs N`: the offline engine does what a server timed through `logprobs: 0` does."""
+    from morion.bench.offline import EngineTarget
+    from morion.config import EngineConfig
+
+    config = EngineConfig(
+        model=str(tiny_qwen3_next_config_dir), load_format="dummy", device="cpu", kv_cache_tokens=2048
+    )
+    target = EngineTarget(config, logprobs=0)
+    seen = []
+    add_request = target.engine.add_request
+    target.engine.add_request = lambda prompt, params: seen.append(params) or add_request(prompt, params)
+    try:
+        target.run_group([[5] * 20, [6] * 30], 4)
+    finally:
+        target.close()
+    assert [params.logprobs for params in seen] == [0, 0]
