@@ -138,7 +138,7 @@ class CacheEvicted(NamedTuple):
 
 class EngineOutputs(NamedTuple):
     deltas: list[RequestDelta]
-    stats: EngineStats
+    stats: EngineStats | None  # None: unchanged enough to skip (sent at most every STATS_PERIOD_S while busy)
 
 
 OutboxMessage = EngineInfo | EngineFailed | EngineOutputs

@@ -158,6 +158,26 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     assert sent[0][1].stats.step_times.busy_seconds == 0 < sent[2][1].stats.step_times.busy_seconds
 
 
+def test_busy_outputs_carry_stats_at_most_every_period_and_always_when_idle(monkeypatch):
+    """Stats cost time on every step's way out; the front end's gauges need them a few times a second."""
+    from morion.engine import process
+
+    clock = iter(range(1000))  # each reading 10 ms later than the last: a period is every 5th step
+    monkeypatch.setattr(process.time, "monotonic", lambda: next(clock) / 100)
+    loop = EngineLoop(StubEngine())
+    inbox = SimpleNamespace(messages=[AddRequest("r", [1], SamplingParams(max_tokens=12)), Shutdown()])
+    inbox.poll = lambda timeout=0: (
+        bool(inbox.messages) and (len(inbox.messages) > 1 or not loop.engine.requests)
+    )
+    inbox.recv = lambda: inbox.messages.pop(0)
+    sent = []
+    process.serve(loop, inbox, SimpleNamespace(send=sent.append))
+    carrying = [message.stats is not None for message in sent]
+    with_deltas = [has for has, message in zip(carrying, sent, strict=True) if message.deltas]
+    assert len(with_deltas) == 12 and with_deltas[0] and with_deltas[-1]  # the first, and the one going idle
+    assert 2 <= sum(with_deltas[1:-1]) <= 3 and carrying[-1]  # every 5th in between; the idle message
+
+
 @pytest.mark.parametrize("quiet", [True, False], ids=["idle-a-second", "next-request-sooner"])
 def test_the_heap_is_trimmed_after_a_second_of_idleness_only(monkeypatch, quiet):
     """Back-to-back requests never pay the trim (nor fault its pages in again); an engine left idle for
