@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import ModelLoadError
 from morion.loader import load_model
-from morion.loader.nvfp4 import dequantize_nvfp4, dequantized_nvfp4_weights, is_nvfp4_checkpoint
+from morion.loader.nvfp4 import is_nvfp4_checkpoint, nvfp4_weights
+from morion.ops.nvfp4 import dequantize_nvfp4
 from tests.conftest import TINY_QWEN3_NEXT
 from tests.loader.nvfp4_quantize import quantize_nvfp4
 
@@ -127,22 +128,18 @@ def test_stream_groups_parts_in_any_order():
         ("x.b.weight_scale", parts["x.b.weight_scale"]),
         ("x.b.input_scale", parts["x.b.input_scale"]),  # after its group was emitted: dropped
     ]
-    out = list(dequantized_nvfp4_weights(stream, torch.bfloat16, CPU))
+    out = list(nvfp4_weights(stream, CPU, torch.bfloat16))
     assert [name for name, _ in out] == ["norm.weight", "ple.weight_scale", "x.a.weight", "x.b.weight"]
     assert out[1][1] is ple_scale
     assert torch.equal(out[2][1], quantize_nvfp4(a).dequantized.bfloat16())
     assert torch.equal(out[3][1], quantize_nvfp4(b).dequantized.bfloat16())
 
     with pytest.raises(ModelLoadError, match=r"x\.b\.weight_scale'.*twice"):
-        list(
-            dequantized_nvfp4_weights(
-                [*stream, ("x.b.weight_scale", parts["x.b.weight_scale"])], torch.float32, CPU
-            )
-        )
+        list(nvfp4_weights([*stream, ("x.b.weight_scale", parts["x.b.weight_scale"])], CPU, torch.float32))
     wrong = torch.ones(4, 2).to(torch.float8_e4m3fn)  # b is [4, 64]: 4 blocks per row, not 2
     swapped = [(n, wrong if n == "x.b.weight_scale" else t) for n, t in stream]
     with pytest.raises(ModelLoadError, match=r"x\.b\.weight'.*block scales of shape \(4, 2\)"):
-        list(dequantized_nvfp4_weights(swapped, torch.float32, CPU))
+        list(nvfp4_weights(swapped, CPU, torch.float32))
 
 
 MODELOPT_IGNORE = [
