@@ -18,7 +18,7 @@ from torch import nn
 
 from morion.layers.host_table import HostRowTable, host_tables
 from morion.layers.norm import RMSNorm
-from morion.models.checkpoint import Nvfp4Scales, fp8_scales, nvfp4_scales, quantize_nvfp4_parts
+from morion.models.checkpoint import Nvfp4Scales, fp8_scales, nvfp4_scales, quantize_nvfp4_into
 from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
 from morion.progress import Progress
 
@@ -102,7 +102,7 @@ def _fill_nvfp4(
     for expert in range(codes.shape[0]):
         draw = torch.empty(codes.shape[1], codes.shape[2] * 2, dtype=dtype, device=codes.device)
         _fill(name, draw, False, generator)
-        quantize_nvfp4_parts(draw, codes[expert], Nvfp4Scales(scales.block[expert], scales.parts[expert]))
+        quantize_nvfp4_into(draw, codes[expert], Nvfp4Scales(scales.block[expert], scales.parts[expert]))
         del draw
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from morion.errors import ModelLoadError
 from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
-from morion.ops.nvfp4 import Nvfp4Weight, quantize_nvfp4_
+from morion.ops.nvfp4 import Nvfp4Weight, quantize_nvfp4_parts
 
 
 class Nvfp4Scales(NamedTuple):
@@ -93,20 +93,17 @@ def _copy_nvfp4(
             scales.block.copy_(tensor.block_scales)
             scales.parts.copy_(tensor.global_scale.reshape(scales.parts.shape))
             return
-        quantize_nvfp4_parts(tensor, codes, scales)
+        quantize_nvfp4_into(tensor, codes, scales)
 
 
-def quantize_nvfp4_parts(source: torch.Tensor, codes: torch.Tensor, scales: Nvfp4Scales) -> None:
-    """A float weight [..., N, K] into codes [..., N, K/2] and their scales, its N rows in as many parts
-    as `scales.parts` has entries per matrix, each quantized with its own global scale."""
-    parts = scales.parts.shape[-1]
-    lead, rows = codes.shape[:-2], codes.shape[-2] // parts
-    quantize_nvfp4_(
-        source.reshape(*lead, parts, rows, source.shape[-1]),
-        codes.view(*lead, parts, rows, codes.shape[-1]),
-        scales.block.view(*lead, parts, rows, scales.block.shape[-1]),
-        scales.parts,
-    )
+def quantize_nvfp4_into(source: torch.Tensor, codes: torch.Tensor, scales: Nvfp4Scales) -> None:
+    """A float weight [..., N, K] quantized on the codes' device into codes [..., N, K/2] and their
+    scales, its N rows in as many parts as `scales.parts` has entries per matrix."""
+    quantized = quantize_nvfp4_parts(source.to(codes.device), scales.parts.shape[-1])
+    with torch.no_grad():
+        codes.copy_(quantized.codes)
+        scales.block.copy_(quantized.block_scales)
+        scales.parts.copy_(quantized.global_scale)
 
 
 def _owns_whole_storage(tensor: torch.Tensor) -> bool:

@@ -241,7 +241,7 @@ def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     used = expert < num_experts
     expert = expert.clamp_(max=num_experts - 1)
     first = ends[expert] - counts[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
-    end = torch.where(used, ends[expert], first)
+    end = torch.where(used, torch.minimum(first + block_m, ends[expert]), first)
     return torch.stack((expert, first, end), dim=1).to(torch.int32), order.to(torch.int32)
 
 
@@ -261,10 +261,11 @@ def _run(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    grouped: bool,
+    grouped_block_m: int | None,
     gate_up_tiles: Tiles,
     down_tiles: Tiles,
 ) -> torch.Tensor:
+    """The kernels on one batch: grouped with tiles of `grouped_block_m` rows, else the decode ones."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     gate_up_scale, down_scale, gate_up_scale_2, down_scale_2 = scales
@@ -274,9 +275,10 @@ def _run(
     out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
+    grouped = grouped_block_m is not None
     if grouped:
-        tiles, order = expert_tiles(topk_ids, num_experts, GROUPED_BLOCK_M)
-        programs, block_m, block_p = tiles.shape[0], GROUPED_BLOCK_M, 1
+        tiles, order = expert_tiles(topk_ids, num_experts, grouped_block_m)
+        programs, block_m, block_p = tiles.shape[0], grouped_block_m, 1
     else:
         tiles = order = ids  # unread
         programs, block_m, block_p = num_pairs, _DECODE_BLOCK_M, triton.next_power_of_2(num_pairs)
@@ -308,7 +310,7 @@ def _run(
 
 
 def _checked(
-    hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, scales: tuple
+    hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *scales: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
     if gate_up_proj.dtype != torch.uint8 or any(scale is None for scale in scales):
         raise ValueError("NVFP4 experts need uint8 codes and all four scales")
@@ -335,7 +337,7 @@ def moe_experts_nvfp4_triton(
     experts; hidden [T, H] in bf16, fp16 or fp32. Tiles: the device's tuned file for this shape, else
     the defaults; `*_tiles` override both."""
     scales = _checked(
-        hidden, gate_up_proj, down_proj, (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
+        hidden, gate_up_proj, down_proj, gate_up_scale, down_scale, gate_up_scale_2, down_scale_2
     )
     tokens, top_k = topk_ids.shape
     if tokens * top_k > MAX_PAIRS:
@@ -349,7 +351,7 @@ def moe_experts_nvfp4_triton(
     gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else DECODE_GATE_UP_TILES)
     down_tiles = down_tiles or (tuned[1] if tuned else DECODE_DOWN_TILES)
     return _run(
-        hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, False, gate_up_tiles, down_tiles
+        hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, None, gate_up_tiles, down_tiles
     )
 
 
@@ -365,12 +367,13 @@ def moe_experts_nvfp4_grouped(
     gate_up_scale_2: torch.Tensor,
     down_scale_2: torch.Tensor,
     tiles: Tiles = GROUPED_TILES,
+    block_m: int = GROUPED_BLOCK_M,
 ) -> torch.Tensor:
-    """The grouped kernels (any number of tokens: prefill): the same contract, GROUPED_BLOCK_M rows of one
-    expert per tile."""
+    """The grouped kernels (any number of tokens: prefill): the same contract, `block_m` rows (at least
+    16, a power of two) of one expert per tile."""
     scales = _checked(
-        hidden, gate_up_proj, down_proj, (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
+        hidden, gate_up_proj, down_proj, gate_up_scale, down_scale, gate_up_scale_2, down_scale_2
     )
     if topk_ids.shape[0] == 0:
         return torch.zeros_like(hidden)
-    return _run(hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, True, tiles, tiles)
+    return _run(hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, block_m, tiles, tiles)

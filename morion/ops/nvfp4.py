@@ -100,16 +100,17 @@ def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Weight:
     return Nvfp4Weight(codes[..., 0::2] | codes[..., 1::2] << 4, block_scales, global_scale)
 
 
-def quantize_nvfp4_(
-    source: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor, global_scales: torch.Tensor
-) -> None:
-    """Quantizes `source` [..., N, K] into the given tensors (codes [..., N, K/2], block scales
-    [..., N, K/16], one global scale per matrix: [...]), on their device."""
-    quantized = quantize_nvfp4(source.to(codes.device))
-    with torch.no_grad():
-        codes.copy_(quantized.codes)
-        block_scales.copy_(quantized.block_scales)
-        global_scales.copy_(quantized.global_scale.reshape(global_scales.shape))
+def quantize_nvfp4_parts(weight: torch.Tensor, parts: int) -> Nvfp4Weight:
+    """Stacked matrices W [..., N, K] whose N rows are `parts` equal parts quantized apart (an expert's
+    gate and up rows, as ModelOpt exports them) -> codes [..., N, K/2], block scales [..., N, K/16] and
+    global scales [..., parts]."""
+    *lead, rows, columns = weight.shape
+    quantized = quantize_nvfp4(weight.reshape(*lead, parts, rows // parts, columns))
+    return Nvfp4Weight(
+        quantized.codes.view(*lead, rows, columns // 2),
+        quantized.block_scales.view(*lead, rows, columns // GROUP_SIZE),
+        quantized.global_scale,
+    )
 
 
 def dequantize_parts(
