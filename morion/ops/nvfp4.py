@@ -66,17 +66,22 @@ def dequantize_nvfp4(
     return values.to(dtype)
 
 
+def _rounding_boundaries() -> torch.Tensor:
+    """Midpoints between neighbouring E2M1 magnitudes; a tie belongs to the even code, so a midpoint
+    above an odd code is moved down by one fp32 step (bucketize puts a value equal to a boundary below)."""
+    magnitudes = E2M1_VALUES[:8]
+    midpoints = (magnitudes[:-1] + magnitudes[1:]) / 2
+    odd_below = torch.arange(7) % 2 == 1
+    return torch.where(odd_below, torch.nextafter(midpoints, torch.zeros(())), midpoints)
+
+
+_BOUNDARIES = _rounding_boundaries()
+
+
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """x (already divided by its scale) -> 4-bit E2M1 codes as uint8: round to nearest, ties to the even
-    code (torch.round rounds half to even, and on each stretch of the grid an even index is an even code),
-    beyond +-6 saturated; a value that rounds to zero gets code 0 whatever its sign."""
-    magnitude = x.abs().float()
-    index = torch.where(
-        magnitude < 2,
-        torch.round(magnitude * 2),  # 0, 0.5, 1, 1.5 (and 2): codes 0-4
-        torch.where(magnitude < 4, 2 + torch.round(magnitude), 4 + torch.round(magnitude / 2)),
-    ).clamp_(max=7)
-    code = index.to(torch.uint8)
+    code, beyond +-6 saturated; a value that rounds to zero gets code 0 whatever its sign."""
+    code = torch.bucketize(x.abs().float(), _BOUNDARIES.to(x.device), out_int32=True).to(torch.uint8)
     return code | ((x < 0) & (code > 0)).to(torch.uint8) << 3
 
 
