@@ -15,6 +15,7 @@ dequantizes a copy. Which kernel runs them on CUDA is the engine's `--moe-kernel
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -116,9 +117,9 @@ class StackedExperts(nn.Module):
         if path == "dense":
             return moe_experts_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         if self.nvfp4 and path != "reference":
-            from morion.ops import moe_nvfp4_triton as nvfp4
+            from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 
-            experts = nvfp4.moe_experts_nvfp4_grouped if path == "grouped" else nvfp4.moe_experts_nvfp4_triton
+            experts = functools.partial(moe_experts_nvfp4, grouped=path == "grouped")
         elif path == "triton":
             from morion.ops import moe_decode_triton as fused
 

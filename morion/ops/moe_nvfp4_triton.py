@@ -15,14 +15,14 @@ each dequantized weight (code x block x global) to the activations' dtype.
 
 Two ways to find a program's rows, the kernels otherwise shared:
 
-- `moe_experts_nvfp4_triton` (decode, speculative verify: up to MAX_PAIRS (token, expert) pairs): the
+- `moe_experts_nvfp4` (decode, speculative verify: up to MAX_PAIRS (token, expert) pairs): the
   fused decode kernels' structure (ops/moe_decode_triton.py) and helpers: a program per (pair, column
   block); the first pair routed to an expert (its leader) computes all of that expert's pairs, so each
   weight tile is read once per call; no sort, fixed tiles, batch invariant, capturable.
-- `moe_experts_nvfp4_grouped` (prefill): pairs sorted by expert on the device (as `moe_experts_grouped`
-  does) and cut into tiles of BLOCK_M rows of one expert; a program per (tile, column block). The tile
-  table is built with torch ops, no host sync (at most cdiv(P, BLOCK_M) + min(E, P) tiles: each expert
-  leaves at most one partial tile), so it is capturable too.
+- `moe_experts_nvfp4(..., grouped=True)` (prefill): pairs sorted by expert on the device (as
+  `moe_experts_grouped` does) and cut into tiles of BLOCK_M rows of one expert; a program per (tile,
+  column block). The tile table is built with torch ops, no host sync (at most cdiv(P, BLOCK_M) +
+  min(E, P) tiles: each expert leaves at most one partial tile), so it is capturable too.
 
 Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
 token's k pairs in slot order (`_sum_slots_kernel`): deterministic, no atomics.
@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from morion.ops.moe_decode_triton import (
-    _MMA_MODES,
     MAX_PAIRS,
     _expert_group,
     _group_rows,
@@ -44,6 +43,7 @@ from morion.ops.moe_decode_triton import (
     _sum_slots_kernel,
     _zero_acc,
 )
+from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 
@@ -151,20 +151,42 @@ def _down_rows(
 
 
 @triton.jit
-def _tile_rows(tiles_ptr, order_ptr, BLOCK_M: tl.constexpr):
-    """The grouped kernels' rows: tile program_id(0) of the table (expert, first row, end row) over the
-    pairs sorted by expert; an unused tile has no rows."""
-    tile = tl.program_id(0)
-    expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
-    start = tl.load(tiles_ptr + tile * 3 + 1)
-    end = tl.load(tiles_ptr + tile * 3 + 2)
-    rows = start + tl.arange(0, BLOCK_M)
-    rows_ok = rows < end
-    pairs = tl.load(order_ptr + rows, mask=rows_ok, other=0)
-    return expert, pairs, rows_ok, end > start
+def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This program's expert, its first row and row count, and what `_rows_at` finds its rows with:
+    grouped, tile program_id(0) of the table (expert, first row, end row) over the pairs sorted by expert
+    (an unused tile has no rows; `match` and `rank` unused); else the decode kernels' leader group (a
+    count only for the expert's first pair)."""
+    if GROUPED:
+        tile = tl.program_id(0)
+        expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        count = tl.load(tiles_ptr + tile * 3 + 2) - first
+        match = first
+        rank = first
+    else:
+        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+        first = 0
+    return expert, first, count, match, rank
+
+
+@triton.jit
+def _rows_at(
+    order_ptr, first, match, rank, start, count,
+    GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The pairs of the expert's rows start .. start + BLOCK_M - 1, and which of those rows exist."""
+    if GROUPED:
+        rows = start + tl.arange(0, BLOCK_M)
+        rows_ok = rows < count
+        pairs = tl.load(order_ptr + first + rows, mask=rows_ok, other=0)
+    else:
+        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+    return pairs, rows_ok
 
 
 # Batch-dependent counts are not specialized on (see ops/moe_decode_triton.py): one variant serves all.
+# The grouped kernels' loops over an expert's rows run once (a tile has at most BLOCK_M rows) or not at
+# all (an unused tile).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
@@ -174,23 +196,14 @@ def _gate_up_kernel(
 ):  # fmt: skip
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
-    if GROUPED:
-        expert, pairs, rows_ok, any_rows = _tile_rows(tiles_ptr, order_ptr, BLOCK_M)
-        if any_rows:
-            _gate_up_rows(
-                x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
-                top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
-                BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
-        for start in range(0, count, BLOCK_M):
-            pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
-            _gate_up_rows(
-                x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
-                top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
-                BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
-            )  # fmt: skip
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
+        _gate_up_rows(
+            x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
+            top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -202,23 +215,14 @@ def _down_kernel(
 ):  # fmt: skip
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
-    if GROUPED:
-        expert, pairs, rows_ok, any_rows = _tile_rows(tiles_ptr, order_ptr, BLOCK_M)
-        if any_rows:
-            _down_rows(
-                act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
-                expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
-                BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
-        for start in range(0, count, BLOCK_M):
-            pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
-            _down_rows(
-                act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
-                expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
-                BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
-            )  # fmt: skip
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
+        _down_rows(
+            act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
+            expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        )  # fmt: skip
 
 
 def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,12 +250,15 @@ def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
-    if tiles.mma not in _MMA_MODES:
-        raise ValueError(f"unknown MoE tile mma {tiles.mma!r}: expected one of {sorted(_MMA_MODES)}")
+    """The decode kernels' MMA options for `tiles` (weight-only BF16 math: every mode is exact), with
+    `block_m` rows per MMA tile."""
     if tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1):
         # Each half tile (BLOCK_K / 2 columns) is a tl.dot's K: at least 16.
         raise ValueError(f"NVFP4 tiles need BLOCK_K a power of two of at least 32, got {tuple(tiles)}")
-    return {"MMA": _MMA_MODES[tiles.mma], "BLOCK_M": 1 if tiles.mma == "gemv" else block_m}
+    options = decode_mma_options(tiles, fp8=False)
+    if tiles.mma != "gemv":
+        options["BLOCK_M"] = block_m
+    return options
 
 
 def _run(
@@ -309,71 +316,53 @@ def _run(
     return out
 
 
-def _checked(
-    hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *scales: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
+def moe_experts_nvfp4(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gate_up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    gate_up_scale_2: torch.Tensor,
+    down_scale_2: torch.Tensor,
+    grouped: bool = False,
+    block_m: int = GROUPED_BLOCK_M,
+    gate_up_tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """The contract of `moe_experts_reference` with NVFP4 experts; hidden [T, H] in bf16, fp16 or fp32.
+    The decode kernels (at most MAX_PAIRS (token, expert) pairs; tiles: the device's tuned file for this
+    shape, else the defaults), or with `grouped` the grouped kernels (any number of tokens: prefill;
+    `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES). `*_tiles`
+    override either."""
+    scales = (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
     if gate_up_proj.dtype != torch.uint8 or any(scale is None for scale in scales):
         raise ValueError("NVFP4 experts need uint8 codes and all four scales")
     if hidden.stride(-1) != 1 or gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
         raise ValueError("NVFP4 experts need unit stride along H and along the codes' last dim")
-    return tuple(scale.contiguous() for scale in scales)
-
-
-def moe_experts_nvfp4_triton(
-    hidden: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    gate_up_scale: torch.Tensor,
-    down_scale: torch.Tensor,
-    gate_up_scale_2: torch.Tensor,
-    down_scale_2: torch.Tensor,
-    gate_up_tiles: Tiles | None = None,
-    down_tiles: Tiles | None = None,
-) -> torch.Tensor:
-    """The decode kernels (at most MAX_PAIRS pairs): the contract of `moe_experts_reference` with NVFP4
-    experts; hidden [T, H] in bf16, fp16 or fp32. Tiles: the device's tuned file for this shape, else
-    the defaults; `*_tiles` override both."""
-    scales = _checked(
-        hidden, gate_up_proj, down_proj, gate_up_scale, down_scale, gate_up_scale_2, down_scale_2
-    )
     tokens, top_k = topk_ids.shape
-    if tokens * top_k > MAX_PAIRS:
+    if not grouped and tokens * top_k > MAX_PAIRS:
         raise ValueError(f"{tokens} tokens x top-{top_k} = {tokens * top_k} pairs, more than {MAX_PAIRS}")
     if tokens == 0:
         return torch.zeros_like(hidden)
     tuned = None
-    if hidden.is_cuda:
-        index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-        tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
-    gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else DECODE_GATE_UP_TILES)
-    down_tiles = down_tiles or (tuned[1] if tuned else DECODE_DOWN_TILES)
+    if grouped:
+        defaults = (GROUPED_TILES, GROUPED_TILES)
+    else:
+        if hidden.is_cuda:
+            index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+            tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+        defaults = tuned or (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)
     return _run(
-        hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, None, gate_up_tiles, down_tiles
+        hidden,
+        gate_up_proj,
+        down_proj,
+        topk_weights,
+        topk_ids,
+        tuple(scale.contiguous() for scale in scales),
+        block_m if grouped else None,
+        gate_up_tiles or defaults[0],
+        down_tiles or defaults[1],
     )
-
-
-def moe_experts_nvfp4_grouped(
-    hidden: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    gate_up_scale: torch.Tensor,
-    down_scale: torch.Tensor,
-    gate_up_scale_2: torch.Tensor,
-    down_scale_2: torch.Tensor,
-    tiles: Tiles = GROUPED_TILES,
-    block_m: int = GROUPED_BLOCK_M,
-) -> torch.Tensor:
-    """The grouped kernels (any number of tokens: prefill): the same contract, `block_m` rows (at least
-    16, a power of two) of one expert per tile."""
-    scales = _checked(
-        hidden, gate_up_proj, down_proj, gate_up_scale, down_scale, gate_up_scale_2, down_scale_2
-    )
-    if topk_ids.shape[0] == 0:
-        return torch.zeros_like(hidden)
-    return _run(hidden, gate_up_proj, down_proj, topk_weights, topk_ids, scales, block_m, tiles, tiles)

@@ -30,7 +30,7 @@ from triton.runtime.errors import OutOfResources
 
 from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, exact_mma, moe_experts_triton
-from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES, moe_experts_nvfp4_triton
+from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES, moe_experts_nvfp4
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
 from morion.ops.nvfp4 import quantize_nvfp4_parts
 
@@ -182,7 +182,7 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
         t: [random_batch(shape, t, top_k, device, seed=1000 * t + i) for i in range(ROUTINGS)] for t in tokens
     }
     if shape.dtype == "nvfp4":
-        fn = moe_experts_nvfp4_triton
+        fn = moe_experts_nvfp4
         defaults = {"gate_up_tiles": DECODE_GATE_UP_TILES, "down_tiles": DECODE_DOWN_TILES}
     else:
         fn = moe_experts_triton

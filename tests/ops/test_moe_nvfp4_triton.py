@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from morion.ops.moe import moe_experts_reference
-from morion.ops.moe_nvfp4_triton import expert_tiles, moe_experts_nvfp4_grouped, moe_experts_nvfp4_triton
+from morion.ops.moe_nvfp4_triton import expert_tiles, moe_experts_nvfp4
 from morion.ops.moe_tiles import Tiles
 from morion.ops.nvfp4 import quantize_nvfp4_parts
 
@@ -66,7 +66,7 @@ TILES = {
 def test_decode_kernels_match_dequantize_then_matmul(mode):
     experts = nvfp4_experts(8)
     batch = routing(5, 8, torch.float32)  # 10 pairs over 8 experts: some experts shared
-    out = run(moe_experts_nvfp4_triton, experts, *batch, **TILES[mode])
+    out = run(moe_experts_nvfp4, experts, *batch, **TILES[mode])
     assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
 
 
@@ -77,8 +77,8 @@ def test_an_expert_with_more_pairs_than_a_tile_fp16():
     batch = routing(17, 2, torch.float16, seed=4)
     reference = run(moe_experts_reference, experts, *batch)
     assert reference.dtype == torch.float16
-    decode = run(moe_experts_nvfp4_triton, experts, *batch)
-    grouped = run(moe_experts_nvfp4_grouped, experts, *batch, block_m=16)
+    decode = run(moe_experts_nvfp4, experts, *batch)
+    grouped = run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16)
     assert decode.dtype == grouped.dtype == torch.float16
     # fp16 inputs on both sides, rounded in different places (the reference rounds each weight, the
     # kernels only code x block scale, which is exact).
@@ -88,7 +88,7 @@ def test_an_expert_with_more_pairs_than_a_tile_fp16():
 def test_grouped_kernels_match_dequantize_then_matmul():
     experts = nvfp4_experts(8, seed=5)
     batch = routing(12, 8, torch.float32, seed=6)
-    out = run(moe_experts_nvfp4_grouped, experts, *batch, block_m=16)
+    out = run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16)
     assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
 
 
@@ -112,6 +112,6 @@ def test_inputs_the_kernels_cannot_take_are_refused():
     experts = nvfp4_experts(2)
     batch = routing(1, 2, torch.float32)
     with pytest.raises(ValueError, match="BLOCK_K a power of two of at least 32"):
-        run(moe_experts_nvfp4_triton, experts, *batch, gate_up_tiles=Tiles(32, 16, 4, 1))
+        run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 16, 4, 1))
     with pytest.raises(ValueError, match="all four scales"):
-        run(moe_experts_nvfp4_triton, {**experts, "down_scale_2": None}, *batch)
+        run(moe_experts_nvfp4, {**experts, "down_scale_2": None}, *batch)

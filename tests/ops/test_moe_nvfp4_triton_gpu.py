@@ -26,15 +26,15 @@ def nvfp4_experts() -> dict[str, torch.Tensor]:
 
 
 def decode(*args, **options) -> torch.Tensor:
-    from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4_triton
+    from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 
-    return moe_experts_nvfp4_triton(*args, **options)
+    return moe_experts_nvfp4(*args, **options)
 
 
 def grouped(*args, **options) -> torch.Tensor:
-    from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4_grouped
+    from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 
-    return moe_experts_nvfp4_grouped(*args, **options)
+    return moe_experts_nvfp4(*args, grouped=True, **options)
 
 
 KERNELS = {"decode": decode, "grouped": grouped}
