@@ -6,12 +6,13 @@ StackedExperts): gate_up_proj [E, 2I, H/2] and down_proj [E, H, I/2] uint8 codes
 scales are read as they are stored, 4.5 bits a weight, and expanded in registers: each byte j of a row
 holds the codes of columns 2j (low nibble) and 2j+1 (high), so a tile is two half tiles, the even and the
 odd columns, each multiplied with the activations' even or odd columns (two `tl.dot`s of half the K: no
-register shuffle to interleave them). A code becomes its value through its fp16 bit pattern (sign to bit
-15, the 3 magnitude bits to bits 11-9: the value x 2^-14, exact, subnormals included), times its block
-scale x 2^14; code x block scale has at most 6 significant bits, exact in bf16 and fp16. The products
-accumulate in fp32 and the global scale multiplies each output once, in the epilogue. So the kernels'
-only roundings are the activations' dtype at the MMA inputs and fp32 sums, where the reference rounds
-each dequantized weight (code x block x global) to the activations' dtype.
+register shuffle to interleave them). A code becomes its value x 2^-14 through its fp16 bit pattern
+(sign to bit 15, the 3 magnitude bits to bits 11-9; subnormals included), then times its block scale in
+fp16: the product is a multiple of 2^-24 (0.5 x 2^-14 times e4m3's step 2^-9) below 0.17 with at most 6
+significant bits, so exact in fp16 (subnormal or not) and in the bf16 the MMA takes. The products
+accumulate in fp32; the global scale x 2^14 multiplies each output once, in the epilogue. So the
+kernels' only roundings are the activations' dtype at the MMA inputs and fp32 sums, where the reference
+rounds each dequantized weight (code x block x global) to the activations' dtype.
 
 Two ways to find a program's rows, the kernels otherwise shared:
 
@@ -47,6 +48,8 @@ from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 
+# The half tiles hold code x block scale x 2^-14 (exact in fp16); the epilogue's global scale undoes it.
+GLOBAL_FACTOR = tl.constexpr(2.0**14)
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
 _SUM_BLOCK = 512
@@ -65,7 +68,8 @@ def _nvfp4_half_tiles(
 ):  # fmt: skip
     """Weights of columns k0 .. k0 + BLOCK_K - 1 for output rows `cols` of one expert's matrix, as two
     [BLOCK_K / 2, BLOCK_N] tiles in DTYPE: the even columns k0 + 2j and the odd ones k0 + 2j + 1 (the low
-    and high nibbles of byte k0 / 2 + j), each code x its block scale, exactly."""
+    and high nibbles of byte k0 / 2 + j), each code x its block scale x 2^-14, exactly (`GLOBAL_FACTOR`
+    undoes the 2^-14)."""
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     mask = (byte < size_k // 2)[:, None] & cols_ok[None, :]
     packed = tl.load(codes_ptr + cols[None, :] * stride_cn + byte[:, None], mask=mask, other=0)
@@ -75,9 +79,9 @@ def _nvfp4_half_tiles(
     odd = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
     # Byte j holds columns 2j and 2j + 1: both in block scale 2j // 16 = j // 8.
     scale_ptrs = scales_ptr + cols[None, :] * stride_sn + (byte // (GROUP_SIZE // 2))[:, None]
-    scale = tl.cast(tl.load(scale_ptrs, mask=mask, other=0.0), tl.float32) * 16384.0  # x 2^14
-    w_even = tl.cast(tl.cast(even, tl.float16, bitcast=True), tl.float32) * scale
-    w_odd = tl.cast(tl.cast(odd, tl.float16, bitcast=True), tl.float32) * scale
+    scale = tl.cast(tl.load(scale_ptrs, mask=mask, other=0.0), tl.float16)  # e4m3 -> fp16: exact
+    w_even = tl.cast(even, tl.float16, bitcast=True) * scale
+    w_odd = tl.cast(odd, tl.float16, bitcast=True) * scale
     return tl.cast(w_even, DTYPE), tl.cast(w_odd, DTYPE)
 
 
@@ -124,8 +128,8 @@ def _gate_up_rows(
         x_rows, rows_ok, up_codes, up_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
         BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
     )  # fmt: skip
-    gate = gate * tl.load(global_ptr + expert * 2)
-    up = up * tl.load(global_ptr + expert * 2 + 1)
+    gate = gate * (tl.load(global_ptr + expert * 2) * GLOBAL_FACTOR)
+    up = up * (tl.load(global_ptr + expert * 2 + 1) * GLOBAL_FACTOR)
     act = gate / (1.0 + tl.exp(-gate)) * up
     out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
     tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
@@ -145,7 +149,7 @@ def _down_rows(
         BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
     )  # fmt: skip
     routing = tl.cast(tl.load(routing_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
-    acc = acc * tl.load(global_ptr + expert) * routing[:, None]
+    acc = acc * (tl.load(global_ptr + expert) * GLOBAL_FACTOR) * routing[:, None]
     out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
     tl.store(out, acc, mask=rows_ok[:, None] & cols_ok[None, :])
 
