@@ -87,7 +87,7 @@ def checked_nvfp4(
         raise ModelLoadError(
             f"NVFP4 weight_scale_2 must be a scalar, got shape {tuple(weight_scale_2.shape)}"
         )
-    return Nvfp4Weight(weight, weight_scale, weight_scale_2.float().reshape(()))
+    return Nvfp4Weight(weight, weight_scale, weight_scale_2.float().reshape(1))
 
 
 def _part(name: str, tensor: torch.Tensor) -> str | None:

@@ -1,5 +1,7 @@
 """Rules every architecture's `load_weights` shares: which checkpoint tensors carry nothing, how one is
-copied in (quantized on the way where the parameter is FP8), and that nothing may be left unfilled."""
+copied in (quantized on the way where the parameter is FP8 or NVFP4; an NVFP4 checkpoint's weight copied
+as it is into NVFP4 experts, dequantized for any other parameter), and that nothing may be left
+unfilled."""
 
 from __future__ import annotations
 

@@ -32,19 +32,21 @@ _BYTE_VALUES = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[to
 
 
 class Nvfp4Weight(NamedTuple):
-    """One quantized matrix as a checkpoint stores it (the global scale a 0-d or 1-element tensor)."""
+    """Quantized matrices: codes [..., N, K/2], block scales [..., N, K/16] and global scales [..., P],
+    the N rows of each matrix in P equal parts quantized apart (P = 1 for a checkpoint's matrix; 2 for an
+    expert's gate and up rows)."""
 
     codes: torch.Tensor
     block_scales: torch.Tensor
     global_scale: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The logical [N, K] of the matrix the codes encode."""
-        return self.codes.shape[0], self.codes.shape[1] * 2
+    def shape(self) -> tuple[int, ...]:
+        """The logical [..., N, K] of the matrices the codes encode."""
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_nvfp4(self.codes, self.block_scales, self.global_scale.reshape(()), dtype)
+        return dequantize_parts(self.codes, self.block_scales, self.global_scale, dtype)
 
 
 def dequantize_nvfp4(
@@ -86,8 +88,8 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Weight:
-    """ModelOpt's recipe for W [..., N, K] (K a multiple of 16; one global scale per [N, K] matrix of the
-    leading dims): global scale amax(W) / (6 * 448), block scale e4m3(amax(block) / (6 * global)), codes
+    """ModelOpt's recipe for W [..., N, K] (K a multiple of 16; one global scale per [N, K] matrix, [..., 1]):
+    global scale amax(W) / (6 * 448), block scale e4m3(amax(block) / (6 * global)), codes
     E2M1(W / (block scale * global)) packed two a byte. A block whose scale is 0 (all zero, or below
     e4m3's smallest step) gets codes 0."""
     *lead, rows, columns = weight.shape
@@ -102,7 +104,7 @@ def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Weight:
     divisor = block_scales.float() * per_matrix
     scaled = blocks / torch.where(divisor == 0, 1.0, divisor).unsqueeze(-1)
     codes = e2m1_codes(scaled).view(*lead, rows, columns)
-    return Nvfp4Weight(codes[..., 0::2] | codes[..., 1::2] << 4, block_scales, global_scale)
+    return Nvfp4Weight(codes[..., 0::2] | codes[..., 1::2] << 4, block_scales, global_scale[..., None])
 
 
 def quantize_nvfp4_parts(weight: torch.Tensor, parts: int) -> Nvfp4Weight:
@@ -114,7 +116,7 @@ def quantize_nvfp4_parts(weight: torch.Tensor, parts: int) -> Nvfp4Weight:
     return Nvfp4Weight(
         quantized.codes.view(*lead, rows, columns // 2),
         quantized.block_scales.view(*lead, rows, columns // GROUP_SIZE),
-        quantized.global_scale,
+        quantized.global_scale.view(*lead, parts),
     )
 
 
