@@ -37,9 +37,9 @@ from morion.engine.messages import (
     SpecSnapshot,
 )
 from morion.engine.outputs import StepOutput, internal_error
-from morion.engine.speculative import SpeculativeDecoding
 from morion.errors import InvalidRequestError, MorionError
 from morion.logs import show_morion_logs
+from morion.spec.speculative import SpeculativeDecoding
 
 _CUDA_ALLOCATED_PERIOD_S = 1.0
 STATS_PERIOD_S = 0.05  # while busy, outputs carry the engine stats at most this often (serve)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from morion.config import EngineConfig
-from morion.engine.engine import max_model_len
+from morion.engine.assembly import max_model_len
 from morion.engine.messages import EngineInfo
 from morion.server.describe import automatic_decisions, server_info, startup_summary
 from morion.server.options import ServeOptions
