@@ -322,17 +322,41 @@ class Engine:
             new_text += request.stop_matcher.flush()
         request.text += new_text
         if reason is None:
-            return StepOutput(request.request_id, [token_id], new_text, False, None)
+            return self._output(request, [token_id], new_text)
         self._finish(request, reason)
-        return StepOutput(request.request_id, [token_id], new_text, True, _final_output(request))
+        return self._output(request, [token_id], new_text, _final_output(request))
 
     def _fail(self, request: Request, error: Exception) -> StepOutput:
         """Ends `request` with finish_reason "error" after an unexpected error of its own. The traceback goes
         to the log; the request's error names no internals, only where to look."""
         logger.error("request %s failed in the engine", request.request_id, exc_info=error)
         self._finish(request, "error")
-        final = _final_output(request, internal_error(request.request_id))
-        return StepOutput(request.request_id, [], "", True, final)
+        return self._output(request, [], "", _final_output(request, internal_error(request.request_id)))
+
+    @staticmethod
+    def _output(
+        request: Request, token_ids: list[int], text: str, final: RequestOutput | None = None
+    ) -> StepOutput:
+        """`request`'s output of this step: its new tokens and text, their logprobs when it asked for
+        them, its prompt's logprobs on its first output, and the final output once it finished."""
+        logprobs = top_logprobs = None
+        if request.params.logprobs is not None:
+            start = len(request.output_logprobs) - len(token_ids)  # not [-n:]: no tokens, no logprobs
+            logprobs, top_logprobs = request.output_logprobs[start:], request.output_top_logprobs[start:]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_reported:
+            request.prompt_logprobs_reported = True
+            prompt_logprobs = request.prompt_logprobs
+        return StepOutput(
+            request.request_id,
+            token_ids,
+            text,
+            final is not None,
+            final,
+            logprobs,
+            top_logprobs,
+            prompt_logprobs,
+        )
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
