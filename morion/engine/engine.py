@@ -59,11 +59,8 @@ class Engine:
         parts = assemble(config, loaded, drafter, forced_acceptance)
         self.config = config
         self.device = config.torch_device
-        self.model, self.tokenizer, self.model_path = (
-            parts.loaded.model,
-            parts.loaded.tokenizer,
-            parts.loaded.path,
-        )
+        loaded = parts.loaded
+        self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
         self.kv_scales = parts.kv_scales
         self.pool, self.state_slots = parts.pool, parts.state_slots
         self.runner = parts.runner
