@@ -115,10 +115,7 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         """Decode graphs for batches up to `max_batch` sequences of up to `max_pages` pages; decode runs
         eagerly where capture fails (a model path that syncs with the host)."""
-        graphs = DecodeGraphRunner(
-            self.model, self.pool, self.state_slots, self.kv_scales, max_batch, max_pages,
-            self.scratch_pages[0], self.scratch_slots[0] if self.scratch_slots else None,
-        )  # fmt: skip
+        graphs = self._graph_runner(max_batch, max_pages)
         try:
             graphs.capture()
         except RuntimeError as error:
@@ -130,11 +127,7 @@ class ModelRunner:
         """Verify graphs of `query_len` tokens per sequence, in the decode graphs' memory pool (runners
         replay one at a time); False where capture failed (verify runs eagerly)."""
         decode = self.decode_graphs
-        runner = DecodeGraphRunner(
-            self.model, self.pool, self.state_slots, self.kv_scales, decode.max_batch, decode.max_pages,
-            self.scratch_pages[0], self.scratch_slots[0] if self.scratch_slots else None,
-            query_len=query_len,
-        )  # fmt: skip
+        runner = self._graph_runner(decode.max_batch, decode.max_pages, query_len)
         runner.share_memory_pool(decode)
         try:
             runner.capture()
@@ -143,3 +136,11 @@ class ModelRunner:
             return False
         self.verify_graphs[query_len] = runner
         return True
+
+    def _graph_runner(self, max_batch: int, max_pages: int, query_len: int = 1) -> DecodeGraphRunner:
+        """Graphs over this runner's model and memory, their padding rows in the scratch page and slot."""
+        scratch_slot = self.scratch_slots[0] if self.scratch_slots else None
+        return DecodeGraphRunner(
+            self.model, self.pool, self.state_slots, self.kv_scales, max_batch, max_pages,
+            self.scratch_pages[0], scratch_slot, query_len=query_len,
+        )  # fmt: skip
