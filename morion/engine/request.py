@@ -9,6 +9,7 @@ from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.stop import StopStringMatcher
+from morion.multimodal.prompt_images import PromptImages
 from morion.text.detokenizer import IncrementalDetokenizer
 
 
@@ -63,10 +64,22 @@ class Request:
     # before it; entry 0 stays None (nothing predicts the first token).
     prompt_logprobs: list[PromptLogprob | None] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
+    images: PromptImages | None = None  # the prompt's images (models with a vision tower)
+    # The vision tower's output per image (index into images), from the first forward that needs an image
+    # until its tokens are all computed (engine/image_batch.py).
+    image_embeds: dict[int, object] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache (radix tree, host and disk page keys) keys the request by: its token ids,
+        with each image token replaced by an id derived from its image's content hash."""
+        if self.images is None:
+            return self.token_ids
+        return self.images.cache_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

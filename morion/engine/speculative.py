@@ -39,6 +39,7 @@ import torch
 from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch, page_table_array
 from morion.engine.host_to_device import to_device
+from morion.engine.image_batch import ImageChunk, ImageEncoder
 from morion.engine.outputs import StepOutput
 from morion.engine.request import Request
 from morion.engine.sampler import SampleResult
@@ -99,6 +100,9 @@ class SpeculativeDecoding:
         self.has_state = has_state
         self.forced = forced
         self.stats = SpecStats()
+        # Set by the engine for models with a vision tower: verify rows of requests with images take
+        # their positions per axis (text after the images: index + the prompt's delta).
+        self.image_encoder: ImageEncoder | None = None
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -190,12 +194,16 @@ class SpeculativeDecoding:
         if self.has_state:
             columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
             [verify_slots] = to_device([np.asarray(columns, dtype=np.int32)], device)
-        if graph is not None and graph.can_run(batch):
+        images = None
+        if self.image_encoder is not None:  # positions per axis for requests with images
+            images = self.image_encoder.rows([ImageChunk(r, r.num_computed, n) for r, _, _ in verifying])
+        if images is None and graph is not None and graph.can_run(batch):
             logits = graph.run(batch, verify_slots)
             hidden = graph.last_hidden(len(verifying) * n)
         else:
             backend = PagedAttentionBackend(scheduler.pool, batch, scheduler.slots, kv_scales, verify_slots)
-            hidden = model(batch.input_ids, batch.positions, backend)
+            extra = {} if images is None else {"images": images}
+            hidden = model(batch.input_ids, batch.positions, backend, **extra)
             logits = model.compute_logits(hidden)
         logits = logits.float().view(len(verifying), n, -1)
         hidden = hidden.view(len(verifying), n, -1)

@@ -41,8 +41,9 @@ class Fp8Conversion(NamedTuple):
 
 def convert_to_fp8(model: nn.Module, keep: Collection[str] = ()) -> Fp8Conversion:
     """Replaces, in place, every nn.Linear and StackedExperts in `model` (on the meta device) by its FP8
-    form, except modules whose dotted name ends with an entry of `keep` (e.g. "mlp.gate") and shapes
-    without an FP8 kernel. The replacements are unfilled, like the modules they replace."""
+    form, except modules whose dotted name ends with an entry of `keep` (e.g. "mlp.gate") or that lie
+    inside such a module, and shapes without an FP8 kernel. The replacements are unfilled, like the
+    modules they replace."""
     modules = tensors = before = after = 0
     kept = []
     for name, module in list(model.named_modules()):
@@ -64,7 +65,9 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = ()) -> Fp8Conversio
 
 
 def _named_in(name: str, keep: Collection[str]) -> bool:
-    return any(name == suffix or name.endswith("." + suffix) for suffix in keep)
+    """`name` ends with an entry of `keep`, or lies inside a module that does ("visual": the whole tower)."""
+    dotted = "." + name + "."
+    return any(f".{entry}." in dotted for entry in keep)
 
 
 def _kernel_shapes(module: nn.Module) -> bool:
