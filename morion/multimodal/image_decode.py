@@ -52,21 +52,18 @@ def prepare_image(data: bytes, processing: ImageProcessing) -> PreparedImage:
             width, height = image.size
             if width * height > MAX_DECODED_PIXELS:
                 raise ImageError(
-                    f"the image is {width}x{height} pixels; at most {MAX_DECODED_PIXELS:,} are accepted"
+                    f"the image is {width}x{height} pixels, more than the {MAX_DECODED_PIXELS:,} pixels "
+                    "accepted"
                 )
             image.load()  # decodes the whole file: a truncated or corrupt one fails here
     except ImageError:
         raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageError(f"the image is larger than the {MAX_DECODED_PIXELS:,} pixels accepted") from None
     except UnidentifiedImageError:
         raise ImageError(f"the data is not an image in a supported format ({', '.join(FORMATS)})") from None
-    except (
-        OSError,
-        SyntaxError,
-        ValueError,
-        Image.DecompressionBombError,
-        Image.DecompressionBombWarning,
-    ) as e:
-        raise ImageError(f"the image could not be decoded: {e}") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageError(f"the image could not be decoded: {error}") from None
     try:
         resized_height, resized_width = processing.resized_size(height, width)
     except ValueError as error:

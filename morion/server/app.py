@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -20,7 +21,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from morion.engine.messages import EngineInfo
+from morion.multimodal.image_decode import PreparedImage
 from morion.server.anthropic_messages import register_messages_api
+from morion.server.chat_images import chat_images, with_image_tokens
 from morion.server.chat_tools import ChatTooling
 from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
@@ -90,10 +93,10 @@ class ServerContext:
     async def prepare_chat(self, body: ChatCompletionRequest, info: EngineInfo) -> PreparedChat:
         """A chat request's prompt, grammar and engine job, and how to parse each choice's output (the
         chat, Responses and Messages endpoints all come through here)."""
-        rendered = self.render_chat_request(body)
+        rendered, images = await self.render_chat_with_images(body, info)
         constraint = chat_constraint(body, self.tooling.tool_parser)
         grammar = await self.grammars(info).compile(constraint) if constraint else None
-        job = chat_job(body, rendered.token_ids, info, grammar)
+        job = chat_job(body, rendered.token_ids, info, grammar)._replace(images=tuple(images))
 
         def new_parser() -> ChatOutputParser | None:
             return self.tooling.output_parser(body, rendered.text, constrained=grammar is not None)
@@ -112,6 +115,15 @@ class ServerContext:
             tools,
             body.continue_final_message,
         )
+
+    async def render_chat_with_images(
+        self, body: ChatCompletionRequest, info: EngineInfo
+    ) -> tuple[RenderedChat, list[PreparedImage]]:
+        """The prompt with its images' tokens in place of their placeholders (server/chat_images.py)."""
+        rendered = self.render_chat_request(body)
+        local_media = self.options.allowed_local_media_path
+        images = await chat_images(body, info, None if local_media is None else Path(local_media))
+        return with_image_tokens(rendered, images, info), images
 
     def ready_info(self) -> EngineInfo:
         state = self.client.state
@@ -253,7 +265,7 @@ def create_app(context: ServerContext) -> FastAPI:
     async def render(request: Request) -> dict[str, Any]:
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered = context.render_chat_request(body)
+        rendered, _ = await context.render_chat_with_images(body, info)
         return {
             "prompt": rendered.text,
             "token_ids": rendered.token_ids,

@@ -11,9 +11,25 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from morion.server.errors import APIError
+from morion.server.image_parts import (
+    ImageURL,
+    ImageURLPart,
+    TextPart,
+    image_content_parts,
+    joined_text,
+    template_parts,
+)
 
 MAX_N = 16  # choices per request; each is its own engine request
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -123,6 +139,23 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call they answer
+    # A user message with image parts: all its parts in order (server/image_parts.py); content is its text.
+    _parts: list[TextPart | ImageURLPart] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_image_parts(cls, data: Any, handler: Any) -> ChatMessage:
+        parts = image_content_parts(data)
+        message = handler(data if parts is None else {**data, "content": joined_text(parts)})
+        message._parts = parts
+        return message
+
+    @property
+    def image_urls(self) -> list[tuple[int, ImageURL]]:
+        """(part index, image_url) of each image part, in order."""
+        return [
+            (i, part.image_url) for i, part in enumerate(self._parts or ()) if isinstance(part, ImageURLPart)
+        ]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -135,7 +168,8 @@ class ChatMessage(_Body):
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
                 raise ValueError(
-                    'content parts must be {"type": "text", "text": "..."}; only text is supported'
+                    'content parts must be {"type": "text", "text": "..."} or {"type": "image_url", '
+                    '"image_url": {"url": "data:..."}}'
                 )
             texts.append(part["text"])
         return "".join(texts)
@@ -143,7 +177,7 @@ class ChatMessage(_Body):
     def for_template(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = self.content or ""
+        message["content"] = self.content or "" if self._parts is None else template_parts(self._parts)
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

@@ -1,0 +1,150 @@
+"""Images through a real `morion serve` of a tiny Qwen3.8-Flash-Next with its vision tower (tests/tiny_vlm.py:
+config, safetensors, preprocessor config, tokenizer and chat template in a directory), driven by the
+official `openai` client: image_url parts with data: URLs (PNG, JPEG, WebP), usage with image tokens, the
+prefix cache keyed by image content, the render endpoint's placeholders, and a 400 naming the part for
+every bad image, after which the server still answers."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import openai
+import pytest
+from PIL import Image
+
+from tests import tiny_vlm
+from tests.server.conftest import start_server, stop
+
+MODEL = "tiny-vlm"
+# 37x53 resizes to 40x56 pixels: 10x14 patches of 4, 5x7 merged tokens
+FIRST = tiny_vlm.png(37, 53, seed=0)
+FIRST_TOKENS = 35
+SECOND = tiny_vlm.png(37, 53, seed=1)
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_vlm_model")
+    tiny_vlm.build(directory)
+    flags = ["--model", str(directory), "--device", "cpu", "--kv-cache-tokens", "4096", "--page-size", "8"]
+    flags += ["--chunk-size", "64", "--served-model-name", MODEL]
+    running = start_server(flags, tmp_path_factory.mktemp("tiny_vlm_serve") / "serve.log")
+    yield running
+    assert stop(running) == 0, running.log()
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _messages(*urls: str, text: str = "What is in the picture?") -> list[dict]:
+    parts = [{"type": "text", "text": "Look: "}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _ask(server, messages: list[dict]):
+    with server.openai() as client:
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+
+def _encoded(data: bytes, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def test_image_parts_are_answered_with_image_tokens_counted(vlm_server):
+    reply = _ask(vlm_server, _messages(_data_url(FIRST)))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
+    assert reply.usage.completion_tokens == 4
+    assert reply.usage.prompt_tokens_details.image_tokens == FIRST_TOKENS
+    text_only = _ask(vlm_server, [{"role": "user", "content": "Look: What is in the picture?"}])
+    # the image is its tokens plus <|vision_start|> and <|vision_end|>
+    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + FIRST_TOKENS + 2
+    assert text_only.usage.prompt_tokens_details.image_tokens is None
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vlm_server):
+    first = _ask(vlm_server, _messages(_data_url(FIRST), text="Describe it."))
+    again = _ask(
+        vlm_server,
+        _messages(_data_url(_encoded(FIRST, "WEBP", lossless=True), "image/webp"), text="Describe it."),
+    )
+    other = _ask(vlm_server, _messages(_data_url(SECOND), text="Describe it."))
+    # Lossless WebP of the same pixels: the same content hash, the whole prompt but its tail cached.
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 8
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # Another image after the same text: only the pages before the image come from the cache.
+    assert other.usage.prompt_tokens_details.cached_tokens < 8
+
+
+def test_two_images_and_jpeg(vlm_server):
+    reply = _ask(vlm_server, _messages(_data_url(FIRST), _data_url(_encoded(SECOND, "JPEG"), "image/jpeg")))
+    assert reply.usage.prompt_tokens_details.image_tokens == 2 * FIRST_TOKENS
+
+
+def test_render_shows_the_placeholders_and_the_image_tokens(vlm_server):
+    with vlm_server.http() as http:
+        rendered = http.post(
+            "/v1/chat/completions/render", json={"model": MODEL, "messages": _messages(_data_url(FIRST))}
+        ).json()
+    assert "Look: <|vision_start|><|image_pad|><|vision_end|>What is in the picture?" in rendered["prompt"]
+    assert (
+        rendered["token_ids"].count(tiny_vlm.IMAGE_TOKEN)
+        == FIRST_TOKENS
+        == rendered["count"] - (len(rendered["token_ids"]) - FIRST_TOKENS)
+    )
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose header claims another size (decoding would fail; the size check comes
+    first)."""
+    data = bytearray(tiny_vlm.png(1, 1, seed=2))
+    ihdr = data[12:29]  # type + 13 bytes of IHDR data
+    ihdr[4:12] = struct.pack(">II", width, height)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return bytes(data)
+
+
+BAD_IMAGES = [
+    ("corrupt base64", "data:image/png;base64,iVBORw0K$$$", "base64"),
+    ("not an image", _data_url(b"hello, this is text"), "not an image"),
+    ("truncated png", _data_url(FIRST[: len(FIRST) // 2]), "could not be decoded"),
+    ("unsupported type", _data_url(b"GIF89a", "image/gif"), "image/gif"),
+    ("gif under a png type", _data_url(_encoded(FIRST, "GIF")), "not an image"),
+    ("oversized", _data_url(_png_claiming(9000, 9000)), "pixels accepted"),
+    ("decompression bomb", _data_url(_png_claiming(20000, 20000)), "pixels accepted"),
+    ("extreme aspect ratio", _data_url(tiny_vlm.png(1, 300, seed=3)), "aspect ratio"),
+    ("http URL", "https://example.com/cat.png", "does not fetch"),
+    ("file URL while off", "file:///etc/hostname", "--allowed-local-media-path"),
+]
+
+
+@pytest.mark.parametrize(("case", "url", "words"), BAD_IMAGES, ids=[case for case, _, _ in BAD_IMAGES])
+def test_bad_image_is_a_400_naming_the_part(vlm_server, case, url, words):
+    with vlm_server.openai() as client, pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=_messages(_data_url(FIRST), url), max_tokens=2)
+    error = raised.value.body
+    assert error["param"] == "messages[0].content[2].image_url", error
+    assert words in error["message"], error
+
+
+def test_image_part_outside_a_user_message_is_refused(vlm_server):
+    messages = [
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _data_url(FIRST)}}]}
+    ]
+    with vlm_server.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 400 and "user messages" in response.json()["error"]["message"]
+
+
+def test_the_server_still_answers_after_bad_images(vlm_server):
+    assert _ask(vlm_server, _messages(_data_url(FIRST))).choices[0].finish_reason == "length"
