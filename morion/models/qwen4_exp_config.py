@@ -87,6 +87,9 @@ class Qwen4ExpConfig(HybridConfig):
         if isinstance(hf.get("vision_config"), dict):
             if (text.get("rope_parameters") or {}).get("mrope_interleaved") is False:
                 raise unsupported(model_type, "mrope_interleaved false (images need interleaved mRoPE)")
+            sections, frequencies = config.mrope_sections, config.rotary_dim // 2
+            if len(sections) != 3 or min(sections) < 0 or sum(sections) > frequencies:
+                raise unsupported(model_type, f"mrope_section {list(sections)} for {frequencies} frequencies")
             vision = VisionConfig.from_hf(hf["vision_config"], config.hidden_size)
             config = dataclasses.replace(config, vision=vision, image_tokens=ImageTokens.from_hf(hf))
         return config
@@ -108,9 +111,7 @@ class Qwen4ExpConfig(HybridConfig):
             raise fail("no attention layer (the K/V cache needs at least one)")
         # Interleaved mRoPE sections only matter when the three position axes differ (images).
         sections = tuple(common["rope"].pop("mrope_section", None) or _DEFAULT_MROPE_SECTIONS)
-        common["rope"].pop("mrope_interleaved", None)  # checked in from_hf where images are served
-        if len(sections) != 3 or sum(sections) > rotary_dim // 2 or min(sections) < 0:
-            raise fail(f"mrope_section {list(sections)} for {rotary_dim // 2} rotary frequencies")
+        common["rope"].pop("mrope_interleaved", None)  # both checked in from_hf where images are served
 
         qsa = {name: hf.get(f"indexer_{name}") for name in ("n_heads", "kv_heads", "head_dim", "budget")}
         qsa["compress_ratio"] = hf.get("indexer_compress_ratio")

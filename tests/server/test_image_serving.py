@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
 import zlib
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 from PIL import Image
 
+from morion.cli import main
 from tests import tiny_vlm
 from tests.server.conftest import start_server, stop
 
@@ -148,3 +150,22 @@ def test_image_part_outside_a_user_message_is_refused(vlm_server):
 
 def test_the_server_still_answers_after_bad_images(vlm_server):
     assert _ask(vlm_server, _messages(_data_url(FIRST))).choices[0].finish_reason == "length"
+
+
+def test_validate_vision_passes_against_the_server(vlm_server, tmp_path):
+    """`morion validate vision`: the frozen image cases, token counts from the processor settings the
+    server reports, repeats equal, the corrupt image refused."""
+    assert main(["validate", "vision", "--url", vlm_server.base_url, "--out", str(tmp_path)]) == 0
+    (result_path,) = tmp_path.glob("*.json")
+    suite = json.loads(result_path.read_text())["suites"]["vision"]
+    assert suite["verdict"] == "pass" and suite["processing"] == "server_info"
+    counts = {case["id"]: (case["expected_image_tokens"], case["image_tokens"]) for case in suite["cases"]}
+    # Tokens of 8x8 pixels, at most 4096 pixels: 64x48 keeps its size (8x6 tokens), 96x72 becomes 72x48
+    # (9x6), 200x40 becomes 136x24 (17x3).
+    assert counts == {
+        "png-gradient": (48, 48),
+        "jpeg-checkerboard": (54, 54),
+        "webp-wide-bands": (51, 51),
+        "two-images": (99, 99),
+    }
+    assert suite["corrupt_image"]["status"] == 400
