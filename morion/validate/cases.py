@@ -22,7 +22,7 @@ FROZEN = {
     "restore-v1.json": "cec3275930c2d6ed9c2bef55b8b9cee619aa4e9c528dc83d4616bcdbdd882009",
     "soak-v1.json": "1b37da0eb1f8074fa4947e6d367727f27bc619154a504f0cdcc5087663e8c4c5",
     "tools-v1.json": "f1e2656a9f0fd57babfbb1967de8ab09b80ad7092d78f8d9c07a442edab75f4b",
-    "vision-v1.json": "4b616b8c2bb34877abb5908babc661b8282ad9fc329d6fad3cf9c203c53e5b59",
+    "vision-v1.json": "2585b30bccc200b70e3182e0b2e653d271693a040e044a9d70362550aa743a04",
 }
 # the version each suite runs
 CURRENT = {

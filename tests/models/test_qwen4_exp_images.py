@@ -37,9 +37,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory) -> SimpleNamespace:
-    directory = tmp_path_factory.mktemp("tiny_vlm")
-    reference = tiny_vlm.build(directory)
+def vlm(tiny_vlm_checkpoint) -> SimpleNamespace:
+    directory, reference = tiny_vlm_checkpoint
     processing = ImageProcessing.for_model(directory)
     files = [tiny_vlm.png(h, w, seed) for seed, (h, w) in enumerate(SIZES)]
     return SimpleNamespace(

@@ -28,9 +28,8 @@ SECOND = tiny_vlm.png(37, 53, seed=1)
 
 
 @pytest.fixture(scope="module")
-def vlm_server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_vlm_model")
-    tiny_vlm.build(directory)
+def vlm_server(tmp_path_factory, tiny_vlm_checkpoint):
+    directory, _ = tiny_vlm_checkpoint
     flags = ["--model", str(directory), "--device", "cpu", "--kv-cache-tokens", "4096", "--page-size", "8"]
     flags += ["--chunk-size", "64", "--served-model-name", MODEL]
     running = start_server(flags, tmp_path_factory.mktemp("tiny_vlm_serve") / "serve.log")
