@@ -157,7 +157,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"`{(prov.get('git_commit') or 'unknown')[:12]}`, torch {prov['torch']}. One "
             f"{image['size'][0]}x{image['size'][1]} JPEG ({image['jpeg_bytes']:,} bytes) resized to "
             f"{image['resized'][1]}x{image['resized'][0]}: grid {image['grid_thw']}, "
-            f"{image['tokens']} tokens; prompts of {m['prompt_tokens']} tokens. Medians of {m['repeats']} after a warm-up.",
+            f"{image['tokens']} tokens; prompts of {m['prompt_tokens']} tokens. Medians of {m['repeats']} "
+            "after a warm-up.",
             "",
             "| part | ms |",
             "|---|---|",
