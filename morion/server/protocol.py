@@ -177,7 +177,8 @@ class ChatMessage(_Body):
     def for_template(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = self.content or "" if self._parts is None else template_parts(self._parts)
+        # A message with images keeps its parts, so that the template shows each image where it stands.
+        message["content"] = (self.content or "") if self._parts is None else template_parts(self._parts)
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
