@@ -132,6 +132,7 @@ def _flash_next(num_layers: int) -> dict[str, Any]:
         "tie_word_embeddings": False,
     }
 
+
 # The 80B preset's layer pattern and options (gated attention every 2nd layer here, MoE, MTP head) at toy
 # sizes: 4 layers, hidden 64, vocabulary 512, 0.3 M parameters. It starts on a CPU in seconds, so the
 # server path can be tried and tested without a checkpoint; its outputs mean nothing.
