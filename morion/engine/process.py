@@ -67,7 +67,7 @@ class EngineLoop:
     def _add(self, message: AddRequest) -> list[RequestDelta]:
         try:
             self.engine.add_request(
-                message.prompt_token_ids, message.params, message.request_id, message.images
+                message.prompt_token_ids, message.params, message.request_id, images=message.images
             )
         except InvalidRequestError as error:
             return [_error_delta(message.request_id, str(error), internal=False)]

@@ -30,31 +30,33 @@ class ImageURLPart(_Part):
 
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 _PARTS = TypeAdapter(list[ContentPart])
+_KINDS = '{"type": "text", "text": "..."} or {"type": "image_url", "image_url": {"url": "data:..."}}'
 
 
-def image_content_parts(message: Any) -> list[TextPart | ImageURLPart] | None:
-    """The validated parts of a raw message whose content is a list holding an image part; None for any
-    other message (text parts alone are joined by the message model itself). ValueError names the bad
-    part, or an image outside a user message."""
-    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
-        return None
-    raw = message["content"]
-    if not any(isinstance(part, dict) and part.get("type") == "image_url" for part in raw):
-        return None
+def content_parts(raw: list[Any]) -> list[TextPart | ImageURLPart]:
+    """A content list's parts, validated; ValueError naming the bad part (`[1].image_url.url: ...`)."""
     try:
-        parts = _PARTS.validate_python(raw)
+        return _PARTS.validate_python(raw)
     except ValidationError as error:
         first = error.errors(include_url=False)[0]
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found", "model_type"):
+            raise ValueError(f"content parts must be {_KINDS}") from None
         loc = first["loc"]
         if len(loc) > 1 and isinstance(loc[0], int):  # (index, the part's type tag, field...)
             loc = (loc[0], *loc[2:])
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
-        raise ValueError(f"content{where}: {first['msg']}") from None
-    if message.get("role") != "user":
-        raise ValueError(
-            f"content: image parts are only accepted in user messages, not {message.get('role')!r}"
-        )
-    return parts
+        raise ValueError(f"{where}: {first['msg']}") from None
+
+
+def image_content_parts(message: Any) -> list[TextPart | ImageURLPart] | None:
+    """The parts of a raw message whose content is a list holding an image part (already validated by
+    the message model); None for any other message."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return None
+    if not any(isinstance(part, dict) and part.get("type") == "image_url" for part in content):
+        return None
+    return content_parts(content)
 
 
 def joined_text(parts: list[TextPart | ImageURLPart]) -> str:

@@ -26,6 +26,7 @@ from morion.server.image_parts import (
     ImageURL,
     ImageURLPart,
     TextPart,
+    content_parts,
     image_content_parts,
     joined_text,
     template_parts,
@@ -145,9 +146,10 @@ class ChatMessage(_Body):
     @model_validator(mode="wrap")
     @classmethod
     def _keep_image_parts(cls, data: Any, handler: Any) -> ChatMessage:
-        parts = image_content_parts(data)
-        message = handler(data if parts is None else {**data, "content": joined_text(parts)})
-        message._parts = parts
+        message = handler(data)  # `_join_text_parts` checks every part first
+        message._parts = image_content_parts(data)
+        if message._parts is not None and message.role != "user":
+            raise ValueError(f"content: image parts are only accepted in user messages, not {message.role!r}")
         return message
 
     @property
@@ -160,19 +162,8 @@ class ChatMessage(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts = []
-        for part in value:
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
-                raise ValueError(
-                    'content parts must be {"type": "text", "text": "..."} or {"type": "image_url", '
-                    '"image_url": {"url": "data:..."}}'
-                )
-            texts.append(part["text"])
-        return "".join(texts)
+        """Text parts joined into one string (the text of a message with images: `_parts` keeps them)."""
+        return joined_text(content_parts(value)) if isinstance(value, list) else value
 
     def for_template(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".

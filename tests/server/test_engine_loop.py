@@ -28,7 +28,7 @@ class StubEngine:
         self.device = torch.device("cpu")
         self.speculative = None
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, images=()):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if request_id == "explodes":
