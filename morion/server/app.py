@@ -119,10 +119,11 @@ class ServerContext:
     async def render_chat_with_images(
         self, body: ChatCompletionRequest, info: EngineInfo
     ) -> tuple[RenderedChat, list[PreparedImage]]:
-        """The prompt with its images' tokens in place of their placeholders (server/chat_images.py)."""
-        rendered = self.render_chat_request(body)
+        """The prompt with its images' tokens in place of their placeholders (server/chat_images.py). The
+        images come first: a model that takes none refuses them before its template sees them."""
         local_media = self.options.allowed_local_media_path
         images = await chat_images(body, info, None if local_media is None else Path(local_media))
+        rendered = self.render_chat_request(body)
         return with_image_tokens(rendered, images, info), images
 
     def ready_info(self) -> EngineInfo:
