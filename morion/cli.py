@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -19,6 +20,28 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# The server's numeric flags: (flag, type, minimum, help).
+_SERVE_NUMBERS = (
+    ("--port", int, 1, "TCP port (default 8000)"),
+    ("--max-request-bytes", int, 1, "request body limit (4 MiB)"),
+    ("--shutdown-timeout", float, 0.0, "seconds in-flight requests get to finish after SIGTERM (30)"),
+    ("--read-timeout", float, 0.001, "seconds a client gets to send a request's headers, then its body (30)"),
+    ("--grammar-timeout", float, 0.001, "seconds one structured-output grammar may take to compile (10)"),
+    ("--grammar-memory-gb", float, 0.001, "memory one grammar's compilation may take (1 GiB)"),
+)
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: "*" or comma-separated origins as browsers send them (scheme://host[:port])."""
+    origins = tuple(part.strip() for part in text.split(",") if part.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise argparse.ArgumentTypeError(
+                f"--allowed-origins takes origins such as https://app.example:8080 (or *), got {origin!r}"
+            )
+    return origins
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -46,16 +69,14 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     add_engine_flags(serve)
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=bounded(int, 1, "--port"), help="TCP port (default 8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    for flag, kind, minimum, help_text in _SERVE_NUMBERS:
+        serve.add_argument(flag, type=bounded(kind, minimum, flag), help=help_text)
     serve.add_argument(
-        "--max-request-bytes", type=bounded(int, 1, "--max-request-bytes"), help="request body limit (4 MiB)"
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=bounded(float, 0.0, "--shutdown-timeout"),
-        help="seconds in-flight requests get to finish after SIGTERM (30)",
+        "--allowed-origins",
+        type=_origins,
+        help="comma-separated browser origins that may call the API, with CORS ('*': any; default: none)",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -132,6 +153,10 @@ _SERVER_FLAGS = (
     "served_model_name",
     "max_request_bytes",
     "shutdown_timeout",
+    "read_timeout",
+    "allowed_origins",
+    "grammar_timeout",
+    "grammar_memory_gb",
     "tool_call_parser",
     "reasoning_parser",
     "log_level",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +27,15 @@ from morion.config import (
 
 
 def bounded(kind: Callable[[str], float], minimum: float, name: str) -> Callable[[str], float]:
-    """An argparse type: a number of `kind` that is at least `minimum`, with one-line errors."""
+    """An argparse type: a finite number of `kind` that is at least `minimum`, with one-line errors."""
 
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {text}")
         return value

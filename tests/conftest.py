@@ -6,6 +6,12 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (scripts/test.sh): each computes on one thread, and so do the processes it
+    # starts, or OpenMP threads of neighbouring workers spin against each other and everything slows
+    # down by orders of magnitude.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch
 
 if not torch.cuda.is_available():

@@ -71,7 +71,10 @@ def list_namespaces(root: str | Path) -> list[NamespaceInfo]:
             match = OBJECT_NAME.match(entry.name)
             if match is None:
                 continue
-            stat = entry.stat()
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed meanwhile
             size += stat.st_size
             newest = stat.st_mtime if newest is None else max(newest, stat.st_mtime)
             if match.group(2) == "page":
@@ -86,7 +89,10 @@ def list_namespaces(root: str | Path) -> list[NamespaceInfo]:
 
 def _payload_bytes(manifest: dict) -> dict[str, int]:
     """Payload bytes of a page ("page") and a snapshot ("snap") object in the namespace."""
-    return {kind: int(size) for kind, size in manifest["payload_bytes"].items()}
+    sizes = {kind: int(size) for kind, size in manifest["payload_bytes"].items()}
+    if any(size <= 0 for size in sizes.values()):
+        raise ValueError("payload sizes must be positive")
+    return sizes
 
 
 def verify(root: str | Path, namespace: str | None = None, remove_bad: bool = False) -> list[VerifyReport]:
@@ -127,9 +133,19 @@ def verify(root: str | Path, namespace: str | None = None, remove_bad: bool = Fa
 def purge(root: str | Path, namespace: str | None = None) -> list[Path]:
     """`morion cache purge`: delete every namespace directory under `root` (or the one whose name starts
     with `namespace`). Only namespace directories are touched. Returns the deleted directories."""
+    paths = _namespace_dirs(Path(root), namespace)
+    links = [path for path in paths if path.is_symlink()]
+    if links:
+        raise MorionError(
+            f"{links[0]} is a symbolic link; nothing was purged (remove the link, or purge the cache "
+            "directory it points to)"
+        )
     removed = []
-    for path in _namespace_dirs(Path(root), namespace):
-        shutil.rmtree(path)
+    for path in paths:
+        try:
+            shutil.rmtree(path)
+        except OSError as error:
+            raise MorionError(f"cannot purge {path}: {error.strerror or error}") from None
         removed.append(path)
     return removed
 
@@ -138,12 +154,22 @@ def describe(info: NamespaceInfo) -> str:
     """One line per namespace, for `morion cache ls`."""
     manifest = info.manifest or {}
     model = manifest.get("model_name", "?")
-    identity = manifest.get("identity", {})
-    dtype = identity.get("model", {}).get("dtype", "?")
-    page_size = identity.get("page_size", "?")
+    dtype = _field(manifest, "identity", "model", "dtype")
+    page_size = _field(manifest, "identity", "page_size")
     state = "no manifest (unused) " if info.manifest is None else ""
     temp = f", {info.temp_files} temp files" if info.temp_files else ""
     return (
         f"{info.namespace}  {state}{model} ({manifest.get('model_type', '?')}, {dtype}, page {page_size})  "
         f"{info.pages} pages + {info.snapshots} snapshots, {info.bytes / 2**20:.1f} MiB{temp}"
     )
+
+
+def _field(manifest: dict, *path: str) -> object:
+    """A nested manifest field, or "?" where the manifest (written by anyone) lacks it or is shaped
+    otherwise."""
+    value: object = manifest
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return "?"
+        value = value[key]
+    return value

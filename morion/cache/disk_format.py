@@ -22,12 +22,14 @@ file is written under a temporary name and renamed into place, so a killed write
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
 import mmap
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -43,6 +45,8 @@ _HEADER = struct.Struct("<8sIIQ16s32s32s")  # magic, version, kind, payload leng
 OBJECT_NAME = re.compile(r"^([0-9a-f]{64})\.(page|snap)$")
 _TMP_NAME = re.compile(r"^\..+\.(\d+)\.\d+\.tmp$")
 _tmp_counter = itertools.count()
+_MAX_MANIFEST_BYTES = 2**20
+_MAX_PID = 2**31 - 1
 
 
 class CorruptObject(Exception):
@@ -102,11 +106,24 @@ def namespace_of(identity: dict) -> str:
 
 
 def read_manifest(namespace_dir: Path) -> dict | None:
-    """The manifest, or None when it is missing or not valid JSON."""
+    """The manifest, or None when it is missing, not a regular file, over 1 MiB, or not a JSON object."""
     try:
-        return json.loads((namespace_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
+        with os.fdopen(open_regular_file(namespace_dir / "manifest.json"), "rb") as file:
+            text = file.read(_MAX_MANIFEST_BYTES + 1)
+        manifest = json.loads(text) if len(text) <= _MAX_MANIFEST_BYTES else None
+    except (OSError, ValueError, RecursionError):
         return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def open_regular_file(path: Path) -> int:
+    """A read-only descriptor of `path`, or OSError when it is not a regular file. Opening never blocks:
+    a FIFO (or a device) put where a cache file belongs would otherwise hang its reader for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 def write_manifest(namespace_dir: Path, manifest: dict) -> None:
@@ -185,7 +202,7 @@ def read_object(path: Path, kind: int, key: bytes, namespace: str, out: np.ndarr
     in the page cache, and O_DIRECT would fetch them from the device again (on the H200 machine's virtual
     disk that made a 64K-token restore read at 0.03 GB/s)."""
     size = object_file_size(out.nbytes)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular_file(path)
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
@@ -225,8 +242,15 @@ def verify_object_file(path: Path, namespace: str, payload_bytes: int) -> str | 
     if match is None:
         return "not an object file name"
     kind = KIND_PAGE if match.group(2) == "page" else KIND_SNAPSHOT
-    out = np.empty(payload_bytes, dtype=np.uint8)
     try:
+        # Checked before the buffer is allocated: the manifest's payload size is anyone's text.
+        status = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(status.st_mode):
+            return "not a regular file"
+        actual = status.st_size
+        if actual != object_file_size(payload_bytes):
+            return f"{actual} bytes, expected {object_file_size(payload_bytes)}"
+        out = np.empty(payload_bytes, dtype=np.uint8)
         read_object(path, kind, bytes.fromhex(match.group(1)), namespace, out)
     except CorruptObject as error:
         return str(error)
@@ -244,6 +268,8 @@ def temp_file_writer_pid(name: str) -> int | None:
 def process_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
+    if not 0 < pid <= _MAX_PID:  # 0 would be our process group; a larger one overflows os.kill
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -124,6 +124,16 @@ class DiskStore:
     # -- opening ---------------------------------------------------------------------------------------------
 
     def _open(self, info: dict, num_threads: int, direct_io: bool) -> None:
+        # Whatever the directory holds, a problem with it skips the tier (loudly); it never stops a start.
+        try:
+            self._open_dir(info, num_threads, direct_io)
+        except OSError as error:
+            self.enabled = False
+            self._index.clear()
+            self.used_bytes = 0
+            self._skip(f"cannot use {self.dir}: {error}")
+
+    def _open_dir(self, info: dict, num_threads: int, direct_io: bool) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -144,7 +154,8 @@ class DiskStore:
             }
             write_manifest(self.dir, manifest)
         elif manifest.get("identity") != self.identity or manifest.get("namespace") != self.namespace:
-            theirs = manifest.get("identity", {})
+            theirs = manifest.get("identity")
+            theirs = theirs if isinstance(theirs, dict) else {}
             ours = self.identity
             differing = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
             self._skip(
@@ -182,9 +193,12 @@ class DiskStore:
                         self.removed_temp_files += 1
                     continue
                 match = OBJECT_NAME.match(entry.name)
-                if match is None:
-                    continue
-                stat = entry.stat()
+                if match is None or not entry.is_file(follow_symlinks=False):
+                    continue  # only regular files are objects: reading a FIFO would block a worker
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed meanwhile
                 kind = KIND_PAGE if match.group(2) == "page" else KIND_SNAPSHOT
                 found.append((stat.st_mtime_ns, (kind, bytes.fromhex(match.group(1))), stat.st_size))
         found.sort(key=lambda item: item[0])

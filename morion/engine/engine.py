@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
 import traceback
@@ -28,7 +29,7 @@ from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_f
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
 from morion.engine.image_batch import ImageChunk, ImageEncoder
-from morion.engine.outputs import PromptLogprob, RequestOutput, StepOutput, Usage
+from morion.engine.outputs import PromptLogprob, RequestOutput, StepOutput, Usage, internal_error
 from morion.engine.request import Request
 from morion.engine.restore_wait import BackendAfterRestores
 from morion.engine.sampler import RequestSampler, SampleResult, sample
@@ -51,6 +52,8 @@ from morion.spec.mtp_graph import MtpDraftGraphs
 from morion.spec.ngram import NgramDrafter
 from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_policy
 from morion.text.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("morion.engine")
 
 _CPU_DEFAULT_KV_GB = 1.0
 _GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
@@ -453,12 +456,10 @@ class Engine:
         return PromptImages(prompt, images, image_token, encoder.processing.merge_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request, "abort")
-        if self.speculative is not None:
-            self.speculative.release(request_id)
+        self._finish(request, "abort")
         return _final_output(request)
 
     def has_unfinished(self) -> bool:
@@ -496,8 +497,7 @@ class Engine:
         if not sampling:
             return outputs
         logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
-        result = sample(logits, [request.sampler for request in sampling])
-        return outputs + [self._append_token(request, i, result) for i, request in enumerate(sampling)]
+        return outputs + self._sample(logits, sampling)
 
     def _forward(
         self, chunks: list[ScheduledChunk], restores: list[Transfer]
@@ -572,6 +572,27 @@ class Engine:
                 top = list(zip(ids[j].tolist(), values[j].tolist(), strict=True)) if top_n else []
                 request.prompt_logprobs[first + offset + 1 + j] = PromptLogprob(chosen[j], ranks[j], top)
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[StepOutput]:
+        """One token for each request (row of `logits`). When the batch's sampling raises, each row is
+        sampled alone, so a request whose own sampling fails (its parameters, its grammar) fails alone
+        and the others get what they get in any batch: a row's token depends only on its own row and
+        generator (engine/sampler.py). The retry draws again: a failure after the draws (while
+        gathering logprobs, say; none is known) would move the other rows' seeded streams on by a draw."""
+        try:
+            result = sample(logits, [request.sampler for request in requests])
+        except Exception as error:
+            logger.warning("sampling a batch of %d failed (%r): sampling each alone", len(requests), error)
+            outputs = []
+            for row, request in enumerate(requests):
+                try:
+                    alone = sample(logits[row : row + 1], [request.sampler])
+                except Exception as own_error:
+                    outputs.append(self._fail(request, own_error))
+                    continue
+                outputs.append(self._append_token(request, 0, alone))
+            return outputs
+        return [self._append_token(request, i, result) for i, request in enumerate(requests)]
+
     def _speculate(self, chunks: list[ScheduledChunk]) -> tuple[list[StepOutput], list[ScheduledChunk]]:
         """Verify forward for the eligible decoding requests (engine/speculative.py); returns its outputs
         and the chunks left for the ordinary forward."""
@@ -593,6 +614,14 @@ class Engine:
         return outputs, [c for c in chunks if id(c.request) not in verified]
 
     def _append_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
+        """Takes the request's sampled token; an error while doing so (its grammar, detokenizer or stop
+        strings) fails this request alone."""
+        try:
+            return self._take_token(request, index, result)
+        except Exception as error:
+            return self._fail(request, error)
+
+    def _take_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
         token_id = result.token_ids[index]
         request.output_token_ids.append(token_id)
         request.sampler.append(token_id)
@@ -625,11 +654,22 @@ class Engine:
         request.text += new_text
         if reason is None:
             return StepOutput(request.request_id, [token_id], new_text, False, None)
+        self._finish(request, reason)
+        return StepOutput(request.request_id, [token_id], new_text, True, _final_output(request))
+
+    def _fail(self, request: Request, error: Exception) -> StepOutput:
+        """Ends `request` with finish_reason "error" after an unexpected error of its own. The traceback goes
+        to the log; the request's error names no internals, only where to look."""
+        logger.error("request %s failed in the engine", request.request_id, exc_info=error)
+        self._finish(request, "error")
+        final = _final_output(request, internal_error(request.request_id))
+        return StepOutput(request.request_id, [], "", True, final)
+
+    def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
-        del self._requests[request.request_id]
+        self._requests.pop(request.request_id, None)
         if self.speculative is not None:
             self.speculative.release(request.request_id)
-        return StepOutput(request.request_id, [token_id], new_text, True, _final_output(request))
 
     # ------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
@@ -679,7 +719,7 @@ def _width_policy(config: EngineConfig) -> WidthPolicy:
     return load_width_policy(config.spec_policy)
 
 
-def _final_output(request: Request) -> RequestOutput:
+def _final_output(request: Request, error: str | None = None) -> RequestOutput:
     wants_logprobs = request.params.logprobs is not None
     return RequestOutput(
         request_id=request.request_id,
@@ -697,6 +737,7 @@ def _final_output(request: Request) -> RequestOutput:
         top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
         prompt_logprobs=request.prompt_logprobs,
         stop_reason=request.stop_reason,
+        error=error,
     )
 
 

@@ -1,8 +1,9 @@
 """Grammar-constrained decoding with xgrammar: compile once, match per request, mask logits per step.
 
-The front end compiles (`GrammarCompilerCache`, in a worker thread, cached by spec) and sends the compiled
-grammar serialized in `SamplingParams.grammar`; the engine only deserializes it (about a millisecond,
-cached by key) and keeps one `GrammarMatcher` per request. Each step, before sampling, the matchers fill
+The server's front end compiles in a child process it can bound (`morion/server/grammar_worker.py`; offline,
+`GrammarCompilerCache` compiles in-process), cached by spec, and sends the compiled grammar serialized in
+`SamplingParams.grammar`; the engine only deserializes it (about a millisecond, cached by key) and keeps
+one `GrammarMatcher` per request, dropped when the request ends. Each step, before sampling, the matchers fill
 one row each of a CPU bitmask, which is applied to the logits on their device (xgrammar's CPU kernel for
 CPU tensors, its Triton kernel for CUDA ones). xgrammar is imported only when a grammar is used.
 """
@@ -23,7 +24,10 @@ if TYPE_CHECKING:
 
     from morion.text.tokenizer import Tokenizer
 
-_CACHE_ENTRIES = 64  # compiled grammars kept per process (schemas repeat across an agent's requests)
+# Compiled grammars kept per process (schemas repeat across an agent's requests), bounded in number and in
+# bytes: one grammar can take hundreds of megabytes.
+_CACHE_ENTRIES = 64
+CACHE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -82,32 +86,43 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerI
     )
 
 
-class _LRU:
-    """A small thread-safe least-recently-used map."""
+class GrammarLRU:
+    """A thread-safe least-recently-used map of grammars, bounded in entries and in their total size."""
 
-    def __init__(self, capacity: int) -> None:
-        self._items: OrderedDict[str, Any] = OrderedDict()
-        self._capacity = capacity
+    def __init__(self, max_entries: int = _CACHE_ENTRIES, max_bytes: int = CACHE_BYTES) -> None:
+        self._items: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self.nbytes = 0
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, key: str) -> Any:
         with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: str, value: Any) -> None:
-        with self._lock:
-            self._items[key] = value
+            item = self._items.get(key)
+            if item is None:
+                return None
             self._items.move_to_end(key)
-            while len(self._items) > self._capacity:
-                self._items.popitem(last=False)
+            return item[0]
+
+    def put(self, key: str, value: Any, nbytes: int) -> None:
+        """Keeps `value` (of `nbytes`) unless it alone is over the byte bound; evicts the oldest."""
+        with self._lock:
+            if key in self._items or nbytes > self._max_bytes:
+                return
+            self._items[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while len(self._items) > self._max_entries or self.nbytes > self._max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.nbytes -= dropped
 
 
 class GrammarCompilerCache:
-    """Compiles `GrammarSpec`s for one tokenizer; thread-safe, so the front end compiles off its event
-    loop. Invalid specs raise `GrammarError`."""
+    """Compiles `GrammarSpec`s for one tokenizer, in this process, with no bound on the time or memory a
+    compilation takes (offline use; the server compiles in `grammar_worker`). Thread-safe. Invalid specs
+    raise `GrammarError`."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_threads: int = 1) -> None:
         import xgrammar
@@ -115,33 +130,34 @@ class GrammarCompilerCache:
         self._compiler = xgrammar.GrammarCompiler(
             tokenizer_info(tokenizer, vocab_size), max_threads=max_threads, cache_enabled=False
         )
-        self._compiled = _LRU(_CACHE_ENTRIES)
+        self._compiled = GrammarLRU()
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         key = spec.key
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = CompiledGrammar(key, self._compile(spec).serialize_json())
-            self._compiled.put(key, compiled)
+            compiled = CompiledGrammar(key, compile_spec(self._compiler, spec).serialize_json())
+            self._compiled.put(key, compiled, len(compiled.serialized))
         return compiled
 
-    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        compiler = self._compiler
-        try:
-            if spec.kind == "json_schema":
-                # Compact separators and no free whitespace: small models otherwise emit newlines forever.
-                return compiler.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.source)
-            if spec.kind == "ebnf":
-                return compiler.compile_grammar(spec.source)
-            if spec.kind == "structural_tag":
-                return compiler.compile_structural_tag(spec.source)
-        except (RuntimeError, ValueError) as error:  # xgrammar's parse errors (pydantic's for tags)
-            raise GrammarError(_clean_message(error)) from None
-        raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+def compile_spec(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+    """`spec` compiled by `compiler`; an invalid schema, regex or grammar raises `GrammarError`."""
+    try:
+        if spec.kind == "json_schema":
+            # Compact separators and no free whitespace: small models otherwise emit newlines forever.
+            return compiler.compile_json_schema(spec.source, any_whitespace=False)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.source)
+        if spec.kind == "ebnf":
+            return compiler.compile_grammar(spec.source)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.source)
+    except (RuntimeError, ValueError) as error:  # xgrammar's parse errors (pydantic's for tags)
+        raise GrammarError(_clean_message(error)) from None
+    raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
 def _clean_message(error: Exception) -> str:
@@ -160,7 +176,7 @@ class GrammarRuntime:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._info: xgrammar.TokenizerInfo | None = None
-        self._grammars = _LRU(_CACHE_ENTRIES)
+        self._grammars = GrammarLRU()
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         import xgrammar
@@ -172,7 +188,7 @@ class GrammarRuntime:
         compiled = self._grammars.get(grammar.key)
         if compiled is None:
             compiled = xgrammar.CompiledGrammar.deserialize_json(grammar.serialized, self._info)
-            self._grammars.put(grammar.key, compiled)
+            self._grammars.put(grammar.key, compiled, compiled.memory_size_bytes)
         return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self._vocab_size)
 
 

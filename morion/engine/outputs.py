@@ -38,3 +38,9 @@ class StepOutput(NamedTuple):
     new_text: str
     finished: bool
     final: RequestOutput | None  # set once finished
+
+
+def internal_error(request_id: str) -> str:
+    """What a client is told about an unexpected error on its request: no exception text (it may show
+    paths, shapes or values of other requests), only where the operator finds the traceback."""
+    return f"an internal error; the server log has its traceback (request {request_id})"

@@ -3,8 +3,10 @@
 The front end (morion.server) spawns `run_engine_process` and talks to it over two one-way pipes:
 requests and aborts come in on the inbox, one `EngineOutputs` per step goes out on the outbox. They are
 plain pipes, written and read by the threads that make and use the messages: no I/O thread wakes per
-token to compete with the model's threads for the cores. An unexpected error inside a step fails the
-requests that were in flight (each gets an internal error, HTTP 500) and the loop keeps serving.
+token to compete with the model's threads for the cores. A request whose own sampling or output
+handling raises is failed alone by the engine (`Engine._fail`); an unexpected error of a whole step (the
+forward) fails the requests that were in flight. Either way each gets an internal error (HTTP 500) whose
+text names no internals, the traceback goes to the log, and the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from morion.engine.messages import (
     Shutdown,
     SpecSnapshot,
 )
-from morion.engine.outputs import StepOutput
+from morion.engine.outputs import StepOutput, internal_error
 from morion.engine.speculative import SpeculativeDecoding
 from morion.errors import InvalidRequestError, MorionError
 from morion.logs import show_morion_logs
@@ -71,9 +73,9 @@ class EngineLoop:
             )
         except InvalidRequestError as error:
             return [_error_delta(message.request_id, str(error), internal=False)]
-        except Exception as error:
+        except Exception:
             traceback.print_exc()
-            return [_error_delta(message.request_id, _describe(error), internal=True)]
+            return [_error_delta(message.request_id, internal_error(message.request_id), internal=True)]
         self._wants_logprobs[message.request_id] = message.params.logprobs is not None
         return []
 
@@ -89,9 +91,9 @@ class EngineLoop:
     def step(self) -> list[RequestDelta]:
         try:
             steps = self.engine.step()
-        except Exception as error:
+        except Exception:
             traceback.print_exc()
-            return self._fail_all(_describe(error))
+            return self._fail_all()
         deltas = []
         running = {r.request_id: r for r in self.engine.scheduler.running}
         for step in steps:
@@ -115,6 +117,7 @@ class EngineLoop:
                     "usage": final.usage,
                     "error": final.error,
                     "stop_reason": final.stop_reason,
+                    "internal": final.finish_reason == "error",  # the engine's own failure on this request
                 }
             deltas.append(
                 RequestDelta(
@@ -129,7 +132,7 @@ class EngineLoop:
             )
         return deltas
 
-    def _fail_all(self, reason: str) -> list[RequestDelta]:
+    def _fail_all(self) -> list[RequestDelta]:
         self._prompt_logprobs_sent.clear()
         deltas = []
         for request_id in list(self._wants_logprobs):
@@ -138,7 +141,7 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:
                 traceback.print_exc()  # the engine is in trouble; the integrity check will say how much
-            deltas.append(_error_delta(request_id, reason, internal=True))
+            deltas.append(_error_delta(request_id, internal_error(request_id), internal=True))
         return deltas
 
     # ----------------------------------------------------------------- state
@@ -201,7 +204,8 @@ def _step_logprobs(
         source_logprobs, source_top = request.output_logprobs, request.output_top_logprobs
     if source_logprobs is None or source_top is None:
         return None, None
-    return source_logprobs[-count:], source_top[-count:]
+    start = len(source_logprobs) - count  # not [-count:]: a step that adds no token (count 0) sends none
+    return source_logprobs[start:], source_top[start:]
 
 
 def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:

@@ -222,7 +222,7 @@ def sampling_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> to
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
 
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
         # top_p == 1 must drop nothing, however the fp32 cumulative sum rounds, or a row's result would
         # depend on whether another row in the batch needed this sort.
         top_p = torch.tensor(

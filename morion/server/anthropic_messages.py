@@ -10,6 +10,7 @@ streamed as the API's events, a tool's input as `input_json_delta` pieces. Error
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from morion.server.chat_stream import REASONING, TEXT, TOOL_CALL, BlockEvent, Finished, answer_blocks
 from morion.server.errors import APIError
-from morion.server.protocol import ChatCompletionRequest, parse_body
+from morion.server.protocol import MAX_INT32, ChatCompletionRequest, parse_body
 from morion.server.request_log import note_generation
 from morion.server.sse import respond
 
@@ -40,7 +41,7 @@ _ERROR_TYPES = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class Tool(_Body):
@@ -67,7 +68,7 @@ class MessagesRequest(_Body):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=MAX_INT32)
     stream: bool = False
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -96,7 +97,8 @@ def register_messages_api(api: APIRouter, context: ServerContext) -> None:
             context.ready_info()
             body: CountTokensRequest = await context.read_json(request, CountTokensRequest)
             chat = _chat_request(body, max_tokens=None)
-            return {"input_tokens": len(context.render_chat_request(chat).token_ids)}
+            rendered = await asyncio.to_thread(context.render_chat_request, chat)
+            return {"input_tokens": len(rendered.token_ids)}
         except APIError as error:
             return anthropic_error(error)
 

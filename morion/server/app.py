@@ -1,11 +1,15 @@
 """The FastAPI app: routes, authentication, body limits and error bodies.
 
-Bodies are read and validated by hand (`read_body` + `parse_body`) rather than by FastAPI, so that every
+Bodies are read and validated by hand (`read_json` + `parse_body`) rather than by FastAPI, so that every
 rejection, from an oversized or malformed body to a bad field, is an OpenAI-style error naming the problem.
+Templates, tokenization and grammar compilation run in worker threads (the tokenizer releases the GIL
+for long texts, `Tokenizer.encode`), so that a huge prompt never stalls the event loop and the requests it
+serves. There is no trailing-slash redirect: it would echo the client's Host header back as a Location.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -29,6 +33,7 @@ from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
 from morion.server.errors import APIError, error_body
+from morion.server.http_guards import install_browser_guards
 from morion.server.options import ServeOptions
 from morion.server.parsers.chat_output import ChatOutputParser
 from morion.server.prepare import (
@@ -37,6 +42,7 @@ from morion.server.prepare import (
     chat_echo,
     chat_job,
     check_model,
+    check_vocabulary,
     completion_job,
     render_chat,
 )
@@ -87,14 +93,30 @@ class ServerContext:
 
     def grammars(self, info: EngineInfo) -> GrammarService:
         if self._grammars is None:
-            self._grammars = GrammarService(self.tokenizer, info.vocab_size)
+            options = self.options
+            memory = int(options.grammar_memory_gb * 2**30)
+            self._grammars = GrammarService(self.tokenizer, info.vocab_size, options.grammar_timeout, memory)
         return self._grammars
+
+    async def close(self) -> None:
+        """Stops the engine and the grammar compiler (the lifespan's end)."""
+        if self._grammars is not None:
+            await asyncio.to_thread(self._grammars.close)
+        await self.client.close()
+
+    def stop_at_once(self) -> None:
+        """Kills the engine and grammar processes without waiting (a second signal; signal-handler safe)."""
+        self.client.kill_now()
+        if self._grammars is not None:
+            self._grammars.kill()
 
     async def prepare_chat(self, body: ChatCompletionRequest, info: EngineInfo) -> PreparedChat:
         """A chat request's prompt, grammar and engine job, and how to parse each choice's output (the
-        chat, Responses and Messages endpoints all come through here)."""
+        chat, Responses and Messages endpoints all come through here). The images are read and prepared in a
+        worker thread, then the template, tokenization and the grammar's spec in another, its compilation in
+        the bounded grammar process."""
         rendered, images = await self.render_chat_with_images(body, info)
-        constraint = chat_constraint(body, self.tooling.tool_parser)
+        constraint = await asyncio.to_thread(chat_constraint, body, self.tooling.tool_parser)
         grammar = await self.grammars(info).compile(constraint) if constraint else None
         job = chat_job(body, rendered.token_ids, info, grammar)._replace(images=tuple(images))
 
@@ -123,8 +145,11 @@ class ServerContext:
         images come first: a model that takes none refuses them before its template sees them."""
         local_media = self.options.allowed_local_media_path
         images = await chat_images(body, info, None if local_media is None else Path(local_media))
-        rendered = self.render_chat_request(body)
-        return with_image_tokens(rendered, images, info), images
+
+        def render() -> RenderedChat:  # a worker thread's: templates and tokenization take the CPU
+            return with_image_tokens(self.render_chat_request(body), images, info)
+
+        return await asyncio.to_thread(render), images
 
     def ready_info(self) -> EngineInfo:
         state = self.client.state
@@ -143,6 +168,20 @@ class ServerContext:
         return self.tokenizer
 
     async def read_json(self, request: Request, model: type[Any]) -> Any:
+        """The body, validated as `model`: 413 past --max-request-bytes, 408 when it has not all arrived
+        within --read-timeout seconds, 400 when it is not a valid `model`."""
+        timeout = self.options.read_timeout
+        try:
+            body = await asyncio.wait_for(self._read_body(request), timeout)
+        except asyncio.TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {timeout:g} s (--read-timeout)", code="timeout"
+            ) from None
+        parsed = parse_body(body, model)
+        check_model(getattr(parsed, "model", None), self.served_names)
+        return parsed
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.options.max_request_bytes
         declared = request.headers.get("content-length", "")
         too_large = APIError(
@@ -158,9 +197,7 @@ class ServerContext:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        parsed = parse_body(b"".join(chunks), model)
-        check_model(getattr(parsed, "model", None), self.served_names)
-        return parsed
+        return b"".join(chunks)
 
 
 def create_app(context: ServerContext) -> FastAPI:
@@ -168,12 +205,14 @@ def create_app(context: ServerContext) -> FastAPI:
     async def lifespan(app: FastAPI):
         await context.client.connect(context.on_ready, context.on_fatal)
         yield
-        await context.client.close()
+        await context.close()
 
     app = FastAPI(title="morion", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    # A trailing slash is a 404 with a JSON body, not a bodiless redirect clients do not follow.
+    # A trailing slash is a 404 with a JSON body, not a redirect: clients do not follow it, and its
+    # Location would echo the client's Host header back.
     app.router.redirect_slashes = False
-    app.add_middleware(_RequestCounter, context=context)
+    install_browser_guards(app, context.options.allowed_origins)
+    app.add_middleware(_RequestCounter, context=context)  # outside the guards: counts their refusals too
     if context.options.log_requests:
         app.add_middleware(RequestLogger)
     app.add_exception_handler(APIError, _api_error)
@@ -246,7 +285,7 @@ def create_app(context: ServerContext) -> FastAPI:
         body: CompletionRequest = await context.read_json(request, CompletionRequest)
         constraint = completion_constraint(body)
         grammar = await context.grammars(info).compile(constraint) if constraint else None
-        job = completion_job(body, context.tokenizer, info, grammar)
+        job = await asyncio.to_thread(completion_job, body, context.tokenizer, info, grammar)
         response_format = CompletionFormat(
             _response_id("cmpl"), _model(body, context), context.token_texts, body, job, context.tokenizer
         )
@@ -282,12 +321,15 @@ def create_app(context: ServerContext) -> FastAPI:
             raise APIError(400, "send exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
-            token_ids = render_chat(
-                context.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs
-            ).token_ids
+            template_kwargs = body.chat_template_kwargs
+            rendered = await asyncio.to_thread(
+                render_chat, context.tokenizer, messages, body.add_generation_prompt, template_kwargs
+            )
+            token_ids = rendered.token_ids
         else:
-            token_ids = context.require_tokenizer().encode(
-                body.prompt or "", add_special_tokens=body.add_special_tokens
+            tokenizer = context.require_tokenizer()
+            token_ids = await asyncio.to_thread(
+                tokenizer.encode, body.prompt or "", add_special_tokens=body.add_special_tokens
             )
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
 
@@ -295,12 +337,8 @@ def create_app(context: ServerContext) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, Any]:
         info = context.ready_info()
         body: DetokenizeRequest = await context.read_json(request, DetokenizeRequest)
-        bad = next((t for t in body.tokens if t >= info.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="tokens"
-            )
-        return {"prompt": context.require_tokenizer().decode(body.tokens)}
+        check_vocabulary(body.tokens, info, "tokens")
+        return {"prompt": await asyncio.to_thread(context.require_tokenizer().decode, body.tokens)}
 
     register_responses_api(api, context)
     register_messages_api(api, context)
@@ -345,7 +383,9 @@ def _model(body: Any, context: ServerContext) -> str:
 
 async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, APIError)
-    return JSONResponse(error.body(), status_code=error.status)
+    # Past a body limit or deadline the rest of the body is not read: the connection cannot be reused.
+    headers = {"connection": "close"} if error.status in (408, 413) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
@@ -359,8 +399,11 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
-    logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=error)
-    return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+    # The exception's text stays in the log: it may show paths, values or other requests' data.
+    reference = uuid.uuid4().hex[:12]
+    logger.error("unexpected error %s in %s %s", reference, request.method, request.url.path, exc_info=error)
+    message = f"an internal error; the server log has its traceback (reference {reference})"
+    return JSONResponse(error_body(500, message), status_code=500)
 
 
 class _RequestCounter:

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from morion.engine.outputs import Usage
-from morion.server.engine_client import RequestStream
-from morion.server.errors import APIError
+from morion.server.engine_client import RequestStream, delta_error
 from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
@@ -28,7 +27,7 @@ class BlockEvent(NamedTuple):
 
 
 class Finished(NamedTuple):
-    reason: str  # the engine's: stop, length, abort
+    reason: str  # the engine's: stop or length
     stop_reason: str | int | None  # the stop string or token id that ended it (None: EOS)
     usage: Usage
     called_tools: bool
@@ -72,15 +71,16 @@ class _Blocks:
 async def answer_blocks(
     stream: RequestStream, new_parser: Callable[[], ChatOutputParser | None]
 ) -> AsyncIterator[BlockEvent | Finished]:
-    """The blocks of one engine request's answer; an engine error raises `APIError` (400 or 500)."""
+    """The blocks of one engine request's answer; an engine error or abort raises `APIError` (400, 500 or
+    503: `delta_error`)."""
     parser = new_parser()
     blocks = _Blocks()
     called_tools = False
     async for batch in stream.batches():
         for _, delta in batch:
-            if delta.finish_reason == "error":
-                status = 500 if delta.internal else 400
-                raise APIError(status, delta.error or "the engine failed", code="engine_error")
+            error = delta_error(delta)
+            if error is not None:
+                raise error
             parsed = parser.feed(delta.text) if parser else ParsedDelta("", delta.text, [])
             called_tools = called_tools or bool(parsed.tool_calls)
             for event in blocks.feed(parsed):

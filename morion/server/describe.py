@@ -15,7 +15,7 @@ from typing import Any
 from morion import __version__
 from morion.config import EngineConfig
 from morion.engine.messages import EngineInfo, EngineStats
-from morion.server.options import ServeOptions
+from morion.server.options import MAX_GRAMMAR_SOURCE_BYTES, ServeOptions
 from morion.server.protocol import MAX_N
 
 
@@ -68,7 +68,11 @@ def startup_summary(
         f"= {info.pool_bytes / 2**30:.2f} GiB; {info.pool_tokens} tokens for requests",
         f"  max model len  {info.max_model_len} (model context {info.context_length})",
         f"  requests       body <= {options.max_request_bytes} B, n <= {MAX_N}, "
+        f"headers and body within {options.read_timeout:g} s each, "
         f"SIGTERM drains for up to {options.shutdown_timeout:g} s",
+        f"  grammars       <= {MAX_GRAMMAR_SOURCE_BYTES} B of schema or regex, compiled within "
+        f"{options.grammar_timeout:g} s and {options.grammar_memory_gb:g} GiB",
+        f"  browsers       {_origins_line(options.allowed_origins)}",
     ]
     if not has_tokenizer:
         lines.append(
@@ -81,6 +85,12 @@ def startup_summary(
         lines.append(f"  speculative    {speculative['method']} drafts, {width}")
     lines += [f"  auto           {decision}" for decision in automatic_decisions(config, info)]
     return "\n".join(lines)
+
+
+def _origins_line(allowed_origins: tuple[str, ...]) -> str:
+    if not allowed_origins:
+        return "no origin allowed (--allowed-origins)"
+    return "any origin (CORS)" if "*" in allowed_origins else f"CORS for {', '.join(allowed_origins)}"
 
 
 def server_info(
@@ -104,6 +114,11 @@ def server_info(
             "max_request_bytes": options.max_request_bytes,
             "max_n": MAX_N,
             "shutdown_timeout": options.shutdown_timeout,
+            "read_timeout": options.read_timeout,
+            "allowed_origins": list(options.allowed_origins),
+            "grammar_timeout": options.grammar_timeout,
+            "grammar_memory_gb": options.grammar_memory_gb,
+            "max_grammar_source_bytes": MAX_GRAMMAR_SOURCE_BYTES,
             "profile": options.profile,
         },
         "features": {**(features or {}), "speculative": speculative_feature(options.engine)},

@@ -33,12 +33,28 @@ from morion.engine.messages import (
 from morion.engine.sampling_params import SamplingParams
 from morion.multimodal.image_decode import PreparedImage
 from morion.server.engine_spawn import EngineProcess
+from morion.server.errors import APIError
 from morion.server.metrics import ServerMetrics
 
 # Client-side states; /health is 200 only in READY.
 LOADING, READY, DRAINING, STOPPED, FAILED = "loading", "ready", "draining", "stopped", "failed"
 
 Batch = list[tuple[int, RequestDelta]]  # (choice index, delta) pairs of one engine step
+
+
+def delta_error(delta: RequestDelta) -> APIError | None:
+    """What the client is told when its engine request ended without an answer, else None: 400 (the engine
+    refused the request), 500 (the engine failed on it) or 503 (the server aborted it while shutting down;
+    "abort" is no OpenAI finish_reason, and a cut answer must not look like a finished one)."""
+    if delta.finish_reason == "abort":
+        return APIError(
+            503, "the server is shutting down and stopped this request before it finished", code="aborted"
+        )
+    if delta.finish_reason != "error":
+        return None
+    if delta.internal:
+        return APIError(500, f"the engine failed on this request: {delta.error}", code="engine_error")
+    return APIError(400, delta.error or "the engine rejected the request")
 
 
 class RequestStream:
@@ -158,7 +174,7 @@ class EngineClient:
             self._evictions.pop(reply_id, None)
 
     def abort_all(self) -> None:
-        """Ends every open stream's requests; each stream then sees finish_reason "abort"."""
+        """Ends every open stream's requests; each stream then ends with a 503 error (serving.py)."""
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
 
@@ -242,6 +258,13 @@ class EngineClient:
         self._on_fatal(error)
 
     # --------------------------------------------------------------- shutdown
+    def kill_now(self) -> None:
+        """Kills the engine without waiting or reaping (a forced exit; callable from a signal handler). Its
+        requests get no last delta: the process is about to end with their connections."""
+        self.state = STOPPED  # its exit is expected: no "exited unexpectedly" failure
+        if self._process is not None:
+            self._process.kill()  # SIGKILL; returns at once
+
     async def close(self, timeout: float = 10.0) -> None:
         """Stops the engine (it aborts what is left), waits up to `timeout` s, then kills it."""
         previous, self.state = self.state, STOPPED

@@ -11,7 +11,9 @@ ids and answers with `token_ids`; text prompts and chat get a 400 that says why.
 
 Shutdown: the first SIGTERM or SIGINT stops admission (/health 503, new completions 503), lets in-flight
 requests finish for up to `shutdown_timeout` seconds, aborts the rest, then stops uvicorn and the engine
-and exits 0. A second signal exits at once.
+and exits 0. A second signal kills the engine and grammar processes and ends the front end at once, by
+that signal: waiting for anything (uvicorn's connections, the engine, which ignores SIGTERM, or Python's
+exit-time join of its children) is what a second signal is sent to cut short.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
@@ -38,6 +41,7 @@ from morion.server.options import ServeOptions
 
 if TYPE_CHECKING:
     from morion.engine.messages import EngineInfo
+    from morion.server.app import ServerContext
     from morion.server.engine_client import EngineClient
 
 _ABORT_GRACE_S = 2.0  # after aborting what outlived the drain, how long its streams get to end
@@ -80,10 +84,13 @@ def serve(options: ServeOptions) -> None:
     try:
         # The front end's own imports (fastapi, its request models, torch through the engine's messages)
         # run here, while the engine loads: before the spawn they delayed it by seconds.
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
         from morion.loader.tokenizer_loader import load_tokenizer
         from morion.server.app import ServerContext, create_app
         from morion.server.describe import startup_summary
         from morion.server.engine_client import EngineClient
+        from morion.server.http_guards import with_header_deadline
 
         client = EngineClient(options.engine)
         client.attach(engine)
@@ -106,11 +113,12 @@ def serve(options: ServeOptions) -> None:
         create_app(context),
         host=options.host,
         port=options.port,
+        http=with_header_deadline(AutoHTTPProtocol, options.read_timeout),
         access_log=False,  # a log line per request costs more than a token; /metrics counts requests
         timeout_graceful_shutdown=5,
         log_level=options.log_level,
     )
-    server = _DrainingServer(config, client, options.shutdown_timeout)
+    server = _DrainingServer(config, context, options.shutdown_timeout)
     server.run()
     if fatal:
         raise MorionError(fatal[0])
@@ -126,11 +134,13 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, client: EngineClient, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, context: ServerContext, drain_timeout: float) -> None:
         super().__init__(config)
-        self._client = client
+        self._context = context
+        self._client = context.client
         self._drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
         self._draining: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:  # type: ignore[override]
@@ -139,11 +149,24 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
-        # process with the signal's status; a drained shutdown exits 0 instead. A second signal forces.
-        if self._loop is None or self._draining is not None:
-            self.should_exit = self.force_exit = True
-            return
+        # process with the signal's status; a drained shutdown exits 0 instead.
+        if self._loop is None or self._signalled:
+            self._stop_at_once(sig)
+        self._signalled = True
         self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _stop_at_once(self, sig: int) -> NoReturn:
+        print(
+            f"morion serve: {signal.Signals(sig).name} again: stopping at once, "
+            f"{len(self._client.open_streams)} request(s) cut off",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._context.stop_at_once()
+        sys.stdout.flush()
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)  # ends the process as the signal does by default
+        os._exit(128 + sig)  # for a signal whose default action is not to end the process
 
     def _start_drain(self) -> None:
         if self._draining is None:

@@ -9,6 +9,9 @@ from morion.config import EngineConfig
 from morion.errors import MorionError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# The largest schema, regex or forced-tools grammar (its JSON text) a request may ask to compile; time and
+# memory are bounded by the compiler process too (`grammar_worker.py`).
+MAX_GRAMMAR_SOURCE_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,10 @@ class ServeOptions:
     served_model_name: str | None = None  # None: the known model's name, or the file / directory name
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    read_timeout: float = 30.0  # seconds a client gets to send a request's headers, and then its body
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); "*": any
+    grammar_timeout: float = 10.0  # seconds one grammar (schema, regex, forced tools) may take to compile
+    grammar_memory_gb: float = 1.0  # memory one grammar's compilation may take
     tool_call_parser: str | None = None  # None: from the chat template (see server/chat_tools.py)
     reasoning_parser: str | None = None  # None: no reasoning split
     profile: str | None = None  # the --config file, reported in the startup summary

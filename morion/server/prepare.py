@@ -118,6 +118,7 @@ def chat_job(
 ) -> EngineJob:
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    check_vocabulary(request.stop_token_ids or (), info, "stop_token_ids")
     check_prompt_fits(prompt, info, "messages")
     if request.max_completion_tokens is not None:
         requested, name = request.max_completion_tokens, "max_completion_tokens"
@@ -137,6 +138,7 @@ def completion_job(
 ) -> EngineJob:
     """`request.candidates` engine requests per prompt (best_of, else n). With best_of, every candidate
     reports its tokens' logprobs, by which the best n are chosen (responses.py)."""
+    check_vocabulary(request.stop_token_ids or (), info, "stop_token_ids")
     prompts = [completion_prompt(p, tokenizer, info, request.suffix) for p in request.prompt]
     logprobs = request.logprobs
     if logprobs is None and request.candidates > request.n:
@@ -194,13 +196,15 @@ def completion_prompt(
             raise APIError(400, "the prompt is empty", param="prompt")
     else:
         token_ids = prompt
-        bad = next((t for t in token_ids if t >= info.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt"
-            )
+        check_vocabulary(token_ids, info, "prompt")
     check_prompt_fits(token_ids, info, "prompt")
     return token_ids
+
+
+def check_vocabulary(token_ids: Sequence[int], info: EngineInfo, param: str) -> None:
+    bad = next((t for t in token_ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param)
 
 
 def check_prompt_fits(prompt: list[int], info: EngineInfo, param: str) -> None:

@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -36,13 +37,16 @@ MAX_N = 16  # choices per request; each is its own engine request
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 64  # engine requests one HTTP request may start: n x prompts
 _MAX_SEED = 2**64 - 1
+MAX_INT32 = 2**31 - 1  # top_k and token ids: anything larger is a client bug, never a meaning
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # allow_inf_nan=False: JSON text may spell Infinity, NaN or 1e400, and no field means anything by them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # Extensions of other OpenAI-compatible servers (vLLM, SGLang) that change the output and that morion
@@ -214,11 +218,11 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # morion (and vLLM) extensions
-    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # 0 or -1: off; above the vocabulary: all
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     echo: bool = False  # completions: the prompt before the answer; chat: the last assistant message
     # vLLM extensions: the prompt's token ids and each choice's token ids in the response; logprobs of
@@ -239,8 +243,8 @@ class SamplingFields(_Body):
     @classmethod
     def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not (token.isascii() and token.isdigit() and len(token) <= 10 and int(token) <= MAX_INT32):
+                raise ValueError(f"keys must be token ids, got {_short(token)}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
         return value
@@ -351,15 +355,24 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_count(cls, value: list[str | list[int]]) -> list[str | list[int]]:
+    def _prompt_count(cls, value: list[str | list[int]], info: ValidationInfo) -> list[str | list[int]]:
         if len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
+        n = info.data.get("n", 1)  # validated before prompt (declared first); absent when it was invalid
+        if n * len(value) > MAX_CHOICES:
+            raise ValueError(f"n x prompts may be at most {MAX_CHOICES}, got {n} x {len(value)}")
         return value
 
     def check(self) -> None:
         super().check()
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.candidates * len(self.prompt) > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"best_of x prompts may be at most {MAX_CHOICES}, got {self.candidates} x {len(self.prompt)}",
+                param="best_of",
+            )
         if self.stream and self.best_of not in (None, self.n):
             raise APIError(400, "best_of cannot be used with stream", param="best_of")
         if self.suffix and self.echo:
@@ -384,7 +397,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_INT32)]]
 
 
 def _is_token_id(value: Any) -> bool:
@@ -407,7 +420,7 @@ def _as_api_error(error: ValidationError) -> APIError:
     first = error.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
-    if first["type"] == "model_type":
+    if first["type"] == "model_type" and not first["loc"]:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     param = _param_path(first["loc"])
     message = first["msg"].removeprefix("Value error, ")
@@ -415,6 +428,8 @@ def _as_api_error(error: ValidationError) -> APIError:
         message = "this field is required"
     elif "input" in first and first["type"] not in ("value_error",):
         message += f" (got {_short(first['input'])})"
+    if not param:  # a rule across fields (a model validator) has no one field to name
+        return APIError(400, message)
     return APIError(400, f"{param}: {message}", param=param)
 
 

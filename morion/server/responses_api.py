@@ -35,7 +35,7 @@ _UNSUPPORTED = ("background", "prompt", "conversation")  # would change what is 
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class FunctionTool(_Body):

@@ -3,6 +3,8 @@
 Both paths consume the same `RequestStream` batches (one per engine step). A request that fails in the
 engine ends a stream with an OpenAI-style error event, or answers non-streaming with 400 (the request was
 invalid) or 500 (the engine failed); either way its other choices are aborted and the server keeps going.
+A request the server aborts (the shutdown drain ran out of time) ends the same way, with a 503 error:
+"abort" is no OpenAI finish_reason, and a cut answer must not look like a finished one.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from morion.engine.messages import RequestDelta
-from morion.server.engine_client import EngineClient, RequestStream
-from morion.server.errors import APIError
+from morion.server.engine_client import EngineClient, RequestStream, delta_error
 from morion.server.prepare import EngineJob
 from morion.server.request_log import note_generation
 from morion.server.responses import ResponseFormat, UsageTotals
@@ -46,20 +46,15 @@ async def run_job(
     return JSONResponse(body)
 
 
-def _error(delta: RequestDelta) -> APIError:
-    if delta.internal:
-        return APIError(500, f"the engine failed on this request: {delta.error}", code="engine_error")
-    return APIError(400, delta.error or "the engine rejected the request")
-
-
 async def _collect(
     stream: RequestStream, response_format: ResponseFormat, usage: UsageTotals
 ) -> dict[str, Any]:
     choices = [response_format.new_choice() for _ in stream.request_ids]
     async for batch in stream.batches():
         for index, delta in batch:
-            if delta.finish_reason == "error":
-                raise _error(delta)
+            error = delta_error(delta)
+            if error is not None:
+                raise error
             choice = choices[index]
             choice.record(delta)
             response_format.collect(index, delta, choice)
@@ -80,8 +75,9 @@ async def _events(
     async for batch in stream.batches():
         events = []
         for index, delta in batch:
-            if delta.finish_reason == "error":
-                yield sse_event(_error(delta).body())
+            error = delta_error(delta)
+            if error is not None:
+                yield sse_event(error.body())
                 return
             choice = choices[index]
             choice.record(delta)

@@ -49,6 +49,8 @@ async def unless_client_leaves(request: Request, work: Awaitable[T], on_close: C
         if not task.done():
             task.cancel()
         on_close()
+        # A cancelled task is done only once it has run again: settle both before reading either.
+        await asyncio.gather(task, disconnect, return_exceptions=True)
     if task.cancelled():
         raise ClientGone
     return task.result()

@@ -1,25 +1,32 @@
 """Structured output: which grammar a request is constrained to, compiled off the event loop.
 
-`response_format` (`json_object`, `json_schema`; chat), the extensions other servers take (SGLang's
-`regex` and `ebnf`, vLLM's `structured_outputs` with `json` / `regex` / `choice` / `grammar` /
-`json_object`, and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`), and forced
-tool calls (`tool_choice: "required"` or a named function: the tool parser's own call syntax, so that even
-a tiny model writes a call the parser reads) become one `GrammarSpec`; a worker thread compiles it with a
-cache keyed by the spec, and the engine receives the compiled grammar. Grammars are xgrammar's EBNF.
+`response_format` (`json_object`, `json_schema`; chat, and the Responses API's `text.format`), the
+extensions other servers take (SGLang's `regex` and `ebnf`, vLLM's `structured_outputs` with `json` /
+`regex` / `choice` / `grammar` / `json_object`, and its older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`), and forced tool calls (`tool_choice: "required"` or a named function,
+also the Messages API's `any` and `tool`: the tool parser's own call syntax, so that even a tiny model
+writes a call the parser reads) become one `GrammarSpec`. Whatever its source, a child process compiles
+it, bounded in source size, time, memory and result size (`grammar_worker.py`), with a cache keyed by the
+spec, and the engine receives the compiled grammar. A grammar past a bound is a 400 naming the field.
+Grammars are xgrammar's EBNF.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from morion.engine.grammar import CompiledGrammar, GrammarCompilerCache, GrammarError, GrammarSpec
+from morion.engine.grammar import CompiledGrammar, GrammarError, GrammarLRU, GrammarSpec, tokenizer_info
 from morion.server.errors import APIError
+from morion.server.grammar_worker import GrammarWorker
+from morion.server.options import MAX_GRAMMAR_SOURCE_BYTES
 from morion.server.parsers.tool_calls import ToolCallParser
 from morion.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from morion.text.tokenizer import Tokenizer
+
+_MAX_WAITING = 16  # compilations queued behind the one running; more are refused (503) until some finish
 
 
 class Constraint(NamedTuple):
@@ -141,28 +148,67 @@ def _forced_tool_calls(request: ChatCompletionRequest, tool_parser: type[ToolCal
 
 
 class GrammarService:
-    """The front end's grammar compiler: built on first use (importing xgrammar takes about a second),
-    compiling in a worker thread so that the event loop keeps serving."""
+    """The front end's grammars: a spec's source is bounded (`MAX_GRAMMAR_SOURCE_BYTES`), compiled by the
+    bounded child process of `grammar_worker.py` (started on first use: importing xgrammar takes about a
+    second) from a thread of its own, so that the event loop keeps serving and a slow compilation holds no
+    thread other work needs, and cached by spec, bounded in entries and bytes."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, vocab_size: int, timeout_s: float, memory_bytes: int
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._cache: GrammarCompilerCache | None = None
-        self._lock = threading.Lock()
+        self._timeout_s = timeout_s
+        self._memory_bytes = memory_bytes
+        self._worker: GrammarWorker | None = None
+        self._cache = GrammarLRU()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morion-grammar")
+        self._waiting = 0
 
     async def compile(self, constraint: Constraint) -> CompiledGrammar:
+        param = constraint.param
         if self._tokenizer is None:
+            raise APIError(400, "structured output needs a tokenizer, and this model has none", param)
+        size = len(constraint.spec.source.encode())
+        if size > MAX_GRAMMAR_SOURCE_BYTES:
             raise APIError(
-                400, "structured output needs a tokenizer, and this model has none", constraint.param
+                400, f"{param}: {size} bytes, over the limit of {MAX_GRAMMAR_SOURCE_BYTES} bytes", param=param
             )
+        compiled = self._cache.get(constraint.spec.key)
+        if compiled is not None:
+            return compiled
+        if self._waiting >= _MAX_WAITING:
+            raise APIError(503, "too many grammars are waiting to be compiled; retry shortly", code="busy")
+        self._waiting += 1
         try:
-            return await asyncio.to_thread(self._compile, constraint.spec)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._compile, constraint.spec)
         except GrammarError as error:
-            raise APIError(400, f"{constraint.param}: {error}", param=constraint.param) from None
+            raise APIError(400, f"{param}: {error}", param=param) from None
+        finally:
+            self._waiting -= 1
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        with self._lock:
-            if self._cache is None:
-                assert self._tokenizer is not None
-                self._cache = GrammarCompilerCache(self._tokenizer, self._vocab_size)
-        return self._cache.compile(spec)
+        compiled = self._cache.get(spec.key)  # an earlier request in the queue may have compiled it
+        if compiled is not None:
+            return compiled
+        if self._worker is None:
+            assert self._tokenizer is not None
+            info = tokenizer_info(self._tokenizer, self._vocab_size).serialize_json()
+            self._worker = GrammarWorker(info, self._timeout_s, self._memory_bytes)
+        compiled = CompiledGrammar(spec.key, self._worker.compile(spec))
+        self._cache.put(spec.key, compiled, len(compiled.serialized))
+        return compiled
+
+    def close(self) -> None:
+        """Stops the compiler child; a compilation in progress fails at once."""
+        if self._worker is not None:
+            self._worker.kill()  # the waiting thread sees the pipe close and returns
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.close()
+
+    def kill(self) -> None:
+        """Kills the compiler child at once (a forced exit)."""
+        if self._worker is not None:
+            self._worker.kill()

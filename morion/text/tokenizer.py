@@ -9,6 +9,11 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from morion.text.chat_template import ChatTemplate
 
+# Texts this long are encoded with the GIL released. Shorter ones take the plain call: it is a few
+# microseconds cheaper, and the batch call starts the tokenizers library's thread pool, after which a fork
+# prints a warning.
+_GIL_FREE_FROM_CHARS = 16384
+
 
 class Tokenizer:
     def __init__(
@@ -30,7 +35,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _GIL_FREE_FROM_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode` holds the GIL throughout (seconds for megabytes); the batch call releases it, so a
+        # server thread tokenizing a huge prompt leaves the event loop running.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

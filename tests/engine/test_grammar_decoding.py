@@ -9,7 +9,13 @@ import re
 import pytest
 import torch
 
-from morion.engine.grammar import GrammarCompilerCache, GrammarError, GrammarSpec, apply_grammar_masks
+from morion.engine.grammar import (
+    GrammarCompilerCache,
+    GrammarError,
+    GrammarLRU,
+    GrammarSpec,
+    apply_grammar_masks,
+)
 from morion.engine.sampling_params import SamplingParams
 from morion.llm import LLM
 
@@ -73,3 +79,19 @@ def test_mask_touches_only_constrained_rows(llm, compiler) -> None:
     assert torch.isfinite(scores[0]).all()
     allowed = torch.isfinite(scores[1]).nonzero().flatten().tolist()
     assert [llm.tokenizer.decode([t]) for t in allowed] == ["7"]
+
+
+def test_grammar_caches_are_bounded_in_entries_and_in_bytes():
+    """The compiled grammars a process keeps after their requests end (front end and engine alike): one
+    grammar can take hundreds of megabytes, so a count alone bounds nothing."""
+    cache = GrammarLRU(max_entries=3, max_bytes=100)
+    for key, size in (("a", 40), ("b", 40), ("c", 10)):
+        cache.put(key, key.upper(), size)
+    assert (len(cache), cache.nbytes) == (3, 90)
+    cache.get("a")  # used: now the most recent
+    cache.put("d", "D", 30)  # 120 bytes: the least recently used goes
+    assert cache.get("b") is None and cache.get("a") == "A" and cache.nbytes == 80
+    cache.put("e", "E", 5)  # 4 entries: one more goes
+    assert len(cache) == 3 and cache.get("c") is None
+    cache.put("huge", "H", 101)  # alone over the bound: never kept
+    assert cache.get("huge") is None and cache.nbytes <= 100

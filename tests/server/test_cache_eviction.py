@@ -21,11 +21,11 @@ def test_evicting_the_device_cache_makes_the_next_request_compute_again(server):
     hit_text, hit_cached = _complete(server)
     assert hit_cached > 0 and hit_text == cold_text
     with server.http() as http:
-        reply = http.post("/v1/cache/evict_device")
+        reply = http.post("/v1/cache/evict_device", json={})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["object"] == "cache.eviction" and body["evicted_pages"] >= hit_cached // 16
     again_text, again_cached = _complete(server)
     assert again_cached == 0 and again_text == cold_text
     with server.http(authenticated=False) as http:
-        assert http.post("/v1/cache/evict_device").status_code == 401
+        assert http.post("/v1/cache/evict_device", json={}).status_code == 401

@@ -10,7 +10,7 @@ import torch
 from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import AbortRequest, AddRequest, Shutdown
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
-from morion.engine.process import EngineLoop
+from morion.engine.process import EngineLoop, _step_logprobs
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
 
@@ -84,7 +84,8 @@ def test_an_invalid_request_is_a_client_error_and_an_engine_bug_an_internal_one(
     assert "empty" in invalid.error
     [broken] = loop.handle(AddRequest("explodes", [1], SamplingParams()))
     assert (broken.finish_reason, broken.internal) == ("error", True)
-    assert "boom" in broken.error
+    # The exception's text stays in the log: the client is told where to look, not what broke.
+    assert "boom" not in broken.error and "server log" in broken.error and "explodes" in broken.error
 
 
 def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(loop):
@@ -93,7 +94,8 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(l
     loop.engine.fail_next_step = True
     failed = loop.step()
     assert sorted(d.request_id for d in failed) == ["a", "b"]
-    assert all(d.finish_reason == "error" and d.internal and "kernel" in d.error for d in failed)
+    assert all(d.finish_reason == "error" and d.internal and "server log" in d.error for d in failed)
+    assert not any("kernel" in d.error for d in failed)
     assert not loop.engine.has_unfinished()  # aborted, so their pages went back
     loop.handle(AddRequest("c", [1], SamplingParams(max_tokens=1)))
     [done] = loop.step()
@@ -147,3 +149,13 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     kinds = [kind for kind, _ in sent]
     assert kinds == ["send", "check", "send"]
     assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
+
+
+def test_a_step_without_new_tokens_carries_no_logprobs():
+    """A request that ends (an error, an abort) in a step that added no token sends no logprobs, not the
+    whole answer's again."""
+    running = {
+        "r": SimpleNamespace(output_logprobs=[-0.1, -0.2], output_top_logprobs=[[(1, -0.1)], [(2, -0.2)]])
+    }
+    assert _step_logprobs(StepOutput("r", [], "", False, None), running) == ([], [])
+    assert _step_logprobs(StepOutput("r", [2], "", False, None), running) == ([-0.2], [[(2, -0.2)]])

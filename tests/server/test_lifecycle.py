@@ -35,12 +35,16 @@ def _assert_no_leaked_pages(info: dict) -> None:
     assert load["integrity"] == "ok"
 
 
-def _aborted(server) -> float:
+def _metric(server, series: str) -> float:
     with server.http() as http:
         for line in http.get("/metrics").text.splitlines():
-            if line.startswith('morion_requests_finished_total{reason="abort"}'):
+            if line.startswith(series + " "):
                 return float(line.split()[-1])
     return 0.0
+
+
+def _aborted(server) -> float:
+    return _metric(server, 'morion_requests_finished_total{reason="abort"}')
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
@@ -62,10 +66,17 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
     aborted_before = _aborted(server)
+    closed = 'morion_http_requests_total{endpoint="/v1/completions",status="499"}'
+    closed_before = _metric(server, closed)
+    log_before = len(server.log())
     with server.http(timeout=1.5) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=LONG)
     _assert_no_leaked_pages(_wait_until_idle(server, timeout=30))
     assert _aborted(server) == aborted_before + 1
+    # The request ends as a 499 (client closed request), quietly: it used to log InvalidStateError
+    # tracebacks, and never reached its 499.
+    assert _metric(server, closed) == closed_before + 1
+    assert "Traceback" not in server.log()[log_before:]
 
 
 @pytest.fixture(scope="module")

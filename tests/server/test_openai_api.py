@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from tests.server.conftest import ALLOWED_ORIGIN, MAX_REQUEST_BYTES, READ_TIMEOUT_S
+
 pytestmark = pytest.mark.slow
 
 QUESTIONS = [
@@ -250,7 +252,9 @@ def test_server_info_shows_profile_flags_and_their_precedence(server):
     assert info["capacity"]["max_model_len"] == 2048  # the command line beats the profile's 1024
     assert info["config"]["kv_cache_tokens"] == 8192  # from the profile
     assert info["config"]["chunk_size"] == 512
-    assert info["server"]["max_request_bytes"] == 65536
+    assert info["server"]["max_request_bytes"] == MAX_REQUEST_BYTES
+    assert info["server"]["read_timeout"] == READ_TIMEOUT_S  # the profile sets the new flags too
+    assert info["server"]["allowed_origins"] == [ALLOWED_ORIGIN]
     assert info["config"]["device"] == "cpu" and info["config"]["dtype"] == "float32"
     assert info["server"]["profile"].endswith("serve.toml")
     assert any(d.startswith("dtype: float32") for d in info["decisions"])

@@ -15,11 +15,13 @@ pytestmark = pytest.mark.slow
 
 def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     url, api_key = morion_url
+    # Short bounded settings: one case per suite, short replies; the soak's request bound ends it (its time
+    # bound only guards against a hang). The tools suite's verdicts are graded against the fake server.
     argv = [
-        "validate", "needle", "restore", "soak", "perf", "tools", "--url", url, "--api-key", api_key,
-        "--cases", "single-depth-50,weather", "--needle-lengths", "300",
-        "--soak-clients", "2", "--soak-minutes", "0.5", "--soak-max-requests", "6",
-        "--perf-concurrency", "1,2", "--perf-contexts", "64", "--perf-output-tokens", "8",
+        "validate", "needle", "restore", "soak", "perf", "--url", url, "--api-key", api_key,
+        "--cases", "single-depth-50,fruit-list", "--needle-lengths", "300",
+        "--soak-clients", "2", "--soak-minutes", "5", "--soak-max-requests", "4", "--soak-max-tokens", "8",
+        "--perf-concurrency", "1,2", "--perf-contexts", "64", "--perf-output-tokens", "4",
         "--perf-prefill-lengths", "64", "--perf-repeats", "1", "--out", str(tmp_path),
     ]  # fmt: skip
     status = main(argv)
@@ -27,7 +29,7 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     [path] = tmp_path.glob("*.json")
     result = json.loads(path.read_text())
     suites = result["suites"]
-    assert result["status"] == "complete" and list(suites) == ["needle", "restore", "soak", "perf", "tools"]
+    assert result["status"] == "complete" and list(suites) == ["needle", "restore", "soak", "perf"]
     assert api_key not in path.read_text()
     assert result["server"]["server_info"]["model"]["id"] == "smollm2"
     assert result["provenance"]["git_commit"] and result["provenance"]["command"].startswith(
@@ -44,6 +46,7 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     restore = suites["restore"]
     assert restore["verdict"] == "pass", restore["cases"]
     assert restore["tiers_declared"] == {"host": True, "disk": False}
+    assert [case["id"] for case in restore["cases"]] == ["fruit-list"]
     eviction = restore["events"]["eviction"]
     assert eviction["method"] == "evict_device" and eviction["evicted_pages"] > 0
     for case in restore["cases"]:
@@ -52,7 +55,7 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
 
     soak = suites["soak"]
     assert soak["verdict"] == "pass", soak["reason"]
-    assert soak["figures"]["requests"] == 6 and soak["figures"]["errors"] == 0
+    assert soak["figures"]["requests"] == 4 and soak["figures"]["errors"] == 0
     assert soak["figures"]["idle"]["pages_held"] == 0
     # Both of morion's processes report their resident memory, so the growth bound is checked.
     assert (
@@ -65,11 +68,7 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     assert perf["verdict"] == "pass", perf["reason"]
     assert [p["concurrency"] for p in perf["decode"]] == [1, 2] and perf["prefill"][0]["prompt_tokens"] == 64
 
-    # morion's tool calling may or may not make this small model call tools; either way it is graded or
-    # reported, never an error.
-    assert suites["tools"]["verdict"] in ("pass", "fail", "unsupported")
-    failed = [name for name, suite in suites.items() if suite["verdict"] == "fail"]
-    assert status == (1 if failed else 0) and result["verdict"] == ("fail" if failed else "pass")
+    assert status == 0 and result["verdict"] == "pass"
     report = path.with_suffix(".md").read_text()
     assert "## restore: **pass**" in report and "| single-depth-50 | 300 | 300 |" in report
 
