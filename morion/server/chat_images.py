@@ -41,12 +41,24 @@ async def chat_images(
     processing = info.images.processing
 
     def prepare_all() -> list[PreparedImage]:
-        images = []
+        images, tokens = [], 0
         for param, url in parts:
             try:
-                images.append(prepare_image(read_image_url(url, local_media), processing))
+                image = prepare_image(read_image_url(url, local_media), processing)
             except ImageError as error:
                 raise APIError(400, f"{param}: {error}", param=param) from None
+            images.append(image)
+            # Stop at the first image past the context: a body of many tiny images would otherwise have
+            # every one decoded and upscaled before the prompt's length is checked.
+            tokens += image.num_tokens(processing.merge_size)
+            if tokens >= info.max_model_len:
+                raise APIError(
+                    400,
+                    f"{param}: the images up to this one take {tokens} tokens, but this server's context is "
+                    f"{info.max_model_len} tokens",
+                    param=param,
+                    code="context_length_exceeded",
+                )
         return images
 
     return await asyncio.to_thread(prepare_all)

@@ -138,6 +138,20 @@ def test_bad_image_is_a_400_naming_the_part(vlm_server, case, url, words):
     assert words in error["message"], error
 
 
+def test_images_past_the_context_are_refused_at_the_first_that_does_not_fit(vlm_server):
+    """Each image is decoded only while the images so far fit the context: the 400 names the first one
+    past it, not the last of the request."""
+    with vlm_server.openai() as client:
+        max_model_len = client.models.retrieve(MODEL).model_extra["max_model_len"]
+        first_past = -(-max_model_len // FIRST_TOKENS)  # the image whose tokens reach the context
+        too_many = _messages(*[_data_url(FIRST)] * (first_past + 20))
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=MODEL, messages=too_many, max_tokens=2)
+    error = raised.value.body
+    assert error["code"] == "context_length_exceeded", error
+    assert error["param"] == f"messages[0].content[{first_past}].image_url", error  # content[0] is text
+
+
 def test_image_part_outside_a_user_message_is_refused(vlm_server):
     messages = [
         {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _data_url(FIRST)}}]}
