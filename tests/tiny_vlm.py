@@ -73,9 +73,9 @@ def perturb(reference: torch.nn.Module) -> None:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.2)
 
 
-def build(directory: Path) -> torch.nn.Module:
-    """Saves the tiny model, its processor and tokenizer in `directory`; returns transformers' model."""
-    torch.manual_seed(0)
+def write_without_weights(directory: Path) -> transformers.Qwen4ExpConfig:
+    """Saves the tiny model's config, processor and tokenizer in `directory`: all of it but the weights
+    (which `morion serve --load-format dummy` draws; transformers' modeling code is never imported)."""
     config = transformers.Qwen4ExpConfig(
         text_config=TEXT,
         vision_config=VISION,
@@ -85,12 +85,24 @@ def build(directory: Path) -> torch.nn.Module:
         vision_end_token_id=VISION_END,
         tie_word_embeddings=False,
     )
+    config.save_pretrained(directory)
+    # As Qwen2VLImageProcessorPil.save_pretrained writes it (its other fields at their defaults), without
+    # importing transformers' image processing (3-4 s); the model tests read it with AutoImageProcessor.
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", **PROCESSOR}
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    _write_tokenizer(directory)
+    return config
+
+
+def build(directory: Path) -> torch.nn.Module:
+    """Saves the tiny model with its weights, processor and tokenizer in `directory`; returns
+    transformers' model."""
+    config = write_without_weights(directory)
+    torch.manual_seed(0)
     reference = transformers.Qwen4ExpForConditionalGeneration(config).eval()
     reference.generation_config.eos_token_id = None  # random models: generate every token asked for
     perturb(reference)
     reference.save_pretrained(directory)
-    transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(directory)
-    _write_tokenizer(directory)
     return reference
 
 

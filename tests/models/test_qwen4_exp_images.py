@@ -182,7 +182,7 @@ def _greedy_reference(vlm, prompt: list[int], images: list[PreparedImage], token
     return out[0, len(prompt) :].tolist()
 
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # each at positions past images
 
 
 @pytest.fixture(scope="module")
