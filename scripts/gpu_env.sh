@@ -5,7 +5,7 @@ mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
     # Only where they install (wheels for the GPU box's Python: elsewhere they are not for this one).
     python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target /tmp/morion-site \
-        .whl/*.whl 2> /dev/null && export PYTHONPATH=/tmp/morion-site:$PWD
+        .whl/*.whl 2> /dev/null && export PYTHONPATH=/tmp/morion-site:$PWD PATH=/tmp/morion-site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step() {

@@ -11,7 +11,9 @@
 #            server stops at the end, its disk writes finished;
 #   disk:    a new server on the same disk cache (a restart), and the disk hit of every conversation
 #            (`morion validate restore --restore-resume` of the restore part's results);
-#   perf:    the decode sweep through the server (`morion validate perf`);
+#   perf:    the decode sweep through the server (`morion validate perf`); with QUALIFY_PROFILE_S=N, py-spy
+#            (where installed and allowed to attach) samples the server for its first N seconds into
+#            perf-profile.txt (collapsed stacks per thread);
 #   offline: `morion bench` in-process with the same engine flags, on the same machine;
 #   report:  all of it into results/<date>-<label>.json + .md (python -m morion.validate.qualify): exit 1 on
 #            any wrong answer, too few hits per tier, a failed soak or invalid perf figures;
@@ -48,9 +50,12 @@ case "$model" in
     # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
     # still hold every conversation of restore at its disk step.
     soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
-    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
+    perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
         --perf-prefill-lengths 1024)
-    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024)
+    # --logprobs 0: the server, serving a preset without a tokenizer, is timed through `logprobs: 0`;
+    # the offline engine does the same work (a log-softmax per step), so the ratio compares like with like.
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
+        --logprobs 0)
     ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
@@ -58,9 +63,10 @@ flash-next)
         --cuda-graph-max-batch 8)
     restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
     soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
-    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
+    perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
         --perf-prefill-lengths 1024)
-    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024)
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
+        --logprobs 0)  # as for 80b
     ;;
 cpu-smoke)
     label=cpu-qualify-smoke
@@ -139,8 +145,17 @@ disk_part() {
     return "${PIPESTATUS[0]}"
 }
 
+profile_server() {  # SECONDS: py-spy samples the server's processes (front end, engine) into $out, if it can
+    command -v py-spy > /dev/null || { echo "profile: no py-spy (scripts/gpu_wheels.sh carries it)"; return 0; }
+    py-spy record --pid "$(cat "$out/server.pid")" --subprocesses --threads --nonblocking --rate 250 \
+        --duration "$1" --format raw -o "$out/perf-profile.txt" > "$out/perf-profile.log" 2>&1 ||
+        echo "profile: py-spy could not sample the server: $(tail -2 "$out/perf-profile.log")"
+}
+
 perf_part() {
     server_up "$out/serve-perf.log" || return 1
+    # Optional (QUALIFY_PROFILE_S): a sampled profile of the server while perf runs, beside its figures.
+    [ -n "${QUALIFY_PROFILE_S:-}" ] && profile_server "$QUALIFY_PROFILE_S" &
     python3 -m morion validate perf --url "$url" "${perf[@]}" --label "$label-perf" --out "$out" 2>&1 |
         tee "$out/validate-perf.log"
     return "${PIPESTATUS[0]}"

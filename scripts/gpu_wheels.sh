@@ -8,5 +8,5 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
     gguf==0.19.0 fla-core==0.6.0 einops xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
-    typing-inspection fastapi starlette uvicorn opentelemetry-api
+    typing-inspection fastapi starlette uvicorn opentelemetry-api py-spy
 ls -la .whl

@@ -8,6 +8,7 @@ reached or rejects the key.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from typing import Any
@@ -78,3 +79,28 @@ class Endpoint:
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    def metrics(self) -> dict[str, float] | None:
+        """/metrics as {series: value} (labels kept in the key), or None when the server has none."""
+        try:
+            response = self.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return parse_prometheus(response.text)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            try:
+                samples[match.group(1)] = float(match.group(2))
+            except ValueError:
+                continue
+    return samples

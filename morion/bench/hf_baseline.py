@@ -109,5 +109,8 @@ class HFTarget:
             "weights": "random (from_config)",
         }
 
+    def step_times(self) -> None:
+        return None  # transformers' generate has no engine steps to count
+
     def close(self) -> None:
         del self.model

@@ -18,16 +18,18 @@ from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 
 
 def generate(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int | None = None
 ) -> tuple[list[RequestTiming], list[list[int]]]:
-    """Submits every prompt at once (greedy, EOS ignored, exactly `max_tokens` each) to an idle `engine`
-    and steps it until all have finished: each request's timing and generated ids, in prompt order."""
+    """Submits every prompt at once (greedy, EOS ignored, exactly `max_tokens` each, with `logprobs` as
+    given) to an idle `engine` and steps it until all have finished: each request's timing and generated
+    ids, in prompt order."""
     if engine.has_unfinished():
         raise RuntimeError("the engine has unfinished requests from before this group")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     starts: dict[str, float] = {}
     firsts: dict[str, float] = {}
     lasts: dict[str, float] = {}
@@ -68,16 +70,17 @@ def generate(
 
 
 class EngineTarget:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, logprobs: int | None = None) -> None:
         started = time.perf_counter()
         self.engine: Engine = Engine(config)
         self.build_s = time.perf_counter() - started
         self.config = config
+        self.logprobs = logprobs  # every request's `logprobs` (bench --logprobs)
         self.name = "morion (offline)"
         self.vocab_size: int | None = self.engine.model.config.vocab_size
 
     def run_group(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> GroupResult:
-        timings, _ = generate(self.engine, prompts, max_tokens)
+        timings, _ = generate(self.engine, prompts, max_tokens, self.logprobs)
         return GroupResult(timings)
 
     def run_request(self, prompt: Sequence[int], max_tokens: int) -> tuple[RequestTiming, list[int]]:
@@ -101,6 +104,9 @@ class EngineTarget:
         built = time.perf_counter()
         self.engine = Engine(self.config)
         return closed - started, time.perf_counter() - built
+
+    def step_times(self) -> StepTimes:
+        return self.engine.step_times.snapshot()
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine

@@ -41,6 +41,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--concurrency", default="1,2,4,8", help="decode: concurrent requests (1,2,4,8)")
     work.add_argument("--contexts", default="1024,32768", help="decode: prompt tokens (1024,32768)")
     work.add_argument("--output-tokens", default="1024", help="decode: tokens per request (1024)")
+    work.add_argument(
+        "--logprobs",
+        help="decode: every request also asks for its tokens' logprobs and N alternatives (default: none). "
+        "A server without a tokenizer is timed through `logprobs: 0`: --logprobs 0 gives the offline engine "
+        "the same work",
+    )
     work.add_argument("--repeats", default="3", help="measured runs per point; medians are over these (3)")
     work.add_argument(
         "--warmup-runs", default="1", help="decode: unmeasured runs per point, at most 32 output tokens (1)"
@@ -108,6 +114,7 @@ class BenchOptions:
     concurrency: tuple[int, ...]
     contexts: tuple[int, ...]
     output_tokens: int
+    logprobs: int | None  # decode requests' `logprobs`; None: not asked
     repeats: int
     warmup_runs: int
     max_cell_prompt_tokens: int
@@ -161,6 +168,7 @@ class BenchOptions:
             concurrency=_int_list(args.concurrency, "--concurrency"),
             contexts=_int_list(args.contexts, "--contexts"),
             output_tokens=_number(args.output_tokens, "--output-tokens", int, 1),
+            logprobs=None if args.logprobs is None else _number(args.logprobs, "--logprobs", int, 0),
             repeats=_number(args.repeats, "--repeats", int, 1),
             warmup_runs=_number(args.warmup_runs, "--warmup-runs", int, 0),
             max_cell_prompt_tokens=_number(args.max_cell_prompt_tokens, "--max-cell-prompt-tokens", int, 0),

@@ -24,6 +24,7 @@ import httpx
 
 from morion.bench.endpoint import Endpoint
 from morion.bench.timing import GroupResult, RequestTiming
+from morion.engine.step_timing import StepTimes
 from morion.errors import MorionError
 
 # A fixed vocabulary of common words for text prompts; id i becomes word i mod len (ids stay unique enough:
@@ -53,8 +54,10 @@ class RemoteTarget:
         api_key: str | None,
         timeout_s: float,
         vocab_size: int | None,
+        logprobs: int | None = None,
     ) -> None:
         self.url = url
+        self.logprobs = logprobs  # every request's `logprobs` (bench --logprobs); timing may need 0 anyway
         self.name = f"server at {url}"
         self.vocab_size = vocab_size
         self.endpoint = Endpoint(url, api_key, timeout_s)
@@ -132,7 +135,9 @@ class RemoteTarget:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.token_timing == "logprobs":
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
+        elif self.token_timing == "logprobs":
             body["logprobs"] = 0
         return body
 
@@ -194,6 +199,26 @@ class RemoteTarget:
             "token_timing": self.token_timing,
             "server_info": self.server_info,
         }
+
+    def step_times(self) -> StepTimes | None:
+        """The server engine's step counters from its /metrics (a morion server; None for others)."""
+        samples = self.endpoint.metrics() or {}
+        names = {
+            "decode_steps": 'morion_engine_steps_total{kind="decode"}',
+            "other_steps": 'morion_engine_steps_total{kind="other"}',
+            "decode_seconds": 'morion_engine_step_seconds_total{kind="decode"}',
+            "other_seconds": 'morion_engine_step_seconds_total{kind="other"}',
+            "busy_seconds": "morion_engine_busy_seconds_total",
+        }
+        if not all(series in samples for series in names.values()):
+            return None
+        return StepTimes(
+            decode_steps=int(samples[names["decode_steps"]]),
+            other_steps=int(samples[names["other_steps"]]),
+            decode_seconds=samples[names["decode_seconds"]],
+            other_seconds=samples[names["other_seconds"]],
+            busy_seconds=samples[names["busy_seconds"]],
+        )
 
     def close(self) -> None:
         pass

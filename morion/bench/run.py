@@ -59,7 +59,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
                 f"--concurrency {most} exceeds --max-running-requests {config.max_running_requests}: "
                 "the extra requests would wait, not run concurrently"
             )
-        target = EngineTarget(plain)
+        target = EngineTarget(plain, options.logprobs)
         _check_lengths(options, target.engine.max_model_len, "the engine's max model len")
         if "restore" in options.workloads:
             restore.check_capacity(target.engine, options.restore_length)
@@ -263,7 +263,7 @@ def _remote_target(
     hf_config = roofline.read_hf_config(source) if source else None
     vocab = hf_config.get("vocab_size") if hf_config else None
     target = RemoteTarget(
-        options.url, options.served_model, options.api_key, options.request_timeout_s, vocab
+        options.url, options.served_model, options.api_key, options.request_timeout_s, vocab, options.logprobs
     )
     served = (target.server_info or {}).get("config") or {}
     capacity = (target.server_info or {}).get("capacity") or {}

@@ -13,6 +13,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from morion.engine.step_timing import StepTimes
+
 
 class RequestTiming(NamedTuple):
     prompt_tokens: int
@@ -89,6 +91,11 @@ class Target(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """What the results JSON records about this target."""
+        ...
+
+    def step_times(self) -> StepTimes | None:
+        """The engine's cumulative step counters (engine/step_timing.py), where the target can see them:
+        in-process, or a morion server's /metrics; None elsewhere."""
         ...
 
     def close(self) -> None: ...

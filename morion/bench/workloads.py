@@ -61,14 +61,21 @@ class Workbench:
             )
         runs = []
         for r in range(repeats):
+            before = self.target.step_times()
             group = self._group(
                 f"{label}:decode:{concurrency}:{context}:{r}", concurrency, context, output_tokens
             )
             run = group.sample()
+            after = self.target.step_times() if before is not None else None
+            # The engine's own time per decode step beside the client's: the gap is the serving path.
+            run["engine_steps"] = after.since(before) if after is not None else None
+            run["engine_decode_step_ms"] = (run["engine_steps"] or {}).get("decode_step_ms")
             runs.append(run)
+            engine_ms = run["engine_decode_step_ms"]
             self.say(
                 f"{name}: run {r + 1}/{repeats}: per-request {rate_text(run['per_request_tok_s'])} tok/s, "
                 f"aggregate {rate_text(run['aggregate_tok_s'])} tok/s, TTFT {run['ttft_s'] * 1e3:.0f} ms"
+                + (f", engine decode step {engine_ms:.2f} ms" if engine_ms is not None else "")
             )
         return {
             "engine": label,
@@ -78,7 +85,13 @@ class Workbench:
             "runs": runs,
             "median": {
                 key: median_of(runs, key)
-                for key in ("per_request_tok_s", "step_s", "aggregate_tok_s", "ttft_s")
+                for key in (
+                    "per_request_tok_s",
+                    "step_s",
+                    "aggregate_tok_s",
+                    "ttft_s",
+                    "engine_decode_step_ms",
+                )
             },
             "cached_tokens": sum(run["cached_tokens"] for run in runs),
         }

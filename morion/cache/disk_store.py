@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ RECENCY_SAVE_S = 10.0  # how often the LRU order of touched objects is written i
 _MAX_LOGGED_ERRORS = 5
 
 ObjectId = tuple[int, bytes]  # (kind, key)
+_OBJECT_ID_BYTES = sys.getsizeof((KIND_PAGE, b""))
 
 
 class DiskResult(NamedTuple):
@@ -106,6 +108,7 @@ class DiskStore:
         # -> file size; least recently used first. Writes in flight are in it (so that touches order them)
         # but not visible (`has`) until they are done.
         self._index: OrderedDict[ObjectId, int] = OrderedDict()
+        self._sizes: dict[int, int] = {}  # one int object per distinct size, shared by the index's entries
         self._pins: dict[ObjectId, int] = {}
         self._writing: set[ObjectId] = set()
         self._reserved = 0  # bytes of writes in flight
@@ -203,7 +206,7 @@ class DiskStore:
                 found.append((stat.st_mtime_ns, (kind, bytes.fromhex(match.group(1))), stat.st_size))
         found.sort(key=lambda item: item[0])
         for _, object_id, size in found:
-            self._index[object_id] = size
+            self._index[object_id] = size = self._sizes.setdefault(size, size)
             self.used_bytes += size
         if found:
             self._last_stamp = found[-1][0]
@@ -213,6 +216,12 @@ class DiskStore:
     @property
     def num_objects(self) -> int:
         return len(self._index) - len(self._writing)
+
+    def index_bytes(self) -> int:
+        """The index (cache_memory.py): its table and a (kind, key) pair per object, bounded by the budget.
+        The keys themselves are counted by the host tier, which holds the same key objects for what it
+        wrote; the pins and recency marks are not counted (a leak there must show)."""
+        return sys.getsizeof(self._index) + len(self._index) * _OBJECT_ID_BYTES
 
     def has(self, kind: int, key: bytes) -> bool:
         object_id = (kind, key)
@@ -235,6 +244,7 @@ class DiskStore:
         if not self.enabled or object_id in self._index or object_id in self._writing:
             return False
         size = object_file_size(payload.nbytes)
+        size = self._sizes.setdefault(size, size)
         if self.used_bytes + self._reserved + size > self.budget_bytes:
             self._cleanup(size)
             if self.used_bytes + self._reserved + size > self.budget_bytes:

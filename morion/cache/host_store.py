@@ -9,12 +9,14 @@ fill rows that the engine thread pinned for them.
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from morion.cache.page_keys import KEY_BYTES
 from morion.cache.spec import CacheSpec
 
 _ALIGN = 64  # every part starts 64-byte aligned, so a dtype view of it is always legal (and vectorises)
@@ -82,6 +84,9 @@ class HostEntry:
         self.pins = 0
         self.ready = False
         self.from_disk = False
+
+
+_ENTRY_AND_KEY_BYTES = sys.getsizeof(HostEntry(0)) + sys.getsizeof(bytes(KEY_BYTES))
 
 
 class HostObjectStore:
@@ -165,6 +170,11 @@ class HostObjectStore:
             raise RuntimeError("drop of a host object that others still use")
         del self._entries[key]
         self._free.append(entry.row)
+
+    def index_bytes(self) -> int:
+        """The index (cache_memory.py): its table and, per object, an entry and a page key (row numbers
+        are the free list's own ints). At most `num_rows` objects."""
+        return sys.getsizeof(self._entries) + len(self._entries) * _ENTRY_AND_KEY_BYTES
 
     def row_array(self, entry: HostEntry) -> np.ndarray:
         """The entry's row as a numpy byte array sharing the arena's memory (for disk worker threads)."""

@@ -68,6 +68,9 @@ class PagePool:
         """Device bytes held by the storage tensors."""
         return self._num_pages * self.spec.bytes_per_page
 
+    def storages(self) -> list[torch.Tensor]:
+        return list(self._storage.values())
+
     def storage(self, name: str) -> torch.Tensor:
         """Storage of token component `name`: `[num_layers, num_pages * page_size, *token_shape]`."""
         try:

@@ -132,6 +132,10 @@ class PrefixCache(ABC):
         """State slots the cache owns as snapshots."""
 
     @abstractmethod
+    def index_bytes(self) -> int:
+        """Host memory the index itself holds (cache_memory.py); the K/V and state live in the pools."""
+
+    @abstractmethod
     def check_integrity(
         self, pages_held_by_requests: Iterable[int] = (), slots_held_by_requests: Iterable[int] = ()
     ) -> None:

@@ -2,8 +2,12 @@
 
 Tree invariants (checked by `check_integrity`):
 
-- A non-root node holds a run of whole pages: `len(token_ids) == len(pages) * page_size`, at least one
+- A non-root node holds a run of whole pages: `num_tokens == len(pages) * page_size`, at least one
   page. A parent keys its children by their first page of token ids, so siblings differ in it.
+- Token ids are stored packed, 8 bytes each (uint64, `bytes`): a node costs 8 bytes a token, where a
+  tuple of Python ints cost about 40 (a pointer and an int object per token, ids above 256 not being
+  shared). Bytes compare with memcmp, so matching is faster too, and stays exact. 8, not 4: an image's
+  tokens are keyed by ids above 2**32 derived from its content hash (`multimodal/prompt_images.py`).
 - `ref_count` of a node = its own locks + the sum of its children's `ref_count`: a lock counts on the
   whole path to the root. A node with `ref_count > 0` is never evicted; one with `ref_count == 0` has an
   unlocked subtree, so all its pages are evictable (leaf first).
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -44,11 +50,11 @@ class RadixNode:
         "token_ids",
     )
 
-    def __init__(self, token_ids: tuple[int, ...], pages: list[int], parent: RadixNode | None, node_id: int):
-        self.token_ids = token_ids
+    def __init__(self, token_ids: bytes, pages: list[int], parent: RadixNode | None, node_id: int):
+        self.token_ids = token_ids  # packed uint64, TOKEN_BYTES a token
         self.pages = pages
         self.parent = parent  # None for the root, and for a node after it was evicted
-        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.children: dict[bytes, RadixNode] = {}  # by their first page of packed token ids
         self.ref_count = 0
         self.own_locks = 0
         self.snapshot_slot: int | None = None
@@ -59,6 +65,10 @@ class RadixNode:
     def num_pages(self) -> int:
         return len(self.pages)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // TOKEN_BYTES
+
     def __repr__(self) -> str:
         return (
             f"RadixNode(id={self.node_id}, pages={self.pages}, ref={self.ref_count}, "
@@ -66,13 +76,29 @@ class RadixNode:
         )
 
 
-def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+TOKEN_BYTES = 8
+TOKEN_TYPECODE = "Q"  # array's C unsigned long long: what a request packs its ids as
+_TOKEN_DTYPE = np.dtype(np.uint64)  # native order, as array("Q") packs
+if array(TOKEN_TYPECODE).itemsize != TOKEN_BYTES:
+    raise ImportError("the radix cache packs token ids as C unsigned long long, which is not 8 bytes here")
+
+
+def pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> bytes:
+    """Token ids (and image keys, below 2**64) packed as uint64. An `array("Q")` (what a request keeps,
+    `Request.packed_token_ids`) is packed already: a copy of its bytes."""
+    if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
+        return token_ids.tobytes()
     if isinstance(token_ids, torch.Tensor):
-        return tuple(token_ids.tolist())
-    return tuple(token_ids)
+        values = token_ids.numpy(force=True)
+        if values.size and values.min() < 0:
+            raise OverflowError("token ids must be in [0, 2**64)")
+        return values.astype(_TOKEN_DTYPE).tobytes()
+    return array(
+        TOKEN_TYPECODE, token_ids
+    ).tobytes()  # 3x faster than numpy from a list; OverflowError below 0
 
 
-EvictListener = Callable[[tuple[int, ...], list[int], "int | None"], None]
+EvictListener = Callable[[Sequence[int], list[int], "int | None"], None]
 
 
 class RadixCache(PrefixCache):
@@ -97,7 +123,7 @@ class RadixCache(PrefixCache):
         self.page_size = spec.page_size
         self._node_ids = itertools.count()
         self._clock = 0  # logical time for LRU: bumped once per match/insert
-        self.root = RadixNode((), [], None, next(self._node_ids))
+        self.root = RadixNode(b"", [], None, next(self._node_ids))
         self._cached_pages = 0
         self._evictable_pages = 0
         self._cached_snapshots = 0
@@ -118,8 +144,7 @@ class RadixCache(PrefixCache):
         return self._cached_snapshots
 
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
-        tokens = _as_tokens(token_ids)
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        tokens = pack_tokens(token_ids)
         node, partial_child, partial_pages = self._walk(tokens)
         if self.spec.has_state:
             # Only a node with a snapshot is a valid end; a snapshot is always at a node's end, so no split.
@@ -166,38 +191,40 @@ class RadixCache(PrefixCache):
         snapshot_slot: int | None = None,
     ) -> InsertResult:
         ps = self.page_size
-        tokens = _as_tokens(token_ids)
-        n = len(tokens) // ps * ps
+        tokens = pack_tokens(token_ids)
+        num_tokens = len(tokens) // TOKEN_BYTES
+        n = num_tokens // ps * ps
         if len(pages) < n // ps:
-            raise ValueError(f"{len(tokens)} tokens need {n // ps} full pages, got {len(pages)} pages")
+            raise ValueError(f"{num_tokens} tokens need {n // ps} full pages, got {len(pages)} pages")
         if snapshot_slot is not None:
             if self.state_slots is None:
                 raise ValueError("a snapshot was given but the spec has no state components")
-            if n == 0 or len(tokens) != n:
+            if n == 0 or num_tokens != n:
                 raise ValueError(
-                    f"a snapshot needs a positive page-aligned length, got {len(tokens)} tokens (page {ps})"
+                    f"a snapshot needs a positive page-aligned length, got {num_tokens} tokens (page {ps})"
                 )
             if self.state_slots.is_free(snapshot_slot):
                 raise RuntimeError(f"snapshot slot {snapshot_slot} is free: the caller does not own it")
-        tokens = tokens[:n]
+        page_bytes = ps * TOKEN_BYTES
+        end = n * TOKEN_BYTES
         self._clock += 1
-        node, pos, duplicate_pages = self.root, 0, []
-        while pos < n:
-            child = node.children.get(tokens[pos : pos + ps])
+        node, pos, page, duplicate_pages = self.root, 0, 0, []  # pos in bytes, page = pos // page_bytes
+        while pos < end:
+            child = node.children.get(tokens[pos : pos + page_bytes])
             if child is None:
                 break
-            num_matched = self._matched_pages(child, tokens, pos)
+            num_matched = self._matched_pages(child, tokens, pos, end)
             if num_matched < child.num_pages:
                 # Diverges inside child, or ends there: either way a node must end at this position.
                 child = self._split(child, num_matched)
             # The caller's pages where the cache already has (other) pages: still the caller's to free.
-            mine = pages[pos // ps : pos // ps + num_matched]
+            mine = pages[page : page + num_matched]
             duplicate_pages += [p for p, cached in zip(mine, child.pages, strict=True) if p != cached]
             child.last_access = self._clock
-            node, pos = child, pos + num_matched * ps
-        num_cached_tokens = pos
-        if pos < n:
-            node = self._add_leaf(node, tokens[pos:], list(pages[pos // ps : n // ps]))
+            node, pos, page = child, pos + num_matched * page_bytes, page + num_matched
+        num_cached_tokens = page * ps
+        if pos < end:
+            node = self._add_leaf(node, tokens[pos:end], list(pages[page : n // ps]))
         unused_snapshot_slot = snapshot_slot
         if snapshot_slot is not None and node.snapshot_slot is None:
             node.snapshot_slot = snapshot_slot
@@ -240,12 +267,22 @@ class RadixCache(PrefixCache):
         self._cached_snapshots -= len(victims)
         return len(victims)
 
+    def index_bytes(self) -> int:
+        """The nodes, their packed token ids, page lists and child tables (the page numbers are the pool's
+        own ints): a walk over the nodes, which are few (one per run of pages shared or not)."""
+        total = 0
+        for node in self._nodes():
+            total += sys.getsizeof(node) + sys.getsizeof(node.token_ids) + sys.getsizeof(node.pages)
+            total += sys.getsizeof(node.children) + sum(sys.getsizeof(key) for key in node.children)
+        return total
+
     # -- integrity ----------------------------------------------------------------------------------------
 
     def check_integrity(
         self, pages_held_by_requests: Iterable[int] = (), slots_held_by_requests: Iterable[int] = ()
     ) -> None:
         ps = self.page_size
+        page_bytes = ps * TOKEN_BYTES
         if self.root.pages or self.root.token_ids or self.root.snapshot_slot is not None:
             raise CacheIntegrityError("the root must hold no tokens, pages or snapshot")
         node_pages: dict[str, list[int]] = {}  # by owner ("cache node N"), for the message of a failure
@@ -253,14 +290,13 @@ class RadixCache(PrefixCache):
         evictable = 0
         for node in self._nodes():
             for key, child in node.children.items():
-                if child.parent is not node or child.token_ids[:ps] != key:
+                if child.parent is not node or child.token_ids[:page_bytes] != key:
                     raise CacheIntegrityError(f"{child!r} is linked wrongly under {node!r}")
             if node is self.root:
                 continue
-            if node.num_pages == 0 or len(node.token_ids) != node.num_pages * ps:
-                raise CacheIntegrityError(
-                    f"{node!r} holds {len(node.token_ids)} tokens in {node.num_pages} pages of {ps}"
-                )
+            if node.num_pages == 0 or len(node.token_ids) != node.num_pages * page_bytes:
+                held = f"{len(node.token_ids) / TOKEN_BYTES:g} tokens in {node.num_pages} pages of {ps}"
+                raise CacheIntegrityError(f"{node!r} holds {held}")
             expected_refs = node.own_locks + sum(c.ref_count for c in node.children.values())
             if node.own_locks < 0 or node.ref_count != expected_refs:
                 raise CacheIntegrityError(
@@ -296,53 +332,59 @@ class RadixCache(PrefixCache):
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _walk(self, tokens: tuple[int, ...]) -> tuple[RadixNode, RadixNode | None, int]:
-        """Follow whole pages of `tokens` down the tree. Returns the deepest fully matched node, and the
-        child where the match goes on for some but not all pages (with how many), or (None, 0)."""
-        ps = self.page_size
+    def _walk(self, tokens: bytes) -> tuple[RadixNode, RadixNode | None, int]:
+        """Follow whole pages of `tokens` (packed) down the tree. Returns the deepest fully matched node,
+        and the child where the match goes on for some but not all pages (with how many), or (None, 0)."""
+        page_bytes = self.page_size * TOKEN_BYTES
+        end = len(tokens) // page_bytes * page_bytes
         node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + ps])
+        while pos < end:
+            child = node.children.get(tokens[pos : pos + page_bytes])
             if child is None:
                 break
-            num_matched = self._matched_pages(child, tokens, pos)
+            num_matched = self._matched_pages(child, tokens, pos, end)
             if num_matched < child.num_pages:
                 return node, child, num_matched
-            node, pos = child, pos + num_matched * ps
+            node, pos = child, pos + num_matched * page_bytes
         return node, None, 0
 
-    def _matched_pages(self, node: RadixNode, tokens: tuple[int, ...], pos: int) -> int:
-        """How many leading pages of `node` equal `tokens[pos:]`; at least 1 (its key page matched)."""
-        ps = self.page_size
-        limit = min(node.num_pages, (len(tokens) - pos) // ps)
-        if node.token_ids[: limit * ps] == tokens[pos : pos + limit * ps]:
+    def _matched_pages(self, node: RadixNode, tokens: bytes, pos: int, end: int) -> int:
+        """How many leading pages of `node` equal `tokens[pos:end]` (byte offsets, whole pages); at least
+        1 (its key page matched)."""
+        page_bytes = self.page_size * TOKEN_BYTES
+        limit = min(node.num_pages, (end - pos) // page_bytes)
+        size = limit * page_bytes
+        if limit == node.num_pages:
+            if tokens.startswith(node.token_ids, pos):  # memcmp, no copy
+                return limit
+        elif node.token_ids.startswith(tokens[pos : pos + size]):
             return limit
-        # The fast path failed, so some page before `limit` differs and this loop stops there.
-        start = ps
-        while node.token_ids[start : start + ps] == tokens[pos + start : pos + start + ps]:
-            start += ps
-        return start // ps
+        # Some page before `limit` differs: the first differing byte says which.
+        ours = np.frombuffer(node.token_ids, dtype=np.uint8, count=size)
+        theirs = np.frombuffer(tokens, dtype=np.uint8, count=size, offset=pos)
+        return int(np.argmax(ours != theirs)) // page_bytes
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Split `node` after `num_pages` pages and return the new upper half. `node` keeps the lower half
         with its snapshot, own locks and identity; the upper half carries the same path locks."""
-        ps, cut = self.page_size, num_pages * self.page_size
+        page_bytes = self.page_size * TOKEN_BYTES
+        cut = num_pages * page_bytes
         parent = node.parent
         upper = RadixNode(node.token_ids[:cut], node.pages[:num_pages], parent, next(self._node_ids))
         upper.ref_count = node.ref_count
         upper.last_access = node.last_access
-        parent.children[upper.token_ids[:ps]] = upper
+        parent.children[upper.token_ids[:page_bytes]] = upper
         node.token_ids, node.pages, node.parent = node.token_ids[cut:], node.pages[num_pages:], upper
-        upper.children[node.token_ids[:ps]] = node
+        upper.children[node.token_ids[:page_bytes]] = node
         return upper
 
-    def _add_leaf(self, parent: RadixNode, tokens: tuple[int, ...], pages: list[int]) -> RadixNode:
+    def _add_leaf(self, parent: RadixNode, tokens: bytes, pages: list[int]) -> RadixNode:
         for page in pages:
             if self.page_pool.is_free(page):
                 raise RuntimeError(f"insert of page {page}, which is free: the caller does not own it")
         leaf = RadixNode(tokens, pages, parent, next(self._node_ids))
         leaf.last_access = self._clock
-        parent.children[tokens[: self.page_size]] = leaf
+        parent.children[tokens[: self.page_size * TOKEN_BYTES]] = leaf
         self._cached_pages += len(pages)
         self._evictable_pages += len(pages)
         return leaf
@@ -350,7 +392,7 @@ class RadixCache(PrefixCache):
     def _remove_leaf(self, leaf: RadixNode) -> int:
         if self.evict_listener is not None:
             self.evict_listener(self._prefix_tokens(leaf), leaf.pages, leaf.snapshot_slot)
-        del leaf.parent.children[leaf.token_ids[: self.page_size]]
+        del leaf.parent.children[leaf.token_ids[: self.page_size * TOKEN_BYTES]]
         leaf.parent = None  # marks the handle dead: lock/unlock on it raise
         self.page_pool.free(leaf.pages)
         if leaf.snapshot_slot is not None:
@@ -380,9 +422,9 @@ class RadixCache(PrefixCache):
         path.reverse()
         return path
 
-    def _prefix_tokens(self, node: RadixNode) -> tuple[int, ...]:
-        """Every token from the root to the end of `node`."""
-        return tuple(token for n in self._path(node) for token in n.token_ids)
+    def _prefix_tokens(self, node: RadixNode) -> np.ndarray:
+        """Every token from the root to the end of `node` (uint32)."""
+        return np.frombuffer(b"".join(n.token_ids for n in self._path(node)), dtype=_TOKEN_DTYPE)
 
     def _nodes(self) -> list[RadixNode]:
         nodes, stack = [], [self.root]

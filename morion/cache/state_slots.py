@@ -44,6 +44,9 @@ class StateSlots:
         """Device bytes held by the storage tensors."""
         return self._num_slots * self.spec.bytes_per_slot
 
+    def storages(self) -> list[torch.Tensor]:
+        return list(self._storage.values())
+
     def storage(self, name: str) -> torch.Tensor:
         """The storage tensor of state component `name`: `[num_layers, num_slots, *shape]`."""
         try:

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
 from morion.cache.copy_engine import CopyEngine, Transfer
 from morion.cache.disk_format import KIND_PAGE, KIND_SNAPSHOT
 from morion.cache.disk_store import DiskResult, DiskStore
@@ -454,6 +456,15 @@ class CacheTiers:
             for result in self.disk.close():
                 self._disk_done(result)
         self.refresh_gauges()
+
+    def index_bytes(self) -> int:
+        """The host and disk tiers' indexes (cache_memory.py)."""
+        stores = [self.host] + ([self.snapshots] if self.snapshots is not None else [])
+        total = sum(store.index_bytes() for store in stores)
+        return total + (self.disk.index_bytes() if self.disk is not None else 0)
+
+    def arenas(self) -> list[torch.Tensor]:
+        return [self.host.arena] + ([self.snapshots.arena] if self.snapshots is not None else [])
 
     def check_integrity(self) -> None:
         """Host rows are each in one place; when nothing is in flight, nothing is pinned."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import morion
+from morion.cache.cache_memory import storage_resident_bytes
 from morion.cache.copy_engine import Transfer, make_copy_engine
 from morion.cache.disk_format import config_digest, weights_digest
 from morion.cache.disk_store import open_disk_store
@@ -36,6 +37,7 @@ from morion.engine.sampler import RequestSampler, SampleResult, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk, Scheduler
 from morion.engine.speculative import SpeculativeDecoding
+from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
 from morion.engine.warmup import measure_forward_peak_bytes
 from morion.errors import InvalidRequestError, MorionError
@@ -128,6 +130,7 @@ class Engine:
             self.speculative = SpeculativeDecoding(drafts, policy, spec.has_state, forced_acceptance)
         self.prefix_cache = RadixCache(self.pool, self.state_slots)
         self._cache_stats = CacheStats()
+        self.step_times = StepTimes()  # engine/step_timing.py: where the steps' time goes
         self.tiers = self._build_tiers(spec, loaded) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.prefix_cache,
@@ -247,8 +250,9 @@ class Engine:
         return NgramDrafter()  # config.speculative == "ngram"
 
     def _activation_reserve_bytes(self, spec: CacheSpec) -> int:
-        """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk (it also
-        compiles the prefill kernels), plus a margin for CUDA graphs and allocator fragmentation."""
+        """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk, plus a
+        margin for CUDA graphs and allocator fragmentation; the warm-up compiles the kernels of every
+        shape of forward (engine/warmup.py)."""
         config = self.config
         if self.device.type != "cuda":
             return 0
@@ -256,7 +260,15 @@ class Engine:
             return int(config.activation_reserve_gb * 2**30)
         tokens = min(config.chunk_size, self.model.config.max_position_embeddings)
         started = time.perf_counter()
-        peak = measure_forward_peak_bytes(self.model, spec, tokens, self.device, self.kv_scales)
+        peak = measure_forward_peak_bytes(
+            self.model,
+            spec,
+            tokens,
+            self.device,
+            self.kv_scales,
+            FORWARD_GROUP_MAX_TOKENS,
+            config.max_running_requests,
+        )
         reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
         print(
             f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "
@@ -468,24 +480,33 @@ class Engine:
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
+        outputs, decode = self._step()
+        self.step_times.record(decode, time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> tuple[list[StepOutput], bool]:
+        """One step's outputs, and whether it was a decode step (every scheduled request generating, one
+        token each: engine/step_timing.py)."""
         if self.tiers is not None:
             self.tiers.poll()  # retire finished copies and disk jobs before scheduling
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.waiting and self.tiers is not None and self.tiers.loads_in_flight():
                 self.tiers.poll(_PREFETCH_WAIT_S)  # every waiting request waits for disk: let it come
-                return []
+                return [], False
             if self.scheduler.waiting:
                 raise RuntimeError(
                     "waiting requests but nothing schedulable: the pool cannot hold one request"
                 )
             self.check_integrity()
-            return []
+            return [], False
+        decode = all(c.num_tokens == 1 and c.request.output_token_ids for c in chunks)
         outputs: list[StepOutput] = []
         if self.speculative is not None:
             outputs, chunks = self._speculate(chunks)
             if not chunks:
-                return outputs
+                return outputs, decode
         restores = self.tiers.take_for_forward() if self.tiers is not None else []
         sampling: list[Request] = []
         logit_rows: list[torch.Tensor] = []
@@ -495,9 +516,9 @@ class Engine:
                 sampling += requests
                 logit_rows.append(logits)
         if not sampling:
-            return outputs
+            return outputs, decode
         logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
-        return outputs + self._sample(logits, sampling)
+        return outputs + self._sample(logits, sampling), decode
 
     def _forward(
         self, chunks: list[ScheduledChunk], restores: list[Transfer]
@@ -680,6 +701,16 @@ class Engine:
         )
         if self.tiers is not None:
             self.tiers.check_integrity()
+
+    def cache_memory_bytes(self) -> int:
+        """Host memory its caches hold by design, bounded by their capacity (cache_memory.py): what a
+        soak subtracts from the growth of resident memory before calling the rest a leak."""
+        storages = self.pool.storages() + (self.state_slots.storages() if self.state_slots else [])
+        total = self.prefix_cache.index_bytes()
+        if self.tiers is not None:
+            total += self.tiers.index_bytes()
+            storages += self.tiers.arenas()
+        return total + storage_resident_bytes(storages)
 
     def evict_device_cache(self) -> int:
         """Evicts every page and snapshot of the device prefix cache; returns the number of pages freed.

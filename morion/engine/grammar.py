@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only in annotations: the server's front end imports this module without it
+    import torch
     import xgrammar
 
     from morion.text.tokenizer import Tokenizer

@@ -5,8 +5,11 @@
 A step's metadata (token ids, positions, K/V slots, page tables, lengths, state slots) is a handful of
 arrays of a few hundred bytes each. Copied one by one, each is a driver call of its own, and while the
 device waits for a step's inputs, those calls are the step's critical path. Here they are laid out in
-one host byte buffer, each array at an 8-byte aligned offset (so any integer or float dtype can be
-viewed in place), copied in one transfer, and handed back as device views of it.
+one host byte buffer, each array at a 16-byte aligned offset, copied in one transfer, and handed back as
+device views of it. 16, not the 8 any dtype needs to be viewed in place: Triton specializes a kernel on
+whether each pointer argument is 16-byte aligned, so with 8 a view's alignment would follow the lengths of
+the arrays before it, and a batch of a new shape could bring a variant the warm-up never compiled (a
+compile stalls every running request for seconds; tests/engine/test_engine_gpu.py checks none happens).
 
 For a CUDA device the buffer is page-locked, from torch's caching host allocator: a copy from pageable
 memory may make the driver wait for the stream's earlier work (to stage it), which would stall the host
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_ALIGN = 8
+_ALIGN = 16
 
 
 def to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
 from morion.engine.outputs import PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 from morion.multimodal.image_decode import PreparedImage
 from morion.multimodal.processing import ImageProcessing
 
@@ -115,9 +116,12 @@ class EngineStats(NamedTuple):
     pages_held: int
     retractions: int
     integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
+    # Host memory the caches hold by design (morion/cache/cache_memory.py), measured when last idle.
+    cache_memory_bytes: int
     cache: CacheStats  # hits, restores and traffic by tier (a copy)
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
     spec: SpecSnapshot | None  # None: speculative decoding is off
+    step_times: StepTimes  # the engine's steps and its loop, cumulative (engine/step_timing.py)
 
 
 class RequestDelta(NamedTuple):
@@ -146,7 +150,7 @@ class CacheEvicted(NamedTuple):
 
 class EngineOutputs(NamedTuple):
     deltas: list[RequestDelta]
-    stats: EngineStats
+    stats: EngineStats | None  # None: unchanged enough to skip (sent at most every STATS_PERIOD_S while busy)
 
 
 OutboxMessage = EngineInfo | EngineFailed | EngineOutputs

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
+from morion.cache.radix_cache import TOKEN_TYPECODE
 from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
@@ -55,6 +57,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
     page_keys: list[bytes] = field(default_factory=list)  # content keys of its first full pages (tiers)
+    # Its first cache ids (`cache_token_ids`) packed as uint64, what the radix cache matches on
+    # (`packed_token_ids`).
+    packed_tokens: array = field(default_factory=lambda: array(TOKEN_TYPECODE), repr=False)
     prefetch_rounds: int = 0  # disk prefetches it started since it was last admitted
     tier_wait_started: float | None = None  # when the first of them began (restore latency counts it)
     text: str = ""
@@ -72,6 +77,17 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def packed_token_ids(self, num_tokens: int) -> array:
+        """The first `num_tokens` of `cache_token_ids` as `array("Q")`. Tokens are only ever appended, so
+        the packed copy grows by the new ones: a long prompt is packed once, not at every prefill chunk."""
+        packed = self.packed_tokens
+        prompt = self.prompt_token_ids if self.images is None else self.images.cache_ids
+        if len(packed) < min(num_tokens, len(prompt)):
+            packed.extend(prompt[len(packed) : num_tokens])
+        if len(packed) < num_tokens:
+            packed.extend(self.output_token_ids[len(packed) - len(prompt) : num_tokens - len(prompt)])
+        return packed[:num_tokens]
 
     @property
     def cache_token_ids(self) -> list[int]:

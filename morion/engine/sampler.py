@@ -1,7 +1,8 @@
 """Batched token sampling for requests with different sampling parameters.
 
 Per step: penalties → logit bias → grammar mask → greedy argmax for greedy requests → temperature → top-k →
-top-p → min-p → draw.
+top-p → min-p → draw. A batch of plain greedy requests (nothing alters their logits) takes the argmax of
+the logits directly. Tokens and their logprobs come back to the host in one transfer.
 The masks are computed for the whole batch at once; each request draws with its own generator, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
@@ -118,16 +119,39 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(samplers)} samplers")
     if not samplers:
         return SampleResult([], None, None)
-    device = logits.device
-    scores = logits.to(torch.float32, copy=True)
     want_logprobs = any(s.params.logprobs is not None for s in samplers)
-    raw_logprobs = scores.log_softmax(dim=-1) if want_logprobs else None
+    raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1) if want_logprobs else None
+    if all(_plain_greedy(s) for s in samplers):
+        # Nothing alters the logits: the argmax of the logits themselves (their fp32 copy holds the same
+        # values, so the same token), without the row-index tensors below, each a host-to-device copy
+        # that can wait for the decode graph before the step's last kernels launch.
+        token_ids = logits.argmax(dim=-1)
+    else:
+        token_ids = _sample_rows(logits.to(torch.float32, copy=True), samplers)
+    if raw_logprobs is None:
+        return SampleResult(token_ids.tolist(), None, None)
+    return _with_logprobs(raw_logprobs, token_ids, samplers)
 
+
+def _plain_greedy(sampler: RequestSampler) -> bool:
+    params = sampler.params
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and not params.logit_bias
+        and sampler.grammar is None
+    )
+
+
+def _sample_rows(scores: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
+    """Penalties, logit bias and grammar masks applied to fp32 `scores` in place, then each row's token."""
+    device = scores.device
     apply_penalties(scores, samplers)
     apply_logit_bias(scores, samplers)
     if any(s.grammar is not None for s in samplers):
         apply_grammar_masks(scores, [s.grammar for s in samplers])
-
     token_ids = torch.empty(len(samplers), dtype=torch.long, device=device)
     greedy_rows = [i for i, s in enumerate(samplers) if s.params.greedy]
     random_rows = [i for i, s in enumerate(samplers) if not s.params.greedy]
@@ -138,10 +162,7 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
         rows = torch.tensor(random_rows, device=device)
         chosen = [samplers[i] for i in random_rows]
         token_ids[rows] = _draw(sampling_probs(scores[rows], [s.params for s in chosen]), chosen)
-
-    if raw_logprobs is None:
-        return SampleResult(token_ids.tolist(), None, None)
-    return SampleResult(token_ids.tolist(), *_logprobs(raw_logprobs, token_ids, samplers))
+    return token_ids
 
 
 def apply_penalties(scores: torch.Tensor, samplers: Sequence[RequestSampler]) -> None:
@@ -264,18 +285,22 @@ def _draw(probs: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tens
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(
+def _with_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, samplers: Sequence[RequestSampler]
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+) -> SampleResult:
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    # Token ids and fp32 logprobs are both exact in float64: the step's tokens and their logprobs come back
+    # in one device-to-host transfer (one wait for the device), not two.
+    ids_and_logprobs = torch.stack((token_ids.to(torch.float64), chosen.to(torch.float64))).tolist()
+    tokens = [int(token) for token in ids_and_logprobs[0]]
     wanted = [s.params.logprobs or 0 for s in samplers]
     top_n = min(max(wanted), logprobs.shape[-1])
     if top_n == 0:
-        return chosen, [[] for _ in samplers]
+        return SampleResult(tokens, ids_and_logprobs[1], [[] for _ in samplers])
     values, ids = logprobs.topk(top_n, dim=-1)
     values_list, ids_list = values.tolist(), ids.tolist()
     top = [list(zip(ids_list[i][:n], values_list[i][:n], strict=True)) for i, n in enumerate(wanted)]
-    return chosen, top
+    return SampleResult(tokens, ids_and_logprobs[1], top)
 
 
 def _fresh_seed() -> int:

@@ -198,7 +198,7 @@ class Scheduler:
         # A request that wants its prompt's logprobs computes every prompt token: a hit has no logits.
         if self.enable_prefix_cache and request.params.prompt_logprobs is None:
             # At least one token must run: its logits give the next token.
-            match = self.cache.match_prefix(request.cache_token_ids[: request.num_tokens - 1])
+            match = self.cache.match_prefix(request.packed_token_ids(request.num_tokens - 1))
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
             snapshot = match.snapshot_slot
             if self._shares_prefix_in_prefill(request, matched_tokens):
@@ -397,7 +397,7 @@ class Scheduler:
         """Inserts the request's first `num_tokens` tokens (page aligned) with `snapshot` at their end, and
         moves the request's lock to the node ending there."""
         pages = request.pages[: num_tokens // self.page_size]
-        result = self.cache.insert(request.cache_token_ids[:num_tokens], pages, snapshot)
+        result = self.cache.insert(request.packed_token_ids(num_tokens), pages, snapshot)
         if snapshot is not None and snapshot == request.state_slot:
             request.state_slot = None  # donated: the cache owns it now (or frees it just below)
         if result.unused_snapshot_slot is not None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.grouped_norm import GroupedRMSNorm
+from morion.layers.narrow_linear import NarrowLinear
 
 
 class HyperConnection(nn.Module):
@@ -32,7 +33,7 @@ class HyperConnection(nn.Module):
         self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
         self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
         # None for the final mixer, which feeds the LM head and writes nothing back.
-        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
+        self.block_inject_weight = NarrowLinear(width, hc_count, bias=False) if inject else None
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, n * H] -> (block input [T, H], inject weights [T, n] or None for the final mixer)."""

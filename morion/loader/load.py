@@ -15,11 +15,12 @@ from morion.errors import ModelLoadError
 from morion.layers.host_table import PLACEMENTS, host_tables
 from morion.loader.dummy_weights import fill_dummy_weights
 from morion.loader.fp8_block import block_fp8_size, dequantized_weights
-from morion.loader.gguf_loader import GGUFModel, read_gguf
+from morion.loader.gguf_loader import GGUFModel
 from morion.loader.nvfp4 import dequantized_nvfp4_weights, is_nvfp4_checkpoint
 from morion.loader.resolve import resolve_model_path
-from morion.loader.safetensors_loader import HFDirectory, read_hf_directory
+from morion.loader.safetensors_loader import HFDirectory
 from morion.loader.safetensors_mmap import mapped_weights
+from morion.loader.source import read_source
 from morion.models.presets import is_preset, preset_config
 from morion.models.registry import build_model
 from morion.progress import Progress
@@ -35,15 +36,6 @@ class LoadedModel(NamedTuple):
     tokenizer: Tokenizer | None
     hf_config: dict[str, Any]
     path: Path
-
-
-def read_source(path: Path, require_weights: bool = True) -> HFDirectory | GGUFModel:
-    """Config, tokenizer and (lazy) weights of a model directory or a GGUF file."""
-    if path.is_dir():
-        return read_hf_directory(path, require_weights)
-    if path.is_file():
-        return read_gguf(path)  # checks the GGUF magic: any other file is reported as not a GGUF
-    raise ModelLoadError(f"{path} is neither a model directory nor a file")
 
 
 def load_model(

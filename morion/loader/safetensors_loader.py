@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # torch only in annotations: safe_open imports it when weights are read
+    import torch
 
 from morion.errors import ModelLoadError
 from morion.loader.hf_tokenizer import load_hf_tokenizer

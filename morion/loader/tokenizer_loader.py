@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from morion.loader import read_source
+from morion.loader.source import read_source
 from morion.text.tokenizer import Tokenizer
 
 

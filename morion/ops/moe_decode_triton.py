@@ -123,7 +123,11 @@ def _rows_first(acc, MMA: tl.constexpr):
     return acc
 
 
-@triton.jit
+# Arguments that vary with the batch (sequence and token counts, the page table's width) are not
+# specialized on: Triton would compile a variant per value class (1, a multiple of 16, other) the first
+# time a request brings one, stalling every running request for seconds (seen through the server on
+# the H200: a 4.1 s TTFT); one variant serves every batch. engine/warmup.py compiles the rest.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
@@ -164,7 +168,7 @@ def _gate_up_kernel(
         tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_weights_ptr, pair_out_ptr,
     num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,

@@ -187,7 +187,11 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Arguments that vary with the batch (sequence and token counts, the page table's width) are not
+# specialized on: Triton would compile a variant per value class (1, a multiple of 16, other) the first
+# time a request brings one, stalling every running request for seconds (seen through the server on
+# the H200: a 4.1 s TTFT); one variant serves every batch. engine/warmup.py compiles the rest.
+@triton.jit(do_not_specialize=["stride_pt_seq"])
 def _split_kernel(
     q_ptr,
     kv_ptr,
@@ -283,7 +287,7 @@ def _split_kernel(
     tl.store(partial_lse_ptr + lse_offsets, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -333,7 +337,7 @@ def _merge_kernel(
     tl.store(out_ptr + o_offsets, tl.cast(merged, out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_pt_seq"])
 def _extend_kernel(
     q_ptr,
     kv_ptr,

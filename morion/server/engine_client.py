@@ -220,7 +220,8 @@ class EngineClient:
             self.state = READY
 
     def _deliver(self, message: EngineOutputs) -> None:
-        self.stats = message.stats
+        if message.stats is not None:  # else the last ones still stand (the engine sends them periodically)
+            self.stats = message.stats
         now = time.perf_counter()
         by_stream: dict[RequestStream, list[RequestDelta]] = {}
         for delta in message.deltas:

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from morion.cache.tier_stats import CacheStats
 from morion.engine.messages import EngineInfo, EngineStats, SpecSnapshot
 from morion.engine.outputs import Usage
+from morion.engine.step_timing import StepTimes
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -108,6 +109,12 @@ class _EngineCollector(Collector):
             "morion_kv_pages_cached": ("Pages held by the prefix cache", stats.pages_cached),
             "morion_kv_pages_held": ("Pages owned by running requests", stats.pages_held),
             "morion_kv_cache_usage_ratio": ("Share of pages not free", 1 - stats.pages_free / info.num_pages),
+            "morion_engine_cache_memory_bytes": (
+                "Host memory the caches hold by design, bounded by their capacity: index entries of the "
+                "device, host and disk tiers, resident bytes of preallocated pools and arenas; as of the "
+                "engine's last idle moment",
+                stats.cache_memory_bytes,
+            ),
             "morion_engine_cuda_memory_allocated_bytes": (
                 "CUDA memory torch has allocated in the engine process",
                 stats.cuda_allocated_bytes,
@@ -119,6 +126,29 @@ class _EngineCollector(Collector):
         )
         yield from _cache_metrics(stats.cache)
         yield from _spec_metrics(stats.spec)
+        yield from _step_metrics(stats.step_times)
+
+
+def _step_metrics(times: StepTimes) -> Iterator[Metric]:
+    """The engine's own time (engine/step_timing.py): steps and their seconds by kind, and the busy loop
+    around them; seconds per step over a window is the engine's share of a client's inter-token time."""
+    yield _counter_by_label(
+        "morion_engine_steps",
+        "Engine steps by kind: decode (one token per request) or other (with prefill work)",
+        "kind",
+        {"decode": times.decode_steps, "other": times.other_steps},
+    )
+    yield _counter_by_label(
+        "morion_engine_step_seconds",
+        "Wall seconds inside the engine's steps, by kind",
+        "kind",
+        {"decode": times.decode_seconds, "other": times.other_seconds},
+    )
+    yield CounterMetricFamily(
+        "morion_engine_busy_seconds",
+        "Wall seconds the engine loop worked: inbox, steps, stats and sending the outputs",
+        times.busy_seconds,
+    )
 
 
 def _unlabelled(

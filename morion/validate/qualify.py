@@ -64,6 +64,11 @@ def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits
             "recomputed_differently_by_step": figures.get("recomputed_differently_by_step"),
             "median_ttft_s": figures.get("median_ttft_s"),
             "lengths": {k: v for k, v in (restore.get("lengths") or {}).items() if k != "drawn"},
+            "wrong_cases": [
+                {"id": c["id"], "prompt_tokens": c["prompt_tokens"], "reason": c["reason"]}
+                for c in restore.get("cases") or []
+                if c.get("wrong")
+            ],
         },
         "soak": _soak(suites.get("soak")),
         "perf": _perf(suites.get("perf"), offline),
@@ -74,7 +79,18 @@ def _soak(suite: dict[str, Any] | None) -> dict[str, Any] | None:
     if suite is None:
         return None
     figures = suite["figures"]
-    keys = ("requests", "errors", "empty", "truncated", "elapsed_s", "memory_growth_mib", "idle", "drift")
+    keys = (
+        "requests",
+        "errors",
+        "empty",
+        "truncated",
+        "elapsed_s",
+        "memory_growth_mib",
+        "resident_growth_mib",
+        "cache_memory_growth_mib",
+        "idle",
+        "drift",
+    )
     return {"verdict": suite["verdict"], **{key: figures.get(key) for key in keys}}
 
 
@@ -146,6 +162,10 @@ def markdown(result: dict[str, Any]) -> str:
         wrong = "—" if step == "cold" else (restore.get("wrong_by_step") or {}).get(step, 0)
         other = "—" if step == "cold" else (restore.get("recomputed_differently_by_step") or {}).get(step, 0)
         lines.append(f"| {step} | {hits} | {wrong} | {other} | {_ms(ttft.get(step))} |")
+    if restore.get("wrong_cases"):
+        lines += ["", "Wrong answers:", ""]
+    for case in restore.get("wrong_cases") or []:
+        lines.append(f"- {case['id']} ({case['prompt_tokens']:,} tokens): {case['reason']}")
     if soak:
         lines += [
             "",
@@ -153,7 +173,8 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"{soak['verdict']}: {soak['requests']} requests in {soak['elapsed_s']:.0f} s, "
             f"{soak['errors']} errors, {soak['empty']} empty, {soak['truncated']} truncated; "
-            f"resident memory growth {_num(soak['memory_growth_mib'])} MiB; idle {soak['idle']}; "
+            f"resident memory growth beyond the caches {_num(soak['memory_growth_mib'])} MiB "
+            f"({_num(soak.get('resident_growth_mib'))} MiB in all); idle {soak['idle']}; "
             f"drift {soak['drift']}.",
         ]
     if perf:
@@ -178,7 +199,23 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "Ratio targets (issue #20): C1 per request >= 0.97, aggregate at the highest C >= 0.9; "
             "a ✓ or ✗ marks the checked ones.",
+            "",
+            "Where a step's time goes: the client's time per token (1 / per-request rate) beside the "
+            "engine's own decode step (`Engine.step` wall time, from the server's /metrics and in-process "
+            "offline; engine/step_timing.py). Client minus engine is the serving path (engine loop, IPC, "
+            "front end, HTTP, client).",
+            "",
+            "| C | context | server: client ms/token | server: engine decode step ms | "
+            "offline: client ms/token | offline: engine decode step ms |",
+            "|---:|---:|---:|---:|---:|---:|",
         ]
+        for row in perf["decode"]:
+            server, offline = row["server"], row.get("offline") or {}
+            lines.append(
+                f"| {row['concurrency']} | {row['context']:,} | {_ms(server.get('step_s'), 2)} | "
+                f"{_fixed(server.get('engine_decode_step_ms'))} | {_ms(offline.get('step_s'), 2)} | "
+                f"{_fixed(offline.get('engine_decode_step_ms'))} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -196,8 +233,12 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def _ms(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{seconds * 1000:,.0f}"
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:,.{digits}f}"
+
+
+def _fixed(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _declared(commit: str | None, recorded: dict[str, Any]) -> dict[str, Any]:

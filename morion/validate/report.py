@@ -164,6 +164,11 @@ def _soak(suite: dict[str, Any]) -> list[str]:
         if growth is None
         else f"{growth:+.1f} MiB (bound {suite['bounds']['max_growth_mib']:g})"
     )
+    if fig.get("cache_memory_growth_mib") is not None:
+        memory += (
+            f": {fig['resident_growth_mib']:+.1f} MiB resident, of which the caches hold "
+            f"{fig['cache_memory_growth_mib']:+.1f} MiB by design"
+        )
     return [
         f"{fig['requests']} requests in {fig['elapsed_s']:.0f} s: {fig['errors']} errors, "
         f"{fig['empty']} empty, {fig['truncated']} truncated. Resident memory growth: {memory}. "

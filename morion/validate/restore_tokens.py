@@ -44,6 +44,7 @@ from morion.validate.session import Session
 from morion.validate.streaming import RequestFailed
 
 STEPS = ("cold", "device", "host", "disk")
+AGAIN = 2  # repeats of a conversation whose hit answered otherwise than cold (_send_again)
 _ALIGN = 256  # "aligned" lengths are multiples of this: a page boundary for every page size up to it
 
 
@@ -100,11 +101,13 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
                 replies[conversation["id"]][step] = _send(session, conversation["tokens"])
         events["evictions"].append(evict(session))
         _counting(session, events, "host", lambda chunk=chunk: _send_all(session, chunk, replies, "host"))
+        _send_again(session, chunk, replies, ("device", "host"))
         session.say(f"restore: conversations {start + 1}-{start + len(chunk)} cold, device and host sent")
     if options.restart_cmd:
         events["restart"] = restart(session)
     if options.restart_cmd or previous:
         _counting(session, events, "disk", lambda: _send_all(session, conversations, replies, "disk"))
+        _send_again(session, conversations, replies, ("disk",))
     results = [
         _grade(c, replies[c["id"]], tiers, _expected_cached(len(c["tokens"]), page_size))
         for c in conversations
@@ -154,7 +157,7 @@ def _resume(previous, conversations, replies, events, path: str) -> None:
                 "(another vocabulary?)"
             )
         replies[conversation["id"]].update(
-            {step: reply for step, reply in case["steps"].items() if step != "disk"}
+            {step: reply for step, reply in case["steps"].items() if step not in ("disk", "again-disk")}
         )
     events.update(previous["events"])
     events["resumed_from"] = Path(path).name
@@ -181,6 +184,25 @@ def _send(session: Session, tokens: list[int]) -> dict[str, Any]:
 def _send_all(session: Session, conversations, replies, step: str) -> None:
     for conversation in conversations:
         replies[conversation["id"]][step] = _send(session, conversation["tokens"])
+
+
+def _send_again(
+    session: Session, conversations: list[dict[str, Any]], replies: dict[str, dict[str, Any]], steps: tuple
+) -> None:
+    """A conversation whose hit at one of `steps` answered otherwise than its cold run is sent AGAIN more
+    times at once, in the same process and under the same traffic (by then a device hit), and kept as
+    `again-<last of steps>`: whether the repeats answer as the hit or as cold tells which run was the odd
+    one. The verdict is the hit's; the repeats are evidence for finding why."""
+    for conversation in conversations:
+        sent = replies[conversation["id"]]
+        if any(_wrong_hit(sent.get(step), sent.get("cold")) for step in steps):
+            sent[f"again-{steps[-1]}"] = [_send(session, conversation["tokens"]) for _ in range(AGAIN)]
+
+
+def _wrong_hit(reply: dict[str, Any] | None, cold: dict[str, Any] | None) -> bool:
+    if reply is None or cold is None or "error" in reply or "error" in cold:
+        return False
+    return bool(reply.get("cached_tokens")) and _differs(reply, cold)
 
 
 def _counting(session: Session, events: dict[str, Any], step: str, send) -> None:
@@ -215,6 +237,7 @@ def _grade(
     expected: int | None,
 ) -> dict[str, Any]:
     problems, hits, wrong, recomputed = [], [], [], []
+    again: dict[str, dict[str, int]] = {}
     cold = steps["cold"]
     if "error" in cold:
         problems.append(f"cold: {cold['error']}")
@@ -232,6 +255,13 @@ def _grade(
             difference = _first_difference(reply, cold)
             if cached:
                 wrong.append(step)  # a hit that answers otherwise: what this suite exists to catch
+                evidence = _again(steps, step)
+                if evidence:
+                    again[step] = evidence
+                    difference += (
+                        f"; sent again {evidence['sent']}: {evidence['as_hit']} as this hit, "
+                        f"{evidence['as_cold']} as cold"
+                    )
                 problems.append(f"{step}: answer differs from cold ({difference})")
             else:
                 # A miss computed again, in another batch or process: prefill is not bitwise reproducible
@@ -254,7 +284,21 @@ def _grade(
         "hits": hits,
         "wrong": wrong,
         "recomputed_differently": recomputed,
+        "sent_again": again,
         "steps": steps,
+    }
+
+
+def _again(steps: dict[str, Any], step: str) -> dict[str, int] | None:
+    """How the repeats sent after a wrong hit at `step` answered (`_send_again`): as the hit, as cold."""
+    repeats = steps.get("again-disk" if step == "disk" else "again-host")
+    if not repeats:
+        return None
+    answered = [r for r in repeats if "error" not in r]
+    return {
+        "sent": len(repeats),
+        "as_hit": sum(not _differs(r, steps[step]) for r in answered),
+        "as_cold": sum(not _differs(r, steps["cold"]) for r in answered),
     }
 
 

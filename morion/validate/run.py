@@ -82,21 +82,29 @@ def run_validate(args: argparse.Namespace) -> int:
 
 def _restore_beside_soak(session: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     """restore while soak's clients run (the other traffic a restore must be immune to). The soak ends
-    before any `--restart-cmd` (its clients would see the restart as errors), and its idle checks wait
-    for a moment the server is idle, however long restore keeps it busy."""
+    before any `--restart-cmd` (its clients would see the restart as errors); its end (memory, pages held
+    when idle) is measured once restore's traffic before the restart is over, when the server is idle."""
     outcome: dict[str, Any] = {}
+    restore_traffic_over = threading.Event()  # soak measures its end (memory, idle) after it
 
     def soak_thread() -> None:
         try:
-            outcome["soak"] = soak.run(session, idle_wait_s=session.options.request_timeout_s)
+            outcome["soak"] = soak.run(
+                session, idle_wait_s=session.options.request_timeout_s, before_end=restore_traffic_over.wait
+            )
         except BaseException as error:  # re-raised in the main thread
             outcome["error"] = error
+
+    def before_restart() -> None:
+        restore_traffic_over.set()
+        thread.join()
 
     thread = threading.Thread(target=soak_thread, name="validate-soak")
     thread.start()
     try:
-        restored = restore.run(session, before_restart=thread.join)
+        restored = restore.run(session, before_restart=before_restart)
     finally:
+        restore_traffic_over.set()
         thread.join()
     if "error" in outcome:
         raise outcome["error"]

@@ -3,7 +3,6 @@ optional routes (`/metrics`, `/health`) read the same way by each suite."""
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import Any, TextIO
@@ -51,13 +50,7 @@ class Session:
 
     def metrics(self) -> dict[str, float] | None:
         """/metrics as {series: value} (labels kept in the key), or None when the server has none."""
-        try:
-            response = self.endpoint.get("/metrics")
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        return parse_prometheus(response.text)
+        return self.endpoint.metrics()
 
     def wait_healthy(self, timeout_s: float) -> float:
         """Seconds until the server answers again (/health 200, or /v1/models 200 where there is no
@@ -74,18 +67,3 @@ class Session:
                 pass  # not listening yet
             time.sleep(0.5)
         raise MorionError(f"{self.options.url} was not healthy {timeout_s:g} s after --restart-cmd")
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            try:
-                samples[match.group(1)] = float(match.group(2))
-            except ValueError:
-                continue
-    return samples

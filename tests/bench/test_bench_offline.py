@@ -85,7 +85,12 @@ def test_decode_medians_are_medians_of_the_raw_runs(qwen3_next_result):
             assert run["per_request_tok_s"] == statistics.median(r["decode_tok_s"] for r in requests)
             assert run["aggregate_tok_s"] == pytest.approx(run["total_tokens"] / run["makespan_s"])
             assert run["total_tokens"] == 8 * point["concurrency"]
-        for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s", "step_s"):
+            # The engine's own steps of the run: one prefill for the batch, then a decode step per token.
+            steps = run["engine_steps"]
+            assert steps["decode_steps"] == 7 and steps["other_steps"] >= 1
+            assert 0 < run["engine_decode_step_ms"] == steps["decode_step_ms"]
+            assert steps["loop_overhead_ms_per_step"] is None  # no serving loop in-process
+        for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s", "step_s", "engine_decode_step_ms"):
             assert point["median"][key] == statistics.median(run[key] for run in point["runs"])
         bound = point["roofline"]
         assert bound["context_avg"] == 32 + 3.5
@@ -159,6 +164,7 @@ def test_plot_regenerates_markdown_and_png(qwen3_next_result, tmp_path, capsys):
         (["--concurrency", "two"], "--concurrency must be comma-separated integers"),
         (["--baseline", "vllm"], "--baseline must be one of hf"),
         (["--url", "localhost:8000"], "--url must start with http:// or https://"),
+        (["--logprobs", "-1"], "--logprobs must be >= 0, got '-1'"),
         (["--concurrency", "4", "--max-running-requests", "2"], "--concurrency 4 exceeds --max-running"),
     ],
 )
@@ -203,3 +209,22 @@ def test_hf_baseline_in_the_same_table(tiny_llama, tmp_path, capsys):
     text = path.with_suffix(".md").read_text()
     assert len([line for line in text.splitlines() if line.startswith("| transformers | 1 | 32 |")]) == 1
     assert "LlamaForCausalLM, random weights" in text
+
+
+def test_logprobs_reach_every_offline_request(tiny_qwen3_next_config_dir):
+    """`--logprobs N`: the offline engine does what a server timed through `logprobs: 0` does."""
+    from morion.bench.offline import EngineTarget
+    from morion.config import EngineConfig
+
+    config = EngineConfig(
+        model=str(tiny_qwen3_next_config_dir), load_format="dummy", device="cpu", kv_cache_tokens=2048
+    )
+    target = EngineTarget(config, logprobs=0)
+    seen = []
+    add_request = target.engine.add_request
+    target.engine.add_request = lambda prompt, params: seen.append(params) or add_request(prompt, params)
+    try:
+        target.run_group([[5] * 20, [6] * 30], 4)
+    finally:
+        target.close()
+    assert [params.logprobs for params in seen] == [0, 0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 import torch
 
+from morion.engine.request import Request
+from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
 
@@ -171,3 +174,15 @@ def test_decodes_progress_every_step_while_a_long_prompt_prefills(tiny, engine_f
     engine.add_request(list(range(128)) * 2, GREEDY)  # 256 tokens: 16 chunks of prefill
     for _ in range(10):
         assert decoding in {s.request_id for s in engine.step()}
+
+
+def test_a_request_packs_its_tokens_once_as_they_grow() -> None:
+    """What the radix cache matches on: the first n token ids (prompt, then output) as uint64, packed
+    incrementally (a 62K-token prompt is not packed again at each of its prefill chunks)."""
+    params = SamplingParams(temperature=0)
+    request = Request("r", [5, 2**32 - 1, 7], params, RequestSampler(params, [5]), 8, 0)
+    assert request.packed_token_ids(2) == array("Q", [5, 2**32 - 1])
+    request.output_token_ids += [9, 11]
+    assert request.packed_token_ids(4) == array("Q", [5, 2**32 - 1, 7, 9])
+    assert request.packed_token_ids(5) == array("Q", request.token_ids)
+    assert request.packed_token_ids(1) == array("Q", [5])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 
 import pytest
 import torch
@@ -88,3 +89,45 @@ def test_pool_is_sized_from_free_memory(small_llama, engine_factory, capfd):
     assert 0.8 < free / pool_bytes < 1.3, (free, pool_bytes)
     del engine
     torch.cuda.empty_cache()
+
+
+def _compiled_variants() -> dict[str, list[str]]:
+    """The specialization keys compiled so far of each of morion's Triton kernels, on the current device."""
+    from triton.runtime.jit import JITFunction
+
+    device = torch.cuda.current_device()
+    keys: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("morion.ops."):
+            continue
+        for attribute, kernel in vars(module).items():
+            if isinstance(kernel, JITFunction) and device in kernel.device_caches:
+                keys[f"{name}.{attribute}"] = [str(key) for key in kernel.device_caches[device][0]]
+    return keys
+
+
+def test_serving_compiles_no_kernel_after_the_warm_up(tiny_qwen3_next, engine_factory, engine_runner):
+    """After the engine's warm-up, requests of any shape run on kernels compiled already: a compile while
+    serving stalls every running request for seconds (engine/warmup.py)."""
+    loaded = tiny_qwen3_next._replace(model=copy.deepcopy(tiny_qwen3_next.model).to("cuda", torch.bfloat16))
+    engine = engine_factory(
+        loaded, device="cuda", page_size=16, chunk_size=256, max_running_requests=8, cuda_graph_max_batch=4
+    )
+    before = _compiled_variants()
+    assert before, "the warm-up compiled no morion kernel"
+    rng = random.Random(3)
+    # Prompts of 1 to 300 tokens (chunked at 256), 1 to 8 running at once (graphs up to 4, eager above),
+    # then prefix hits whose tails are short and long, at no page boundary.
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 19, 33, 64, 100, 257, 300)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine_runner(engine, prompts, params)
+    engine_runner(engine, prompts[:3], params)
+    engine_runner(engine, [p + [5] * (3 + 11 * i) for i, p in enumerate(prompts)], params)
+    after = _compiled_variants()
+    # Each kernel's variants compiled while serving, and one it had before (Triton's key: what differs).
+    grown = {
+        name: (sorted(set(keys) - set(before.get(name, []))), before.get(name, [None])[0])
+        for name, keys in after.items()
+        if set(keys) - set(before.get(name, []))
+    }
+    assert not grown, f"kernels compiled while serving (new keys, one earlier key): {grown}"

@@ -303,3 +303,26 @@ def test_cuda_matches_cpu_for_greedy_and_is_reproducible_when_seeded() -> None:
     seeded = SamplingParams(seed=11, top_p=0.9, top_k=50, min_p=0.01)
     first = sample(logits.cuda(), _samplers(seeded, 8)).token_ids
     assert sample(logits.cuda(), _samplers(seeded, 8)).token_ids == first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_batches_take_the_logits_argmax_and_match_the_general_path(dtype):
+    """A batch of plain greedy requests skips the fp32 copy and row indexing (sampler._plain_greedy): the
+    same tokens, ties to the lower id, and the same logprobs as a batch the general path samples."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=generator).to(dtype)
+    logits[2, [7, 31]] = logits[2].max() + 1  # a tie: the lower id wins
+    plain = [RequestSampler(SamplingParams(temperature=0.0, logprobs=0), [1]) for _ in range(6)]
+    # A repetition penalty of a token no row favours sends every row through the general path.
+    general = [RequestSampler(SamplingParams(temperature=0.0, logprobs=2), [1]) for _ in range(5)]
+    general.append(
+        RequestSampler(SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=1.0001), [49])
+    )
+    logits[5, 49] = logits[5].min() - 1  # penalised or not, token 49 stays the worst of its row
+    ours, reference = sample(logits, plain), sample(logits, general)
+    assert ours.token_ids == reference.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert ours.token_ids[2] == 7
+    assert ours.logprobs == reference.logprobs
+    expected = logits.float().log_softmax(dim=-1).gather(1, torch.tensor(ours.token_ids).unsqueeze(1))
+    assert ours.logprobs == expected.squeeze(1).tolist()
+    assert ours.top_logprobs == [[] for _ in range(6)] and len(reference.top_logprobs[0]) == 2

@@ -12,6 +12,7 @@ from morion.engine.messages import AbortRequest, AddRequest, Shutdown
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.process import EngineLoop, _step_logprobs
 from morion.engine.sampling_params import SamplingParams
+from morion.engine.step_timing import StepTimes
 from morion.errors import InvalidRequestError
 
 
@@ -27,6 +28,7 @@ class StubEngine:
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
         self.speculative = None
+        self.step_times = StepTimes()
 
     def add_request(self, prompt, params, request_id, images=()):
         if not prompt:
@@ -44,6 +46,9 @@ class StubEngine:
 
     def check_integrity(self):
         pass
+
+    def cache_memory_bytes(self):
+        return 0
 
     def step(self):
         if self.fail_next_step:
@@ -149,6 +154,54 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     kinds = [kind for kind, _ in sent]
     assert kinds == ["send", "check", "send"]
     assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
+    # The loop's busy time, counted once the answer went out, reaches the front end with the idle stats.
+    assert sent[0][1].stats.step_times.busy_seconds == 0 < sent[2][1].stats.step_times.busy_seconds
+
+
+def test_busy_outputs_carry_stats_at_most_every_period_and_always_when_idle(monkeypatch):
+    """Stats cost time on every step's way out; the front end's gauges need them a few times a second."""
+    from morion.engine import process
+
+    clock = iter(range(1000))  # each reading 10 ms later than the last: a period is every 5th step
+    monkeypatch.setattr(process.time, "monotonic", lambda: next(clock) / 100)
+    loop = EngineLoop(StubEngine())
+    inbox = SimpleNamespace(messages=[AddRequest("r", [1], SamplingParams(max_tokens=12)), Shutdown()])
+    inbox.poll = lambda timeout=0: (
+        bool(inbox.messages) and (len(inbox.messages) > 1 or not loop.engine.requests)
+    )
+    inbox.recv = lambda: inbox.messages.pop(0)
+    sent = []
+    process.serve(loop, inbox, SimpleNamespace(send=sent.append))
+    carrying = [message.stats is not None for message in sent]
+    with_deltas = [has for has, message in zip(carrying, sent, strict=True) if message.deltas]
+    assert len(with_deltas) == 12 and with_deltas[0] and with_deltas[-1]  # the first, and the one going idle
+    assert 2 <= sum(with_deltas[1:-1]) <= 3 and carrying[-1]  # every 5th in between; the idle message
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["idle-a-second", "next-request-sooner"])
+def test_the_heap_is_trimmed_after_a_second_of_idleness_only(monkeypatch, quiet):
+    """Back-to-back requests never pay the trim (nor fault its pages in again); an engine left idle for
+    HEAP_TRIM_IDLE_S gives the memory its work freed back, once."""
+    from morion.engine import process
+
+    trims = []
+    monkeypatch.setattr(process, "release_free_heap", lambda: trims.append("trim"))
+    engine = StubEngine()
+    ready = [AddRequest("r", [1, 2], SamplingParams(max_tokens=1))]  # in the pipe now
+    later = [AddRequest("s", [1], SamplingParams(max_tokens=1)), Shutdown()]  # arriving one by one
+    asked = []
+
+    def poll(timeout=0.0):
+        asked.append(timeout)
+        arrives = timeout is None or (timeout == process.HEAP_TRIM_IDLE_S and not quiet)
+        if arrives and not ready:
+            ready.append(later.pop(0))
+        return bool(ready)
+
+    inbox = SimpleNamespace(poll=poll, recv=lambda: ready.pop(0))
+    process.serve(EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: None))
+    assert process.HEAP_TRIM_IDLE_S in asked
+    assert trims == (["trim", "trim"] if quiet else [])
 
 
 def test_a_step_without_new_tokens_carries_no_logprobs():

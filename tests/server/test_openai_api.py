@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from morion.bench.endpoint import parse_prometheus
 from tests.server.conftest import ALLOWED_ORIGIN, MAX_REQUEST_BYTES, READ_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
@@ -282,3 +283,9 @@ def test_metrics(server):
     ):
         assert name in text, name
     assert 'morion_http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    # The engine's steps: a prefill, then a decode step for the second token; their time, and the loop's.
+    samples = parse_prometheus(text)
+    assert samples['morion_engine_steps_total{kind="decode"}'] >= 1
+    assert samples['morion_engine_steps_total{kind="other"}'] >= 1
+    assert samples['morion_engine_step_seconds_total{kind="decode"}'] > 0
+    assert samples["morion_engine_busy_seconds_total"] > 0

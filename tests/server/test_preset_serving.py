@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
+from morion.bench.endpoint import parse_prometheus
 from morion.models.presets import preset_config
 from tests.server.conftest import RunningServer, free_port, start_server, stop
 
@@ -27,6 +29,25 @@ def preset_server(tmp_path_factory) -> Iterator[RunningServer]:
     running = start_server(args, log_path)
     yield running
     assert stop(running) == 0, running.log()
+
+
+def test_load_and_cache_memory_are_reported_from_the_start(preset_server):
+    """Before any request (a soak's starting point), and growing as a prompt is cached: its packed token
+    ids in the radix tree, the pool pages written (a CPU pool is mapped in as it fills)."""
+    load = preset_server.server_info()["load"]
+    assert load is not None and (load["running"], load["pages_held"], load["integrity"]) == (0, 0, "ok")
+    start = load["cache_memory_bytes"]
+    assert start > 0
+    with preset_server.http() as http:
+        assert parse_prometheus(http.get("/metrics").text)["morion_engine_cache_memory_bytes"] == start
+    prompt = [(7 * i) % 500 + 3 for i in range(600)]
+    preset_server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    deadline = time.monotonic() + 30
+    while (load := preset_server.server_info()["load"])["cache_memory_bytes"] == start:
+        assert time.monotonic() < deadline, "the cache memory figure did not change after a cached prompt"
+        time.sleep(0.1)
+    # 37 pages of K/V (512 bytes a token here) and their ids: at least the ids' 8 bytes a token.
+    assert load["cache_memory_bytes"] - start >= 8 * 592
 
 
 def test_the_pool_limits_max_model_len_and_every_description_says_so(preset_server):

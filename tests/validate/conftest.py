@@ -6,6 +6,8 @@ perfect or rejected tool calls. Only 127.0.0.1 is contacted; every wait is bound
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -41,10 +43,18 @@ class FakeBehaviour:
 
     def __init__(self) -> None:
         self.change_repeats = False  # a repeated identical request gets a different answer
+        self.odd_repeat: int | None = None  # only this repeat of a completion prompt (1: the second) does
         # "perfect": the expected calls of tools-v1; "reject": 400 on tools; "never": takes tools, never calls
         self.tools = "perfect"
         self.seen: dict[str, int] = {}
         self.lock = threading.Lock()
+        # Memory each completion keeps for good, really allocated (so the process's resident memory grows):
+        # `leak_bytes` unexplained, `cache_bytes` reported in /metrics as what its caches hold by design.
+        self.leak_bytes = 0
+        self.cache_bytes = 0
+        self.kept: list[mmap.mmap] = []
+        self.cache_held = 0
+        self.events: list[str] = []  # "metrics" and "completion", in the order they were served
 
 
 def _words(messages: list[dict[str, Any]]) -> int:
@@ -88,8 +98,40 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data.encode())
 
+    def _metrics(self) -> None:
+        """The process's real resident memory, as prometheus_client's process collector exports it."""
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        lines = [f"process_resident_memory_bytes {resident}"]
+        with self.behaviour.lock:
+            self.behaviour.events.append("metrics")
+        if self.behaviour.cache_bytes:
+            lines.append(f"morion_engine_cache_memory_bytes {self.behaviour.cache_held}")
+        data = ("\n".join(lines) + "\n").encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _keep_memory(self) -> None:
+        behaviour = self.behaviour
+        with behaviour.lock:
+            behaviour.events.append("completion")
+            for size in (behaviour.leak_bytes, behaviour.cache_bytes):
+                if size:
+                    # A mapping of its own, every page written: resident growth of exactly `size`, never
+                    # memory an earlier test freed and the allocator kept.
+                    kept = mmap.mmap(-1, size)
+                    for offset in range(0, size, mmap.PAGESIZE):
+                        kept[offset] = 1
+                    behaviour.kept.append(kept)
+            behaviour.cache_held += behaviour.cache_bytes
+
     def do_GET(self) -> None:
-        if self.path == "/v1/models":
+        if self.path == "/metrics" and (self.behaviour.leak_bytes or self.behaviour.cache_bytes):
+            self._metrics()
+        elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         elif self.path == "/health":
             self._json(200, {"status": "ok"})
@@ -99,6 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if self.path == "/v1/completions":  # the flood, bench's probe, generated restores: one token each
+            self._keep_memory()
             key = json.dumps(body["prompt"])
             with self.behaviour.lock:
                 repeat = self.behaviour.seen.get(key, 0)
@@ -109,7 +152,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "total_tokens": 0,
                 "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1 if repeat else 0},
             }
-            changed = self.behaviour.change_repeats and repeat
+            changed = (self.behaviour.change_repeats and repeat) or repeat == self.behaviour.odd_repeat
             logprobs = {"tokens": ["x"], "token_logprobs": [-0.5 if changed else -0.25]}
             self._sse(
                 [
@@ -169,3 +212,5 @@ def fake_server() -> Iterator[tuple[str, FakeBehaviour]]:
     finally:
         server.shutdown()
         server.server_close()
+        for kept in behaviour.kept:
+            kept.close()

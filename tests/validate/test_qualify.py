@@ -26,6 +26,10 @@ def _validate(wrong: int = 0, host_hits: int = 100) -> dict:
             "wrong_by_step": {"device": 0, "host": wrong, "disk": 0},
             "median_ttft_s": {"cold": 1.0, "device": 0.03, "host": 0.2, "disk": 0.5},
         },
+        "cases": [
+            {"id": f"conversation-{i}", "prompt_tokens": 4732, "wrong": ["host"], "reason": "host: differs"}
+            for i in range(wrong)
+        ],
     }
     soak = {
         "verdict": "pass",
@@ -82,8 +86,9 @@ def test_a_clean_run_passes_with_the_ratios_against_offline(tmp_path):
 
 
 def test_a_wrong_answer_or_too_few_hits_fails(tmp_path):
-    status, result, _ = _run(tmp_path, _validate(wrong=1))
+    status, result, report = _run(tmp_path, _validate(wrong=1))
     assert status == 1 and "1 wrong answers" in result["summary"]["problems"]
+    assert "- conversation-0 (4,732 tokens): host: differs" in report  # each wrong answer, listed
     status, result, _ = _run(tmp_path / "b", _validate(host_hits=99))
     assert status == 1 and result["summary"]["problems"] == ["fewer than 100 hits: host 99"]
 

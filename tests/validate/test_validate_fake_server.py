@@ -63,7 +63,27 @@ def test_generated_conversations_count_a_hit_that_changes_a_logprob_as_wrong(fak
     assert figures["hits"]["device"] == 3 and figures["wrong_by_step"]["device"] == 3
     assert figures["wrong_answers"] == 6  # device and host, three conversations each
     assert "token 0: logprob -0.5 vs -0.25" in suite["cases"][0]["reason"]
+    # Sent twice more after its group: both repeats answer as the hits did (every hit is the odd one here).
+    for case in suite["cases"]:
+        assert len(case["steps"]["again-host"]) == 2
+        assert case["sent_again"]["host"] == {"sent": 2, "as_hit": 2, "as_cold": 0}
+    assert "sent again 2: 2 as this hit, 0 as cold" in suite["cases"][0]["reason"]
     assert "**6 hits, 6 wrong answers**" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+
+
+def test_a_one_off_wrong_hit_is_sent_again_and_the_repeats_answer_as_cold(fake_server, tmp_path, capsys):
+    """Only the third request of each prompt (its host hit) answers otherwise: the two repeats sent after
+    the group answer as cold, which says the host hit was the odd run, not the cold one."""
+    url, behaviour = fake_server
+    behaviour.odd_repeat = 2
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "2",
+            "--restore-lengths", "20:60", "--restore-group", "2")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 1 and suite["figures"]["wrong_by_step"] == {"device": 0, "host": 2, "disk": 0}
+    for case in suite["cases"]:
+        assert case["sent_again"] == {"host": {"sent": 2, "as_hit": 0, "as_cold": 2}}
+        assert "sent again 2: 0 as this hit, 2 as cold" in case["reason"]
 
 
 def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
@@ -152,6 +172,54 @@ def test_soak_with_token_id_prompts(fake_server, tmp_path, capsys):
     for record in records:
         by_client.setdefault((record["client"], record["conversation"]), []).append(record["prompt_tokens"])
     assert any(lengths[:2] == [32, 64] for lengths in by_client.values())  # a block a turn
+
+
+@pytest.mark.parametrize(
+    ("leak_mib", "cache_mib", "verdict"),
+    [(4, 0, "fail"), (0, 4, "pass"), (4, 4, "fail")],
+    ids=["a-leak", "caches-filling", "a-leak-beside-filling-caches"],
+)
+def test_soak_memory_bound_catches_a_leak_but_not_filling_caches(
+    fake_server, tmp_path, capsys, leak_mib, cache_mib, verdict
+):
+    """The server's real resident memory grows by 4 MiB a request (48 MiB over the soak, bound 24). Memory
+    it reports as its caches' (`morion_engine_cache_memory_bytes`, bounded by design) is not a leak; the
+    same growth unreported is, also when reported cache growth runs beside it."""
+    url, behaviour = fake_server
+    behaviour.leak_bytes, behaviour.cache_bytes = leak_mib * 2**20, cache_mib * 2**20
+    argv = ("soak", "--url", url, "--soak-prompts", "token-ids", "--soak-turn-tokens", "8",
+            "--soak-clients", "2", "--soak-max-requests", "12", "--soak-max-growth-mib", "24")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    soak = result["suites"]["soak"]
+    figures = soak["figures"]
+    assert soak["verdict"] == verdict and status == (1 if verdict == "fail" else 0), figures
+    assert figures["resident_growth_mib"] >= 12 * (leak_mib + cache_mib) * 0.9
+    if cache_mib:
+        assert figures["cache_memory_growth_mib"] == 12 * cache_mib
+        assert figures["memory_metric"].endswith("- morion_engine_cache_memory_bytes")
+        assert figures["memory_growth_mib"] == figures["resident_growth_mib"] - 12 * cache_mib
+    else:
+        assert figures["cache_memory_growth_mib"] is None and figures["memory_metric"] == (
+            "process_resident_memory_bytes"
+        )
+    if verdict == "fail":
+        assert "resident memory grew" in soak["reason"]
+
+
+def test_soak_beside_restore_measures_its_end_once_restore_traffic_is_over(fake_server, tmp_path, capsys):
+    """Memory is compared between two idle points: the soak's clients stop after 2 requests, restore goes
+    on (6 conversations, 3 steps each), and the soak reads /metrics for its end only after all of it."""
+    url, behaviour = fake_server
+    behaviour.cache_bytes = 64  # /metrics exported
+    argv = ("restore", "soak", "--url", url, "--soak-during-restore", "--soak-prompts", "token-ids",
+            "--soak-turn-tokens", "8", "--soak-clients", "1", "--soak-max-requests", "2",
+            "--restore-conversations", "6", "--restore-lengths", "20:40", "--flood-tokens", "16")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    assert status == 0 and result["suites"]["soak"]["figures"]["requests"] == 2
+    events = behaviour.events
+    assert events.count("completion") >= 2 + 6 * 3 and events.count("metrics") == 2  # the soak's start, end
+    last_completion = len(events) - 1 - events[::-1].index("completion")
+    assert events[last_completion + 1 :] == ["metrics"]  # (the start may race restore's first request)
 
 
 def test_soak_runs_beside_restore_and_ends_before_the_restart(fake_server, tmp_path, capsys):

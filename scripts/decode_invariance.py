@@ -1,0 +1,86 @@
+"""Does a request's decode depend on what decodes beside it? In-process, on one engine, bit for bit.
+
+The second 80B qualification (results/2026-12-01-h200-qualify-qwen3-next-80b-a3b-run2-notes.md) found
+hits whose first 5 to 13 tokens equal the cold run's, log probability for log probability, and then part:
+every wrong one ran alone on one side (a decode-graph bucket of 1) and beside other traffic on the other.
+This probe asks the question directly, for many steps (a rare flip per step needs many to show):
+
+  cold:     every prompt once, alone (its prefill, then decode at batch 1);
+  alone:    every prompt again, alone (a device hit: its tail, then decode at batch 1);
+  together: every prompt again, `--batch` at a time (the same hit path, decode beside the others).
+
+`alone` against `together` differs only in the decode's company; `cold` against `alone` only in the
+prefill path (a hit recomputes just its tail). Reported per comparison: the prompts that part and the first
+token where each does. Engine flags (`--no-cuda-graph`, `--moe-kernel grouped`, ...) bisect by kernel.
+
+    python scripts/decode_invariance.py --model preset:qwen3-next-80b-a3b-12l --weight-dtype fp8 \\
+        --kv-cache-dtype fp8 --prompts 64 --tokens 64 --batch 8 --out results
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
+from morion.engine.engine import Engine
+from morion.engine.sampling_params import SamplingParams
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
+    """Submits `prompts` together and steps until all finish: each one's token log probabilities."""
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    finals = {}
+    while engine.has_unfinished():
+        for step in engine.step():
+            if step.final is not None:
+                finals[step.request_id] = step.final
+    return [list(finals[request_id].logprobs) for request_id in ids]
+
+
+def _parting(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, object]:
+    """Which prompts' answers differ, and the first token at which each does."""
+    first = {}
+    for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        token = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if token is not None:
+            first[index] = token
+    return {"prompts_differing": len(first), "first_differing_token": first}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = probe_parser(__doc__.splitlines()[0], "decode-invariance")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=1000, help="off a page boundary by default")
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--probe-seed", type=int, default=0, help="draws the prompts")
+    args = parser.parse_args(argv)
+    engine = Engine(probe_config(args, batch=args.batch))
+    prompts = probe_prompts(engine.model.config.vocab_size, args.prompts, args.prompt_tokens, args.probe_seed)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    answers: dict[str, list[list[float]]] = {}
+    for phase in ("cold", "alone", "together"):
+        started = time.perf_counter()
+        size = args.batch if phase == "together" else 1
+        answers[phase] = [
+            answer
+            for start in range(0, len(prompts), size)
+            for answer in _run(engine, prompts[start : start + size], params)
+        ]
+        print(f"decode_invariance: {phase}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    result = {
+        "settings": vars(args),
+        "steps_compared": args.prompts * args.tokens,
+        "alone_vs_together": _parting(answers["alone"], answers["together"]),
+        "cold_vs_alone": _parting(answers["cold"], answers["alone"]),
+    }
+    for name in ("alone_vs_together", "cold_vs_alone"):
+        figures = result[name]
+        print(f"decode_invariance: {name}: {figures['prompts_differing']} of {args.prompts} prompts part")
+    write_probe_result(args.out, "decode-invariance", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Which op computes a row differently at batch 1 than beside other rows? Many rows per op, bit for bit.
+
+The decode path's ops of one layer of each kind (every linear, BF16 or FP8; the whole sparse-MoE block:
+router, fused experts, shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
+For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
+for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
+against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at
+any M, summed). A rare last-bit flip
+(once in thousands of elements) is what `scripts/decode_invariance.py` would see as an answer parting after
+several identical tokens; one row per batch size, as the first probe compared
+(`results/2026-12-01-h200-batch-invariance.md`), cannot show it.
+
+    python scripts/row_invariance_probe.py --model preset:qwen3-next-80b-a3b-12l --weight-dtype fp8 \\
+        --trials 500 --out results
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from morion.bench.invariance_probe import probe_config, probe_parser, write_probe_result
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.moe import SparseMoE
+from morion.loader import load_model
+
+BUCKETS = (2, 4, 8, 16)
+
+
+def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """name -> (op on [M, in] rows, in features): one layer of each kind's linears and MoE blocks, and
+    the LM head."""
+    ops: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {}
+    seen_kinds: set[str] = set()
+    for layer_name, layer in model.named_modules():
+        kind = ",".join(type(child).__name__ for child in layer.children())  # its mixer and MLP kinds
+        if layer_name.count(".") != 2 or not layer_name.split(".")[-1].isdigit() or kind in seen_kinds:
+            continue  # model.layers.<i>: the first of each kind of decoder layer
+        seen_kinds.add(kind)
+        for name, module in layer.named_modules():
+            full = f"{layer_name}.{name}"
+            if isinstance(module, SparseMoE):
+                ops[full] = (module, module.gate.in_features)
+            elif isinstance(module, (torch.nn.Linear, Fp8Linear)):
+                ops[full] = (module, module.in_features)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, (torch.nn.Linear, Fp8Linear)):
+        ops["lm_head"] = (head, head.in_features)
+    return ops
+
+
+@torch.inference_mode()
+def probe(op: Callable[[torch.Tensor], torch.Tensor], features: int, trials: int, rows: int, device, dtype):
+    counts = {"trials": trials, "m1_vs_batched_rows": 0, "m1_vs_batched_elements": 0, "batched_rows": 0}
+    generator = torch.Generator(device=device).manual_seed(0)
+    for _ in range(trials):
+        x = torch.randn(rows, features, device=device, dtype=dtype, generator=generator)
+        alone = op(x[:1])[0]
+        outs = [op(x[:m])[0] for m in BUCKETS if m <= rows]
+        first_batched = outs[0]
+        differing = max(int((out != alone).sum()) for out in outs)
+        counts["m1_vs_batched_rows"] += differing > 0
+        counts["m1_vs_batched_elements"] += differing
+        counts["batched_rows"] += any(bool((out != first_batched).any()) for out in outs[1:])
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = probe_parser(__doc__.splitlines()[0], "row-invariance")
+    parser.add_argument("--trials", type=int, default=500)
+    parser.add_argument("--rows", type=int, default=16)
+    args = parser.parse_args(argv)
+    config = probe_config(args)
+    loaded = load_model(config.model, config.torch_dtype, config.torch_device, config.load_format,
+                        config.seed, weight_dtype=config.weight_dtype)  # fmt: skip
+    results = {}
+    for name, (op, features) in _ops(loaded.model).items():
+        started = time.perf_counter()
+        results[name] = probe(op, features, args.trials, args.rows, config.torch_device, config.torch_dtype)
+        figures = results[name]
+        print(
+            f"row_invariance: {name}: {figures['m1_vs_batched_rows']} of {args.trials} trials differ at M=1 "
+            f"({figures['m1_vs_batched_elements']} elements), {figures['batched_rows']} among M>1 "
+            f"({time.perf_counter() - started:.1f} s)",
+            file=sys.stderr,
+        )
+    write_probe_result(
+        args.out, "row-invariance", {"settings": vars(args), "buckets": BUCKETS, "ops": results}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
