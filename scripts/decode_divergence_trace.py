@@ -23,9 +23,8 @@ from morion.bench.invariance_probe import probe_config, probe_parser, probe_prom
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 
-Trace = list[
-    dict[str, torch.Tensor]
-]  # per decode step: "module#call" -> its output, [tokens, ...] on the CPU
+# Per decode step: "module#call" -> its output, [tokens, ...] on the CPU.
+Trace = list[dict[str, torch.Tensor]]
 
 
 class OutputRecorder:
@@ -80,7 +79,9 @@ def _row(tensor: torch.Tensor, tokens: int, index: int) -> torch.Tensor | None:
 def compare(alone: Trace, together: Trace, embed_key: str) -> list[dict[str, object]]:
     """Per decode step: the traced row's modules whose output differs alone against together."""
     steps = []
-    for number, (mine, theirs) in enumerate(zip(alone, together, strict=False)):  # together may run longer
+    for number, (mine, theirs) in enumerate(
+        zip(alone, together, strict=False)
+    ):  # the same steps here; else the shorter
         batch = theirs[embed_key].shape[0]
         matches = [i for i in range(batch) if torch.equal(theirs[embed_key][i], mine[embed_key][0])]
         if len(matches) != 1:

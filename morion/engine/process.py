@@ -301,9 +301,10 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             # Stats ride along at most every STATS_PERIOD_S while busy, and always once idle: building and
             # pickling them every step cost ~0.1 ms of the serving path's per-token time.
             now = time.monotonic()
-            fresh = now >= stats_due or not loop.engine.has_unfinished()
-            stats_due = now + STATS_PERIOD_S if fresh else stats_due
-            outbox.send(EngineOutputs(deltas, loop.stats() if fresh else None))
+            stats = None
+            if now >= stats_due or not loop.engine.has_unfinished():
+                stats, stats_due = loop.stats(), now + STATS_PERIOD_S
+            outbox.send(EngineOutputs(deltas, stats))
             times.busy_seconds += time.perf_counter() - busy_since  # the next stats carry it
             if not loop.engine.has_unfinished():
                 # Gone idle: the pool's integrity check runs after the last answers went out (it must never

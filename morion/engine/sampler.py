@@ -1,8 +1,8 @@
 """Batched token sampling for requests with different sampling parameters.
 
 Per step: penalties → logit bias → grammar mask → greedy argmax for greedy requests → temperature → top-k →
-top-p → min-p → draw. A batch of plain greedy requests (nothing alters their logits) takes the argmax of
-the logits directly. Tokens and their logprobs come back to the host in one transfer.
+top-p → min-p → draw. A batch of plain greedy requests (nothing alters their logits) takes every row's
+argmax at once. Tokens and their logprobs come back to the host in one transfer.
 The masks are computed for the whole batch at once; each request draws with its own generator, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
@@ -119,15 +119,16 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(samplers)} samplers")
     if not samplers:
         return SampleResult([], None, None)
+    scores = logits.to(torch.float32, copy=True)
     want_logprobs = any(s.params.logprobs is not None for s in samplers)
-    raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1) if want_logprobs else None
+    raw_logprobs = scores.log_softmax(dim=-1) if want_logprobs else None
     if all(_plain_greedy(s) for s in samplers):
-        # Nothing alters the logits: the argmax of the logits themselves (their fp32 copy holds the same
-        # values, so the same token), without the row-index tensors below, each a host-to-device copy
-        # that can wait for the decode graph before the step's last kernels launch.
-        token_ids = logits.argmax(dim=-1)
+        # Nothing alters the scores: every row's argmax at once, without the row-index tensors of
+        # `_sample_rows`, each a host-to-device copy that can wait for the decode graph before the step's
+        # last kernels launch.
+        token_ids = scores.argmax(dim=-1)
     else:
-        token_ids = _sample_rows(logits.to(torch.float32, copy=True), samplers)
+        token_ids = _sample_rows(scores, samplers)
     if raw_logprobs is None:
         return SampleResult(token_ids.tolist(), None, None)
     return _with_logprobs(raw_logprobs, token_ids, samplers)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from morion.loader.gguf_header import GGUFTensor
 
@@ -23,16 +23,16 @@ _CHUNK_BLOCKS = (1 << 22) // _BLOCK
 
 def dequantize_torch(tensor: GGUFTensor) -> torch.Tensor | None:
     """A new float32 tensor in numpy's order (slowest dim first), or None for a type not handled here."""
-    kind = tensor.tensor_type
-    if kind not in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+    dequantize = _DEQUANTIZERS.get(tensor.tensor_type)
+    if dequantize is None:
         return None
     with warnings.catch_warnings():  # a view of the read-only file: only ever read here
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         raw = torch.from_numpy(tensor.data)
-    blocks = raw.reshape(-1, _BLOCK_BYTES[kind])
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[tensor.tensor_type][1])  # (elements, bytes) per block
     out = torch.empty(blocks.shape[0], _BLOCK, dtype=torch.float32)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        _DEQUANTIZERS[kind](blocks[start : start + _CHUNK_BLOCKS], out[start : start + _CHUNK_BLOCKS])
+        dequantize(blocks[start : start + _CHUNK_BLOCKS], out[start : start + _CHUNK_BLOCKS])
     return out.reshape(tuple(reversed(tensor.shape)))
 
 
@@ -66,7 +66,6 @@ def _q4_1(chunk: torch.Tensor, out: torch.Tensor) -> None:  # d, m (fp16), 16 by
     out.mul_(_half(chunk, 0)).add_(_half(chunk, 2))
 
 
-_BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 _DEQUANTIZERS = {
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,

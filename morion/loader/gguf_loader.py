@@ -54,7 +54,9 @@ class GGUFModel(NamedTuple):
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantizes one tensor at a time, so peak memory stays near the largest tensor."""
-        from morion.loader.gguf_dequant_torch import dequantize_torch  # torch: only where weights are read
+        import torch  # only where weights are read: the server's front end reads the tokenizer without it
+
+        from morion.loader.gguf_dequant_torch import dequantize_torch
 
         config = self.hf_config
         for tensor in self.tensors:
@@ -66,13 +68,7 @@ class GGUFModel(NamedTuple):
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
                 array = _unpermute_rotary_rows(array, heads)
-            yield name, _as_tensor(np.ascontiguousarray(array))
-
-
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    import torch
-
-    return torch.from_numpy(array)
+            yield name, torch.from_numpy(np.ascontiguousarray(array))
 
 
 def hf_tensor_name(gguf_name: str) -> str:

@@ -80,6 +80,14 @@ class RunningServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_once_it_has(self, text: str, timeout: float = 30) -> str:
+        """The log, once `text` is in it (or the timeout passed). Lines written after a response has
+        been sent, like the request log's, can reach the file after the client has its answer."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return log
+
     def server_info(self) -> dict:
         with self.http() as client:
             response = client.get("/v1/server_info")

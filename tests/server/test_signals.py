@@ -51,10 +51,7 @@ def test_a_second_signal_ends_the_server_and_its_engine_at_once(server_control, 
         while not all(event.is_set() for event in streaming) and time.monotonic() < deadline:
             time.sleep(0.05)
         running.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while "draining 2 request(s)" not in running.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "draining 2 request(s)" in running.log()
+        assert "draining 2 request(s)" in running.log_once_it_has("draining 2 request(s)")
 
         running.process.send_signal(signal.SIGINT)  # the second one, as a second Ctrl-C
         started = time.monotonic()
