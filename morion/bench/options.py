@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from morion.errors import MorionError
 
-WORKLOADS = ("decode", "prefill", "ttft", "spec", "restore")
-# restore needs the cache tiers' flags and spec a draft width: only when asked.
+WORKLOADS = ("decode", "prefill", "ttft", "turn", "spec", "restore")
+# turn, restore and spec are only run when asked: turn and restore need long prompts (and restore the
+# cache tiers' flags), spec a draft width.
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
 BASELINES = ("hf",)
 RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
@@ -36,7 +37,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help="any of decode,prefill,ttft,spec,restore (default decode,prefill,ttft)",
+        help="any of decode,prefill,ttft,turn,spec,restore (default decode,prefill,ttft)",
     )
     work.add_argument("--concurrency", default="1,2,4,8", help="decode: concurrent requests (1,2,4,8)")
     work.add_argument("--contexts", default="1024,32768", help="decode: prompt tokens (1024,32768)")
@@ -60,6 +61,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-lengths", default="1024,8192,32768,65536", help="prefill: prompt tokens, max_tokens 1"
     )
     work.add_argument("--ttft-length", default="1024", help="ttft: prompt tokens (1024)")
+    work.add_argument(
+        "--turn-prefix",
+        default="32768",
+        help="turn: tokens of the cached conversation, a multiple of the page size (+1 token) (32768)",
+    )
+    work.add_argument("--turn-new", default="1024", help="turn: new tokens the turn appends (1024)")
     work.add_argument(
         "--spec-mean-accepted",
         default="2.58",
@@ -120,6 +127,8 @@ class BenchOptions:
     max_cell_prompt_tokens: int
     prefill_lengths: tuple[int, ...]
     ttft_length: int
+    turn_prefix: int
+    turn_new: int
     spec_mean_accepted: float
     restore_length: int
     restore_repeats: int
@@ -174,6 +183,8 @@ class BenchOptions:
             max_cell_prompt_tokens=_number(args.max_cell_prompt_tokens, "--max-cell-prompt-tokens", int, 0),
             prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
             ttft_length=_number(args.ttft_length, "--ttft-length", int, 1),
+            turn_prefix=_number(args.turn_prefix, "--turn-prefix", int, 1),
+            turn_new=_number(args.turn_new, "--turn-new", int, 1),
             spec_mean_accepted=_number(args.spec_mean_accepted, "--spec-mean-accepted", float, 1),
             restore_length=_number(args.restore_length, "--restore-length", int, 1),
             restore_repeats=_number(args.restore_repeats, "--restore-repeats", int, 1),

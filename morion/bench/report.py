@@ -164,6 +164,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _decode_table(result)
     lines += _prefill_table(result.get("prefill") or [])
     lines += _ttft_line(result.get("ttft"))
+    lines += _turn_table(result.get("turn"))
     lines += _spec_table(result.get("spec"))
     lines += _restore_table(result.get("restore"))
     lines += _roofline_inputs(result.get("roofline") or {})
@@ -277,6 +278,35 @@ def _ttft_line(point: dict[str, Any] | None) -> list[str]:
         "fresh prompt at a time, max_tokens 1.",
         "",
     ]
+
+
+def _turn_table(section: dict[str, Any] | None) -> list[str]:
+    if not section:
+        return []
+    median, runs = section["median"], section["runs"]
+    prefix, new = section["prefix_tokens"], section["new_tokens"]
+    cached = sorted({run["turn"]["cached_tokens"] for run in runs})
+    checked = (
+        f"every turn found the {prefix:,} conversation tokens cached"
+        if section["page_size"] and not section["failures"]
+        else "cached tokens as the server reported them (not checked: its page size is unknown)"
+    )
+    lines = [
+        f"## Agent turn: {new:,} new tokens on a cached {prefix:,}-token conversation (+1 token), "
+        f"max_tokens 1 (median of {len(runs)} repeats)",
+        "",
+        "| request | TTFT ms | cached tokens | computed tok/s |",
+        "|---|---:|---:|---:|",
+        f"| prime (cold conversation) | {_ms(median['prime_ttft_s'])} | 0 | "
+        f"{_num(median['prime_tok_s'], 0)} |",
+        f"| turn | **{_ms(median['turn_ttft_s'])}** | {', '.join(f'{n:,}' for n in cached)} | "
+        f"{_num(median['turn_tok_s'], 0)} |",
+        "",
+        f"Turn TTFT / cold conversation TTFT: {_num(section['ratio_to_cold'], 3)}; {checked}.",
+        "",
+    ]
+    lines += [f"- FAILED: {failure}" for failure in section["failures"]]
+    return lines + ([""] if section["failures"] else [])
 
 
 def _restore_table(section: dict[str, Any] | None) -> list[str]:

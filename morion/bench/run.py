@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from morion.bench import analysis, provenance, restore, roofline, speculative
+from morion.bench import agent_turn, analysis, provenance, restore, roofline, speculative
 from morion.bench.options import BenchOptions, add_bench_arguments, device_peaks
 from morion.bench.plot import matplotlib_available, write_png
 from morion.bench.prompts import PromptFactory
@@ -41,6 +41,8 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     command = command_line(args, engine_options)
     if options.url:
         target, cost, cost_source = _remote_target(options, args, config, engine_options)
+        if "turn" in options.workloads:
+            agent_turn.check_prefix(options.turn_prefix, _page_size(target, config))
         device = None
         served = (target.server_info or {}).get("config") or {}
         device_name = served.get("device_name") or served.get("device")
@@ -49,6 +51,8 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
 
         if "restore" in options.workloads:
             restore.check_flags(config, options)
+        if "turn" in options.workloads:
+            agent_turn.check_prefix(options.turn_prefix, config.page_size)
         plain = config
         if "spec" in options.workloads:
             speculative.check_flags(config, options)
@@ -96,6 +100,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         "decode_skipped": [],
         "prefill": [],
         "ttft": None,
+        "turn": None,
         "spec": None,
         "restore": None,
         "baseline": None,
@@ -127,9 +132,10 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     spec_failure = speculative.failure_message(result["spec"])
     if spec_failure:
         raise MorionError(f"{spec_failure}; results: {path}")
-    failures = (result["restore"] or {}).get("failures")
-    if failures:
-        raise MorionError(f"restore FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
+    for workload in ("turn", "restore"):
+        failures = (result[workload] or {}).get("failures")
+        if failures:
+            raise MorionError(f"{workload} FAILED: {failures[0]} ({len(failures)} problems; results: {path})")
     return 0
 
 
@@ -146,6 +152,7 @@ def _run_workloads(
         *(options.contexts if {"decode", "spec"} & set(chosen) else ()),
         *(options.prefill_lengths if "prefill" in chosen else ()),
         *((options.ttft_length,) if "ttft" in chosen else ()),
+        *((options.turn_new,) if "turn" in chosen else ()),
         *((options.restore_length,) if "restore" in chosen else ()),
     ]
     bench.warm_engine(min(1024, *lengths))
@@ -176,6 +183,12 @@ def _run_workloads(
         point = bench.prefill_point(options.ttft_length, options.repeats, workload="ttft")
         analysis.annotate_prefill(point, cost, options.peak_tflops)
         result["ttft"] = point
+        write_json(path, result)
+    if "turn" in options.workloads:
+        page_size = _page_size(bench.target, config)
+        result["turn"] = agent_turn.run_turns(
+            bench, options.turn_prefix, options.turn_new, options.repeats, page_size
+        )
         write_json(path, result)
     if "spec" in options.workloads or "restore" in options.workloads:
         from morion.bench.offline import EngineTarget
@@ -308,11 +321,24 @@ def _check_lengths(options: BenchOptions, max_model_len: int, what: str) -> None
         needs.append(("--prefill-lengths", max(options.prefill_lengths) + 1))
     if "ttft" in options.workloads:
         needs.append(("--ttft-length", options.ttft_length + 1))
+    if "turn" in options.workloads:
+        needs.append(
+            ("--turn-prefix + --turn-new", agent_turn.tokens_needed(options.turn_prefix, options.turn_new))
+        )
     if "restore" in options.workloads:
         needs.append(("--restore-length", options.restore_length + 1 + restore.OUTPUT_TOKENS))
     for flag, tokens in needs:
         if tokens > max_model_len:
             raise MorionError(f"{flag} needs {tokens} tokens (prompt + output) but {what} is {max_model_len}")
+
+
+def _page_size(target: Target, config: EngineConfig) -> int | None:
+    """The engine's page size, or a morion server's; None for another server (its cache is not checked)."""
+    from morion.bench.remote import RemoteTarget
+
+    if isinstance(target, RemoteTarget):
+        return ((target.server_info or {}).get("config") or {}).get("page_size")
+    return config.page_size
 
 
 def _roofline_header(
@@ -339,7 +365,7 @@ def _default_label(options: BenchOptions, config: EngineConfig, target: Target, 
     device = prov.get("device_name") or str(config.torch_device)
     device = device.removeprefix("NVIDIA ").split()[0] if device else "device"
     model = Path(str(config.model or "default")).name.removeprefix("preset:")
-    suffix = "-fp8" if config.weight_dtype == "fp8" else ""
+    suffix = f"-{config.weight_dtype}" if config.weight_dtype != "auto" else ""
     # A results file with speculative numbers says how they were made in its name too.
     if "spec" in options.workloads:
         suffix += "-spec-ngram" if config.speculative == speculative.REAL else "-spec-synthetic"

@@ -38,7 +38,8 @@ def build_model(
     """Constructs the architecture with uninitialised parameters; the loader fills them.
 
     `weight_dtype` "fp8" swaps linear layers and experts for FP8 ones before anything is allocated on
-    `device`, except the modules the architecture lists in `fp8_keep`; "auto" keeps everything in `dtype`.
+    `device`, except the modules the architecture lists in `fp8_keep`; "nvfp4" does the same with the
+    routed experts in NVFP4; "auto" keeps everything in `dtype`.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ModelLoadError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_DTYPES)})")
@@ -53,8 +54,8 @@ def build_model(
     # a meta initialiser's first call imports torch's reference decompositions (3 s on a 2-core CPU).
     with torch.device("meta"), _no_initialisers():
         model = architecture(config).to(dtype)
-    if weight_dtype == "fp8":
-        logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ())).summary())
+    if weight_dtype in ("fp8", "nvfp4"):
+        logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ()), weight_dtype).summary())
     # Not `to_empty`: its meta-to-device path imports sympy through torch's shape reasoning (1 s).
     model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
     return model.requires_grad_(False).eval()

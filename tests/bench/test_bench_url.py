@@ -99,3 +99,16 @@ def test_unreachable_url_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"morion: error: cannot reach http://127.0.0.1:{port}") and err.count("\n") == 1
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_an_agent_turn_through_the_server_reuses_the_conversation(tiny_server, tmp_path, capsys):
+    result, path = _bench(
+        tiny_server, tmp_path, capsys, "--workloads", "turn", "--turn-prefix", "64", "--turn-new", "16",
+        "--repeats", "1",
+    )  # fmt: skip
+    section = result["turn"]
+    assert section["page_size"] == 16  # the server's, from /v1/server_info: the hit is checked
+    [run] = section["runs"]
+    assert run["prime"]["cached_tokens"] == 0
+    assert (run["turn"]["cached_tokens"], run["computed_tokens"]) == (64, 17)
+    assert "every turn found the 64 conversation tokens cached" in path.with_suffix(".md").read_text()
