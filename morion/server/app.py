@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from morion.engine.messages import EngineInfo
 from morion.multimodal.image_decode import PreparedImage
 from morion.server.anthropic_messages import register_messages_api
 from morion.server.chat_images import chat_images, with_image_tokens
@@ -32,6 +31,7 @@ from morion.server.chat_tools import ChatTooling
 from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
+from morion.server.engine_messages import EngineInfo
 from morion.server.errors import APIError, error_body
 from morion.server.http_guards import install_browser_guards
 from morion.server.options import ServeOptions

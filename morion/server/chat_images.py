@@ -15,8 +15,8 @@ import binascii
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from morion.engine.messages import EngineInfo
 from morion.multimodal.image_decode import ImageError, PreparedImage, prepare_image
+from morion.server.engine_messages import EngineInfo
 from morion.server.errors import APIError
 from morion.server.prepare import RenderedChat
 from morion.server.protocol import ChatCompletionRequest

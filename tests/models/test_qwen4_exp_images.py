@@ -18,13 +18,14 @@ from PIL import Image
 from morion import LLM, SamplingParams
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
-from morion.engine.image_batch import ImageChunk, ImageEncoder
 from morion.loader import load_model
 from morion.multimodal.image_decode import PreparedImage, prepare_image
 from morion.multimodal.patches import image_patches
 from morion.multimodal.processing import ImageProcessing
 from morion.multimodal.prompt_images import PromptImages
+from morion.runner.backend import PagedAttentionBackend
+from morion.runner.forward_batch import build_forward_batch
+from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.spec.synthetic import SyntheticDrafter
 from tests import tiny_vlm
 from tests.models.conftest import PagedRunner

@@ -12,22 +12,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from morion.engine.host_to_device import to_device
-from morion.engine.request import Request
 from morion.models.image_rows import ImageRows
 from morion.multimodal.patches import image_patches
 from morion.multimodal.processing import ImageProcessing
+from morion.multimodal.prompt_images import PromptImages
+from morion.runner.host_to_device import to_device
+
+
+class RequestWithImages(Protocol):
+    """What the encoder reads and keeps on a request (engine/request.py's Request)."""
+
+    images: PromptImages | None
+    image_embeds: dict[int, torch.Tensor]
 
 
 class ImageChunk(NamedTuple):
     """A forward's rows start .. start + length - 1 of `request` (the engine's chunks, or a verify)."""
 
-    request: Request
+    request: RequestWithImages
     start: int
     length: int
 
@@ -87,7 +94,7 @@ class ImageEncoder:
     def _encode_missing(self, chunks: Sequence[ImageChunk]) -> None:
         """One tower forward over every image some chunk computes tokens of and no earlier forward
         encoded (kept on its request)."""
-        wanted: list[tuple[Request, int]] = []
+        wanted: list[tuple[RequestWithImages, int]] = []
         for request, start, length in chunks:
             if request.images is None:
                 continue
