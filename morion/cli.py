@@ -97,6 +97,11 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="one log line per request: status, tokens, time to first token, duration",
     )
+    serve.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="read file:// images under DIR (default: file:// images are refused; data: URLs always work)",
+    )
     serve.add_argument("--config", help="TOML profile setting any of these flags; flags given here win")
     serve.set_defaults(profile_parser=serve)
 
@@ -156,6 +161,7 @@ _SERVER_FLAGS = (
     "reasoning_parser",
     "log_level",
     "log_requests",
+    "allowed_local_media_path",
 )
 
 

@@ -10,6 +10,7 @@ from morion.engine.engine import Engine
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError, MorionError
+from morion.multimodal.image_decode import PreparedImage
 
 Prompt = str | Sequence[int]
 
@@ -37,21 +38,27 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[Sequence[PreparedImage]] | None = None,
     ) -> list[RequestOutput]:
         """Runs all prompts as one continuous batch. A prompt that can never run (too long, bad ids) gets
-        an output with finish_reason "error" and the reason; the others are unaffected."""
+        an output with finish_reason "error" and the reason; the others are unaffected. `images[i]`: the
+        images of prompt i (`prepare_image`), whose tokens its token ids hold (models with a vision
+        tower; `Engine.add_request`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        images = images or [()] * len(prompts)
+        if len(images) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but images for {len(images)}")
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids = self.encode(prompt)
             try:
-                order.append(self.engine.add_request(token_ids, params))
+                order.append(self.engine.add_request(token_ids, params, images=images[index]))
             except InvalidRequestError as error:
                 request_id = f"rejected-{index}"
                 order.append(request_id)

@@ -117,6 +117,16 @@ def small_llama(tmp_path_factory) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_checkpoint(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """(directory, transformers reference) of the tiny Qwen3.8-Flash-Next with images (tests/tiny_vlm.py),
+    built once per session."""
+    from tests import tiny_vlm
+
+    directory = tmp_path_factory.mktemp("tiny_vlm")
+    return directory, tiny_vlm.build(directory)
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real default model, pulled once into MORION_HOME (it is never downloaded twice)."""
     return pull(DEFAULT_MODEL, verify_existing=False)

@@ -128,6 +128,9 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
         head = getattr(model, attribute, None)
         if isinstance(head, nn.Module):
             exclude(f"draft head (model.{attribute}): not run by a plain decode step", head)
+    tower = getattr(model, "visual", None)
+    if isinstance(tower, nn.Module):
+        exclude("vision tower (model.visual): runs once per image, in prefill", tower)
     if not tied:
         for module in model.modules():
             if isinstance(module, nn.Embedding):

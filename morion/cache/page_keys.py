@@ -1,8 +1,11 @@
 """Content keys of pages: what the host and disk tiers index by (design §3, "Keys and namespaces").
 
 The key of page i is SHA-256 over (key of page i-1, the page's token ids as 4-byte little-endian), with
-32 zero bytes before the first page. A key therefore names a page *and its whole prefix*: two sequences
-share the key of page i exactly when they agree on every token up to the end of page i. A state snapshot
+32 zero bytes before the first page. A page with an image token's cache id (>= 2^32, derived from the
+image's content hash: multimodal/prompt_images.py) hashes its ids as 8-byte little-endian instead; text
+pages keep the 4-byte form, so their keys, and disk caches written before images existed, are unchanged.
+A key therefore names a page *and its whole prefix*: two sequences share the key of page i exactly when
+they agree on every token up to the end of page i. A state snapshot
 taken after n tokens (n a multiple of the page size) is keyed by the key of page n / page_size - 1, the
 page it ends on. Keys carry no model identity: the disk tier separates models by namespace directory,
 and the host tier belongs to one engine.
@@ -17,6 +20,7 @@ import numpy as np
 
 ROOT_KEY = bytes(32)
 KEY_BYTES = 32
+_WIDE_ID = 1 << 32  # cache ids of image tokens (multimodal/prompt_images.py) are this or above
 
 
 def extend_page_keys(
@@ -29,11 +33,17 @@ def extend_page_keys(
         return keys
     if num_pages * page_size > len(token_ids):
         raise ValueError(f"{num_pages} pages of {page_size} need more than {len(token_ids)} tokens")
-    data = np.asarray(token_ids[start * page_size : num_pages * page_size], dtype="<u4").tobytes()
+    ids = np.asarray(token_ids[start * page_size : num_pages * page_size], dtype=np.int64)
     previous = keys[-1] if keys else ROOT_KEY
-    stride = page_size * 4
-    for offset in range(0, len(data), stride):
-        previous = hashlib.sha256(previous + data[offset : offset + stride]).digest()
+    if not len(ids) or ids.max() < _WIDE_ID:
+        data, stride = ids.astype("<u4").tobytes(), page_size * 4
+        for offset in range(0, len(data), stride):
+            previous = hashlib.sha256(previous + data[offset : offset + stride]).digest()
+            keys.append(previous)
+        return keys
+    for page in ids.reshape(-1, page_size):
+        data = page.astype("<u8" if page.max() >= _WIDE_ID else "<u4").tobytes()
+        previous = hashlib.sha256(previous + data).digest()
         keys.append(previous)
     return keys
 

@@ -4,9 +4,10 @@ Tree invariants (checked by `check_integrity`):
 
 - A non-root node holds a run of whole pages: `num_tokens == len(pages) * page_size`, at least one
   page. A parent keys its children by their first page of token ids, so siblings differ in it.
-- Token ids are stored packed, 4 bytes each (uint32, `bytes`): a node costs 4 bytes a token, where a
+- Token ids are stored packed, 8 bytes each (uint64, `bytes`): a node costs 8 bytes a token, where a
   tuple of Python ints cost about 40 (a pointer and an int object per token, ids above 256 not being
-  shared). Bytes compare with memcmp, so matching is faster too, and stays exact.
+  shared). Bytes compare with memcmp, so matching is faster too, and stays exact. 8, not 4: an image's
+  tokens are keyed by ids above 2**32 derived from its content hash (`multimodal/prompt_images.py`).
 - `ref_count` of a node = its own locks + the sum of its children's `ref_count`: a lock counts on the
   whole path to the root. A node with `ref_count > 0` is never evicted; one with `ref_count == 0` has an
   unlocked subtree, so all its pages are evictable (leaf first).
@@ -50,7 +51,7 @@ class RadixNode:
     )
 
     def __init__(self, token_ids: bytes, pages: list[int], parent: RadixNode | None, node_id: int):
-        self.token_ids = token_ids  # packed uint32, TOKEN_BYTES a token
+        self.token_ids = token_ids  # packed uint64, TOKEN_BYTES a token
         self.pages = pages
         self.parent = parent  # None for the root, and for a node after it was evicted
         self.children: dict[bytes, RadixNode] = {}  # by their first page of packed token ids
@@ -75,24 +76,26 @@ class RadixNode:
         )
 
 
-TOKEN_BYTES = 4
-_TOKEN_DTYPE = np.dtype(np.uint32)  # native order, as array("I") packs
-_TOKEN_MAX = 2**32 - 1
-if array("I").itemsize != TOKEN_BYTES:
-    raise ImportError("the radix cache packs token ids as C unsigned int, which is not 4 bytes here")
+TOKEN_BYTES = 8
+TOKEN_TYPECODE = "Q"  # array's C unsigned long long: what a request packs its ids as
+_TOKEN_DTYPE = np.dtype(np.uint64)  # native order, as array("Q") packs
+if array(TOKEN_TYPECODE).itemsize != TOKEN_BYTES:
+    raise ImportError("the radix cache packs token ids as C unsigned long long, which is not 8 bytes here")
 
 
 def pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> bytes:
-    """Token ids packed as uint32 (ids are in [0, vocab), far below 2**32). An `array("I")` (what a
-    request keeps, `Request.packed_token_ids`) is packed already: a copy of its bytes."""
-    if isinstance(token_ids, array) and token_ids.typecode == "I":
+    """Token ids (and image keys, below 2**64) packed as uint64. An `array("Q")` (what a request keeps,
+    `Request.packed_token_ids`) is packed already: a copy of its bytes."""
+    if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
         return token_ids.tobytes()
     if isinstance(token_ids, torch.Tensor):
         values = token_ids.numpy(force=True)
-        if values.size and (values.min() < 0 or values.max() > _TOKEN_MAX):
-            raise OverflowError("token ids must be in [0, 2**32)")
+        if values.size and values.min() < 0:
+            raise OverflowError("token ids must be in [0, 2**64)")
         return values.astype(_TOKEN_DTYPE).tobytes()
-    return array("I", token_ids).tobytes()  # 3x faster than numpy from a list; OverflowError below 0
+    return array(
+        TOKEN_TYPECODE, token_ids
+    ).tobytes()  # 3x faster than numpy from a list; OverflowError below 0
 
 
 EvictListener = Callable[[Sequence[int], list[int], "int | None"], None]

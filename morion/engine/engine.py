@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -31,10 +32,14 @@ from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk
 from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
-from morion.errors import InvalidRequestError
+from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel
+from morion.multimodal.image_decode import PreparedImage
+from morion.multimodal.processing import ImageProcessing
+from morion.multimodal.prompt_images import PromptImages
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import build_forward_batch
+from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.spec.drafter import Drafter
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.speculative import VerifiedRow
@@ -73,8 +78,29 @@ class Engine:
         self.step_times = StepTimes()  # engine/step_timing.py: where the steps' time goes
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.grammars = GrammarRuntime(self.tokenizer, self.model.config.vocab_size)
+        self.image_encoder = self._image_encoder()
+        if self.speculative is not None:
+            self.speculative.image_encoder = self.image_encoder
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+
+    def _image_encoder(self) -> ImageEncoder | None:
+        """Models with a vision tower take images; the processor's settings (the model directory's
+        preprocessor_config.json, else Qwen3-VL's) must fit the tower's patches."""
+        if getattr(self.model, "visual", None) is None:
+            return None
+        processing = ImageProcessing.for_model(
+            self.model_path if Path(str(self.model_path)).is_dir() else None
+        )
+        vision = self.model.config.vision
+        expected = (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+        found = (processing.patch_size, processing.merge_size, processing.temporal_patch_size)
+        if found != expected:
+            raise MorionError(
+                f"the image processor's patch, merge and temporal sizes {found} do not fit the vision "
+                f"tower's {expected} (preprocessor_config.json of {self.model_path})"
+            )
+        return ImageEncoder(self.model, processing, self.device)
 
     @property
     def graphs(self) -> DecodeGraphRunner | None:
@@ -96,10 +122,17 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: Sequence[PreparedImage] = (),
     ) -> str:
-        """Queues a request; raises InvalidRequestError (nothing queued) if it can never run."""
+        """Queues a request; raises InvalidRequestError (nothing queued) if it can never run. `images`:
+        the images whose tokens the prompt holds, in order (each a run of the model's image token id as
+        long as the image's token count: multimodal/prompt_images.py)."""
         prompt = [int(t) for t in prompt_token_ids]
+        prompt_images = self._prompt_images(prompt, images)
         vocab_size = self.model.config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -136,11 +169,26 @@ class Engine:
             raise InvalidRequestError(
                 f"logit_bias token id {bad_bias} is not in the vocabulary [0, {vocab_size})"
             )
+        request.images = prompt_images
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _prompt_images(self, prompt: list[int], images: Sequence[PreparedImage]) -> PromptImages | None:
+        encoder = self.image_encoder
+        image_token = None if encoder is None else self.model.config.image_tokens.image
+        if not images:
+            if image_token is not None and image_token in prompt:
+                raise InvalidRequestError(f"the prompt holds image tokens (id {image_token}) but no images")
+            return None
+        if encoder is None:
+            raise InvalidRequestError(
+                f"this model ({self.model.config.model_type} from {self.model_path}) has no vision tower: "
+                "it takes no images"
+            )
+        return PromptImages(prompt, images, image_token, encoder.processing.merge_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self._requests.get(request_id)
@@ -239,7 +287,12 @@ class Engine:
             self.config.page_size,
             self.device,
         )
-        forward = self.runner.forward(batch, restores)
+        images = None
+        if self.image_encoder is not None:
+            images = self.image_encoder.rows(
+                [ImageChunk(c.request, c.request.num_computed, c.num_tokens) for c in chunks]
+            )
+        forward = self.runner.forward(batch, restores, images)
         hidden = forward.hidden
         sampled: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):
@@ -413,7 +466,12 @@ def _final_output(request: Request, error: str | None = None) -> RequestOutput:
         token_ids=list(request.output_token_ids),
         text=request.text,
         finish_reason=request.finish_reason,
-        usage=Usage(len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens),
+        usage=Usage(
+            len(request.prompt_token_ids),
+            len(request.output_token_ids),
+            request.num_cached_tokens,
+            0 if request.images is None else request.images.num_image_tokens,
+        ),
         logprobs=list(request.output_logprobs) if wants_logprobs else None,
         top_logprobs=list(request.output_top_logprobs) if wants_logprobs else None,
         prompt_logprobs=request.prompt_logprobs,

@@ -9,6 +9,7 @@ class Usage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    image_tokens: int = 0  # prompt tokens that are images' tokens
 
 
 class PromptLogprob(NamedTuple):

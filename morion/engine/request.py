@@ -6,10 +6,12 @@ from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
+from morion.cache.radix_cache import TOKEN_TYPECODE
 from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.stop import StopStringMatcher
+from morion.multimodal.prompt_images import PromptImages
 from morion.text.detokenizer import IncrementalDetokenizer
 
 
@@ -55,8 +57,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
     page_keys: list[bytes] = field(default_factory=list)  # content keys of its first full pages (tiers)
-    # Its first tokens packed as uint32, what the radix cache matches on (`packed_token_ids`).
-    packed_tokens: array = field(default_factory=lambda: array("I"), repr=False)
+    # Its first cache ids (`cache_token_ids`) packed as uint64, what the radix cache matches on
+    # (`packed_token_ids`).
+    packed_tokens: array = field(default_factory=lambda: array(TOKEN_TYPECODE), repr=False)
     prefetch_rounds: int = 0  # disk prefetches it started since it was last admitted
     tier_wait_started: float | None = None  # when the first of them began (restore latency counts it)
     text: str = ""
@@ -67,21 +70,33 @@ class Request:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     prompt_logprobs_reported: bool = False  # in a StepOutput already (they go out once)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
+    images: PromptImages | None = None  # the prompt's images (models with a vision tower)
+    # The vision tower's output per image (index into images), from the first forward that needs an image
+    # until its tokens are all computed (engine/image_batch.py).
+    image_embeds: dict[int, object] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def packed_token_ids(self, num_tokens: int) -> array:
-        """The first `num_tokens` token ids as `array("I")`. Tokens are only ever appended, so the packed
-        copy grows by the new ones: a long prompt is packed once, not at every prefill chunk."""
+        """The first `num_tokens` of `cache_token_ids` as `array("Q")`. Tokens are only ever appended, so
+        the packed copy grows by the new ones: a long prompt is packed once, not at every prefill chunk."""
         packed = self.packed_tokens
-        prompt = self.prompt_token_ids
+        prompt = self.prompt_token_ids if self.images is None else self.images.cache_ids
         if len(packed) < min(num_tokens, len(prompt)):
             packed.extend(prompt[len(packed) : num_tokens])
         if len(packed) < num_tokens:
             packed.extend(self.output_token_ids[len(packed) - len(prompt) : num_tokens - len(prompt)])
         return packed[:num_tokens]
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache (radix tree, host and disk page keys) keys the request by: its token ids,
+        with each image token replaced by an id derived from its image's content hash."""
+        if self.images is None:
+            return self.token_ids
+        return self.images.cache_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

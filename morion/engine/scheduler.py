@@ -291,16 +291,17 @@ class Scheduler:
 
     def _page_keys(self, request: Request, num_pages: int) -> list[bytes]:
         """Keys of the request's first `num_pages` pages (computed once per request, then extended)."""
-        return extend_page_keys(request.page_keys, request.token_ids, self.page_size, num_pages)[:num_pages]
+        tokens = request.cache_token_ids
+        return extend_page_keys(request.page_keys, tokens, self.page_size, num_pages)[:num_pages]
 
     def _shares_prefix_in_prefill(self, request: Request, matched_tokens: int) -> bool:
         """True while a running request's prefill is computing full pages this one could reuse: admitting
         now would compute them twice, one step later they are in the prefix cache."""
-        tokens = request.token_ids
+        tokens = request.cache_token_ids
         for other in self.running:
-            prompt = other.prompt_token_ids
-            if other.num_computed >= len(prompt):
+            if other.num_computed >= len(other.prompt_token_ids):
                 continue  # its prompt pages are cached already
+            prompt = other.cache_token_ids[: len(other.prompt_token_ids)]
             reach = min(len(tokens) - 1, len(prompt))
             common = next((i for i in range(reach) if tokens[i] != prompt[i]), reach)
             if common // self.page_size * self.page_size > matched_tokens:

@@ -47,8 +47,8 @@ class Fp8Conversion(NamedTuple):
 def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = "fp8") -> Fp8Conversion:
     """Replaces, in place, every nn.Linear and StackedExperts in `model` (on the meta device) by its FP8
     form (StackedExperts by its `experts` form: fp8 or nvfp4), except modules whose dotted name ends with
-    an entry of `keep` (e.g. "mlp.gate") and shapes without a kernel (dimensions not multiples of 16).
-    The replacements are unfilled, like the modules they replace."""
+    an entry of `keep` (e.g. "mlp.gate") or that lie inside such a module, and shapes without a kernel
+    (dimensions not multiples of 16). The replacements are unfilled, like the modules they replace."""
     if experts not in ("fp8", "nvfp4"):
         raise ValueError(f"experts must be fp8 or nvfp4, got {experts!r}")
     modules = tensors = before = after = 0
@@ -72,7 +72,9 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = 
 
 
 def _named_in(name: str, keep: Collection[str]) -> bool:
-    return any(name == suffix or name.endswith("." + suffix) for suffix in keep)
+    """`name` ends with an entry of `keep`, or lies inside a module that does ("visual": the whole tower)."""
+    dotted = "." + name + "."
+    return any(f".{entry}." in dotted for entry in keep)
 
 
 def _kernel_shapes(module: nn.Module) -> bool:

@@ -44,7 +44,7 @@ Two paths (ops/qsa.py):
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -107,22 +107,32 @@ class QSAIndexer(nn.Module):
         )
         return apply_rotary(self.q_layernorm(q), cos, sin), raw_keys[:, 0]
 
-    def keys_of_blocks(
-        self, raw_blocks: torch.Tensor, starts: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        """Block keys [N, Di] from each block's raw keys [N, r, Di] and first position [N]: the mean in
-        fp32 rounded to the keys' dtype (as transformers), k_norm, RoPE at the block's first position."""
+    def keys_of_blocks(self, raw_blocks: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Block keys [N, Di] from each block's raw keys [N, r, Di] and the cos, sin [N, rotary_dim] of its
+        first token's position: the mean in fp32 rounded to the keys' dtype (as transformers), k_norm,
+        RoPE at the block's first position."""
         pooled = self.k_layernorm(raw_blocks.float().mean(dim=1).to(raw_blocks.dtype))
-        cos, sin = rotary(starts)
         return apply_rotary(pooled[:, None], cos, sin)[:, 0]
 
     def block_keys(self, raw_keys: torch.Tensor, ratio: int, rotary: RotaryEmbedding) -> torch.Tensor:
-        """Keys [L // ratio, Di] of a sequence's complete blocks, recomputed from its raw keys [L, Di] (what
-        the `BLOCK_KEYS` cache must hold; tests compare the two)."""
+        """Keys [L // ratio, Di] of a sequence's complete blocks of text (position = index), recomputed
+        from its raw keys [L, Di] (what the `BLOCK_KEYS` cache must hold; tests compare the two)."""
         pooled = self.k_layernorm(pool_blocks(raw_keys, ratio))
         starts = torch.arange(pooled.shape[0], device=raw_keys.device) * ratio
         cos, sin = rotary(starts)
         return apply_rotary(pooled[:, None], cos, sin)[:, 0]
+
+
+class Rotation(NamedTuple):
+    """A forward's rotary angles, [T, rotary_dim] each: at every token's position, and at the position of
+    the first token of the block it belongs to (what its block's key is rotated by, once the block is
+    complete). Text tokens' positions are their indices; with images, positions per axis
+    (models/qwen4_exp_images.py)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    block_cos: torch.Tensor
+    block_sin: torch.Tensor
 
 
 class QSAAttention(GatedAttentionProjections):
@@ -161,22 +171,20 @@ class QSAAttention(GatedAttentionProjections):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         backend: TokenCacheBackend,
     ) -> torch.Tensor:
-        """x: [T, hidden]; positions [T]; cos, sin: [T, rotary_dim] at those positions; `rotary` rotates
-        the block keys at theirs. Returns [T, hidden]."""
+        """x: [T, hidden]; positions [T] (each token's index in its sequence); `rotation` the rotary's
+        cos, sin at each token's position and at its block's first token's. Returns [T, hidden]."""
         ordinal = self.attention_ordinal
-        q, k, v, gate = self.project(x, cos, sin)
-        index_q, raw_keys = self.indexer.project(x, cos, sin)
+        q, k, v, gate = self.project(x, rotation.cos, rotation.sin)
+        index_q, raw_keys = self.indexer.project(x, rotation.cos, rotation.sin)
         backend.write_kv(ordinal, k, v)
         backend.write_tokens(INDEX_KEYS, ordinal, raw_keys)
 
         # Decode and verify: every sequence has the same number of new tokens (the static path).
         static = static_step(backend)
-        self._store_block_keys(positions, rotary, backend, static)
+        self._store_block_keys(positions, rotation, backend, static)
         if static:
             out = self._attend_static(q, index_q, positions, backend.page_table, backend)
         elif q.is_cuda if self.static_prefill is None else self.static_prefill:
@@ -191,7 +199,7 @@ class QSAAttention(GatedAttentionProjections):
         return pool.view(-1, self.compress_ratio * pool.shape[-1])
 
     def _store_block_keys(
-        self, positions: torch.Tensor, rotary: RotaryEmbedding, backend: TokenCacheBackend, static: bool
+        self, positions: torch.Tensor, rotation: Rotation, backend: TokenCacheBackend, static: bool
     ) -> None:
         """Computes and stores the key of every block whose last token is among this step's tokens."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
@@ -202,7 +210,9 @@ class QSAAttention(GatedAttentionProjections):
         if not static:
             done = ends_block.nonzero()[:, 0]
             block = rows[done]
-            keys = self.indexer.keys_of_blocks(raw_blocks[block], positions[done] + 1 - ratio, rotary)
+            keys = self.indexer.keys_of_blocks(
+                raw_blocks[block], rotation.block_cos[done], rotation.block_sin[done]
+            )
             key_rows[block, :dim] = keys.to(key_rows.dtype)
             return
         # Without data-dependent shapes: one column of the n tokens per sequence at a time (sequences own
@@ -212,8 +222,8 @@ class QSAAttention(GatedAttentionProjections):
         width = backend.query_ranges[0][1] if backend.query_ranges else 1
         for column in range(width):
             block = rows[column::width]
-            at = positions[column::width]
-            keys = self.indexer.keys_of_blocks(raw_blocks[block], at - at % ratio, rotary)
+            cos, sin = rotation.block_cos[column::width], rotation.block_sin[column::width]
+            keys = self.indexer.keys_of_blocks(raw_blocks[block], cos, sin)
             ends = ends_block[column::width, None]
             key_rows[block, :dim] = torch.where(ends, keys.to(key_rows.dtype), key_rows[block, :dim])
 

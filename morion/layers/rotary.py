@@ -1,5 +1,6 @@
 """Rotary position embeddings (rotate-half layout) with default, linear, llama3 and YaRN frequency
-scaling, all static: the frequencies (fp32) and YaRN's cos/sin factor are fixed when the model is built."""
+scaling, all static: the frequencies (fp32) and YaRN's cos/sin factor are fixed when the model is built.
+With mRoPE sections, positions may come per axis (temporal, height, width: images in the prompt)."""
 
 from __future__ import annotations
 
@@ -165,20 +166,45 @@ class RotaryEmbedding(nn.Module):
     transformers (q and k each take it once, so the attention logits take its square).
     """
 
-    def __init__(self, rotary_dim: int, rope: dict[str, Any]) -> None:
+    def __init__(
+        self, rotary_dim: int, rope: dict[str, Any], mrope_sections: tuple[int, int, int] | None = None
+    ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         self._inv_freq, self.attention_factor = rope_frequencies(rotary_dim, rope)
+        self._axes = None if mrope_sections is None else mrope_axes(rotary_dim // 2, mrope_sections)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T], or [3, T] (temporal, height, width: interleaved mRoPE, built with sections):
+        cos, sin [T, rotary_dim]. With three equal axes the result is that of the one-axis positions."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        if positions.dim() == 2:
+            if self._axes is None:
+                raise ValueError("positions per axis need a rotary embedding built with mRoPE sections")
+            if self._axes.device != positions.device:
+                self._axes = self._axes.to(positions.device)
+            # frequency j turns with the position of its own axis
+            freqs = positions.float().gather(0, self._axes[:, None].expand(-1, positions.shape[1])).T
+            freqs = freqs * self._inv_freq[None, :]
+        else:
+            freqs = positions.float()[:, None] * self._inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
+
+
+def mrope_axes(num_frequencies: int, sections: tuple[int, int, int]) -> torch.Tensor:
+    """Interleaved mRoPE (Qwen3-VL, Qwen3.5, Qwen3.8-Flash-Next): the position axis [F] each of the
+    rotary's frequency pairs turns with. Frequency j belongs to height where j % 3 == 1 and j < 3 x
+    sections[1], to width where j % 3 == 2 and j < 3 x sections[2], to the temporal axis otherwise (as
+    transformers' `recomposition_frequencies`)."""
+    axes = torch.zeros(num_frequencies, dtype=torch.int64, device="cpu")
+    for axis in (1, 2):
+        axes[axis : min(3 * sections[axis], num_frequencies) : 3] = axis
+    return axes
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Full-size configurations for random-weight benchmarking (`--model preset:NAME`): real shapes, no
 checkpoint. Values are the released Qwen3-Next-80B-A3B config.json and Qwen3.8-Flash-Next's text_config
-(see the reference notes, §1 and §4.2). One toy-sized preset keeps the Qwen3-Next layer pattern for smoke
+(see the reference notes, §1 and §4.2) and vision_config (its image processor: Qwen3-VL's settings,
+multimodal/processing.py). One toy-sized preset keeps the Qwen3-Next layer pattern for smoke
 runs of the server and tools on a CPU."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _QWEN3_NEXT_80B_A3B: dict[str, Any] = {
 
 # The text model of the RadixArk NVFP4 release (its text_config), with the n-gram (PLE) table declared
 # FP8: random weights draw it in host RAM as e4m3 codes with a global scale, never on the device.
-_QWEN3_8_FLASH_NEXT: dict[str, Any] = {
+_QWEN3_8_FLASH_NEXT_TEXT: dict[str, Any] = {
     "model_type": "qwen4_exp_text",
     "vocab_size": 248320,
     "hidden_size": 2560,
@@ -100,6 +101,38 @@ _QWEN3_8_FLASH_NEXT: dict[str, Any] = {
     "eos_token_id": 248044,
 }
 
+# Its vision tower (vision_config; issue #26): 27 blocks of width 1152, 16-pixel patches of 2 frames, 2x2
+# patches merged into one token of the text model's width; 449 M parameters.
+_QWEN3_8_FLASH_NEXT_VISION: dict[str, Any] = {
+    "model_type": "qwen4_exp_vision",
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 2560,
+    "num_position_embeddings": 2304,
+}
+
+
+def _flash_next(num_layers: int) -> dict[str, Any]:
+    """The multimodal config (`qwen4_exp`: text_config + vision_config, Qwen's image token ids)."""
+    return {
+        "model_type": "qwen4_exp",
+        "text_config": {**_QWEN3_8_FLASH_NEXT_TEXT, "num_hidden_layers": num_layers},
+        "vision_config": _QWEN3_8_FLASH_NEXT_VISION,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+    }
+
+
 # The 80B preset's layer pattern and options (gated attention every 2nd layer here, MoE, MTP head) at toy
 # sizes: 4 layers, hidden 64, vocabulary 512, 0.3 M parameters. It starts on a CPU in seconds, so the
 # server path can be tried and tested without a checkpoint; its outputs mean nothing.
@@ -130,9 +163,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B_A3B,
     # The same layers, 12 of 48 (3 GDN : 1 attention kept): fits a GPU in BF16 for quick benchmarks.
     "qwen3-next-80b-a3b-12l": {**_QWEN3_NEXT_80B_A3B, "num_hidden_layers": 12},
-    "qwen3.8-flash-next": _QWEN3_8_FLASH_NEXT,
+    "qwen3.8-flash-next": _flash_next(48),
     # 12 of 48 layers (3 GDN : 1 QSA, PLE at layer 1 kept; the full n-gram table): fits a GPU in BF16.
-    "qwen3.8-flash-next-12l": {**_QWEN3_8_FLASH_NEXT, "num_hidden_layers": 12},
+    "qwen3.8-flash-next-12l": _flash_next(12),
     "qwen3-next-tiny": _QWEN3_NEXT_TINY,
 }
 

@@ -48,7 +48,7 @@ from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
 from morion.layers.ple_static import device_gather_ok, fetch_static, forward_verify
-from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, block_key_slice
+from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, Rotation, block_key_slice
 from morion.layers.rotary import RotaryEmbedding
 from morion.layers.token_cache_backend import TokenCacheBackend
 from morion.models.checkpoint import carries_nothing, require_complete
@@ -59,13 +59,15 @@ from morion.models.hybrid_model import (
     gated_delta_net_states,
     sparse_moe,
 )
+from morion.models.image_rows import ImageRows
 from morion.models.moe_checkpoint import MoECheckpointLoader
 from morion.models.qwen4_exp_config import LINEAR_ATTENTION, SPARSE_ATTENTION, Qwen4ExpConfig
+from morion.models.qwen4_exp_vision import VisionTower
 
 logger = logging.getLogger(__name__)
 
 _TEXT_PREFIX = "model.language_model."  # multimodal (qwen4_exp) checkpoints
-_VISION_PREFIX = "model.visual."
+_VISION_PREFIX = "model.visual."  # the vision tower's tensors, `visual.*` here
 
 
 def _ple_module(config: Qwen4ExpConfig, ple_ordinal: int) -> PLELayer:
@@ -127,9 +129,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         self,
         streams: torch.Tensor,
         positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         backend: TokenCacheBackend,
         ple_rows: FetchedRows | None = None,
     ) -> torch.Tensor:
@@ -140,7 +140,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
                 streams = streams + self.ple(streams, ple_rows, backend)
         mixed, weights = self.attn_hyper_connection.mix(streams)
         if self.layer_type == SPARSE_ATTENTION:
-            out = self.self_attn(mixed, positions, cos, sin, rotary, backend)
+            out = self.self_attn(mixed, positions, rotation, backend)
         else:
             out = self.linear_attn(mixed, backend)
         streams = inject(streams, out, weights)
@@ -163,10 +163,27 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(
             config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps, inject=False
         )
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope)
+        sections = config.mrope_sections if config.vision is not None else None
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope, sections)
+        self.block_size = config.indexer_compress_ratio
+
+    def rotation(self, positions: torch.Tensor, images: ImageRows | None = None) -> Rotation:
+        """The rotary angles of tokens at sequence indices `positions` [T]: text positions are the indices
+        (a block starts at index - index % block size); with `images`, the positions per axis it carries."""
+        if images is None:
+            cos, sin = self.rotary(positions)
+            block_cos, block_sin = self.rotary(positions - positions % self.block_size)
+        else:
+            cos, sin = self.rotary(images.rope_positions)
+            block_cos, block_sin = self.rotary(images.block_rope_positions)
+        return Rotation(cos, sin, block_cos, block_sin)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: TokenCacheBackend,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         # The PLE rows start moving to the device first, so their copy overlaps the layers before them.
         # Decode and verify steps (the same number of new tokens per sequence) hash and gather on the
@@ -177,10 +194,14 @@ class Qwen4ExpModel(nn.Module):
             for i, layer in enumerate(self.layers)
             if layer.ple is not None
         }
-        cos, sin = self.rotary(positions)
-        streams = self.embed_tokens(input_ids).repeat(1, self.hc_count)
+        rotation = self.rotation(positions, images)
+        embedded = self.embed_tokens(input_ids)
+        if images is not None and images.embed_rows.numel():
+            # Image tokens take the tower's output; PLE still hashes their token ids (as transformers).
+            embedded = embedded.index_put((images.embed_rows,), images.embeds.to(embedded.dtype))
+        streams = embedded.repeat(1, self.hc_count)
         for index, layer in enumerate(self.layers):
-            streams = layer(streams, positions, cos, sin, self.rotary, backend, ple_rows.get(index))
+            streams = layer(streams, positions, rotation, backend, ple_rows.get(index))
         return streams  # before the final mixer (Qwen4ExpForCausalLM.compute_logits applies it)
 
 
@@ -232,26 +253,49 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
         "block_inject_weight",
         "ple.key_proj",
         "ple.value_proj",
+        # The vision tower stays in the model dtype (BF16 on the GPU): it runs once per image, and the
+        # released FP8 checkpoints keep it in BF16.
+        "visual",
     )
 
     config: Qwen4ExpConfig
     mtp: Qwen4ExpMTP | None
+    visual: VisionTower | None
 
     def __init__(self, config: Qwen4ExpConfig) -> None:
         super().__init__(config, Qwen4ExpModel(config), Qwen4ExpMTP)
+        self.visual = None if config.vision is None else VisionTower(config.vision)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: TokenCacheBackend,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         """Returns the trunk's pre-mixer streams [T, hc_count * hidden] (`hidden_width`); `compute_logits`
-        turns the ones needed into logits (final mixer, LM head), the MTP head reads them as they are."""
+        turns the ones needed into logits (final mixer, LM head), the MTP head reads them as they are.
+        `images`: where images are among the tokens, their embeddings and the positions per axis."""
         capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and not all(device_gather_ok(t, input_ids.device) for t in self.host_tables()):
             raise RuntimeError(
                 f"{self.config.model_type} cannot be captured in a CUDA graph with its n-gram table in "
                 "memory-mapped files: the rows are gathered on the host (--ple-placement ram avoids it)"
             )
-        return self.model(input_ids, positions, backend)
+        return self.model(input_ids, positions, backend, images)
+
+    @property
+    def rope_block_size(self) -> int:
+        """Tokens per QSA block: the engine gives each token the position of its block's first token too
+        (`ImageRows.block_rope_positions`)."""
+        return self.config.indexer_compress_ratio
+
+    def encode_images(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The vision tower over the patches [N, patch_dim] of images with these grids (t, h, w):
+        their tokens' embeddings [N / merge², hidden], image after image."""
+        if self.visual is None:
+            raise RuntimeError(f"this {self.config.model_type} model has no vision tower (no vision_config)")
+        return self.visual(patches, grids)
 
     @property
     def hidden_width(self) -> int:
@@ -283,9 +327,9 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
         embedded = mtp.fc_embedding(mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids)))
         per_stream = mtp.fc_hidden(mtp.pre_fc_norm_hidden(target_hidden).reshape(-1, hidden))
         streams = (per_stream.view(input_ids.shape[0], -1, hidden) + embedded.unsqueeze(-2)).flatten(-2)
-        cos, sin = self.model.rotary(positions)
+        rotation = self.model.rotation(positions)
         for layer in mtp.layers:
-            streams = layer(streams, positions, cos, sin, self.model.rotary, backend)
+            streams = layer(streams, positions, rotation, backend)
         return streams
 
     def mtp_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -357,8 +401,10 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
         }
         for name, tensor in weights:
             if name.startswith(_VISION_PREFIX):
-                logger.info("skipping the vision tower (%s...): morion serves the text model", _VISION_PREFIX)
-                continue
+                if self.visual is None:
+                    logger.info("skipping %s...: the config has no vision_config (text only)", _VISION_PREFIX)
+                    continue
+                name = "visual." + name.removeprefix(_VISION_PREFIX)
             if name.startswith(_TEXT_PREFIX):
                 name = "model." + name.removeprefix(_TEXT_PREFIX)
             if carries_nothing(name, self.config.tie_word_embeddings):

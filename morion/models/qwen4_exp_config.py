@@ -4,6 +4,7 @@ message naming the value (`ModelLoadError`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,12 +13,31 @@ import torch
 from morion.errors import ModelLoadError
 from morion.layers.gated_delta_net import OUTPUT_GATES
 from morion.models.hybrid_config import LINEAR_ATTENTION, HybridConfig, unsupported
+from morion.models.qwen4_exp_vision import VisionConfig
 
 SPARSE_ATTENTION = "sparse_attention"
 # Names checkpoints use for QSA layers: the release's config says full_attention, transformers 5.16
 # qwen_sparse_attention, later ones indexed_attention.
 _SPARSE_ATTENTION_NAMES = ("full_attention", "indexed_attention", "qwen_sparse_attention")
 _FP8_TABLE = "float8_e4m3fn"
+_DEFAULT_MROPE_SECTIONS = (11, 11, 10)  # transformers' default for qwen4_exp
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """The special tokens of images in a multimodal config (transformers' `Qwen4ExpConfig` defaults)."""
+
+    image: int
+    vision_start: int
+    vision_end: int
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ImageTokens:
+        return cls(
+            hf.get("image_token_id", 248056),
+            hf.get("vision_start_token_id", 248053),
+            hf.get("vision_end_token_id", 248054),
+        )
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,10 @@ class Qwen4ExpConfig(HybridConfig):
     seed: int
     eos_token_id: int | None
     ple_table_dtype: torch.dtype | None  # what random tables are drawn in; None: the model dtype
+    # images (a multimodal `qwen4_exp` config with a `vision_config`; None: text only)
+    mrope_sections: tuple[int, int, int] = _DEFAULT_MROPE_SECTIONS
+    vision: VisionConfig | None = None
+    image_tokens: ImageTokens | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Qwen4ExpConfig:
@@ -57,9 +81,18 @@ class Qwen4ExpConfig(HybridConfig):
                 if text.get(key) is None and key in hf:
                     text[key] = hf[key]
         try:
-            return cls._from_text(model_type, text)
+            config = cls._from_text(model_type, text)
         except KeyError as error:
             raise ModelLoadError(f"{model_type} config lacks {error.args[0]!r}") from None
+        if isinstance(hf.get("vision_config"), dict):
+            if (text.get("rope_parameters") or {}).get("mrope_interleaved") is False:
+                raise unsupported(model_type, "mrope_interleaved false (images need interleaved mRoPE)")
+            sections, frequencies = config.mrope_sections, config.rotary_dim // 2
+            if len(sections) != 3 or min(sections) < 0 or sum(sections) > frequencies:
+                raise unsupported(model_type, f"mrope_section {list(sections)} for {frequencies} frequencies")
+            vision = VisionConfig.from_hf(hf["vision_config"], config.hidden_size)
+            config = dataclasses.replace(config, vision=vision, image_tokens=ImageTokens.from_hf(hf))
+        return config
 
     @classmethod
     def _from_text(cls, model_type: str, hf: dict[str, Any]) -> Qwen4ExpConfig:
@@ -76,9 +109,9 @@ class Qwen4ExpConfig(HybridConfig):
         )
         if SPARSE_ATTENTION not in layer_types:
             raise fail("no attention layer (the K/V cache needs at least one)")
-        # Interleaved mRoPE sections only matter when the three position axes differ (images, video).
-        common["rope"].pop("mrope_section", None)
-        common["rope"].pop("mrope_interleaved", None)
+        # Interleaved mRoPE sections only matter when the three position axes differ (images).
+        sections = tuple(common["rope"].pop("mrope_section", None) or _DEFAULT_MROPE_SECTIONS)
+        common["rope"].pop("mrope_interleaved", None)  # both checked in from_hf where images are served
 
         qsa = {name: hf.get(f"indexer_{name}") for name in ("n_heads", "kv_heads", "head_dim", "budget")}
         qsa["compress_ratio"] = hf.get("indexer_compress_ratio")
@@ -151,6 +184,7 @@ class Qwen4ExpConfig(HybridConfig):
             eos_token_id=eos if isinstance(eos, int) else None,
             ple_table_dtype=None if table_dtype is None else getattr(torch, table_dtype),
             num_mtp_layers=hf.get("mtp_num_hidden_layers", 1),
+            mrope_sections=sections,
         )
 
     @property

@@ -18,6 +18,7 @@ import torch
 from morion.cache.copy_engine import Transfer
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
+from morion.models.image_rows import ImageRows
 from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
@@ -40,10 +41,13 @@ def forward_eager(
     kv_scales: KVScales,
     verify_slots: torch.Tensor | None = None,
     restore_waits: RestoreWaits | None = None,
+    images: ImageRows | None = None,
 ) -> torch.Tensor:
-    """The trunk's forward over `batch` without a graph: hidden states [rows, hidden_width]."""
+    """The trunk's forward over `batch` without a graph: hidden states [rows, hidden_width]. `images`:
+    the image rows of requests with images (positions per axis; runner/image_batch.py)."""
     backend = PagedAttentionBackend(pool, batch, state_slots, kv_scales, verify_slots, restore_waits)
-    return model(batch.input_ids, batch.positions, backend)
+    extra = {} if images is None else {"images": images}
+    return model(batch.input_ids, batch.positions, backend, **extra)
 
 
 class ModelRunner:
@@ -69,13 +73,18 @@ class ModelRunner:
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
 
     # ------------------------------------------------------------------ forwards
-    def forward(self, batch: ForwardBatch, restores: Sequence[Transfer]) -> Forward:
+    def forward(
+        self, batch: ForwardBatch, restores: Sequence[Transfer], images: ImageRows | None = None
+    ) -> Forward:
         """A step's forward of one kind of chunk (engine/forward_groups.py), after `restores`."""
-        return self._run(batch, self.decode_graphs, restores)
+        return self._run(batch, self.decode_graphs, restores, images=images)
 
-    def verify(self, batch: ForwardBatch, verify_slots: torch.Tensor | None) -> Forward:
+    def verify(
+        self, batch: ForwardBatch, verify_slots: torch.Tensor | None, images: ImageRows | None = None
+    ) -> Forward:
         """A verify forward: every sequence has the same 1 + width new tokens; logits of every row."""
-        forward = self._run(batch, self.verify_graphs.get(batch.max_query_len), (), verify_slots)
+        graph = self.verify_graphs.get(batch.max_query_len)
+        forward = self._run(batch, graph, (), verify_slots, images)
         if forward.logits is None:
             return Forward(forward.hidden, self.model.compute_logits(forward.hidden))
         return forward
@@ -93,9 +102,11 @@ class ModelRunner:
         graph: DecodeGraphRunner | None,
         restores: Sequence[Transfer],
         verify_slots: torch.Tensor | None = None,
+        images: ImageRows | None = None,
     ) -> Forward:
-        """The one place that picks a graph replay or an eager forward."""
-        if graph is not None and graph.can_run(batch):
+        """The one place that picks a graph replay or an eager forward. Graphs take sequence indices as
+        positions: a forward with images (positions per axis) runs eagerly."""
+        if images is None and graph is not None and graph.can_run(batch):
             # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
             # the GPU) for this step's restores instead.
             for restore in restores:
@@ -107,7 +118,7 @@ class ModelRunner:
             components = [c.name for c in self.pool.spec.token_components]
             waits = RestoreWaits(restores, components)
         hidden = forward_eager(
-            self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits
+            self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits, images
         )
         return Forward(hidden, None)
 

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,7 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from morion.multimodal.image_decode import PreparedImage
 from morion.server.anthropic_messages import register_messages_api
+from morion.server.chat_images import chat_images, with_image_tokens
 from morion.server.chat_tools import ChatTooling
 from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
@@ -54,7 +57,7 @@ from morion.server.request_log import RequestLogger
 from morion.server.responses import ChatFormat, TokenTexts
 from morion.server.responses_api import register_responses_api
 from morion.server.serving import run_job
-from morion.server.structured import Constraint, GrammarService, chat_constraint, completion_constraint
+from morion.server.structured import GrammarService, chat_constraint, completion_constraint
 from morion.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("morion.server")
@@ -109,15 +112,13 @@ class ServerContext:
 
     async def prepare_chat(self, body: ChatCompletionRequest, info: EngineInfo) -> PreparedChat:
         """A chat request's prompt, grammar and engine job, and how to parse each choice's output (the
-        chat, Responses and Messages endpoints all come through here). The template, tokenization and the
-        grammar's spec run in a worker thread, its compilation in the bounded grammar process."""
-
-        def render_and_constrain() -> tuple[RenderedChat, Constraint | None]:
-            return self.render_chat_request(body), chat_constraint(body, self.tooling.tool_parser)
-
-        rendered, constraint = await asyncio.to_thread(render_and_constrain)
+        chat, Responses and Messages endpoints all come through here). The images are read and prepared in a
+        worker thread, then the template, tokenization and the grammar's spec in another, its compilation in
+        the bounded grammar process."""
+        rendered, images = await self.render_chat_with_images(body, info)
+        constraint = await asyncio.to_thread(chat_constraint, body, self.tooling.tool_parser)
         grammar = await self.grammars(info).compile(constraint) if constraint else None
-        job = chat_job(body, rendered.token_ids, info, grammar)
+        job = chat_job(body, rendered.token_ids, info, grammar)._replace(images=tuple(images))
 
         def new_parser() -> ChatOutputParser | None:
             return self.tooling.output_parser(body, rendered.text, constrained=grammar is not None)
@@ -136,6 +137,19 @@ class ServerContext:
             tools,
             body.continue_final_message,
         )
+
+    async def render_chat_with_images(
+        self, body: ChatCompletionRequest, info: EngineInfo
+    ) -> tuple[RenderedChat, list[PreparedImage]]:
+        """The prompt with its images' tokens in place of their placeholders (server/chat_images.py). The
+        images come first: a model that takes none refuses them before its template sees them."""
+        local_media = self.options.allowed_local_media_path
+        images = await chat_images(body, info, None if local_media is None else Path(local_media))
+
+        def render() -> RenderedChat:  # a worker thread's: templates and tokenization take the CPU
+            return with_image_tokens(self.render_chat_request(body), images, info)
+
+        return await asyncio.to_thread(render), images
 
     def ready_info(self) -> EngineInfo:
         state = self.client.state
@@ -291,7 +305,7 @@ def create_app(context: ServerContext) -> FastAPI:
     async def render(request: Request) -> dict[str, Any]:
         info = context.ready_info()
         body: ChatCompletionRequest = await context.read_json(request, ChatCompletionRequest)
-        rendered = await asyncio.to_thread(context.render_chat_request, body)
+        rendered, _ = await context.render_chat_with_images(body, info)
         return {
             "prompt": rendered.text,
             "token_ids": rendered.token_ids,

@@ -134,6 +134,11 @@ def server_info(
             context_length=info.context_length,
             vocab_size=info.vocab_size,
         )
+        if info.images is not None:  # how images become tokens (`morion validate vision` reads it)
+            body["model"]["images"] = {
+                "image_token_id": info.images.image_token_id,
+                "processing": dataclasses.asdict(info.images.processing),
+            }
         body["capacity"] = {
             "max_model_len": info.max_model_len,
             "page_size": options.engine.page_size,

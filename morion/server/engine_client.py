@@ -18,6 +18,7 @@ from multiprocessing.process import BaseProcess
 
 from morion.config import EngineConfig
 from morion.engine.sampling_params import SamplingParams
+from morion.multimodal.image_decode import PreparedImage
 from morion.server.engine_messages import (
     AbortRequest,
     AddRequest,
@@ -141,13 +142,16 @@ class EngineClient:
         self._connected = True
 
     # --------------------------------------------------------------- requests
-    def submit(self, work: Sequence[tuple[list[int], SamplingParams]], arrival: float) -> RequestStream:
+    def submit(
+        self, work: Sequence[tuple[list[int], SamplingParams, tuple[PreparedImage, ...]]], arrival: float
+    ) -> RequestStream:
+        """Each (prompt token ids, sampling parameters, the prompt's images) as an engine request."""
         prefix = uuid.uuid4().hex
         stream = RequestStream(self, [f"{prefix}-{i}" for i in range(len(work))], arrival)
         self.open_streams.add(stream)
-        for request_id, (prompt, params) in zip(stream.request_ids, work, strict=True):
+        for request_id, (prompt, params, images) in zip(stream.request_ids, work, strict=True):
             self._streams[request_id] = stream
-            self._send(AddRequest(request_id, prompt, params))
+            self._send(AddRequest(request_id, prompt, params, images))
         return stream
 
     def release(self, stream: RequestStream, unfinished: list[str]) -> None:

@@ -15,6 +15,8 @@ from morion.config import EngineConfig
 from morion.engine.outputs import PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
+from morion.multimodal.image_decode import PreparedImage
+from morion.multimodal.processing import ImageProcessing
 
 # ---------------------------------------------------------------- front end -> engine
 
@@ -23,6 +25,7 @@ class AddRequest(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: tuple[PreparedImage, ...] = ()  # whose tokens the prompt holds (models with a vision tower)
 
 
 class AbortRequest(NamedTuple):
@@ -47,6 +50,14 @@ InboxMessage = AddRequest | AbortRequest | Shutdown | EvictDeviceCache
 # ---------------------------------------------------------------- engine -> front end
 
 
+class ImageInputs(NamedTuple):
+    """How a model with a vision tower takes images: the processor's settings (how the front end resizes
+    them, and how many tokens each becomes) and the token id that stands for one image token."""
+
+    processing: ImageProcessing
+    image_token_id: int
+
+
 class EngineInfo(NamedTuple):
     """Sent once, when the model is loaded and the pool sized: the resolved configuration."""
 
@@ -64,6 +75,7 @@ class EngineInfo(NamedTuple):
     bytes_per_token: int
     pool_bytes: int
     device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), or "cpu"
+    images: ImageInputs | None = None  # None: the model takes text only
 
 
 class EngineFailed(NamedTuple):

@@ -35,6 +35,7 @@ from morion.server.engine_messages import (
     EngineOutputs,
     EngineStats,
     EvictDeviceCache,
+    ImageInputs,
     InboxMessage,
     RequestDelta,
     Shutdown,
@@ -77,7 +78,9 @@ class EngineLoop:
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
         try:
-            self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
+            self.engine.add_request(
+                message.prompt_token_ids, message.params, message.request_id, images=message.images
+            )
         except InvalidRequestError as error:
             return [_error_delta(message.request_id, str(error), internal=False)]
         except Exception:
@@ -227,7 +230,15 @@ def engine_info(engine: Engine) -> EngineInfo:
         bytes_per_token=pool.num_bytes // (pool.num_pages * engine.config.page_size),
         pool_bytes=pool.num_bytes,
         device_name=torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        images=_image_inputs(engine),
     )
+
+
+def _image_inputs(engine: Engine) -> ImageInputs | None:
+    encoder = engine.image_encoder
+    if encoder is None:
+        return None
+    return ImageInputs(encoder.processing, engine.model.config.image_tokens.image)
 
 
 def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:

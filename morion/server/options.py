@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from morion.config import EngineConfig
+from morion.errors import MorionError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # The largest schema, regex or forced-tools grammar (its JSON text) a request may ask to compile; time and
@@ -30,3 +32,9 @@ class ServeOptions:
     profile: str | None = None  # the --config file, reported in the startup summary
     log_level: str = "info"  # morion's and uvicorn's loggers, in both processes
     log_requests: bool = False  # one line per request (server/request_log.py)
+    allowed_local_media_path: str | None = None  # file:// images are read under it (None: refused)
+
+    def __post_init__(self) -> None:
+        path = self.allowed_local_media_path
+        if path is not None and not Path(path).is_dir():
+            raise MorionError(f"--allowed-local-media-path {path}: not a directory")

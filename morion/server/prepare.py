@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from morion.engine.grammar import CompiledGrammar
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
+from morion.multimodal.image_decode import PreparedImage
 from morion.server.engine_messages import EngineInfo
 from morion.server.errors import APIError
 from morion.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -27,14 +28,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class EngineJob(NamedTuple):
-    """One HTTP request's engine requests. Choice i runs prompts[i // n] with params[i]."""
+    """One HTTP request's engine requests. Choice i runs prompts[i // n] with params[i]; a chat's one
+    prompt may hold `images`' tokens."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
     n: int
+    images: tuple[PreparedImage, ...] = ()
 
-    def submissions(self) -> list[tuple[list[int], SamplingParams]]:
-        return [(self.prompts[i // self.n], params) for i, params in enumerate(self.params)]
+    def submissions(self) -> list[tuple[list[int], SamplingParams, tuple[PreparedImage, ...]]]:
+        return [(self.prompts[i // self.n], params, self.images) for i, params in enumerate(self.params)]
 
 
 class RenderedChat(NamedTuple):

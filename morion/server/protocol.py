@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -22,6 +23,15 @@ from pydantic import (
 )
 
 from morion.server.errors import APIError
+from morion.server.image_parts import (
+    ImageURL,
+    ImageURLPart,
+    TextPart,
+    content_parts,
+    image_content_parts,
+    joined_text,
+    template_parts,
+)
 
 MAX_N = 16  # choices per request; each is its own engine request
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -134,27 +144,36 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call they answer
+    # A user message with image parts: all its parts in order (server/image_parts.py); content is its text.
+    _parts: list[TextPart | ImageURLPart] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_image_parts(cls, data: Any, handler: Any) -> ChatMessage:
+        message = handler(data)  # `_join_text_parts` checks every part first
+        message._parts = image_content_parts(data)
+        if message._parts is not None and message.role != "user":
+            raise ValueError(f"content: image parts are only accepted in user messages, not {message.role!r}")
+        return message
+
+    @property
+    def image_urls(self) -> list[tuple[int, ImageURL]]:
+        """(part index, image_url) of each image part, in order."""
+        return [
+            (i, part.image_url) for i, part in enumerate(self._parts or ()) if isinstance(part, ImageURLPart)
+        ]
 
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts = []
-        for part in value:
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
-                raise ValueError(
-                    'content parts must be {"type": "text", "text": "..."}; only text is supported'
-                )
-            texts.append(part["text"])
-        return "".join(texts)
+        """Text parts joined into one string (the text of a message with images: `_parts` keeps them)."""
+        return joined_text(content_parts(value)) if isinstance(value, list) else value
 
     def for_template(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = self.content or ""
+        # A message with images keeps its parts, so that the template shows each image where it stands.
+        message["content"] = (self.content or "") if self._parts is None else template_parts(self._parts)
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

@@ -47,7 +47,7 @@ class UsageTotals:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.image_tokens = 0
 
     def add(self, choice: int, usage: Usage | None) -> None:
         if usage is None:
@@ -56,13 +56,17 @@ class UsageTotals:
         if choice % self._n == 0:
             self.prompt_tokens += usage.prompt_tokens
             self.cached_tokens += usage.cached_tokens
+            self.image_tokens += usage.image_tokens
 
     def body(self) -> dict[str, Any]:
+        details = {"cached_tokens": self.cached_tokens}
+        if self.image_tokens:  # prompts with images: how many of their tokens are images'
+            details["image_tokens"] = self.image_tokens
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 

@@ -40,6 +40,7 @@ import torch
 
 from morion.runner.forward_batch import build_forward_batch, page_table_array
 from morion.runner.host_to_device import to_device
+from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.runner.model_runner import ModelRunner
 from morion.spec.drafter import (
     Drafter,
@@ -133,6 +134,9 @@ class SpeculativeDecoding:
         self.forced = forced
         self.stats = SpecStats()
         self._runner = runner
+        # Set by the engine for models with a vision tower: verify rows of requests with images take
+        # their positions per axis (text after the images: index + the prompt's delta).
+        self.image_encoder: ImageEncoder | None = None
 
     @staticmethod
     def eligible(request: SpecRequest) -> bool:
@@ -221,7 +225,10 @@ class SpeculativeDecoding:
         if self.has_state:
             columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
             [verify_slots] = to_device([np.asarray(columns, dtype=np.int32)], device)
-        forward = runner.verify(batch, verify_slots)
+        images = None
+        if self.image_encoder is not None:  # positions per axis for requests with images
+            images = self.image_encoder.rows([ImageChunk(r, r.num_computed, n) for r, _, _ in verifying])
+        forward = runner.verify(batch, verify_slots, images)
         logits = forward.logits.float().view(len(verifying), n, -1)
         hidden = forward.hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1

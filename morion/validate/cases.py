@@ -22,6 +22,7 @@ FROZEN = {
     "restore-v1.json": "cec3275930c2d6ed9c2bef55b8b9cee619aa4e9c528dc83d4616bcdbdd882009",
     "soak-v1.json": "1b37da0eb1f8074fa4947e6d367727f27bc619154a504f0cdcc5087663e8c4c5",
     "tools-v1.json": "f1e2656a9f0fd57babfbb1967de8ab09b80ad7092d78f8d9c07a442edab75f4b",
+    "vision-v1.json": "2585b30bccc200b70e3182e0b2e653d271693a040e044a9d70362550aa743a04",
 }
 # the version each suite runs
 CURRENT = {
@@ -29,6 +30,7 @@ CURRENT = {
     "restore": "restore-v1.json",
     "soak": "soak-v1.json",
     "tools": "tools-v1.json",
+    "vision": "vision-v1.json",
 }
 
 
@@ -46,12 +48,17 @@ def load(suite: str) -> CaseFile:
     name = CURRENT[suite]
     raw = (CASES_DIR / name).read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != FROZEN[name]:
+    check_digest(name, digest, FROZEN[name])
+    return CaseFile(name, digest, json.loads(raw))
+
+
+def check_digest(name: str, digest: str, frozen: str) -> None:
+    """A case file (or a file a case names, such as an image) must have its recorded SHA-256."""
+    if digest != frozen:
         raise MorionError(
-            f"case file {name} has SHA-256 {digest}, not its frozen {FROZEN[name]}: cases are frozen; "
+            f"case file {name} has SHA-256 {digest}, not its frozen {frozen}: cases are frozen; "
             "put changed cases in a new version"
         )
-    return CaseFile(name, digest, json.loads(raw))
 
 
 def select(cases: list[dict[str, Any]], wanted: tuple[str, ...]) -> list[dict[str, Any]]:

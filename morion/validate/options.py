@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from morion.bench.options import _int_list, _number
 from morion.errors import MorionError
 
-SUITES = ("needle", "restore", "soak", "perf", "tools")
+SUITES = ("needle", "restore", "soak", "perf", "tools", "vision")
 SOAK_PROMPTS = ("chat", "token-ids")
 
 

@@ -226,4 +226,29 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-_SECTIONS = {"needle": _needle, "restore": _restore, "soak": _soak, "perf": _perf, "tools": _tools}
+def _vision(suite: dict[str, Any]) -> list[str]:
+    rows = [
+        (case["id"], case["expected_image_tokens"], case.get("image_tokens", case.get("prompt_growth")),
+         case.get("cached_tokens"), case["verdict"], case.get("reason", ""))
+        for case in suite.get("cases", [])
+    ]  # fmt: skip
+    lines = [f"Image tokens expected from the processor settings of: {suite.get('processing')}.", ""]
+    lines += _table(
+        ("case", "expected image tokens", "counted", "cached (first, repeat)", "verdict", "why"), rows
+    )
+    corrupt = suite.get("corrupt_image") or {}
+    return [
+        *lines,
+        f"Corrupt image: HTTP {corrupt.get('status')} ({'pass' if corrupt.get('pass') else 'FAIL'}).",
+        "",
+    ]
+
+
+_SECTIONS = {
+    "needle": _needle,
+    "restore": _restore,
+    "soak": _soak,
+    "perf": _perf,
+    "tools": _tools,
+    "vision": _vision,
+}

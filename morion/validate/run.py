@@ -18,15 +18,21 @@ from morion.bench.plot import matplotlib_available
 from morion.bench.report import output_paths, slug, write_json
 from morion.errors import MorionError
 from morion.validate import cases as case_files
-from morion.validate import needle, perf, restore, soak, tools
+from morion.validate import needle, perf, restore, soak, tools, vision
 from morion.validate.options import ValidateOptions, command_line
 from morion.validate.plot import write_pngs
 from morion.validate.report import markdown
 from morion.validate.session import Session
 
 SCHEMA = "morion-validate/1"
-_SUITES = {"needle": needle, "restore": restore, "soak": soak, "perf": perf, "tools": tools}
-_CASE_LISTS = {"needle": "cases", "restore": "cases", "soak": "conversations", "tools": "cases"}
+_SUITES = {"needle": needle, "restore": restore, "soak": soak, "perf": perf, "tools": tools, "vision": vision}
+_CASE_LISTS = {
+    "needle": "cases",
+    "restore": "cases",
+    "soak": "conversations",
+    "tools": "cases",
+    "vision": "cases",
+}
 
 
 def run_validate(args: argparse.Namespace) -> int:

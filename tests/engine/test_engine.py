@@ -177,12 +177,12 @@ def test_decodes_progress_every_step_while_a_long_prompt_prefills(tiny, engine_f
 
 
 def test_a_request_packs_its_tokens_once_as_they_grow() -> None:
-    """What the radix cache matches on: the first n token ids (prompt, then output) as uint32, packed
+    """What the radix cache matches on: the first n token ids (prompt, then output) as uint64, packed
     incrementally (a 62K-token prompt is not packed again at each of its prefill chunks)."""
     params = SamplingParams(temperature=0)
     request = Request("r", [5, 2**32 - 1, 7], params, RequestSampler(params, [5]), 8, 0)
-    assert request.packed_token_ids(2) == array("I", [5, 2**32 - 1])
+    assert request.packed_token_ids(2) == array("Q", [5, 2**32 - 1])
     request.output_token_ids += [9, 11]
-    assert request.packed_token_ids(4) == array("I", [5, 2**32 - 1, 7, 9])
-    assert request.packed_token_ids(5) == array("I", request.token_ids)
-    assert request.packed_token_ids(1) == array("I", [5])
+    assert request.packed_token_ids(4) == array("Q", [5, 2**32 - 1, 7, 9])
+    assert request.packed_token_ids(5) == array("Q", request.token_ids)
+    assert request.packed_token_ids(1) == array("Q", [5])

@@ -36,15 +36,16 @@ VOCAB = QWEN4_EXP_TINY["vocab_size"]
 
 
 @pytest.fixture
-def block_key_checks(monkeypatch) -> list[tuple[bool, bool]]:
+def block_key_checks(monkeypatch, qwen4_exp_tiny) -> list[tuple[bool, bool]]:
     """After every QSA layer forward, each sequence's cached block keys must equal the keys recomputed
     from its cached raw keys (bit for bit: the same ops on the same values). Records (static step, the
     sequence had tokens before this step) per check."""
     checks: list[tuple[bool, bool]] = []
     forward = QSAAttention.forward
+    rotary = qwen4_exp_tiny.model.model.rotary
 
-    def checked(self, x, positions, cos, sin, rotary, backend):
-        out = forward(self, x, positions, cos, sin, rotary, backend)
+    def checked(self, x, positions, rotation, backend):
+        out = forward(self, x, positions, rotation, backend)
         static = backend.decode_only or backend.verify_slots is not None
         ratio, dim = self.compress_ratio, self.indexer.head_dim
         for n, (_, length) in enumerate(backend.query_ranges):

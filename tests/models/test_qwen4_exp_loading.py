@@ -82,6 +82,7 @@ def dummy(tmp_path_factory):
 def test_full_size_presets_have_the_released_shapes():
     for name, layers in (("preset:qwen3.8-flash-next", 48), ("preset:qwen3.8-flash-next-12l", 12)):
         model = build_model(preset_config(name), torch.bfloat16, torch.device("meta"))
+        assert model.visual is not None and model.config.vision.depth == 27
         config = model.config
         assert config.attention_layers == tuple(range(3, layers, 4)) and config.ple_layers == (1,)
         assert config.rotary_dim == 64 and config.conv_dim == 10240
@@ -94,8 +95,10 @@ def test_full_size_presets_have_the_released_shapes():
         linear = layers - attention
         assert spec.bytes_per_slot == linear * (3 * 10240 * 2 + 48 * 128 * 128 * 4) + 9 * 10240 * 2 + 2 * 8
     full = build_model(preset_config("preset:qwen3.8-flash-next"), torch.bfloat16, torch.device("meta"))
-    trunk = sum(p.numel() for p in full.parameters()) - sum(p.numel() for p in full.mtp.parameters())
+    tower = sum(p.numel() for p in full.visual.parameters())
+    trunk = sum(p.numel() for p in full.parameters()) - sum(p.numel() for p in full.mtp.parameters()) - tower
     assert round(trunk / 1e9, 2) == 125.74  # "125B" without the 51.2B table
+    assert round(tower / 1e6) == 449  # the vision tower: "about 445M parameters" (issue #26)
     (table,) = full.host_tables()
     assert (table.num_rows, table.dim, table.num_shards, table.shard_rows) == (320001536, 160, 128, 2500012)
     assert table.dummy_dtype == torch.float8_e4m3fn

@@ -31,7 +31,7 @@ class StubEngine:
         self.speculative = None
         self.step_times = StepTimes()
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, images=()):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if request_id == "explodes":
