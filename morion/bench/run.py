@@ -103,6 +103,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         "turn": None,
         "spec": None,
         "restore": None,
+        "profile": None,
         "baseline": None,
     }
     bench = Workbench(target, prompts, "server" if options.url else "morion")
@@ -212,6 +213,11 @@ def _run_workloads(
         restore.run_restore(
             bench, bench.target, length, repeats, keep_restore, page_cache=options.restore_page_cache
         )
+    if options.profile:  # after every measured run: the profiler never runs beside one
+        from morion.bench.profile import run_profile
+
+        result["profile"] = run_profile(bench, bench.target, options)
+        write_json(path, result)
 
 
 def _run_baseline(
@@ -262,6 +268,9 @@ def command_line(args: argparse.Namespace, engine_options: dict[str, Any]) -> st
         if key in negated:
             if value is False:
                 words.append(negated[key])
+            continue
+        if value is True:  # a switch (--profile)
+            words.append(f"--{key.replace('_', '-')}")
             continue
         words += [f"--{key.replace('_', '-')}", str(value)]
     return " ".join(words)

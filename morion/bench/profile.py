@@ -1,0 +1,177 @@
+"""`morion bench --profile`: where a step's time goes, from torch.profiler, in extra runs after the measured
+ones (the measured numbers are never taken under the profiler).
+
+For each point of the profiled workloads (decode: every concurrency x context, with at most
+`DECODE_TOKENS` output tokens; prefill: every length; ttft: its length), fresh prompts run twice in
+each pass: once unprofiled (the pass's shapes compiled and tuned), then under the profiler, every engine
+step in a range of its own (profile_trace.py reads the trace). Two passes:
+
+- by module: the runner's ranges on (runner/profile_ranges.py), the model's parts in ranges of their
+  kind, forwards eager (a CUDA graph replay runs no hooks): time by part of the step;
+- as served: CUDA graphs as the engine uses them, only the forward, LM head and sampling in ranges:
+  kernels per step, the top kernels and where the device waits for the host. It is its own pass only
+  where decode would replay graphs; elsewhere the by-module pass is already what the engine runs (the
+  ranges add a few microseconds of host time per model part).
+
+On a CPU the "kernels" are the outermost CPU ops and there is no device timeline: idle device time is
+CUDA only, and the report says so.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from morion.bench.offline import EngineTarget, generate
+from morion.bench.options import BenchOptions
+from morion.bench.profile_trace import step_range, summarize
+from morion.bench.workloads import Workbench
+from morion.engine.engine import Engine
+from morion.engine.outputs import StepOutput
+
+DECODE_TOKENS = 16  # output tokens of a profiled decode run: enough steps for a mean, a trace that opens
+NOTE = (
+    "Profiled in extra runs after the measured ones, under torch.profiler (the numbers above were measured "
+    "without it); times here include the profiler's own cost. Host times are wall time on the engine's "
+    "thread; on CUDA a part's device time is that of the kernels its thread launched."
+)
+
+
+class ProfilePoint(NamedTuple):
+    workload: str
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+    step_kind: str  # the steps this point's figures are about: "decode" or "prefill"
+
+    @property
+    def name(self) -> str:
+        if self.workload == "decode":
+            return f"decode C={self.concurrency} ctx={self.prompt_tokens:,}"
+        return f"{self.workload} {self.prompt_tokens:,}"
+
+
+def profile_points(options: BenchOptions) -> list[ProfilePoint]:
+    points = []
+    if "decode" in options.workloads:
+        output = min(options.output_tokens, DECODE_TOKENS)
+        for context in options.contexts:
+            for c in options.concurrency:
+                if not options.max_cell_prompt_tokens or c * context <= options.max_cell_prompt_tokens:
+                    points.append(ProfilePoint("decode", c, context, output, "decode"))
+    if "prefill" in options.workloads:
+        points += [ProfilePoint("prefill", 1, length, 1, "prefill") for length in options.prefill_lengths]
+    if "ttft" in options.workloads:
+        points.append(ProfilePoint("ttft", 1, options.ttft_length, 1, "prefill"))
+    return points
+
+
+def run_profile(bench: Workbench, target: EngineTarget, options: BenchOptions) -> dict[str, Any]:
+    """The `profile` section of the results; writes the Chrome trace of every profiled run to
+    `options.profile_trace` when it is set."""
+    engine = target.engine
+    traces: list[dict[str, Any]] = []
+    points = []
+    for point in profile_points(options):
+        by_module, trace = _profiled_pass(bench, target, point, by_module=True)
+        traces.append(trace)
+        graphs = point.step_kind == "decode" and engine.runner.decode_graphs is not None
+        as_served = None
+        if graphs:
+            as_served, trace = _profiled_pass(bench, target, point, by_module=False)
+            traces.append(trace)
+        points.append(
+            {**point._asdict(), "cuda_graphs": graphs, "by_module": by_module, "as_served": as_served}
+        )
+        bench.say(f"{bench.label} profile {point.name}: {_progress(by_module, as_served or by_module)}")
+    trace_path = options.profile_trace
+    if trace_path:
+        write_trace(Path(trace_path), traces)
+        bench.say(f"profile: wrote the Chrome trace {trace_path}")
+    return {
+        "note": NOTE,
+        "device": str(engine.device),
+        "device_timeline": engine.device.type == "cuda",
+        "decode_tokens": DECODE_TOKENS,
+        "trace": trace_path,
+        "points": points,
+    }
+
+
+def _profiled_pass(
+    bench: Workbench, target: EngineTarget, point: ProfilePoint, by_module: bool
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """One unprofiled run of the point's shape, then one profiled: its summary and its trace."""
+    engine = target.engine
+    key = f"{bench.label}:profile:{point.workload}:{point.concurrency}:{point.prompt_tokens}:{by_module}"
+    prompts = [bench.prompts.make(f"{key}:{i}", point.prompt_tokens) for i in range(point.concurrency)]
+    warm = [bench.prompts.make(f"{key}:warm:{i}", point.prompt_tokens) for i in range(point.concurrency)]
+    cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kinds: list[str] = []
+    with engine.runner.profiled(by_module):
+        generate(engine, warm, point.output_tokens, target.logprobs)
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        with torch.profiler.profile(activities=activities) as profiler:
+            generate(
+                engine,
+                prompts,
+                point.output_tokens,
+                target.logprobs,
+                step=lambda: _marked_step(engine, kinds),
+            )
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+    trace = _exported(profiler)
+    return summarize(trace, kinds, point.step_kind), trace
+
+
+def _marked_step(engine: Engine, kinds: list[str]) -> list[StepOutput]:
+    """One engine step inside its own profiler range; `kinds` gets whether it was a decode step."""
+    decode_steps = engine.step_times.decode_steps
+    with torch.profiler.record_function(step_range(len(kinds))):
+        outputs = engine.step()
+    kinds.append("decode" if engine.step_times.decode_steps > decode_steps else "prefill")
+    return outputs
+
+
+def _exported(profiler: torch.profiler.profile) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def write_trace(path: Path, traces: list[dict[str, Any]]) -> None:
+    """One Chrome trace (chrome://tracing, ui.perfetto.dev) of every profiled run, one after the other on
+    the trace's clock; gzip-compressed when the name ends in .gz."""
+    merged = {key: value for key, value in (traces[0] if traces else {}).items() if key != "traceEvents"}
+    merged["traceEvents"] = [event for trace in traces for event in trace.get("traceEvents", [])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(merged)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt") as compressed:
+            compressed.write(text)
+    else:
+        path.write_text(text)
+
+
+def _progress(by_module: dict[str, Any] | None, as_served: dict[str, Any] | None) -> str:
+    if by_module is None or as_served is None:
+        return "no step of its kind ran"
+    kind = by_module["step_kind"]
+    line = (
+        f"{by_module['steps']} {kind} steps, {by_module['step_ms']:.2f} ms per step by module (eager), "
+        f"{as_served['step_ms']:.2f} ms as served; {as_served['ops_per_step']:.0f} {as_served['ops_are']} "
+        f"per step"
+    )
+    idle = as_served["host"]["device_idle"]
+    return line + (f", device idle {idle['idle_ms']:.2f} ms per step" if idle else "")
