@@ -17,7 +17,7 @@ WORKLOADS = ("decode", "prefill", "ttft", "turn", "spec", "restore")
 # turn, restore and spec are only run when asked: turn and restore need long prompts (and restore the
 # cache tiers' flags), spec a draft width.
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
-PROFILED_WORKLOADS = ("decode", "prefill", "ttft")  # what --profile profiles (bench/profile.py)
+PROFILED_WORKLOADS = ("decode", "prefill", "ttft", "spec")  # what --profile profiles (bench/profile.py)
 BASELINES = ("hf",)
 RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
 # Measured peaks of the devices the roofline knows by name: (memory GB/s, dense bf16 TFLOP/s). H200:
@@ -108,7 +108,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument(
         "--profile",
         action="store_true",
-        help="after the measured runs, profile extra runs of each decode, prefill and ttft point with "
+        help="after the measured runs, profile extra runs of each decode, prefill, ttft and spec point with "
         "torch.profiler: time by module, kernels per step, host gaps (a section of the report)",
     )
     prof.add_argument(

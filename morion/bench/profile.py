@@ -2,9 +2,11 @@
 ones (the measured numbers are never taken under the profiler).
 
 For each point of the profiled workloads (decode: every concurrency x context, with at most
-`DECODE_TOKENS` output tokens; prefill: every length; ttft: its length), fresh prompts run twice in
-each pass: once unprofiled (the pass's shapes compiled and tuned), then under the profiler, every engine
-step in a range of its own (profile_trace.py reads the trace). Two passes:
+`DECODE_TOKENS` output tokens; prefill: every length; ttft: its length; spec: every concurrency x
+context on its speculative engine, where drafting and acceptance have ranges of their own, profiled by
+bench/speculative.py before it closes that engine), fresh prompts run twice in each pass: once
+unprofiled (the pass's shapes compiled and tuned), then under the profiler, every engine step in a range
+of its own (profile_trace.py reads the trace). Two passes:
 
 - by module: the runner's ranges on (runner/profile_ranges.py), the model's parts in ranges of their
   kind, forwards eager (a CUDA graph replay runs no hooks): time by part of the step;
@@ -19,9 +21,11 @@ CUDA only, and the report says so.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,6 +38,7 @@ from morion.bench.workloads import Workbench
 from morion.engine.engine import Engine
 from morion.engine.outputs import StepOutput
 
+PromptMaker = Callable[[str, int], Sequence[int]]  # (key, length) -> a fresh prompt's token ids
 DECODE_TOKENS = 16  # output tokens of a profiled decode run: enough steps for a mean, a trace that opens
 NOTE = (
     "Profiled in extra runs after the measured ones, under torch.profiler (the numbers above were measured "
@@ -51,19 +56,25 @@ class ProfilePoint(NamedTuple):
 
     @property
     def name(self) -> str:
-        if self.workload == "decode":
-            return f"decode C={self.concurrency} ctx={self.prompt_tokens:,}"
+        if self.workload in ("decode", "spec"):
+            return f"{self.workload} C={self.concurrency} ctx={self.prompt_tokens:,}"
         return f"{self.workload} {self.prompt_tokens:,}"
 
 
-def profile_points(options: BenchOptions) -> list[ProfilePoint]:
+def decode_point(workload: str, concurrency: int, context: int, options: BenchOptions) -> ProfilePoint:
+    """A decode (or speculative decode) point's profiled run: its shape, at most DECODE_TOKENS out."""
+    return ProfilePoint(workload, concurrency, context, min(options.output_tokens, DECODE_TOKENS), "decode")
+
+
+def engine_points(options: BenchOptions) -> list[ProfilePoint]:
+    """The points profiled on the bench's own engine (the spec workload profiles its speculative engine
+    itself: bench/speculative.py)."""
     points = []
     if "decode" in options.workloads:
-        output = min(options.output_tokens, DECODE_TOKENS)
         for context in options.contexts:
             for c in options.concurrency:
                 if not options.max_cell_prompt_tokens or c * context <= options.max_cell_prompt_tokens:
-                    points.append(ProfilePoint("decode", c, context, output, "decode"))
+                    points.append(decode_point("decode", c, context, options))
     if "prefill" in options.workloads:
         points += [ProfilePoint("prefill", 1, length, 1, "prefill") for length in options.prefill_lengths]
     if "ttft" in options.workloads:
@@ -71,63 +82,80 @@ def profile_points(options: BenchOptions) -> list[ProfilePoint]:
     return points
 
 
-def run_profile(bench: Workbench, target: EngineTarget, options: BenchOptions) -> dict[str, Any]:
-    """The `profile` section of the results; writes the Chrome trace of every profiled run to
-    `options.profile_trace` when it is set."""
-    engine = target.engine
-    traces: list[dict[str, Any]] = []
-    points = []
-    for point in profile_points(options):
-        by_module, trace = _profiled_pass(bench, target, point, by_module=True)
-        traces.append(trace)
+class ProfileSession:
+    """The profiled points of one bench and their traces, gathered workload by workload."""
+
+    def __init__(self, options: BenchOptions) -> None:
+        self.options = options
+        self.points: list[dict[str, Any]] = []
+        self.traces: list[dict[str, Any]] = []
+        self.device: torch.device | None = None
+
+    def profile(
+        self,
+        bench: Workbench,
+        engine: Engine,
+        point: ProfilePoint,
+        prompts: PromptMaker,
+        logprobs: int | None,
+    ) -> None:
+        """Both passes of `point` on `engine` (the by-module one, and the as-served one where decode would
+        replay CUDA graphs); `prompts(key, length)` makes a fresh prompt."""
+        self.device = engine.device
+        by_module, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=True)
+        self.traces.append(trace)
         graphs = point.step_kind == "decode" and engine.runner.decode_graphs is not None
         as_served = None
         if graphs:
-            as_served, trace = _profiled_pass(bench, target, point, by_module=False)
-            traces.append(trace)
-        points.append(
+            as_served, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=False)
+            self.traces.append(trace)
+        self.points.append(
             {**point._asdict(), "cuda_graphs": graphs, "by_module": by_module, "as_served": as_served}
         )
         bench.say(f"{bench.label} profile {point.name}: {_progress(by_module, as_served or by_module)}")
-    trace_path = options.profile_trace
-    if trace_path:
-        write_trace(Path(trace_path), traces)
-        bench.say(f"profile: wrote the Chrome trace {trace_path}")
-    return {
-        "note": NOTE,
-        "device": str(engine.device),
-        "device_timeline": engine.device.type == "cuda",
-        "decode_tokens": DECODE_TOKENS,
-        "trace": trace_path,
-        "points": points,
-    }
+
+    def section(self, bench: Workbench) -> dict[str, Any]:
+        """The `profile` section of the results; writes the Chrome trace where --profile-trace says."""
+        trace_path = self.options.profile_trace
+        if trace_path:
+            write_trace(Path(trace_path), self.traces)
+            bench.say(f"profile: wrote the Chrome trace {trace_path}")
+        device = self.device or torch.device("cpu")
+        return {
+            "note": NOTE,
+            "device": str(device),
+            "device_timeline": device.type == "cuda",
+            "decode_tokens": DECODE_TOKENS,
+            "trace": trace_path,
+            "points": self.points,
+        }
+
+
+def profile_engine_workloads(session: ProfileSession, bench: Workbench, target: EngineTarget) -> None:
+    """The decode, prefill and ttft points on the bench's engine, fresh prompts from the bench's factory."""
+    for point in engine_points(session.options):
+        session.profile(bench, target.engine, point, bench.prompts.make, target.logprobs)
 
 
 def _profiled_pass(
-    bench: Workbench, target: EngineTarget, point: ProfilePoint, by_module: bool
+    engine: Engine, point: ProfilePoint, prompts: PromptMaker, logprobs: int | None, by_module: bool
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """One unprofiled run of the point's shape, then one profiled: its summary and its trace."""
-    engine = target.engine
-    key = f"{bench.label}:profile:{point.workload}:{point.concurrency}:{point.prompt_tokens}:{by_module}"
-    prompts = [bench.prompts.make(f"{key}:{i}", point.prompt_tokens) for i in range(point.concurrency)]
-    warm = [bench.prompts.make(f"{key}:warm:{i}", point.prompt_tokens) for i in range(point.concurrency)]
+    key = f"profile:{point.workload}:{point.concurrency}:{point.prompt_tokens}:{by_module}"
+    profiled = [prompts(f"{key}:{i}", point.prompt_tokens) for i in range(point.concurrency)]
+    warm = [prompts(f"{key}:warm:{i}", point.prompt_tokens) for i in range(point.concurrency)]
     cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     kinds: list[str] = []
     with engine.runner.profiled(by_module):
-        generate(engine, warm, point.output_tokens, target.logprobs)
+        generate(engine, warm, point.output_tokens, logprobs)
         if cuda:
             torch.cuda.synchronize(engine.device)
         with torch.profiler.profile(activities=activities) as profiler:
-            generate(
-                engine,
-                prompts,
-                point.output_tokens,
-                target.logprobs,
-                step=lambda: _marked_step(engine, kinds),
-            )
+            step = functools.partial(_marked_step, engine, kinds)
+            generate(engine, profiled, point.output_tokens, logprobs, step=step)
             if cuda:
                 torch.cuda.synchronize(engine.device)
     trace = _exported(profiler)

@@ -33,7 +33,7 @@ def profile_markdown(section: dict[str, Any] | None) -> list[str]:
 def _point(point: dict[str, Any]) -> list[str]:
     by_module, as_served = point["by_module"], point["as_served"] or point["by_module"]
     what = f"{point['workload']} C={point['concurrency']} ctx={point['prompt_tokens']:,}"
-    if point["workload"] != "decode":
+    if point["workload"] not in ("decode", "spec"):
         what = f"{point['workload']} {point['prompt_tokens']:,} tokens"
     if by_module is None:
         return [f"### {what}", "", f"No {point['step_kind']} step ran.", ""]

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from morion.runner.profile_ranges import FORWARD, LM_HEAD, MODULE_PREFIX, PREFIX, SAMPLING
+from morion.runner.profile_ranges import ACCEPTANCE, DRAFT, FORWARD, LM_HEAD, MODULE_PREFIX, PREFIX, SAMPLING
 
 STEP = f"{PREFIX}step#"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -35,6 +35,8 @@ PART_NAMES = {
     FORWARD: "model, other ops (norms, residuals, graph replay)",
     LM_HEAD: "LM head",
     SAMPLING: "sampling",
+    DRAFT: "drafting (speculative)",
+    ACCEPTANCE: "acceptance (speculative)",
 }
 
 

@@ -20,6 +20,7 @@ import torch
 from morion.bench import agent_turn, analysis, provenance, restore, roofline, speculative
 from morion.bench.options import BenchOptions, add_bench_arguments, device_peaks
 from morion.bench.plot import matplotlib_available, write_png
+from morion.bench.profile import ProfileSession, profile_engine_workloads
 from morion.bench.prompts import PromptFactory
 from morion.bench.report import DEFINITIONS, markdown, output_paths, slug, write_json
 from morion.bench.roofline import ModelCost
@@ -157,6 +158,7 @@ def _run_workloads(
         *((options.restore_length,) if "restore" in chosen else ()),
     ]
     bench.warm_engine(min(1024, *lengths))
+    profile = ProfileSession(options) if options.profile else None
     if "decode" in options.workloads:
 
         def keep(point: dict[str, Any]) -> None:
@@ -202,7 +204,7 @@ def _run_workloads(
             result["spec"] = section
             write_json(path, result)
 
-        speculative.run_spec(bench, bench.target, config, options, keep_spec)
+        speculative.run_spec(bench, bench.target, config, options, keep_spec, profile)
     if "restore" in options.workloads:  # last: it restarts the engine
 
         def keep_restore(section: dict[str, Any]) -> None:
@@ -213,10 +215,9 @@ def _run_workloads(
         restore.run_restore(
             bench, bench.target, length, repeats, keep_restore, page_cache=options.restore_page_cache
         )
-    if options.profile:  # after every measured run: the profiler never runs beside one
-        from morion.bench.profile import run_profile
-
-        result["profile"] = run_profile(bench, bench.target, options)
+    if profile is not None:  # after every measured run: the profiler never runs beside one
+        profile_engine_workloads(profile, bench, bench.target)
+        result["profile"] = profile.section(bench)
         write_json(path, result)
 
 

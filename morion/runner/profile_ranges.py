@@ -3,7 +3,8 @@
 
 Off, a region costs one attribute test and a shared null context, so the step loop keeps its regions
 always in place. On, the runner's forward, the LM head and the sampler run inside `morion:forward`,
-`morion:lm_head` and `morion:sampling`, and, when asked for by module, every model part of a known
+`morion:lm_head` and `morion:sampling` (speculative decoding's drafting and acceptance inside
+`morion:draft` and `morion:acceptance`), and, when asked for by module, every model part of a known
 kind runs inside `morion:module:<kind>` through forward hooks (the hooks are removed when profiling
 ends; they fire only in eager forwards, which is why profiling by module turns the CUDA graphs off).
 """
@@ -21,6 +22,8 @@ MODULE_PREFIX = f"{PREFIX}module:"
 FORWARD = f"{PREFIX}forward"
 LM_HEAD = f"{PREFIX}lm_head"
 SAMPLING = f"{PREFIX}sampling"
+DRAFT = f"{PREFIX}draft"  # speculative decoding: proposing, and launching the next step's drafts
+ACCEPTANCE = f"{PREFIX}acceptance"  # speculative decoding: which drafts a verify accepts
 
 # Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts.
 _KIND_BY_NAME = {

@@ -12,9 +12,10 @@ from morion.bench.profile_trace import innermost_segments, step_range, summarize
 from morion.runner.profile_ranges import FORWARD, MODULE_PREFIX, SAMPLING
 from tests.bench.conftest import run_bench
 
-SWEEP = ["--device", "cpu", "--kv-cache-tokens", "2048", "--workloads", "decode,prefill",
+SWEEP = ["--device", "cpu", "--kv-cache-tokens", "2048", "--workloads", "decode,prefill,spec",
          "--concurrency", "1", "--contexts", "32", "--output-tokens", "4", "--repeats", "1",
-         "--warmup-runs", "0", "--prefill-lengths", "32"]  # fmt: skip
+         "--warmup-runs", "0", "--prefill-lengths", "32", "--speculative", "mtp", "--spec-width", "2",
+         "--spec-mean-accepted", "1.5"]  # fmt: skip
 MODEL_PARTS = {
     "full attention",
     "Gated DeltaNet",
@@ -45,16 +46,22 @@ def test_the_profile_names_every_part_of_a_step_and_they_add_up_to_the_step(benc
     _, result, _, _ = benches
     section = result["profile"]
     assert section["device_timeline"] is False and "after the measured ones" in section["note"]
+    # The spec workload profiles its speculative engine before closing it; the others follow.
     assert [(p["workload"], p["step_kind"]) for p in section["points"]] == [
+        ("spec", "decode"),
         ("decode", "decode"),
         ("prefill", "prefill"),
     ]
-    decode = section["points"][0]
+    decode = section["points"][1]
     assert decode["output_tokens"] == 4 and decode["cuda_graphs"] is False and decode["as_served"] is None
     for point in section["points"]:
         summary = point["by_module"]
         parts = {part["part"]: part for part in summary["by_part"]}
-        assert MODEL_PARTS | {"LM head", "sampling"} <= set(parts)
+        # A verify step's tokens come from its acceptance, after the drafts; the others' from sampling.
+        speculative = {"drafting (speculative)", "acceptance (speculative)"}
+        assert MODEL_PARTS | {"LM head"} | (
+            speculative if point["workload"] == "spec" else {"sampling"}
+        ) <= set(parts)
         assert all(part["host_ms"] > 0 and part["device_ms"] is None for part in parts.values())
         model_ms = sum(parts[name]["host_ms"] for name in MODEL_PARTS)
         assert 0 < model_ms <= sum(part["host_ms"] for part in parts.values()) <= summary["step_ms"] * 1.0001
@@ -63,7 +70,7 @@ def test_the_profile_names_every_part_of_a_step_and_they_add_up_to_the_step(benc
         assert summary["top_ops"] and summary["top_ops"][0]["ms_per_step"] > 0
         assert 0 < summary["host"]["outside_forward_ms"] < summary["step_ms"]
         assert summary["host"]["device_idle"] is None
-    assert section["points"][0]["by_module"]["steps"] == 3  # 4 tokens: the prefill's, then 3 decode steps
+    assert decode["by_module"]["steps"] == 3  # 4 tokens: the prefill's, then 3 decode steps
 
 
 def test_profiling_leaves_the_measured_sections_as_they_were(benches):
@@ -74,6 +81,8 @@ def test_profiling_leaves_the_measured_sections_as_they_were(benches):
         assert with_profile.keys() == without.keys()
         assert with_profile["runs"][0].keys() == without["runs"][0].keys()
         assert with_profile["median"].keys() == without["median"].keys()
+    assert profiled["spec"].keys() == plain["spec"].keys()
+    assert profiled["spec"]["points"][0].keys() == plain["spec"]["points"][0].keys()
 
 
 def test_the_report_has_a_profile_section_and_the_trace_opens(benches):
