@@ -104,7 +104,7 @@ class ProfileSession:
         self.device = engine.device
         by_module, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=True)
         self.traces.append(trace)
-        graphs = point.step_kind == "decode" and engine.runner.decode_graphs is not None
+        graphs = point.step_kind == "decode" and engine.graphs is not None
         as_served = None
         if graphs:
             as_served, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=False)
@@ -149,7 +149,7 @@ def _profiled_pass(
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     kinds: list[str] = []
-    with engine.runner.profiled(by_module):
+    with engine.profiled(by_module):
         generate(engine, warm, point.output_tokens, logprobs)
         if cuda:
             torch.cuda.synchronize(engine.device)

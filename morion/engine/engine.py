@@ -9,6 +9,7 @@ verify accepted for the loop to commit.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -152,6 +153,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def profiled(self, by_module: bool) -> contextlib.AbstractContextManager[None]:
+        """Named profiler ranges over each step's parts while it lasts (runner/profile_ranges.py); with
+        `by_module`, the model's parts too, its forwards eager meanwhile (`morion bench --profile`)."""
+        return self.runner.profiled(by_module)
 
     def load(self) -> EngineLoad:
         """Requests running and waiting, and where the pool's pages are, now."""
