@@ -154,14 +154,8 @@ class EngineLoop:
         self._cache_memory_bytes = self.engine.cache_memory_bytes()
 
     def stats(self) -> EngineStats:
-        load = self.engine.load()
         return EngineStats(
-            running=load.running,
-            waiting=load.waiting,
-            pages_free=load.pages_free,
-            pages_cached=load.pages_cached,
-            pages_held=load.pages_held,
-            retractions=load.retractions,
+            **self.engine.load()._asdict(),  # running, waiting, pages free / cached / held, retractions
             integrity=self._integrity,
             cache_memory_bytes=self._cache_memory_bytes,
             cache=self.engine.cache_stats.snapshot(),
