@@ -27,7 +27,7 @@ import json
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import torch
 
@@ -88,7 +88,7 @@ class ProfileSession:
     def __init__(self, options: BenchOptions) -> None:
         self.options = options
         self.points: list[dict[str, Any]] = []
-        self.traces: list[dict[str, Any]] = []
+        self.trace = TraceFile(Path(options.profile_trace)) if options.profile_trace else None
         self.device: torch.device | None = None
 
     def profile(
@@ -103,22 +103,26 @@ class ProfileSession:
         replay CUDA graphs); `prompts(key, length)` makes a fresh prompt."""
         self.device = engine.device
         by_module, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=True)
-        self.traces.append(trace)
+        self._keep(trace)
         graphs = point.step_kind == "decode" and engine.graphs is not None
         as_served = None
         if graphs:
             as_served, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=False)
-            self.traces.append(trace)
+            self._keep(trace)
         self.points.append(
             {**point._asdict(), "cuda_graphs": graphs, "by_module": by_module, "as_served": as_served}
         )
         bench.say(f"{bench.label} profile {point.name}: {_progress(by_module, as_served or by_module)}")
 
+    def _keep(self, trace: dict[str, Any]) -> None:
+        if self.trace is not None:
+            self.trace.add(trace)
+
     def section(self, bench: Workbench) -> dict[str, Any]:
         """The `profile` section of the results; writes the Chrome trace where --profile-trace says."""
         trace_path = self.options.profile_trace
-        if trace_path:
-            write_trace(Path(trace_path), self.traces)
+        if self.trace is not None:
+            self.trace.close()
             bench.say(f"profile: wrote the Chrome trace {trace_path}")
         device = self.device or torch.device("cpu")
         return {
@@ -178,18 +182,39 @@ def _exported(profiler: torch.profiler.profile) -> dict[str, Any]:
         return json.loads(path.read_text())
 
 
-def write_trace(path: Path, traces: list[dict[str, Any]]) -> None:
-    """One Chrome trace (chrome://tracing, ui.perfetto.dev) of every profiled run, one after the other on
-    the trace's clock; gzip-compressed when the name ends in .gz."""
-    merged = {key: value for key, value in (traces[0] if traces else {}).items() if key != "traceEvents"}
-    merged["traceEvents"] = [event for trace in traces for event in trace.get("traceEvents", [])]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(merged)
-    if path.suffix == ".gz":
-        with gzip.open(path, "wt") as compressed:
-            compressed.write(text)
-    else:
-        path.write_text(text)
+class TraceFile:
+    """One Chrome trace (ui.perfetto.dev, chrome://tracing) of every profiled run, one after the other on
+    the trace's clock, written as the runs come: a run of a full-size model is ~100 MB of JSON, so they
+    are never all held at once. gzip-compressed when the name ends in .gz; complete once `close`d."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+        self._metadata: dict[str, Any] = {}
+
+    def add(self, trace: dict[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            opener = gzip.open if self.path.suffix == ".gz" else open
+            self._file = opener(self.path, "wt")  # open across the runs: `close` ends it
+            self._file.write('{"traceEvents": [')
+            self._metadata = {key: value for key, value in trace.items() if key != "traceEvents"}
+            separator = "\n"
+        else:
+            separator = ",\n"
+        for event in trace.get("traceEvents", []):
+            self._file.write(separator + json.dumps(event))
+            separator = ",\n"
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        self._file.write(
+            "\n]" + "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in self._metadata.items())
+        )
+        self._file.write("}\n")
+        self._file.close()
+        self._file = None
 
 
 def _progress(by_module: dict[str, Any] | None, as_served: dict[str, Any] | None) -> str:
