@@ -99,32 +99,24 @@ class ModelRunner:
         restores: Sequence[Transfer],
         verify_slots: torch.Tensor | None = None,
     ) -> Forward:
-        """The one place that picks a graph replay or an eager forward."""
+        """The one place that picks a graph replay or an eager forward (inside the profiler's forward range
+        while profiling)."""
         with self.ranges.region(FORWARD):
-            return self._replay_or_eager(batch, graph, restores, verify_slots)
-
-    def _replay_or_eager(
-        self,
-        batch: ForwardBatch,
-        graph: DecodeGraphRunner | None,
-        restores: Sequence[Transfer],
-        verify_slots: torch.Tensor | None,
-    ) -> Forward:
-        if graph is not None and graph.can_run(batch):
-            # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
-            # the GPU) for this step's restores instead.
-            for restore in restores:
-                restore.wait_all()
-            logits = graph.run(batch, verify_slots)
-            return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
-        waits = None
-        if restores:
-            components = [c.name for c in self.pool.spec.token_components]
-            waits = RestoreWaits(restores, components)
-        hidden = forward_eager(
-            self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits
-        )
-        return Forward(hidden, None)
+            if graph is not None and graph.can_run(batch):
+                # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
+                # the GPU) for this step's restores instead.
+                for restore in restores:
+                    restore.wait_all()
+                logits = graph.run(batch, verify_slots)
+                return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
+            waits = None
+            if restores:
+                components = [c.name for c in self.pool.spec.token_components]
+                waits = RestoreWaits(restores, components)
+            hidden = forward_eager(
+                self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits
+            )
+            return Forward(hidden, None)
 
     @contextlib.contextmanager
     def profiled(self, by_module: bool) -> Iterator[None]:
