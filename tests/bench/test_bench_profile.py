@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from morion.bench.profile_report import profile_markdown
 from morion.bench.profile_trace import innermost_segments, step_range, summarize
 from morion.runner.profile_ranges import FORWARD, MODULE_PREFIX, SAMPLING
 from tests.bench.conftest import run_bench
@@ -159,3 +160,12 @@ def test_kernels_count_for_the_part_that_launched_them_and_idle_time_is_found_be
     assert idle["before_first_ms"] == pytest.approx(0.020) and idle["after_last_ms"] == pytest.approx(0.020)
     assert idle["between_ms"] == pytest.approx(0.030)
     assert summarize({"traceEvents": events}, ["decode", "prefill"], "prefill")["ops_per_step"] == 1
+    # The report's CUDA lines, from that summary as a profiled point's by-module and as-served passes.
+    point = {"workload": "decode", "concurrency": 1, "prompt_tokens": 1024, "step_kind": "decode",
+             "cuda_graphs": True, "by_module": summary, "as_served": summary}  # fmt: skip
+    section = {"note": "note", "device": "cuda:0", "device_timeline": True, "trace": None, "points": [point]}
+    text = "\n".join(profile_markdown(section))
+    assert "| Gated DeltaNet | 0.020 | 0.015 | 2 |" in text and "CUDA only" not in text
+    assert "As served (CUDA graphs as the engine replays them, 0.10 ms per step): 4 CUDA kernels" in text
+    assert "Device idle 0.070 ms per step (busy 0.030): 0.020 before its first kernel" in text
+    assert "| `moe_fused` | 1.0 | 0.010 |" in text
