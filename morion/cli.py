@@ -127,10 +127,16 @@ def _build_parser() -> argparse.ArgumentParser:
     frspec = commands.add_parser(
         "frspec", help="build an FR-Spec reduced draft vocabulary (docs/speculative.md)"
     )
-    frspec.add_argument("action", choices=("build",))
-    frspec.add_argument("--tokenizer", required=True, help="model directory, .gguf file or known name")
     frspec.add_argument(
-        "--corpus", nargs="+", required=True, metavar="FILE", help="text files to count tokens in"
+        "action",
+        choices=("build", "lowest-ids"),
+        help="build: from a tokenizer and a corpus; lowest-ids: the --size lowest of --vocab-size ids, for "
+        "random-weight presets (no tokenizer: only the draft head's size is real)",
+    )
+    frspec.add_argument("--tokenizer", help="build: model directory, .gguf file or known name")
+    frspec.add_argument("--corpus", nargs="+", metavar="FILE", help="build: text files to count tokens in")
+    frspec.add_argument(
+        "--vocab-size", type=bounded(int, 1, "--vocab-size"), help="lowest-ids: the model's vocabulary size"
     )
     frspec.add_argument("--size", type=bounded(int, 1, "--size"), required=True, help="ids in the map")
     frspec.add_argument(
@@ -282,8 +288,16 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _run_frspec(args: argparse.Namespace) -> None:
-    from morion.spec.frspec import build_for_model, write_token_map
+    from morion.spec.frspec import build_for_model, lowest_ids_map, write_token_map
 
+    if args.action == "lowest-ids":
+        if args.vocab_size is None:
+            raise MorionError("frspec lowest-ids needs --vocab-size (the model's vocabulary size)")
+        write_token_map(lowest_ids_map(args.vocab_size, args.size), args.out)
+        print(f"{args.out}: the {args.size} lowest of {args.vocab_size} ids (no tokenizer behind them)")
+        return
+    if args.tokenizer is None or args.corpus is None:
+        raise MorionError("frspec build needs --tokenizer and --corpus")
     data = build_for_model(args.tokenizer, args.corpus, args.size, args.base_count)
     write_token_map(data, args.out)
     corpus = data["corpus"]

@@ -57,9 +57,10 @@ def _run_traced(engine: Engine, recorder: OutputRecorder, prompts, params) -> tu
     finals, trace = {}, []
     while engine.has_unfinished():
         recorder.take()
-        outputs, decode = engine._step()
+        decode_steps = engine.step_times.decode_steps
+        outputs = engine.step()
         step = recorder.take()
-        if decode:
+        if engine.step_times.decode_steps > decode_steps:  # a decode step (engine/step_timing.py)
             trace.append(step)
         for output in outputs:
             if output.final is not None:

@@ -82,3 +82,27 @@ def test_speculation_and_the_runner_never_import_the_engine():
     assert {"runner", "spec"} <= graph["engine"]
     assert "engine" not in graph["spec"] and "engine" not in graph["runner"]
     assert "spec" not in graph["runner"]
+
+
+# The engine's parts the server must not reach into: it reads the engine through `Engine`'s own methods
+# (`load()`, `cache_stats`, `step_times`, ...), so a change inside the engine never breaks the server.
+ENGINE_INTERNALS = {"scheduler", "prefix_cache", "tiers", "runner", "state_slots"}
+
+
+def internal_reads(root: Path) -> list[str]:
+    """`path:line .name` for each attribute read under `root` that names one of the engine's parts."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                found.append(f"{path.relative_to(root)}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_the_reader_finds_reads_of_engine_parts(tmp_path):
+    (tmp_path / "loop.py").write_text("def stats(engine):\n    return len(engine.scheduler.running)\n")
+    assert internal_reads(tmp_path) == ["loop.py:2 .scheduler"]
+
+
+def test_the_server_reads_the_engine_through_its_public_methods():
+    assert internal_reads(MORION / "server") == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,16 +17,23 @@ import torch
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
+from morion.engine.outputs import StepOutput
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
 
 
 def generate(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int | None = None
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    logprobs: int | None = None,
+    step: Callable[[], list[StepOutput]] | None = None,
 ) -> tuple[list[RequestTiming], list[list[int]]]:
     """Submits every prompt at once (greedy, EOS ignored, exactly `max_tokens` each, with `logprobs` as
     given) to an idle `engine` and steps it until all have finished: each request's timing and generated
-    ids, in prompt order."""
+    ids, in prompt order. `step` steps the engine instead of `engine.step` (a profiled run marks each
+    step: bench/profile.py)."""
+    step = step or engine.step
     if engine.has_unfinished():
         raise RuntimeError("the engine has unfinished requests from before this group")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
@@ -41,7 +48,7 @@ def generate(
         starts[request_id] = start
         order.append(request_id)
     while engine.has_unfinished():
-        outputs = engine.step()
+        outputs = step()
         now = time.perf_counter()
         for out in outputs:
             if out.new_token_ids:

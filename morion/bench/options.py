@@ -17,6 +17,7 @@ WORKLOADS = ("decode", "prefill", "ttft", "turn", "spec", "restore")
 # turn, restore and spec are only run when asked: turn and restore need long prompts (and restore the
 # cache tiers' flags), spec a draft width.
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
+PROFILED_WORKLOADS = ("decode", "prefill", "ttft", "spec")  # what --profile profiles (bench/profile.py)
 BASELINES = ("hf",)
 RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
 # Measured peaks of the devices the roofline knows by name: (memory GB/s, dense bf16 TFLOP/s). H200:
@@ -103,6 +104,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "model a morion server reports); offline uses the loaded model",
     )
 
+    prof = parser.add_argument_group("profile (offline only; docs/bench.md)")
+    prof.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the measured runs, profile extra runs of each decode, prefill, ttft and spec point with "
+        "torch.profiler: time by module, kernels per step, host gaps (a section of the report)",
+    )
+    prof.add_argument(
+        "--profile-trace",
+        metavar="PATH",
+        help="also write the profiled runs' Chrome trace there (.json, or .json.gz compressed); implies "
+        "--profile",
+    )
+
     out = parser.add_argument_group("baseline and output")
     out.add_argument("--baseline", help="hf: the decode workload at C1 with transformers, random weights")
     out.add_argument("--baseline-model", help="model or preset for --baseline (default: --model)")
@@ -136,6 +151,8 @@ class BenchOptions:
     bandwidth_gbs: float | None  # None: the device's, when it is known (resolved by run.py)
     peak_tflops: float | None
     roofline_config: str | None
+    profile: bool  # profile extra runs after the measured ones (bench/profile.py)
+    profile_trace: str | None  # where their Chrome trace goes
     baseline: str | None
     baseline_model: str | None
     out: str
@@ -167,6 +184,14 @@ class BenchOptions:
                 f"--restore-page-cache must be one of {', '.join(RESTORE_PAGE_CACHE)}, "
                 f"got {args.restore_page_cache!r}"
             )
+        profile = bool(args.profile or args.profile_trace)
+        if profile and url is not None:
+            raise MorionError(
+                "--profile needs the offline engine (it profiles the engine in-process): leave out --url"
+            )
+        if profile and not set(workloads) & set(PROFILED_WORKLOADS):
+            profiled = ", ".join(PROFILED_WORKLOADS)
+            raise MorionError(f"--profile profiles the {profiled} workloads: include one in --workloads")
         api_key = args.api_key or os.environ.get("MORION_API_KEY") or os.environ.get("OPENAI_API_KEY")
         return cls(
             url=url,
@@ -192,6 +217,8 @@ class BenchOptions:
             bandwidth_gbs=_optional(args.bandwidth_gbs, "--bandwidth-gbs"),
             peak_tflops=_optional(args.peak_tflops, "--peak-tflops"),
             roofline_config=args.roofline_config,
+            profile=profile,
+            profile_trace=args.profile_trace,
             baseline=baseline,
             baseline_model=args.baseline_model,
             out=args.out,

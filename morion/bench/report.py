@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from morion.bench.profile_report import profile_markdown
 from morion.bench.restore import KIND_NAMES, KINDS
 
 # The spec workload's method (morion/bench/speculative.py); a spec section without it was measured with
@@ -167,6 +168,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _turn_table(result.get("turn"))
     lines += _spec_table(result.get("spec"))
     lines += _restore_table(result.get("restore"))
+    lines += profile_markdown(result.get("profile"))
     lines += _roofline_inputs(result.get("roofline") or {})
     notes = ["per_request_tok_s", "aggregate_tok_s", "roofline", "mbu", "prefill_tok_s", "prefill_bound"]
     notes += ["restore", "restore_gbs"] if result.get("restore") else []

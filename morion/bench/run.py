@@ -20,6 +20,7 @@ import torch
 from morion.bench import agent_turn, analysis, provenance, restore, roofline, speculative
 from morion.bench.options import BenchOptions, add_bench_arguments, device_peaks
 from morion.bench.plot import matplotlib_available, write_png
+from morion.bench.profile import ProfileSession, profile_engine_workloads
 from morion.bench.prompts import PromptFactory
 from morion.bench.report import DEFINITIONS, markdown, output_paths, slug, write_json
 from morion.bench.roofline import ModelCost
@@ -103,6 +104,7 @@ def run_bench(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         "turn": None,
         "spec": None,
         "restore": None,
+        "profile": None,
         "baseline": None,
     }
     bench = Workbench(target, prompts, "server" if options.url else "morion")
@@ -156,6 +158,7 @@ def _run_workloads(
         *((options.restore_length,) if "restore" in chosen else ()),
     ]
     bench.warm_engine(min(1024, *lengths))
+    profile = ProfileSession(options) if options.profile else None
     if "decode" in options.workloads:
 
         def keep(point: dict[str, Any]) -> None:
@@ -201,7 +204,7 @@ def _run_workloads(
             result["spec"] = section
             write_json(path, result)
 
-        speculative.run_spec(bench, bench.target, config, options, keep_spec)
+        speculative.run_spec(bench, bench.target, config, options, keep_spec, profile)
     if "restore" in options.workloads:  # last: it restarts the engine
 
         def keep_restore(section: dict[str, Any]) -> None:
@@ -212,6 +215,10 @@ def _run_workloads(
         restore.run_restore(
             bench, bench.target, length, repeats, keep_restore, page_cache=options.restore_page_cache
         )
+    if profile is not None:  # after every measured run: the profiler never runs beside one
+        profile_engine_workloads(profile, bench, bench.target)
+        result["profile"] = profile.section(bench)
+        write_json(path, result)
 
 
 def _run_baseline(
@@ -262,6 +269,9 @@ def command_line(args: argparse.Namespace, engine_options: dict[str, Any]) -> st
         if key in negated:
             if value is False:
                 words.append(negated[key])
+            continue
+        if value is True:  # a switch (--profile)
+            words.append(f"--{key.replace('_', '-')}")
             continue
         words += [f"--{key.replace('_', '-')}", str(value)]
     return " ".join(words)

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from morion.bench.offline import EngineTarget, generate
+from morion.bench.profile import ProfileSession, decode_point
 from morion.bench.prompts import CODE_EDIT, CODE_EDIT_SEED, CodeEditPrompts, PromptFactory
 from morion.bench.report import SPEC_METHOD, SPEC_METHOD_REAL
 from morion.bench.roofline import read_hf_config
@@ -153,6 +154,9 @@ class _EnginePair:
             "mean_accepted": _mean_accepted(change),
         }
 
+    def prompt(self, key: str, length: int) -> list[int]:
+        return self.prompts.make(key, length)
+
     def close(self) -> None:
         self.speculative.close()
 
@@ -244,6 +248,10 @@ class _RealPair:
             "mean_accepted": _mean_accepted(change),
         }
 
+    def prompt(self, key: str, length: int) -> list[int]:
+        """A code-edit prompt of at most `length` tokens."""
+        return self.prompts.make(key, length).token_ids
+
     def close(self) -> None:
         self.speculative.close()
 
@@ -254,11 +262,13 @@ def run_spec(
     config: EngineConfig,
     options: BenchOptions,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    profile: ProfileSession | None = None,
 ) -> dict[str, Any]:
     """Runs the workload with `target`'s engine as the plain one and a speculative engine built from
     `config` (the engine flags); returns the `spec` section of the results, which `on_update` also
-    receives after every point. With `--speculative ngram`, outputs that differ from plain are listed in
-    the section's `failures` (`failure_message`): the run fails once the results are written."""
+    receives after every point. With `profile` (--profile), each measured point is then profiled on the
+    speculative engine (bench/profile.py). With `--speculative ngram`, outputs that differ from plain are
+    listed in the section's `failures` (`failure_message`): the run fails once the results are written."""
     if config.speculative == REAL:
         pair: _EnginePair | _RealPair = _RealPair(target.engine, config)
         section = _real_section(bench, pair, config, options)
@@ -296,6 +306,9 @@ def run_spec(
                 section["failures"] += _failures(point)
             if on_update is not None:
                 on_update(section)
+        for point in section["points"] if profile is not None else ():
+            shape = decode_point("spec", point["concurrency"], point["context"], options)
+            profile.profile(bench, pair.speculative, shape, pair.prompt, None)
     finally:
         pair.close()
     return section  # differing outputs are in section["failures"]: the run fails once they are written

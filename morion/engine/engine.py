@@ -9,6 +9,7 @@ verify accepted for the loop to commit.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from morion.config import EngineConfig
 from morion.engine.assembly import assemble
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
-from morion.engine.outputs import RequestOutput, StepOutput, Usage, internal_error
+from morion.engine.outputs import EngineLoad, RequestOutput, StepOutput, Usage, internal_error
 from morion.engine.prompt_logprobs import record_prompt_logprobs
 from morion.engine.request import Request
 from morion.engine.sampler import RequestSampler, SampleResult, committed_token, sample
@@ -40,6 +41,7 @@ from morion.multimodal.prompt_images import PromptImages
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import build_forward_batch
 from morion.runner.image_batch import ImageChunk, ImageEncoder
+from morion.runner.profile_ranges import SAMPLING
 from morion.spec.drafter import Drafter
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.speculative import VerifiedRow
@@ -200,6 +202,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def profiled(self, by_module: bool) -> contextlib.AbstractContextManager[None]:
+        """Named profiler ranges over each step's parts while it lasts (runner/profile_ranges.py); with
+        `by_module`, the model's parts too, its forwards eager meanwhile (`morion bench --profile`)."""
+        return self.runner.profiled(by_module)
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting, and where the pool's pages are, now."""
+        scheduler = self.scheduler
+        return EngineLoad(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            pages_free=self.pool.num_free,
+            pages_cached=self.prefix_cache.cached_pages,
+            pages_held=len(scheduler.pages_held_by_requests()),
+            retractions=scheduler.num_retractions,
+        )
+
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -319,7 +338,8 @@ class Engine:
         generator (engine/sampler.py). The retry draws again: a failure after the draws (while
         gathering logprobs, say; none is known) would move the other rows' seeded streams on by a draw."""
         try:
-            result = sample(logits, [request.sampler for request in requests])
+            with self.runner.ranges.region(SAMPLING):
+                result = sample(logits, [request.sampler for request in requests])
         except Exception as error:
             logger.warning("sampling a batch of %d failed (%r): sampling each alone", len(requests), error)
             outputs = []

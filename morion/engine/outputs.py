@@ -48,6 +48,19 @@ class StepOutput(NamedTuple):
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
+class EngineLoad(NamedTuple):
+    """Requests and pages at one moment (`Engine.load`). Invariant: pages_free + pages_cached + pages_held
+    == the pool's pages, less the runner's scratch page; pages_held are owned by running requests (not
+    yet in the prefix cache)."""
+
+    running: int
+    waiting: int
+    pages_free: int
+    pages_cached: int
+    pages_held: int
+    retractions: int  # since the engine started
+
+
 def internal_error(request_id: str) -> str:
     """What a client is told about an unexpected error on its request: no exception text (it may show
     paths, shapes or values of other requests), only where the operator finds the traceback."""

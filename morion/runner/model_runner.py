@@ -10,7 +10,8 @@ forward's backend waits layer by layer (runner/restore_wait.py), a replay waits 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import ForwardBatch
+from morion.runner.profile_ranges import FORWARD, LM_HEAD, ProfileRanges
 from morion.runner.restore_wait import RestoreWaits
 
 
@@ -71,6 +73,7 @@ class ModelRunner:
         self.scratch_slots = scratch_slots
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
+        self.ranges = ProfileRanges()  # named profiler ranges, on only while profiling
 
     # ------------------------------------------------------------------ forwards
     def forward(
@@ -86,14 +89,16 @@ class ModelRunner:
         graph = self.verify_graphs.get(batch.max_query_len)
         forward = self._run(batch, graph, (), verify_slots, images)
         if forward.logits is None:
-            return Forward(forward.hidden, self.model.compute_logits(forward.hidden))
+            with self.ranges.region(LM_HEAD):
+                return Forward(forward.hidden, self.model.compute_logits(forward.hidden))
         return forward
 
     def logits(self, forward: Forward, rows: list[int]) -> torch.Tensor:
         """fp32 logits [len(rows), vocab] of `rows` (a copy: a graph's output buffer is rewritten by its
         next replay)."""
         if forward.logits is None:
-            return self.model.compute_logits(forward.hidden[rows])
+            with self.ranges.region(LM_HEAD):
+                return self.model.compute_logits(forward.hidden[rows])
         return forward.logits[rows]
 
     def _run(
@@ -104,23 +109,39 @@ class ModelRunner:
         verify_slots: torch.Tensor | None = None,
         images: ImageRows | None = None,
     ) -> Forward:
-        """The one place that picks a graph replay or an eager forward. Graphs take sequence indices as
-        positions: a forward with images (positions per axis) runs eagerly."""
-        if images is None and graph is not None and graph.can_run(batch):
-            # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
-            # the GPU) for this step's restores instead.
-            for restore in restores:
-                restore.wait_all()
-            logits = graph.run(batch, verify_slots)
-            return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
-        waits = None
-        if restores:
-            components = [c.name for c in self.pool.spec.token_components]
-            waits = RestoreWaits(restores, components)
-        hidden = forward_eager(
-            self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits, images
-        )
-        return Forward(hidden, None)
+        """The one place that picks a graph replay or an eager forward (inside the profiler's forward range
+        while profiling). Graphs take sequence indices as positions: a forward with images (positions per
+        axis) runs eagerly."""
+        with self.ranges.region(FORWARD):
+            if images is None and graph is not None and graph.can_run(batch):
+                # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
+                # the GPU) for this step's restores instead.
+                for restore in restores:
+                    restore.wait_all()
+                logits = graph.run(batch, verify_slots)
+                return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
+            waits = None
+            if restores:
+                components = [c.name for c in self.pool.spec.token_components]
+                waits = RestoreWaits(restores, components)
+            hidden = forward_eager(
+                self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits, images
+            )
+            return Forward(hidden, None)
+
+    @contextlib.contextmanager
+    def profiled(self, by_module: bool) -> Iterator[None]:
+        """Profiler ranges on (runner/profile_ranges.py) for the duration. `by_module`: every model part
+        of a known kind in a range of its own, and every forward eager meanwhile (a graph replay runs no
+        Python, so no hook would fire); the graphs come back afterwards."""
+        graphs = self.decode_graphs, self.verify_graphs
+        if by_module:
+            self.decode_graphs, self.verify_graphs = None, {}
+        try:
+            with self.ranges.on(self.model if by_module else None):
+                yield
+        finally:
+            self.decode_graphs, self.verify_graphs = graphs
 
     # ------------------------------------------------------------------ capture
     def capture_decode_graphs(self, max_batch: int, max_pages: int) -> None:

@@ -106,8 +106,8 @@ class SpecSnapshot:
 
 
 class EngineStats(NamedTuple):
-    """Load and pool usage after the step. Invariant: pages_free + pages_cached + pages_held == num_pages,
-    where pages_held are owned by running requests (not yet in the prefix cache)."""
+    """Load and pool usage after the step: `Engine.load()` (engine/outputs.py's `EngineLoad`, whose invariant
+    holds here) and the figures below."""
 
     running: int
     waiting: int

@@ -157,14 +157,8 @@ class EngineLoop:
         self._cache_memory_bytes = self.engine.cache_memory_bytes()
 
     def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
         return EngineStats(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            pages_free=self.engine.pool.num_free,
-            pages_cached=self.engine.prefix_cache.cached_pages,
-            pages_held=sum(len(r.owned_pages) for r in scheduler.running),
-            retractions=scheduler.num_retractions,
+            **self.engine.load()._asdict(),  # running, waiting, pages free / cached / held, retractions
             integrity=self._integrity,
             cache_memory_bytes=self._cache_memory_bytes,
             cache=self.engine.cache_stats.snapshot(),

@@ -96,7 +96,7 @@ def build_token_map(
 
 def lowest_ids_map(vocab_size: int, size: int) -> dict[str, Any]:
     """A map of the `size` lowest ids with no tokenizer or corpus behind it, for random-weight presets
-    (scripts/lowest_ids_token_map.py): at a forced acceptance a benchmark measures only the draft head's
+    (`morion frspec lowest-ids`): at a forced acceptance a benchmark measures only the draft head's
     size, which this sets. Label results that use one as such."""
     if not 1 <= size <= vocab_size:
         raise MorionError(f"size must be in [1, {vocab_size}] (the vocabulary), got {size}")

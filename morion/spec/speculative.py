@@ -42,6 +42,7 @@ from morion.runner.forward_batch import build_forward_batch, page_table_array
 from morion.runner.host_to_device import to_device
 from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.runner.model_runner import ModelRunner
+from morion.runner.profile_ranges import ACCEPTANCE, DRAFT
 from morion.spec.drafter import (
     Drafter,
     DraftRequest,
@@ -172,7 +173,8 @@ class SpeculativeDecoding:
         slots = width if self.has_state else 0
         with_room = [r for r in requests if room.reserve_for_verify(r, 1 + width, slots)]
         plain = [r for r in requests if r not in with_room]
-        drafts = self.drafter.propose([_draft_request(r) for r in with_room], width)
+        with self._runner.ranges.region(DRAFT):
+            drafts = self.drafter.propose([_draft_request(r) for r in with_room], width)
         verifying = []
         for request, tokens, probs in zip(with_room, drafts.tokens, drafts.probs, strict=True):
             if tokens:
@@ -238,8 +240,10 @@ class SpeculativeDecoding:
             logits[row].log_softmax(dim=-1) if request.params.logprobs is not None else None
             for row, (request, _, _) in enumerate(verifying)
         ]
-        acceptance = decide_acceptance(verifying, input_rows, logits, width, self.forced)
-        drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, room)
+        with runner.ranges.region(ACCEPTANCE):
+            acceptance = decide_acceptance(verifying, input_rows, logits, width, self.forced)
+        with runner.ranges.region(DRAFT):
+            drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, room)
         accepted_counts, next_tokens = acceptance.on_host()
         rows = []
         for row, (request, tokens, _) in enumerate(verifying):

@@ -186,3 +186,22 @@ def test_a_request_packs_its_tokens_once_as_they_grow() -> None:
     assert request.packed_token_ids(4) == array("Q", [5, 2**32 - 1, 7, 9])
     assert request.packed_token_ids(5) == array("Q", request.token_ids)
     assert request.packed_token_ids(1) == array("Q", [5])
+
+def test_load_counts_requests_and_where_the_pages_are(tiny, engine_factory):
+    engine = engine_factory(tiny, page_size=8, max_running_requests=2, kv_cache_tokens=256)
+    num_pages = engine.pool.num_pages
+    assert engine.load() == (0, 0, num_pages, 0, 0, 0)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for prompt in _prompts(3, seed=11, lengths=(20, 20)):
+        engine.add_request(prompt, params)
+    engine.step()
+    load = engine.load()
+    # Two run (the limit), one waits. Each prompt's two full pages went to the prefix cache with its
+    # prefill; each request still owns its third, partial page.
+    assert load == (2, 1, num_pages - 6, 4, 2, 0)
+    assert load.pages_free + load.pages_cached + load.pages_held == num_pages
+    while engine.has_unfinished():
+        engine.step()
+    done = engine.load()
+    assert (done.running, done.waiting, done.pages_held) == (0, 0, 0)
+    assert done.pages_free + done.pages_cached == num_pages and done.pages_cached > 0

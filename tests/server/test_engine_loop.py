@@ -9,7 +9,7 @@ import torch
 
 from morion.cache.tier_stats import CacheStats
 from morion.engine.engine import Engine
-from morion.engine.outputs import RequestOutput, StepOutput, Usage
+from morion.engine.outputs import EngineLoad, RequestOutput, StepOutput, Usage
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
 from morion.errors import InvalidRequestError
@@ -23,9 +23,6 @@ class StubEngine:
     def __init__(self) -> None:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.fail_next_step = False
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_retractions=0)
-        self.pool = SimpleNamespace(num_free=10)
-        self.prefix_cache = SimpleNamespace(cached_pages=0)
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
         self.speculative = None
@@ -44,6 +41,9 @@ class StubEngine:
 
     def has_unfinished(self):
         return bool(self.requests)
+
+    def load(self):
+        return EngineLoad(running=0, waiting=0, pages_free=10, pages_cached=0, pages_held=0, retractions=0)
 
     def check_integrity(self):
         pass

@@ -212,3 +212,15 @@ def test_cli_builds_a_map(tiny_tokenizer_dir, tmp_path, capsys) -> None:
     assert load_token_map(out, 13).tolist() == [0, 1, 2, 4, 7, 8, 12]
     assert main([*args, "--size", "2", "--out", str(out)]) == 1
     assert "morion: error: --size 2 cannot hold 3 special tokens" in capsys.readouterr().err
+
+
+def test_cli_writes_a_lowest_ids_map_and_says_what_each_action_needs(tmp_path, capsys) -> None:
+    out = tmp_path / "lowest.json"
+    common = ["--size", "4096", "--out", str(out)]
+    assert main(["frspec", "lowest-ids", "--vocab-size", "151936", *common]) == 0
+    assert "the 4096 lowest of 151936 ids" in capsys.readouterr().out
+    assert torch.equal(load_token_map(out, 151936), torch.arange(4096))
+    assert main(["frspec", "lowest-ids", *common]) == 1
+    assert "morion: error: frspec lowest-ids needs --vocab-size" in capsys.readouterr().err
+    assert main(["frspec", "build", *common]) == 1
+    assert "morion: error: frspec build needs --tokenizer and --corpus" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""The profile section of the bench's Markdown report (`morion bench --profile`), from the results JSON
+alone (bench/profile.py writes it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TOP_OPS_SHOWN = 8
+
+
+def profile_markdown(section: dict[str, Any] | None) -> list[str]:
+    if not section:
+        return []
+    lines = [
+        "## Profile: where a step's time goes",
+        "",
+        section["note"],
+        "",
+    ]
+    if not section["device_timeline"]:
+        lines += [
+            f'On {section["device"]} the ops run on the host as they are called: the "kernels" are the '
+            "outermost CPU ops, and the device's idle time between kernels is measured on CUDA only.",
+            "",
+        ]
+    for point in section["points"]:
+        lines += _point(point)
+    if section.get("trace"):
+        lines += [f"Chrome trace of the profiled runs: `{section['trace']}`.", ""]
+    return lines
+
+
+def _point(point: dict[str, Any]) -> list[str]:
+    by_module, as_served = point["by_module"], point["as_served"] or point["by_module"]
+    what = f"{point['workload']} C={point['concurrency']} ctx={point['prompt_tokens']:,}"
+    if point["workload"] not in ("decode", "spec"):
+        what = f"{point['workload']} {point['prompt_tokens']:,} tokens"
+    if by_module is None:
+        return [f"### {what}", "", f"No {point['step_kind']} step ran.", ""]
+    kind = by_module["step_kind"]
+    lines = [
+        f"### {what}: {by_module['steps']} {kind} steps",
+        "",
+        f"By module (eager forwards, {by_module['step_ms']:.2f} ms per {kind} step under the profiler): "
+        "a part's own time, without the parts inside it.",
+        "",
+        "| part | host ms/step | device ms/step | ops/step |",
+        "|---|---:|---:|---:|",
+    ]
+    for part in by_module["by_part"]:
+        device = "—" if part["device_ms"] is None else f"{part['device_ms']:.3f}"
+        lines.append(f"| {part['part']} | {part['host_ms']:.3f} | {device} | {part['ops']:.0f} |")
+    served = "CUDA graphs as the engine replays them" if point["cuda_graphs"] else "the same run"
+    lines += [
+        "",
+        f"As served ({served}, {as_served['step_ms']:.2f} ms per step): {as_served['ops_per_step']:.0f} "
+        f"{as_served['ops_are']} per step, {as_served['op_ms_per_step']:.3f} ms of them per step; host time "
+        f"outside the forward {as_served['host']['outside_forward_ms']:.3f} ms per step.",
+        "",
+    ]
+    idle = as_served["host"]["device_idle"]
+    if idle is not None:
+        parts = ", ".join(f"{p['part']} {p['ms']:.3f}" for p in idle["by_part"][:4])
+        lines += [
+            f"Device idle {idle['idle_ms']:.3f} ms per step (busy {idle['busy_ms']:.3f}): "
+            f"{idle['before_first_ms']:.3f} before its first kernel, {idle['between_ms']:.3f} between "
+            f"kernels, {idle['after_last_ms']:.3f} after its last; while the host ran: {parts}.",
+            "",
+        ]
+    lines += ["| top ops (as served) | per step | ms/step |", "|---|---:|---:|"]
+    lines += [
+        f"| `{op['name']}` | {op['per_step']:.1f} | {op['ms_per_step']:.3f} |"
+        for op in as_served["top_ops"][:TOP_OPS_SHOWN]
+    ]
+    return [*lines, ""]
