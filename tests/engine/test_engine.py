@@ -187,6 +187,7 @@ def test_a_request_packs_its_tokens_once_as_they_grow() -> None:
     assert request.packed_token_ids(5) == array("Q", request.token_ids)
     assert request.packed_token_ids(1) == array("Q", [5])
 
+
 def test_load_counts_requests_and_where_the_pages_are(tiny, engine_factory):
     engine = engine_factory(tiny, page_size=8, max_running_requests=2, kv_cache_tokens=256)
     num_pages = engine.pool.num_pages
