@@ -1,0 +1,48 @@
+"""The tensor-parallel group of one rank (issue #28): who it is, and the two collectives a split model
+needs: the sum of partial outputs (after o_proj, out_proj and the MLPs' down projections) and the gather
+of the vocabulary-split logits. NCCL on CUDA, gloo on the CPU; at one rank both are the identity, with no
+process group at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def join(cls, rank: int, size: int, device: torch.device, init_method: str) -> TensorParallel:
+        """Joins the group of `size` processes at `init_method` (e.g. tcp://127.0.0.1:PORT) as `rank`."""
+        if size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                BACKENDS[device.type], init_method=init_method, rank=rank, world_size=size
+            )
+        return cls(rank, size)
+
+    def all_reduce_(self, partial: torch.Tensor) -> torch.Tensor:
+        """Adds every rank's `partial` into it, in place; returns it."""
+        if self.size > 1:
+            dist.all_reduce(partial)
+        return partial
+
+    def gather_last_dim(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's `part` side by side along the last dimension, in rank order (the logits of a
+        vocabulary split in contiguous blocks)."""
+        if self.size == 1:
+            return part
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def leave(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
