@@ -22,7 +22,9 @@ from morion.loader.safetensors_loader import HFDirectory
 from morion.loader.safetensors_mmap import mapped_weights
 from morion.loader.source import read_source
 from morion.models.presets import is_preset, preset_config
-from morion.models.registry import build_model
+from morion.models.registry import architecture_config, build_model, tensor_split
+from morion.parallel.group import TensorParallel
+from morion.parallel.shards import cut
 from morion.progress import Progress
 from morion.text.tokenizer import Tokenizer
 
@@ -46,6 +48,7 @@ def load_model(
     seed: int = 0,
     weight_dtype: str = "auto",
     host_table_placement: str = "ram",
+    tensor_parallel: TensorParallel | None = None,
 ) -> LoadedModel:
     """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them.
 
@@ -56,6 +59,9 @@ def load_model(
     Tables a model keeps in host memory and never on `device` (its `host_tables` hook: Qwen3.8-Flash-Next's
     PLE table) are copied into RAM (page-locked when `device` is CUDA), or with `host_table_placement`
     "mmap" left in the checkpoint files, memory-mapped (layers/host_table.py).
+
+    With `tensor_parallel` of more than one rank, the model is that rank's part (models/registry.py) and
+    each checkpoint tensor is cut to the rank's part as it streams in, before it is quantized.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -70,7 +76,10 @@ def load_model(
         source = read_source(path, require_weights=load_format != "dummy")
         hf_config, tokenizer = source.hf_config, source.tokenizer
         weights = None if load_format == "dummy" else source
-    module = build_model(hf_config, dtype, device, weight_dtype)
+    split = tensor_parallel is not None and tensor_parallel.size > 1
+    if split and weights is None:
+        raise ModelLoadError("random weights (presets, --load-format dummy) are not split over ranks yet")
+    module = build_model(hf_config, dtype, device, weight_dtype, tensor_parallel)
     tables = host_tables(module)
     for table in tables:
         table.place(host_table_placement, pin_memory=device.type == "cuda", model_dtype=dtype)
@@ -78,7 +87,17 @@ def load_model(
         fill_dummy_weights(module, seed)
     else:
         map_files = bool(tables) and host_table_placement == "mmap"
-        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device, map_files)
+        _load_checkpoint(
+            module,
+            weights,
+            hf_config,
+            path,
+            weight_dtype,
+            dtype,
+            device,
+            map_files,
+            tensor_parallel if split else None,
+        )
     for table in tables:
         print(f"morion: host table {table.describe()}", file=sys.stderr)
     if device.type == "cuda":
@@ -97,6 +116,7 @@ def _load_checkpoint(
     dtype: torch.dtype,
     device: torch.device,
     map_files: bool = False,
+    tensor_parallel: TensorParallel | None = None,
 ) -> None:
     """`map_files`: hand over every tensor as a map of its file (safetensors only) instead of reading it,
     so host tables placed "mmap" keep those maps; everything else is copied from them as usual."""
@@ -115,5 +135,18 @@ def _load_checkpoint(
     block = block_fp8_size(hf_config)
     if block and weight_dtype == "fp8":
         logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
-    module.load_weights(dequantized_weights(tensors, block) if block else tensors)
+    tensors = dequantized_weights(tensors, block) if block else tensors
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        tensors = _rank_parts(tensors, hf_config, tensor_parallel)
+    module.load_weights(tensors)
     progress.finish()
+
+
+def _rank_parts(
+    tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any], tensor_parallel: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor cut to this rank's part (the rules name the whole model's tensors)."""
+    split, whole = tensor_split(hf_config["model_type"]), architecture_config(hf_config)
+    for name, tensor in tensors:
+        shard = split.shard_of(name, whole)
+        yield name, cut(tensor, shard, tensor_parallel.rank, tensor_parallel.size)

@@ -21,7 +21,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from torch import nn
+
+from morion.errors import ModelLoadError
 from morion.models.qwen3_next import Qwen3NextConfig
+from morion.parallel.group import TensorParallel
 from morion.parallel.shards import REPLICATED, FirstRank, ReplicatedHeads, Shard, Split, split_evenly
 
 
@@ -49,6 +53,29 @@ def local_config(config: Qwen3NextConfig, size: int) -> Qwen3NextConfig:
         ),
         intermediate_size=split_evenly(config.intermediate_size, size, "MLP intermediate size"),
     )
+
+
+# Modules whose output is a partial sum on each rank: the mixers (o_proj, out_proj) and the MLPs.
+_PARTIAL_SUMS = r"(model|mtp)\.layers\.\d+\.(self_attn|linear_attn|mlp)"
+
+
+def split_lm_head(model: nn.Module, size: int) -> None:
+    """A model built from `local_config` keeps its rank's block of the vocabulary in its LM head (called
+    where the model is built, before it is converted or filled)."""
+    if model.lm_head is None:
+        raise ModelLoadError("tensor parallelism needs an untied LM head (this checkpoint ties it)")
+    vocab = split_evenly(model.config.vocab_size, size, "vocabulary entries")
+    model.lm_head = nn.Linear(model.config.hidden_size, vocab, bias=False)
+
+
+def wire(model: nn.Module, tensor_parallel: TensorParallel) -> None:
+    """The collectives of one rank, as forward hooks (the layers stay as they are at one rank, and CUDA
+    graphs capture the collectives with the rest): each partial sum is added across ranks and the LM
+    head's logits are gathered. After any module swap (FP8), which would drop a hook of the module."""
+    model.lm_head.register_forward_hook(lambda module, inputs, out: tensor_parallel.gather_last_dim(out))
+    for name, module in model.named_modules():
+        if re.fullmatch(_PARTIAL_SUMS, name):
+            module.register_forward_hook(lambda module, inputs, out: tensor_parallel.all_reduce_(out))
 
 
 def shard_of(name: str, config: Qwen3NextConfig) -> Shard:
