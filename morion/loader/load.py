@@ -24,7 +24,7 @@ from morion.loader.source import read_source
 from morion.models.presets import is_preset, preset_config
 from morion.models.registry import architecture_config, build_model, tensor_split
 from morion.parallel.group import TensorParallel
-from morion.parallel.shards import cut
+from morion.parallel.shards import RankParts
 from morion.progress import Progress
 from morion.text.tokenizer import Tokenizer
 
@@ -60,8 +60,9 @@ def load_model(
     PLE table) are copied into RAM (page-locked when `device` is CUDA), or with `host_table_placement`
     "mmap" left in the checkpoint files, memory-mapped (layers/host_table.py).
 
-    With `tensor_parallel` of more than one rank, the model is that rank's part (models/registry.py) and
-    each checkpoint tensor is cut to the rank's part as it streams in, before it is quantized.
+    With `tensor_parallel` of more than one rank, the model is that rank's part (models/registry.py): each
+    checkpoint tensor is cut to the rank's part as it streams in, before it is quantized; random weights
+    are drawn whole, as at one rank, and cut.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -76,15 +77,12 @@ def load_model(
         source = read_source(path, require_weights=load_format != "dummy")
         hf_config, tokenizer = source.hf_config, source.tokenizer
         weights = None if load_format == "dummy" else source
-    split = tensor_parallel is not None and tensor_parallel.size > 1
-    if split and weights is None:
-        raise ModelLoadError("random weights (presets, --load-format dummy) are not split over ranks yet")
     module = build_model(hf_config, dtype, device, weight_dtype, tensor_parallel)
     tables = host_tables(module)
     for table in tables:
         table.place(host_table_placement, pin_memory=device.type == "cuda", model_dtype=dtype)
     if weights is None:
-        fill_dummy_weights(module, seed)
+        fill_dummy_weights(module, seed, _rank_parts_of(hf_config, dtype, weight_dtype, tensor_parallel))
     else:
         map_files = bool(tables) and host_table_placement == "mmap"
         _load_checkpoint(
@@ -96,7 +94,7 @@ def load_model(
             dtype,
             device,
             map_files,
-            tensor_parallel if split else None,
+            _rank_parts_of(hf_config, dtype, weight_dtype, tensor_parallel),
         )
     for table in tables:
         print(f"morion: host table {table.describe()}", file=sys.stderr)
@@ -116,7 +114,7 @@ def _load_checkpoint(
     dtype: torch.dtype,
     device: torch.device,
     map_files: bool = False,
-    tensor_parallel: TensorParallel | None = None,
+    rank_parts: RankParts | None = None,
 ) -> None:
     """`map_files`: hand over every tensor as a map of its file (safetensors only) instead of reading it,
     so host tables placed "mmap" keep those maps; everything else is copied from them as usual."""
@@ -136,17 +134,23 @@ def _load_checkpoint(
     if block and weight_dtype == "fp8":
         logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
     tensors = dequantized_weights(tensors, block) if block else tensors
-    if tensor_parallel is not None and tensor_parallel.size > 1:
-        tensors = _rank_parts(tensors, hf_config, tensor_parallel)
+    if rank_parts is not None:
+        tensors = ((name, rank_parts.cut(name, tensor)) for name, tensor in tensors)
     module.load_weights(tensors)
     progress.finish()
 
 
-def _rank_parts(
-    tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any], tensor_parallel: TensorParallel
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each checkpoint tensor cut to this rank's part (the rules name the whole model's tensors)."""
-    split, whole = tensor_split(hf_config["model_type"]), architecture_config(hf_config)
-    for name, tensor in tensors:
-        shard = split.shard_of(name, whole)
-        yield name, cut(tensor, shard, tensor_parallel.rank, tensor_parallel.size)
+def _rank_parts_of(
+    hf_config: dict[str, Any], dtype: torch.dtype, weight_dtype: str, tensor_parallel: TensorParallel | None
+) -> RankParts | None:
+    """What a rank's random weights are cut from: the whole model's shapes (built on the meta device)."""
+    if tensor_parallel is None or tensor_parallel.size == 1:
+        return None
+    whole = build_model(hf_config, dtype, torch.device("meta"), weight_dtype)
+    split, config = tensor_split(hf_config["model_type"]), architecture_config(hf_config)
+    return RankParts(
+        {name: parameter.shape for name, parameter in whole.named_parameters()},
+        lambda name: split.shard_of(name, config),
+        tensor_parallel.rank,
+        tensor_parallel.size,
+    )

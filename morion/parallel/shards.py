@@ -18,6 +18,8 @@ A cut is a view of the whole tensor (`narrow`), contiguous where the caller need
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +85,22 @@ def split_evenly(count: int, size: int, what: str) -> int:
     if count % size:
         raise MorionError(f"--tensor-parallel-size {size} does not divide the {count} {what}")
     return count // size
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """One rank's view of a whole model's tensors, for loaders that draw or read whole tensors: their
+    shapes, and the rank's part of each (`shard_of(name)` is the architecture's rule)."""
+
+    whole_shapes: dict[str, torch.Size]
+    shard_of: Callable[[str], Shard]
+    rank: int
+    size: int
+
+    def cut(self, name: str, tensor: torch.Tensor, leading: int = 0) -> torch.Tensor:
+        """The rank's part of `tensor`, whole parameter `name` without its first `leading` dimensions
+        (one expert of stacked experts: leading 1)."""
+        shard = self.shard_of(name)
+        if leading and shard is not None and not isinstance(shard, FirstRank):
+            shard = dataclasses.replace(shard, dim=shard.dim - leading)
+        return cut(tensor, shard, self.rank, self.size)

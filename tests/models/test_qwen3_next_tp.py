@@ -1,6 +1,7 @@
-"""Qwen3-Next at tensor-parallel size 2 over gloo, two real processes on the CPU, against the same
-checkpoint at one rank: logits within fp32 tolerance through a prefill and greedy decode steps (the
-Gated DeltaNet and attention state carried per rank), and the same greedy continuation."""
+"""Qwen3-Next at tensor-parallel size 2 over gloo, two real processes on the CPU, against the same weights
+at one rank (a checkpoint, and random weights of the same seed): logits within fp32 tolerance through a
+prefill and greedy decode steps (the Gated DeltaNet and attention state carried per rank), and the same
+greedy continuation."""
 
 from __future__ import annotations
 
@@ -34,28 +35,34 @@ def _generate(
     return prefill, steps, tokens
 
 
-def _rank(rank: int, port: int, directory: str, prompt: list[int], out: str) -> None:
+def _rank(rank: int, port: int, sources: dict[str, tuple[str, str]], prompt: list[int], out: str) -> None:
     group = TensorParallel.join(rank, SIZE, torch.device("cpu"), f"tcp://127.0.0.1:{port}")
     try:
-        model = load_model(directory, torch.float32, torch.device("cpu"), tensor_parallel=group).model
-        experts = model.model.layers[0].mlp.experts.down_proj.shape
-        torch.save((experts, *_generate(model, prompt)), Path(out) / f"rank{rank}.pt")
+        for source, (directory, load_format) in sources.items():
+            loaded = load_model(
+                directory, torch.float32, torch.device("cpu"), load_format, tensor_parallel=group
+            )
+            experts = loaded.model.model.layers[0].mlp.experts.down_proj.shape
+            torch.save((experts, *_generate(loaded.model, prompt)), Path(out) / f"{source}-rank{rank}.pt")
     finally:
         group.leave()
 
 
-def test_two_ranks_compute_what_one_does(qwen3_next_checkpoint, build_qwen3_next, tmp_path):
+def test_two_ranks_compute_what_one_does(qwen3_next_checkpoint, tiny_qwen3_next_config_dir, tmp_path):
     directory, _ = qwen3_next_checkpoint("tiny")
-    whole = build_qwen3_next(directory)
-    prompt = torch.randint(
-        0, whole.config.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(7)
-    )
-    prompt = prompt.tolist()
-    mp.spawn(_rank, args=(free_port(), str(directory), prompt, str(tmp_path)), nprocs=SIZE, join=True)
+    sources = {"checkpoint": (str(directory), "auto"), "random": (str(tiny_qwen3_next_config_dir), "dummy")}
+    prompt = torch.randint(0, 512, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+    mp.spawn(_rank, args=(free_port(), sources, prompt, str(tmp_path)), nprocs=SIZE, join=True)
+    for source, (model_dir, load_format) in sources.items():
+        whole = load_model(model_dir, torch.float32, torch.device("cpu"), load_format).model
+        _compare(whole, prompt, [tmp_path / f"{source}-rank{rank}.pt" for rank in range(SIZE)])
+
+
+def _compare(whole: torch.nn.Module, prompt: list[int], rank_files: list[Path]) -> None:
     prefill, steps, tokens = _generate(whole, prompt)
     whole_experts = whole.model.layers[0].mlp.experts.down_proj.shape
-    for rank in range(SIZE):
-        experts, rank_prefill, rank_steps, rank_tokens = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank_file in rank_files:
+        experts, rank_prefill, rank_steps, rank_tokens = torch.load(rank_file)
         assert experts[-1] * SIZE == whole_experts[-1]  # each rank holds half of every expert
         assert rank_prefill.shape == prefill.shape  # the whole vocabulary, gathered
         assert (rank_prefill - prefill).abs().max() < LOGIT_TOLERANCE
