@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("auto", "fp8")
+WEIGHT_DTYPES = ("auto", "fp8", "nvfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", *DTYPE_NAMES)
 # Speculative decoding drafters selectable by name (the synthetic benchmark drafter is passed in code).
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
@@ -48,7 +48,9 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # disk tier root (a namespace directory per model inside); needs host
     disk_cache_gb: float | None = None  # disk tier budget; None: half of (free space + its objects) at start
     disk_cache_direct_io: bool = False  # write disk objects with O_DIRECT (else buffered: page-cache warm)
-    weight_dtype: str = "auto"  # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3
+    # auto: the model dtype; fp8: dense projections, experts, LM head in e4m3; nvfp4: the same with the
+    # routed experts in NVFP4 (4-bit codes, e4m3 scales per 16: ops/nvfp4.py)
+    weight_dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager

@@ -118,7 +118,11 @@ ENGINE_FLAGS = (
         True,
         "write disk cache objects with O_DIRECT (default: buffered: a restart reads the page cache)",
     ),
-    _choice("weight_dtype", WEIGHT_DTYPES, "fp8: store linear and expert weights in e4m3 (auto)"),
+    _choice(
+        "weight_dtype",
+        WEIGHT_DTYPES,
+        "fp8: store linear and expert weights in e4m3; nvfp4: the same, routed experts in 4-bit NVFP4 (auto)",
+    ),
     _choice("kv_cache_dtype", KV_CACHE_DTYPES, "K/V pool dtype (auto: the model dtype)"),
     _switch("cuda_graph", "--no-cuda-graph", False, "run decode steps eagerly (debugging)"),
     _number("cuda_graph_max_batch", int, 1, "largest decode batch captured in a CUDA graph (64)"),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -162,6 +163,16 @@ def full_prefill_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> tor
         backend = OneSequenceBackend(model, len(token_ids))
         hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), backend)
     return model.compute_logits(hidden)
+
+
+def with_modules_of(model: torch.nn.Module, donor: torch.nn.Module, kind: type) -> torch.nn.Module:
+    """A copy of `model` with every module of type `kind` taken from `donor` (same names)."""
+    model = copy.deepcopy(model)
+    for name, module in donor.named_modules():
+        if isinstance(module, kind):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module)
+    return model
 
 
 def make_engine(loaded: LoadedModel, **options) -> Engine:

@@ -12,6 +12,7 @@ import pytest
 from morion.cli import _build_parser, main
 from morion.config import EngineConfig
 from morion.engine_flags import ENGINE_FLAGS, MODEL_FLAGS, NOT_FLAGS
+from morion.errors import MorionError
 
 FLAGS = {flag.field: flag for flag in (*MODEL_FLAGS, *ENGINE_FLAGS)}
 # field -> (its value on the command line or None for a switch, the value EngineConfig must get, other
@@ -125,3 +126,11 @@ def test_a_profile_setting_reaches_the_engine_config(field, tmp_path, monkeypatc
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_flags_left_out_keep_the_defaults(command, monkeypatch):
     assert _command_config([command, *COMMANDS[command]], monkeypatch) == EngineConfig()
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_weight_dtype_nvfp4_reaches_the_engine_config(command, monkeypatch):
+    config = _command_config([command, *COMMANDS[command], "--weight-dtype", "nvfp4"], monkeypatch)
+    assert config.weight_dtype == "nvfp4"
+    with pytest.raises(MorionError, match="weight_dtype must be one of auto, fp8, nvfp4, got 'fp4'"):
+        EngineConfig(weight_dtype="fp4")

@@ -365,7 +365,7 @@ def _default_label(options: BenchOptions, config: EngineConfig, target: Target, 
     device = prov.get("device_name") or str(config.torch_device)
     device = device.removeprefix("NVIDIA ").split()[0] if device else "device"
     model = Path(str(config.model or "default")).name.removeprefix("preset:")
-    suffix = "-fp8" if config.weight_dtype == "fp8" else ""
+    suffix = f"-{config.weight_dtype}" if config.weight_dtype != "auto" else ""
     # A results file with speculative numbers says how they were made in its name too.
     if "spec" in options.workloads:
         suffix += "-spec-ngram" if config.speculative == speculative.REAL else "-spec-synthetic"

@@ -1,10 +1,13 @@
-"""`--weight-dtype fp8`: swap a model's linear layers and stacked experts for their FP8 forms.
+"""`--weight-dtype fp8` / `nvfp4`: swap a model's linear layers and stacked experts for their FP8 forms,
+or under nvfp4 the routed experts for their NVFP4 form (ops/nvfp4.py) and the linear layers for FP8 ones.
 
 Runs on the meta device, after construction and before any weight is materialised, so the model never
 exists in full precision on the device: each weight is quantized as it is loaded or generated
 (loader/). Kept in the model dtype: modules the model names in `keep` (precision-critical, tiny ones),
 and shapes the FP8 kernels cannot take (a dimension not a multiple of 16). Embeddings, norms and convs
-are not linear layers and never convert.
+are not linear layers and never convert. Dense layers stay FP8 under nvfp4: they are a small share of the
+bytes (the routed experts are 93% of Qwen3.8-Flash-Next's), and the FP8 GEMM is there and exact per row
+where a 4-bit dense GEMM would add NVFP4's error to every token's path for a few GiB.
 """
 
 from __future__ import annotations
@@ -24,25 +27,30 @@ _GIB = 1 << 30
 
 class Fp8Conversion(NamedTuple):
     modules: int  # modules swapped
-    tensors: int  # weight tensors now in e4m3
+    tensors: int  # weight tensors now in e4m3 (or NVFP4 codes)
     bytes_before: int  # those weights in the model dtype
-    bytes_after: int  # the same weights in e4m3, plus their fp32 scales
+    bytes_after: int  # the same weights in e4m3 or NVFP4, plus their scales
     kept: tuple[str, ...]  # linear layers left in the model dtype
+    experts: str = "fp8"  # the routed experts' format: fp8 or nvfp4
 
     def summary(self) -> str:
         kinds = Counter(name.rpartition(".")[2] for name in self.kept)
         kept = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         kept = f"; kept in the model dtype: {kept}" if kept else ""
+        kind = "fp8 weights" if self.experts == "fp8" else f"fp8 weights ({self.experts} routed experts)"
         return (
-            f"fp8 weights: {self.tensors} tensors in {self.modules} modules, "
+            f"{kind}: {self.tensors} tensors in {self.modules} modules, "
             f"{self.bytes_before / _GIB:.2f} GiB -> {self.bytes_after / _GIB:.2f} GiB{kept}"
         )
 
 
-def convert_to_fp8(model: nn.Module, keep: Collection[str] = ()) -> Fp8Conversion:
+def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = "fp8") -> Fp8Conversion:
     """Replaces, in place, every nn.Linear and StackedExperts in `model` (on the meta device) by its FP8
-    form, except modules whose dotted name ends with an entry of `keep` (e.g. "mlp.gate") and shapes
-    without an FP8 kernel. The replacements are unfilled, like the modules they replace."""
+    form (StackedExperts by its `experts` form: fp8 or nvfp4), except modules whose dotted name ends with
+    an entry of `keep` (e.g. "mlp.gate") and shapes without a kernel (dimensions not multiples of 16).
+    The replacements are unfilled, like the modules they replace."""
+    if experts not in ("fp8", "nvfp4"):
+        raise ValueError(f"experts must be fp8 or nvfp4, got {experts!r}")
     modules = tensors = before = after = 0
     kept = []
     for name, module in list(model.named_modules()):
@@ -52,7 +60,7 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = ()) -> Fp8Conversio
             kept.append(name)
             continue
         with torch.device("meta"):
-            replacement = _fp8_form(module)
+            replacement = _fp8_form(module, experts)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, replacement)
         old, new = _weights(module), _weights(replacement)
@@ -60,7 +68,7 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = ()) -> Fp8Conversio
         tensors += len(old)
         before += sum(w.numel() * w.element_size() for w in old)
         after += sum(w.numel() * w.element_size() for w in new)
-    return Fp8Conversion(modules, tensors, before, after, tuple(kept))
+    return Fp8Conversion(modules, tensors, before, after, tuple(kept), experts)
 
 
 def _named_in(name: str, keep: Collection[str]) -> bool:
@@ -75,9 +83,9 @@ def _kernel_shapes(module: nn.Module) -> bool:
     return all(size % 16 == 0 for size in sizes)
 
 
-def _fp8_form(module: nn.Module) -> nn.Module:
+def _fp8_form(module: nn.Module, experts: str) -> nn.Module:
     if isinstance(module, StackedExperts):
-        return StackedExperts(module.num_experts, module.hidden_size, module.intermediate_size, fp8=True)
+        return StackedExperts(module.num_experts, module.hidden_size, module.intermediate_size, experts)
     return Fp8Linear.like(module)
 
 

@@ -6,12 +6,16 @@
 
 Routed expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down) so a grouped GEMM can take
 them whole; the loader scatters per-expert checkpoint tensors into them. Under `--weight-dtype fp8` they
-are e4m3 with one fp32 scale per (expert, output channel). Which kernel runs them on CUDA is the engine's
-`--moe-kernel` choice, set on every `StackedExperts` of a model by `set_moe_kernel`.
+are e4m3 with one fp32 scale per (expert, output channel); under `--weight-dtype nvfp4` packed E2M1 codes
+with e4m3 block scales and a global scale per (expert, projection) (ops/nvfp4.py), which stay packed on
+CUDA: the NVFP4 Triton kernels expand them in registers (ops/moe_nvfp4_triton.py), and no path
+dequantizes a copy. Which kernel runs them on CUDA is the engine's `--moe-kernel` choice, set on every
+`StackedExperts` of a model by `set_moe_kernel`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -24,6 +28,10 @@ from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
+from morion.ops.nvfp4 import GROUP_SIZE
+
+# How stacked experts store their weights: the model dtype, e4m3 with per-row scales, or NVFP4.
+EXPERT_FORMATS = ("model", "fp8", "nvfp4")
 
 logger = logging.getLogger(__name__)
 
@@ -38,62 +46,96 @@ AUTO_TRITON_MAX_TOKENS = 64
 
 
 class StackedExperts(nn.Module):
-    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; with `fp8`, e4m3 weights and fp32 scale buffers
-    gate_up_proj_scale [E, 2I] and down_proj_scale [E, H] (buffers: derived at load, not checkpoint
-    tensors). `kernel` is one of MOE_KERNELS (`set_moe_kernel`); it matters only on CUDA."""
+    """gate_up_proj [E, 2I, H], down_proj [E, H, I] in the model dtype, or as `weights` says:
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
+    - "fp8": e4m3, with fp32 scale buffers gate_up_proj_scale [E, 2I] and down_proj_scale [E, H].
+    - "nvfp4": uint8 codes gate_up_proj [E, 2I, H/2] and down_proj [E, H, I/2] (two a byte), e4m3 block
+      scales gate_up_proj_scale [E, 2I, H/16] and down_proj_scale [E, H, I/16], and fp32 global scales
+      gate_up_proj_scale_2 [E, 2] (gate rows, up rows: ModelOpt quantizes them apart) and
+      down_proj_scale_2 [E, 1].
+
+    Scales are buffers: checkpoint tensors of an NVFP4 checkpoint, derived at load otherwise. `kernel` is
+    one of MOE_KERNELS (`set_moe_kernel`); it matters only on CUDA."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, weights: str = "model"
+    ) -> None:
         super().__init__()
+        if weights not in EXPERT_FORMATS:
+            raise ValueError(f"expert weights must be one of {', '.join(EXPERT_FORMATS)}, got {weights!r}")
         self.kernel = "auto"
+        self.weights = weights
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        dtype = FP8_DTYPE if fp8 else None
-        gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
-        down = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype)
-        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=not fp8)
-        self.down_proj = nn.Parameter(down, requires_grad=not fp8)
+        gate_up_shape = (num_experts, 2 * intermediate_size, hidden_size)
+        down_shape = (num_experts, hidden_size, intermediate_size)
+        scales: dict[str, torch.Tensor | None] = {"gate_up_proj_scale": None, "down_proj_scale": None}
+        if weights == "nvfp4":
+            gate_up = torch.empty(*gate_up_shape[:2], hidden_size // 2, dtype=torch.uint8)
+            down = torch.empty(*down_shape[:2], intermediate_size // 2, dtype=torch.uint8)
+            e4m3 = torch.float8_e4m3fn
+            scales = {
+                "gate_up_proj_scale": torch.ones(*gate_up_shape[:2], hidden_size // GROUP_SIZE, dtype=e4m3),
+                "down_proj_scale": torch.ones(*down_shape[:2], intermediate_size // GROUP_SIZE, dtype=e4m3),
+                "gate_up_proj_scale_2": torch.ones(num_experts, 2, dtype=torch.float32),
+                "down_proj_scale_2": torch.ones(num_experts, 1, dtype=torch.float32),
+            }
+        else:
+            dtype = FP8_DTYPE if weights == "fp8" else None
+            gate_up = torch.empty(gate_up_shape, dtype=dtype)
+            down = torch.empty(down_shape, dtype=dtype)
+            if weights == "fp8":
+                scales = {
+                    "gate_up_proj_scale": torch.ones(gate_up_shape[:2], dtype=torch.float32),
+                    "down_proj_scale": torch.ones(down_shape[:2], dtype=torch.float32),
+                }
+        trainable = weights == "model"
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=trainable)
+        self.down_proj = nn.Parameter(down, requires_grad=trainable)
         self.gate_up_proj_scale: torch.Tensor | None
         self.down_proj_scale: torch.Tensor | None
-        self.register_buffer(
-            "gate_up_proj_scale",
-            torch.ones(num_experts, 2 * intermediate_size, dtype=torch.float32) if fp8 else None,
-        )
-        self.register_buffer(
-            "down_proj_scale", torch.ones(num_experts, hidden_size, dtype=torch.float32) if fp8 else None
-        )
+        for name, scale in scales.items():
+            self.register_buffer(name, scale)
 
     @property
     def fp8(self) -> bool:
-        return self.gate_up_proj_scale is not None
+        return self.weights == "fp8"
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.weights == "nvfp4"
+
+    def _scales(self) -> dict[str, torch.Tensor | None]:
+        scales = {"gate_up_scale": self.gate_up_proj_scale, "down_scale": self.down_proj_scale}
+        if self.nvfp4:
+            scales.update(gate_up_scale_2=self.gate_up_proj_scale_2, down_scale_2=self.down_proj_scale_2)
+        return scales
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         path = self._path(x, topk_ids.numel())
         if path == "dense":
             return moe_experts_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        if path == "triton":
+        if self.nvfp4 and path != "reference":
+            from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
+
+            experts = functools.partial(moe_experts_nvfp4, grouped=path == "grouped")
+        elif path == "triton":
             from morion.ops import moe_decode_triton as fused
 
             experts = fused.moe_experts_triton
         else:
             experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
-        return experts(
-            x,
-            self.gate_up_proj,
-            self.down_proj,
-            topk_weights,
-            topk_ids,
-            gate_up_scale=self.gate_up_proj_scale,
-            down_scale=self.down_proj_scale,
-        )
+        return experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, **self._scales())
 
     def _path(self, x: torch.Tensor, num_pairs: int) -> str:
         """ "triton" on CUDA for at most AUTO_TRITON_MAX_TOKENS tokens under `kernel == "auto"` (any number
         under "triton") within the fused kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and
         shapes); otherwise "grouped" where a
         grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
-        loop, which syncs with the host) and 16-byte aligned rows; "dense" for other unquantized weights on
-        CUDA (no host sync, so decode stays capturable); else "reference"."""
+        loop, which syncs with the host) and 16-byte aligned rows, or NVFP4 weights (their own grouped
+        Triton kernels, any shape); "dense" for other unquantized weights on CUDA (no host sync, so decode
+        stays capturable); else "reference"."""
         dtype = self.gate_up_proj.dtype
         if not x.is_cuda:
             log_once(logger, f"MoE experts on {x.device.type}: reference (a loop over the routed experts)")
@@ -103,8 +145,12 @@ class StackedExperts(nn.Module):
             from morion.ops import moe_decode_triton as fused
 
             if num_pairs <= fused.MAX_PAIRS:
-                log_once(logger, f"MoE experts on cuda: fused Triton kernels ({self.kernel})")
+                weights = ", nvfp4 weights expanded in registers" if self.nvfp4 else ""
+                log_once(logger, f"MoE experts on cuda: fused Triton kernels ({self.kernel}{weights})")
                 return "triton"
+        if self.nvfp4:
+            log_once(logger, "MoE experts on cuda: grouped Triton kernels, nvfp4 expanded in registers")
+            return "grouped"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8
         aligned = self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0

@@ -3,10 +3,10 @@
 Generated on the model's device with a seeded generator, so building a full-size model takes seconds
 and the same seed gives the same weights. Values are scaled like a trained model's (fan-in scaled
 matrices, norms near their identity) so activations stay finite through many layers; nothing is zero.
-FP8 parameters (`--weight-dtype fp8`) are drawn in the model dtype one matrix (one expert) at a time
-and quantized, so the full-precision model never exists at once. Tables the model keeps in host memory
-(`host_tables`) live there, shard by shard: drawn on the device a chunk at a time and copied over, never
-held on the device whole.
+FP8 parameters (`--weight-dtype fp8`) and NVFP4 experts (`nvfp4`) are drawn in the model dtype one matrix
+(one expert) at a time and quantized, so the full-precision model never exists at once. Tables the model
+keeps in host memory (`host_tables`) live there, shard by shard: drawn on the device a chunk at a time
+and copied over, never held on the device whole.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import math
 import torch
 from torch import nn
 
+from morion.errors import ModelLoadError
 from morion.layers.host_table import HostRowTable, host_tables
 from morion.layers.norm import RMSNorm
-from morion.models.checkpoint import fp8_scales
+from morion.models.checkpoint import Nvfp4Scales, fp8_scales, nvfp4_scales, quantize_nvfp4_into
 from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
 from morion.parallel.shards import RankParts
 from morion.progress import Progress
@@ -35,12 +36,19 @@ def fill_dummy_weights(model: nn.Module, seed: int, rank_parts: RankParts | None
     generator = torch.Generator(device=device).manual_seed(seed)
     unit_norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     scales = fp8_scales(model)
-    # FP8 weights are drawn in the dtype of the rest of the model (embeddings and norms never convert).
-    dtype = next((p.dtype for _, p in params if p.dtype != FP8_DTYPE), torch.float32)
+    nvfp4 = nvfp4_scales(model)
+    # Quantized weights are drawn in the dtype of the rest of the model (embeddings and norms never convert).
+    dtype = next(
+        (p.dtype for _, p in params if p.dtype.is_floating_point and p.dtype != FP8_DTYPE), torch.float32
+    )
     progress = Progress("random weights", len(params), " tensors")
     with torch.no_grad():
         for name, param in params:
-            if name in scales:
+            if name in nvfp4:
+                if rank_parts is not None:
+                    raise ModelLoadError("random NVFP4 experts are not split over tensor-parallel ranks yet")
+                _fill_nvfp4(name, param, nvfp4[name], dtype, generator)
+            elif name in scales:
                 _fill_fp8(name, param, scales[name], dtype, generator, rank_parts)
             elif rank_parts is not None:
                 whole = torch.empty(rank_parts.whole_shapes[name], dtype=param.dtype, device=param.device)
@@ -106,6 +114,18 @@ def _fill_fp8(
         if rank_parts is not None:
             draw = rank_parts.cut(name, draw, leading=int(stacked)).contiguous()
         quantize_fp8_(draw, piece, piece_scale)
+        del draw
+
+
+def _fill_nvfp4(
+    name: str, codes: torch.Tensor, scales: Nvfp4Scales, dtype: torch.dtype, generator: torch.Generator
+) -> None:
+    """Draws stacked experts' weights (codes [E, N, K/2]) one expert at a time in `dtype` and quantizes
+    each of its parts (gate and up rows apart) with its own global scale."""
+    for expert in range(codes.shape[0]):
+        draw = torch.empty(codes.shape[1], codes.shape[2] * 2, dtype=dtype, device=codes.device)
+        _fill(name, draw, False, generator)
+        quantize_nvfp4_into(draw, codes[expert], Nvfp4Scales(scales.block[expert], scales.parts[expert]))
         del draw
 
 

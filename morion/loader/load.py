@@ -16,7 +16,7 @@ from morion.layers.host_table import PLACEMENTS, host_tables
 from morion.loader.dummy_weights import fill_dummy_weights
 from morion.loader.fp8_block import block_fp8_size, dequantized_weights
 from morion.loader.gguf_loader import GGUFModel
-from morion.loader.nvfp4 import dequantized_nvfp4_weights, is_nvfp4_checkpoint
+from morion.loader.nvfp4 import is_nvfp4_checkpoint, nvfp4_weights
 from morion.loader.resolve import resolve_model_path
 from morion.loader.safetensors_loader import HFDirectory
 from morion.loader.safetensors_mmap import mapped_weights
@@ -128,8 +128,11 @@ def _load_checkpoint(
     mapped = map_files and isinstance(weights, HFDirectory)
     tensors = counted(mapped_weights(weights.shards) if mapped else weights.weights())
     if is_nvfp4_checkpoint(hf_config, path):
-        logger.info("NVFP4 checkpoint: quantized weights dequantized to %s as they load", dtype)
-        tensors = dequantized_nvfp4_weights(tensors, dtype, device)
+        if weight_dtype == "nvfp4":
+            logger.info("NVFP4 checkpoint: codes and scales go to the device as they are")
+        else:
+            logger.info("NVFP4 checkpoint: quantized weights dequantized to %s as they load", dtype)
+        tensors = nvfp4_weights(tensors, device, None if weight_dtype == "nvfp4" else dtype)
     block = block_fp8_size(hf_config)
     if block and weight_dtype == "fp8":
         logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")

@@ -4,9 +4,12 @@ A quantized Linear `X` of logical shape [N, K] is stored as four tensors (model-
 `X.weight` uint8 [N, K/2] (two E2M1 codes per byte, even column in the low nibble), `X.weight_scale`
 float8_e4m3fn [N, K/16] (one scale per 16 consecutive input columns), `X.weight_scale_2` fp32 scalar (per
 tensor, amax/(6·448): not a power of two) and `X.input_scale` fp32 scalar (activation calibration for
-W4A4 kernels). Hopper has no FP4 tensor cores and morion no FP4 kernels, so each group is dequantized as
-it streams in and `X.weight` continues down the ordinary path: kept in the model dtype, or requantized to
-FP8 by `--weight-dtype fp8` exactly like a BF16 checkpoint's weight. `input_scale` is dropped.
+W4A4 kernels; dropped: morion's kernels are weight-only). The numbers are ops/nvfp4.py's.
+
+Under `--weight-dtype nvfp4` each group goes to the model as it is (an `Nvfp4Weight` on the device: the
+routed experts keep the codes and scales). Otherwise it is dequantized as it streams in and `X.weight`
+continues down the ordinary path: kept in the model dtype, or requantized to FP8 by `--weight-dtype fp8`
+exactly like a BF16 checkpoint's weight.
 """
 
 from __future__ import annotations
@@ -19,15 +22,7 @@ from typing import Any
 import torch
 
 from morion.errors import ModelLoadError
-
-GROUP_SIZE = 16  # input columns per e4m3 block scale; NVFP4 fixes it
-
-# Value of each 4-bit E2M1 code: bit 3 is the sign, codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)
-# Byte b -> (value of its low nibble, value of its high nibble): one gather unpacks both columns.
-_BYTE_VALUES = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), -1)
+from morion.ops.nvfp4 import GROUP_SIZE, Nvfp4Weight
 
 _REQUIRED = ("weight", "weight_scale", "weight_scale_2")
 _QUANT_METHODS = ("modelopt", "modelopt_fp4")
@@ -69,18 +64,13 @@ def is_nvfp4_checkpoint(hf_config: dict[str, Any], directory: Path) -> bool:
     return True
 
 
-def dequantize_nvfp4(
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_scale_2: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """uint8 [N, K/2] codes, e4m3 [N, K/16] block scales and the fp32 per-tensor scale -> [N, K] in `dtype`.
+def checked_nvfp4(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+) -> Nvfp4Weight:
+    """A checkpoint's uint8 [N, K/2] codes, e4m3 [N, K/16] block scales and fp32 per-tensor scale, checked.
 
-    An E2M1 value (2 significant bits) times an e4m3 scale (4) is exact in fp32, so the only rounding is
-    the product with `weight_scale_2`, taken in fp32, then the cast to `dtype`. Per-tensor dequantization
-    needs no special case for fused projections (q/k/v, gate/up) whose parts share one `weight_scale_2`
-    at export: each part still carries the scalar its own codes were made with.
+    Per-tensor scales need no special case for fused projections (q/k/v, gate/up) whose parts share one
+    `weight_scale_2` at export: each part still carries the scalar its own codes were made with.
     """
     if weight.dtype != torch.uint8 or weight_scale.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ModelLoadError(
@@ -97,9 +87,7 @@ def dequantize_nvfp4(
         raise ModelLoadError(
             f"NVFP4 weight_scale_2 must be a scalar, got shape {tuple(weight_scale_2.shape)}"
         )
-    values = _BYTE_VALUES.to(weight.device)[weight.long()].view(rows, -1, GROUP_SIZE)
-    values = values * weight_scale.float().unsqueeze(-1)
-    return (values * weight_scale_2.float().reshape(())).view(rows, columns).to(dtype)
+    return Nvfp4Weight(weight, weight_scale, weight_scale_2.float().reshape(1))
 
 
 def _part(name: str, tensor: torch.Tensor) -> str | None:
@@ -116,10 +104,12 @@ def _part(name: str, tensor: torch.Tensor) -> str | None:
     return None
 
 
-def dequantized_nvfp4_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields each NVFP4 Linear as `X.weight` dequantized on `device` in `dtype`; other tensors pass through.
+def nvfp4_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor | Nvfp4Weight]]:
+    """Yields each NVFP4 Linear as `X.weight`: dequantized on `device` in `dtype`, or with `dtype` None
+    as its `Nvfp4Weight` moved to `device` as it is (the model places the codes; `copy_checkpoint_tensor`
+    dequantizes one whose parameter is not NVFP4). Other tensors pass through.
 
     The parts of `X` may arrive in any order and in different shards: they wait in host memory (packed,
     0.56 B per weight) until `weight`, `weight_scale` and `weight_scale_2` are all there. ModelOpt writes
@@ -150,10 +140,10 @@ def dequantized_nvfp4_weights(
             emitted.add(prefix)
             weight, scale, scale_2 = (group[required].to(device) for required in _REQUIRED)
             try:
-                dequantized = dequantize_nvfp4(weight, scale, scale_2, dtype)
+                packed = checked_nvfp4(weight, scale, scale_2)
             except ModelLoadError as error:
                 raise ModelLoadError(f"NVFP4 tensor {prefix + '.weight'!r}: {error}") from None
-            yield prefix + ".weight", dequantized
+            yield prefix + ".weight", packed if dtype is None else packed.dequantize(dtype)
     if waiting:
         prefix = min(waiting)
         present = sorted(waiting[prefix])

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from morion.errors import ModelLoadError
-from morion.models.checkpoint import copy_checkpoint_tensor, fp8_scales
+from morion.models.checkpoint import Nvfp4Scales, copy_checkpoint_tensor, fp8_scales, nvfp4_scales
+from morion.ops.nvfp4 import Nvfp4Weight
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,13 @@ logger = logging.getLogger(__name__)
 _PER_EXPERT = re.compile(
     r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
+
+
+class _Target(NamedTuple):
+    param: str  # the parameter a checkpoint tensor fills
+    index: tuple[int | slice, ...]  # the part it fills (a stacked expert's slice; also its scales' rows)
+    part: tuple[int | slice, ...]  # for NVFP4 experts: the slice of the [E, P] global scales it sets
+    covered: list[str]  # the checkpoint names it stands for
 
 
 class MoECheckpointLoader:
@@ -35,22 +44,28 @@ class MoECheckpointLoader:
         self.model_type = model_type
         self.params = dict(model.named_parameters())
         self.scales = fp8_scales(model)
+        self.nvfp4 = nvfp4_scales(model)
         # Checkpoint names still to arrive; a stacked expert tensor counts as its per-expert names.
         self.missing = {
             unit for name, param in self.params.items() for unit in _checkpoint_names(name, param)
         }
         self.saw_mtp = False
 
-    def copy(self, name: str, tensor: torch.Tensor) -> None:
+    def copy(self, name: str, tensor: torch.Tensor | Nvfp4Weight) -> None:
         """Copies checkpoint tensor `name` (an HF name) into the parameter, or the stacked expert's slice,
         it fills."""
         self.saw_mtp = self.saw_mtp or name.startswith("mtp.")
-        param_name, index, covered = self._target(name)
-        scale = self.scales.get(param_name)
+        target = self._target(name)
+        scale = self.scales.get(target.param)
+        nvfp4 = self.nvfp4.get(target.param)
         copy_checkpoint_tensor(
-            name, tensor, self.params[param_name][index], None if scale is None else scale[index]
+            name,
+            tensor,
+            self.params[target.param][target.index],
+            None if scale is None else scale[target.index],
+            None if nvfp4 is None else Nvfp4Scales(nvfp4.block[target.index], nvfp4.parts[target.part]),
         )
-        self.missing.difference_update(covered)
+        self.missing.difference_update(target.covered)
 
     def finish(self) -> set[str]:
         """Drops the MTP head if no `mtp.*` tensor came; returns the checkpoint names still missing."""
@@ -60,13 +75,13 @@ class MoECheckpointLoader:
             self.missing = {name for name in self.missing if not name.startswith("mtp.")}
         return self.missing
 
-    def _target(self, name: str) -> tuple[str, tuple[int | slice, ...], list[str]]:
+    def _target(self, name: str) -> _Target:
         """The parameter that checkpoint tensor `name` fills, the index of the part it fills (a stacked
-        expert's slice; the same index selects an FP8 parameter's per-row scales) and the checkpoint
-        names it covers."""
+        expert's slice; the same index selects an FP8 parameter's per-row scales and an NVFP4 one's
+        block scales), the global scales of NVFP4 experts it sets, and the checkpoint names it covers."""
         param = self.params.get(name)
         if param is not None:
-            return name, (), _checkpoint_names(name, param)
+            return _Target(name, (), (), _checkpoint_names(name, param))
         match = _PER_EXPERT.match(name)
         if match is not None:
             expert, proj = int(match["expert"]), match["proj"]
@@ -75,10 +90,11 @@ class MoECheckpointLoader:
             stacked = self.params.get(stacked_name)
             if stacked is not None and expert < stacked.shape[0]:
                 if proj == "down_proj":
-                    return stacked_name, (expert,), [name]
+                    return _Target(stacked_name, (expert,), (expert,), [name])
                 size = stacked.shape[1] // 2
-                rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-                return stacked_name, (expert, rows), [name]
+                part = 0 if proj == "gate_proj" else 1
+                rows = slice(part * size, (part + 1) * size)
+                return _Target(stacked_name, (expert, rows), (expert, slice(part, part + 1)), [name])
         raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.model_type}")
 
 

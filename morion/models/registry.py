@@ -46,8 +46,9 @@ def build_model(
     """Constructs the architecture with uninitialised parameters; the loader fills them.
 
     `weight_dtype` "fp8" swaps linear layers and experts for FP8 ones before anything is allocated on
-    `device`, except the modules the architecture lists in `fp8_keep`; "auto" keeps everything in `dtype`.
-    With `tensor_parallel` of more than one rank, the model is this rank's part (`tensor_split`).
+    `device`, except the modules the architecture lists in `fp8_keep`; "nvfp4" does the same with the
+    routed experts in NVFP4; "auto" keeps everything in `dtype`. With `tensor_parallel` of more than one
+    rank, the model is this rank's part (`tensor_split`).
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ModelLoadError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_DTYPES)})")
@@ -66,8 +67,8 @@ def build_model(
         if split:
             split.split_lm_head(model, tensor_parallel.size)
         model = model.to(dtype)
-    if weight_dtype == "fp8":
-        logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ())).summary())
+    if weight_dtype in ("fp8", "nvfp4"):
+        logger.info(convert_to_fp8(model, getattr(architecture, "fp8_keep", ()), weight_dtype).summary())
     if split:
         split.wire(model, tensor_parallel)
     # Not `to_empty`: its meta-to-device path imports sympy through torch's shape reasoning (1 s).

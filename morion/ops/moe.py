@@ -7,6 +7,10 @@ kernels consume, and the one transformers keeps in memory.
 
 FP8 experts are e4m3 with one fp32 scale per (expert, output channel): `gate_up_scale` [E, 2I] and
 `down_scale` [E, H]. The activations feeding each GEMM are quantized per row (dynamically).
+
+NVFP4 experts (uint8 codes: layers/moe.py's StackedExperts) are weight-only: `gate_up_scale` and
+`down_scale` are their e4m3 block scales, `gate_up_scale_2` [E, 2] and `down_scale_2` [E, 1] their global
+scales; the reference dequantizes each used expert and multiplies in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from morion.ops.fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
 from morion.ops.log_once import log_once
+from morion.ops.nvfp4 import dequantize_parts
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +36,27 @@ def moe_experts_reference(
     *,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    gate_up_scale_2: torch.Tensor | None = None,
+    down_scale_2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights, topk_ids [T, k].
 
     Returns sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) as [T, H] in hidden's dtype.
     With FP8 weights (scales given) it computes in fp32 what the FP8 kernels compute: each used expert's
-    weights dequantized, the GEMM inputs quantized per row and dequantized.
+    weights dequantized, the GEMM inputs quantized per row and dequantized. NVFP4 weights (uint8 codes
+    [E, 2I, H/2] and [E, H, I/2], all four scales given) are dequantized to hidden's dtype.
     """
-    fp8 = gate_up_scale is not None and down_scale is not None
+    nvfp4 = gate_up_proj.dtype == torch.uint8
+    fp8 = not nvfp4 and gate_up_scale is not None and down_scale is not None
     x = fake_quantize_fp8(hidden, per_row=True) if fp8 else hidden
     out = torch.zeros_like(hidden)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slot = torch.where(topk_ids == expert)
         w_gate_up, w_down = gate_up_proj[expert], down_proj[expert]
-        if fp8:
+        if nvfp4:
+            w_gate_up = dequantize_parts(w_gate_up, gate_up_scale[expert], gate_up_scale_2[expert], x.dtype)
+            w_down = dequantize_parts(w_down, down_scale[expert], down_scale_2[expert], x.dtype)
+        elif fp8:
             w_gate_up = dequantize_fp8(w_gate_up, gate_up_scale[expert])
             w_down = dequantize_fp8(w_down, down_scale[expert])
         gate, up = F.linear(x[tokens], w_gate_up).chunk(2, dim=-1)

@@ -37,11 +37,14 @@ class ExpertShape(NamedTuple):
     experts: int
     hidden: int
     intermediate: int
-    dtype: str  # "fp8", "bfloat16", ...
+    dtype: str  # "fp8", "nvfp4", "bfloat16", ...
 
 
 def expert_shape(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertShape:
-    """The shape of stacked experts gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """The shape of stacked experts gate_up_proj [E, 2I, H], down_proj [E, H, I] (NVFP4: uint8 codes, two
+    a byte: down_proj [E, H, I/2])."""
+    if gate_up_proj.dtype == torch.uint8:
+        return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2] * 2, "nvfp4")
     dtype = "fp8" if gate_up_proj.element_size() == 1 else str(gate_up_proj.dtype).removeprefix("torch.")
     return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2], dtype)
 

@@ -2,7 +2,10 @@
 
     python -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 --dtype fp8
 
-Random experts of the shape (FP8: quantized per (expert, row), as the loader does), and for each token
+`--dtype nvfp4` tunes the NVFP4 decode kernels (ops/moe_nvfp4_triton.py) the same way.
+
+Random experts of the shape (FP8: quantized per (expert, row); NVFP4: per (expert, projection); as the
+loader does), and for each token
 count of `--tokens` 20 random routings (different experts per call, so weights come from HBM as in a
 decode step, not from L2). A candidate's cost is the sum over those token counts of the microseconds per
 call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with the
@@ -27,7 +30,9 @@ from triton.runtime.errors import OutOfResources
 
 from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, exact_mma, moe_experts_triton
+from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES, moe_experts_nvfp4
 from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
+from morion.ops.nvfp4 import quantize_nvfp4_parts
 
 # Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, in each of the three MMA modes (Tiles.mma; swapped
 # operands put BLOCK_N on the MMA's M side: 64 columns and up; never with FP8 weights, `exact_mma`); the
@@ -66,14 +71,26 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def random_experts(shape: ExpertShape, device: torch.device, seed: int = 0) -> Experts:
-    """gate_up [E, 2I, H], down [E, H, I] (fan-in scaled), with per-row scales when `shape.dtype` is fp8."""
+    """gate_up [E, 2I, H], down [E, H, I] (fan-in scaled), with per-row scales when `shape.dtype` is fp8,
+    as NVFP4 codes with their block and global scales when it is nvfp4."""
     generator = torch.Generator(device=device).manual_seed(seed)
     experts, hidden, inter = shape.experts, shape.hidden, shape.intermediate
-    dtype = torch.bfloat16 if shape.dtype == "fp8" else getattr(torch, shape.dtype)
+    dtype = torch.bfloat16 if shape.dtype in ("fp8", "nvfp4") else getattr(torch, shape.dtype)
     weights = {
         name: torch.randn(size, device=device, dtype=dtype, generator=generator) * size[-1] ** -0.5
         for name, size in (("gate_up", (experts, 2 * inter, hidden)), ("down", (experts, hidden, inter)))
     }
+    if shape.dtype == "nvfp4":
+        gate_up = quantize_nvfp4_parts(weights["gate_up"], 2)
+        down = quantize_nvfp4_parts(weights["down"], 1)
+        return {
+            "gate_up": gate_up.codes,
+            "down": down.codes,
+            "gate_up_scale": gate_up.block_scales,
+            "down_scale": down.block_scales,
+            "gate_up_scale_2": gate_up.global_scale,
+            "down_scale_2": down.global_scale,
+        }
     if shape.dtype != "fp8":
         return weights
     gate_up, gate_up_scale = quantize_fp8(weights["gate_up"], per_row=True)
@@ -99,7 +116,8 @@ def run_experts(
     **options,
 ) -> torch.Tensor:
     """`fn` (a `moe_experts_*` op) on one batch, with the experts' scales where they have them."""
-    scales = {k: experts[k] for k in ("gate_up_scale", "down_scale") if k in experts}
+    names = ("gate_up_scale", "down_scale", "gate_up_scale_2", "down_scale_2")
+    scales = {k: experts[k] for k in names if k in experts}
     return fn(hidden, experts["gate_up"], experts["down"], topk_weights, topk_ids, **scales, **options)
 
 
@@ -134,6 +152,7 @@ def time_in_graph(
 
 
 def _sweep(
+    fn: Callable[..., torch.Tensor],
     kernel: str,
     candidates: Sequence[Tiles],
     fixed: dict[str, Tiles],
@@ -145,7 +164,7 @@ def _sweep(
     for tiles in candidates:
         options = {**fixed, f"{kernel}_tiles": tiles}
         try:
-            times = {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
+            times = {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
         except OutOfResources as error:  # raised when compiling, in the warm-up before any capture
             print(f"moe tune {kernel} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
             continue
@@ -162,17 +181,22 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
     batches = {
         t: [random_batch(shape, t, top_k, device, seed=1000 * t + i) for i in range(ROUTINGS)] for t in tokens
     }
-    width = experts["gate_up"].element_size()
-    defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
-    default_us = {t: time_in_graph(moe_experts_triton, experts, b, **defaults) for t, b in batches.items()}
+    if shape.dtype == "nvfp4":
+        fn = moe_experts_nvfp4
+        defaults = {"gate_up_tiles": DECODE_GATE_UP_TILES, "down_tiles": DECODE_DOWN_TILES}
+    else:
+        fn = moe_experts_triton
+        width = experts["gate_up"].element_size()
+        defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
+    default_us = {t: time_in_graph(fn, experts, b, **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
     fp8 = shape.dtype == "fp8"
     gate_up_candidates = [t for t in GATE_UP_CANDIDATES if exact_mma(t, fp8)]
-    gate_up, _ = _sweep("gate_up", gate_up_candidates, fixed_down, experts, batches)
+    gate_up, _ = _sweep(fn, "gate_up", gate_up_candidates, fixed_down, experts, batches)
     down_tiles = [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)]
-    down, _ = _sweep("down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
-    gate_up, _ = _sweep("gate_up", launch_variants(gate_up), {"down_tiles": down}, experts, batches)
-    down, chosen_us = _sweep("down", launch_variants(down), {"gate_up_tiles": gate_up}, experts, batches)
+    down, _ = _sweep(fn, "down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
+    gate_up, _ = _sweep(fn, "gate_up", launch_variants(gate_up), {"down_tiles": down}, experts, batches)
+    down, chosen_us = _sweep(fn, "down", launch_variants(down), {"gate_up_tiles": gate_up}, experts, batches)
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),
@@ -192,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--intermediate", type=int, required=True)
     parser.add_argument("--top-k", type=int, required=True)
-    parser.add_argument("--dtype", default="fp8", choices=("fp8", "bfloat16"))
+    parser.add_argument("--dtype", default="fp8", choices=("fp8", "nvfp4", "bfloat16"))
     parser.add_argument("--tokens", default="1,4", help="token counts whose summed time is minimised")
     parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="directory of the JSON file")
     args = parser.parse_args(argv)

@@ -150,3 +150,17 @@ def test_full_qwen3_next_matches_the_anchor_arithmetic():
     assert roofline.prefill_flops_per_token(cost, 1024) == pytest.approx(6.6e9, rel=1e-2)
     fp8 = roofline.from_config(config, torch.bfloat16, "fp8")
     assert 1000 < roofline.decode_bound(fp8, 1, 1024, 4300).per_request_tok_s < 1160
+
+
+def test_nvfp4_experts_count_their_packed_bytes():
+    """Codes at half a byte a weight, e4m3 block scales at a byte per 16, three fp32 global scales per
+    expert (gate, up, down); dense layers FP8 as under --weight-dtype fp8."""
+    fp8 = roofline.from_config(TINY, torch.bfloat16, "fp8")
+    nvfp4 = roofline.from_config(TINY, torch.bfloat16, "nvfp4")
+    assert nvfp4.moe_layers[0].bytes_per_expert == EXPERT // 2 + EXPERT // 16 + 3 * 4
+    assert nvfp4.dense_bytes == fp8.dense_bytes
+    # Qwen3.8-Flash-Next: about 70 GiB of weights in all (the issue's target; 121 GiB under fp8).
+    flash = roofline.from_config(preset_config("preset:qwen3.8-flash-next"), torch.bfloat16, "nvfp4")
+    experts = sum(m.num_experts * m.bytes_per_expert for m in flash.moe_layers)
+    total = flash.dense_bytes + experts + sum(flash.excluded.values())
+    assert 70 < total / 2**30 < 71.5 and 63 < experts / 2**30 < 63.5

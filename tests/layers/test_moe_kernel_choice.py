@@ -79,3 +79,27 @@ def test_triton_runs_up_to_the_threshold_on_cuda():
     weights, ids = moe.route(x)
     direct = moe_experts_triton(x, experts.gate_up_proj, experts.down_proj, weights, ids)
     assert torch.equal(experts(x, weights, ids), direct)
+
+
+class _CudaRows:
+    """What `StackedExperts._path` reads of its input, as a CUDA tensor of `tokens` rows would say it."""
+
+    is_cuda = True
+    device = torch.device("cuda")
+
+    def __init__(self, tokens: int) -> None:
+        self.shape = (tokens, 48)
+
+
+@pytest.mark.parametrize("kernel", ("auto", "grouped", "triton"))
+def test_nvfp4_experts_never_take_a_dequantizing_path_on_cuda(kernel):
+    """NVFP4 experts on CUDA run the NVFP4 kernels (the decode ones where the fused kernels would run,
+    else the grouped ones) whatever the kernel choice and shape (H = 48 is not a multiple of 32); the
+    reference (which dequantizes) only on the CPU."""
+    experts = StackedExperts(8, 48, 32, "nvfp4")
+    experts.kernel = kernel
+    for tokens, pairs in ((1, 2), (AUTO_TRITON_MAX_TOKENS + 1, 2 * AUTO_TRITON_MAX_TOKENS + 2), (600, 1200)):
+        fused = {"auto": tokens <= AUTO_TRITON_MAX_TOKENS, "triton": True, "grouped": False}[kernel]
+        expected = "triton" if fused and pairs <= MAX_PAIRS else "grouped"
+        assert experts._path(_CudaRows(tokens), pairs) == expected
+    assert experts._path(torch.zeros(1, 48), 2) == "reference"

@@ -15,9 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import ModelLoadError
-from morion.loader import load_model
-from morion.loader.nvfp4 import dequantize_nvfp4, dequantized_nvfp4_weights, is_nvfp4_checkpoint
-from tests.conftest import TINY_QWEN3_NEXT
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.loader import LoadedModel, load_model
+from morion.loader.nvfp4 import is_nvfp4_checkpoint, nvfp4_weights
+from morion.ops.nvfp4 import dequantize_nvfp4
+from tests.conftest import TINY_QWEN3_NEXT, full_prefill_logits, with_modules_of
 from tests.loader.nvfp4_quantize import quantize_nvfp4
 
 CPU = torch.device("cpu")
@@ -127,22 +129,18 @@ def test_stream_groups_parts_in_any_order():
         ("x.b.weight_scale", parts["x.b.weight_scale"]),
         ("x.b.input_scale", parts["x.b.input_scale"]),  # after its group was emitted: dropped
     ]
-    out = list(dequantized_nvfp4_weights(stream, torch.bfloat16, CPU))
+    out = list(nvfp4_weights(stream, CPU, torch.bfloat16))
     assert [name for name, _ in out] == ["norm.weight", "ple.weight_scale", "x.a.weight", "x.b.weight"]
     assert out[1][1] is ple_scale
     assert torch.equal(out[2][1], quantize_nvfp4(a).dequantized.bfloat16())
     assert torch.equal(out[3][1], quantize_nvfp4(b).dequantized.bfloat16())
 
     with pytest.raises(ModelLoadError, match=r"x\.b\.weight_scale'.*twice"):
-        list(
-            dequantized_nvfp4_weights(
-                [*stream, ("x.b.weight_scale", parts["x.b.weight_scale"])], torch.float32, CPU
-            )
-        )
+        list(nvfp4_weights([*stream, ("x.b.weight_scale", parts["x.b.weight_scale"])], CPU, torch.float32))
     wrong = torch.ones(4, 2).to(torch.float8_e4m3fn)  # b is [4, 64]: 4 blocks per row, not 2
     swapped = [(n, wrong if n == "x.b.weight_scale" else t) for n, t in stream]
     with pytest.raises(ModelLoadError, match=r"x\.b\.weight'.*block scales of shape \(4, 2\)"):
-        list(dequantized_nvfp4_weights(swapped, torch.float32, CPU))
+        list(nvfp4_weights(swapped, CPU, torch.float32))
 
 
 MODELOPT_IGNORE = [
@@ -269,3 +267,42 @@ def test_other_modelopt_algorithms_are_rejected_by_name(tmp_path):
         json.dumps({"producer": {"name": "modelopt"}, "quantization": quantization})
     )
     assert is_nvfp4_checkpoint({}, tmp_path)
+
+
+def test_nvfp4_checkpoint_served_as_nvfp4_keeps_its_codes(nvfp4_checkpoints, engine_factory, engine_runner):
+    """Under --weight-dtype nvfp4 the experts' codes and scales are the checkpoint's tensors, unchanged
+    (nothing is dequantized and requantized), and the model computes what the dequantized-at-load path
+    computes: the same logits once both have the same (FP8) dense layers."""
+    nvfp4_dir, _ = nvfp4_checkpoints
+    served = load_model(str(nvfp4_dir), torch.float32, CPU, weight_dtype="nvfp4").model
+    stored = {name: t for shard in nvfp4_dir.glob("*.safetensors") for name, t in load_file(shard).items()}
+    size = TINY_QWEN3_NEXT["moe_intermediate_size"]
+    for layer in range(2):
+        experts = served.model.layers[layer].mlp.experts
+        assert experts.nvfp4
+        for expert in range(TINY_QWEN3_NEXT["num_experts"]):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+            places = [("gate_proj", "gate_up_proj", slice(0, size), 0)]
+            places += [
+                ("up_proj", "gate_up_proj", slice(size, 2 * size), 1),
+                ("down_proj", "down_proj", slice(None), 0),
+            ]
+            for projection, stacked, rows, part in places:
+                codes = getattr(experts, stacked)[expert, rows]
+                assert torch.equal(codes, stored[prefix + projection + ".weight"])
+                scales = getattr(experts, stacked + "_scale")[expert, rows].view(torch.uint8)
+                assert torch.equal(scales, stored[prefix + projection + ".weight_scale"].view(torch.uint8))
+                global_scale = getattr(experts, stacked + "_scale_2")[expert, part]
+                assert global_scale == stored[prefix + projection + ".weight_scale_2"]
+
+    dequantized = load_model(str(nvfp4_dir), torch.float32, CPU).model
+    reference = with_modules_of(dequantized, served, Fp8Linear)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = full_prefill_logits(reference, prompt)
+    assert torch.allclose(full_prefill_logits(served, prompt), expected, rtol=1e-5, atol=1e-5)
+    outputs = engine_runner(
+        engine_factory(LoadedModel(served, None, {}, nvfp4_dir)),
+        [[1, 2, 3, 4]],
+        SamplingParams(max_tokens=4, temperature=0.0),
+    )
+    assert len(outputs[0].token_ids) == 4

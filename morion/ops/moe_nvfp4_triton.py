@@ -1,0 +1,372 @@
+"""Routed experts with NVFP4 weights on CUDA: weight-only 4-bit kernels (Hopper has no FP4 tensor cores).
+
+The contract of `ops.moe.moe_experts_reference` with NVFP4 experts (ops/nvfp4.py; layers/moe.py's
+StackedExperts): gate_up_proj [E, 2I, H/2] and down_proj [E, H, I/2] uint8 codes, e4m3 block scales
+[E, 2I, H/16] and [E, H, I/16], fp32 global scales [E, 2] (gate rows, up rows) and [E, 1]. The codes and
+scales are read as they are stored, 4.5 bits a weight, and expanded in registers: each byte j of a row
+holds the codes of columns 2j (low nibble) and 2j+1 (high), so a tile is two half tiles, the even and the
+odd columns, each multiplied with the activations' even or odd columns (two `tl.dot`s of half the K: no
+register shuffle to interleave them). A code becomes its value x 2^-14 through its fp16 bit pattern
+(sign to bit 15, the 3 magnitude bits to bits 11-9; subnormals included), then times its block scale in
+fp16: the product is a multiple of 2^-24 (0.5 x 2^-14 times e4m3's step 2^-9) below 0.17 with at most 6
+significant bits, so exact in fp16 (subnormal or not) and in the bf16 the MMA takes. The products
+accumulate in fp32; the global scale x 2^14 multiplies each output once, in the epilogue. So the
+kernels' only roundings are the activations' dtype at the MMA inputs and fp32 sums, where the reference
+rounds each dequantized weight (code x block x global) to the activations' dtype.
+
+Two ways to find a program's rows, the kernels otherwise shared:
+
+- `moe_experts_nvfp4` (decode, speculative verify: up to MAX_PAIRS (token, expert) pairs): the
+  fused decode kernels' structure (ops/moe_decode_triton.py) and helpers: a program per (pair, column
+  block); the first pair routed to an expert (its leader) computes all of that expert's pairs, so each
+  weight tile is read once per call; no sort, fixed tiles, batch invariant, capturable.
+- `moe_experts_nvfp4(..., grouped=True)` (prefill): pairs sorted by expert on the device (as
+  `moe_experts_grouped` does) and cut into tiles of BLOCK_M rows of one expert; a program per (tile,
+  column block). The tile table is built with torch ops, no host sync (at most cdiv(P, BLOCK_M) +
+  min(E, P) tiles: each expert leaves at most one partial tile), so it is capturable too.
+
+Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
+token's k pairs in slot order (`_sum_slots_kernel`): deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from morion.ops.moe_decode_triton import (
+    MAX_PAIRS,
+    _expert_group,
+    _group_rows,
+    _mma,
+    _rows_first,
+    _sum_slots_kernel,
+    _zero_acc,
+)
+from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
+from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
+from morion.ops.nvfp4 import GROUP_SIZE
+
+# The half tiles hold code x block scale x 2^-14 (exact in fp16); the epilogue's global scale undoes it.
+GLOBAL_FACTOR = tl.constexpr(2.0**14)
+_DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
+GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
+_SUM_BLOCK = 512
+
+# Default tiles (ops/moe_tiles.py: a tuned file of this device and shape wins). BLOCK_K counts weight
+# columns: 128 is 64 bytes of codes and 8 block scales per row of the tile.
+DECODE_GATE_UP_TILES = Tiles(32, 128, 4, 4)
+DECODE_DOWN_TILES = Tiles(64, 128, 4, 3)
+GROUPED_TILES = Tiles(64, 128, 4, 3)
+
+
+@triton.jit
+def _nvfp4_half_tiles(
+    codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn,
+    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Weights of columns k0 .. k0 + BLOCK_K - 1 for output rows `cols` of one expert's matrix, as two
+    [BLOCK_K / 2, BLOCK_N] tiles in DTYPE: the even columns k0 + 2j and the odd ones k0 + 2j + 1 (the low
+    and high nibbles of byte k0 / 2 + j), each code x its block scale x 2^-14, exactly (`GLOBAL_FACTOR`
+    undoes the 2^-14)."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = (byte < size_k // 2)[:, None] & cols_ok[None, :]
+    packed = tl.load(codes_ptr + cols[None, :] * stride_cn + byte[:, None], mask=mask, other=0)
+    packed = tl.cast(packed, tl.uint16)
+    # fp16 bit patterns of code value x 2^-14: sign (code bit 3) to bit 15, magnitude (bits 2-0) to 11-9.
+    even = ((packed & 0x7) << 9) | ((packed & 0x8) << 12)
+    odd = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
+    # Byte j holds columns 2j and 2j + 1: both in block scale 2j // 16 = j // 8.
+    scale_ptrs = scales_ptr + cols[None, :] * stride_sn + (byte // (GROUP_SIZE // 2))[:, None]
+    scale = tl.cast(tl.load(scale_ptrs, mask=mask, other=0.0), tl.float16)  # e4m3 -> fp16: exact
+    w_even = tl.cast(even, tl.float16, bitcast=True) * scale
+    w_odd = tl.cast(odd, tl.float16, bitcast=True) * scale
+    return tl.cast(w_even, DTYPE), tl.cast(w_odd, DTYPE)
+
+
+@triton.jit
+def _rows_times_nvfp4(
+    rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N]: the rows at `rows_ptr` ([BLOCK_M, 1] row starts, unit stride along K)
+    times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's)."""
+    acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+    for k0 in range(0, size_k, BLOCK_K):
+        ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        mask = rows_ok[:, None] & (ks < size_k)[None, :]  # K is even: the odd column is there too
+        a_even = tl.load(rows_ptr + ks[None, :], mask=mask, other=0.0)
+        a_odd = tl.load(rows_ptr + ks[None, :] + 1, mask=mask, other=0.0)
+        w_even, w_odd = _nvfp4_half_tiles(
+            codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn, BLOCK_K, a_even.dtype
+        )
+        acc = _mma(a_even, w_even, acc, MMA, DOT_PRECISION)
+        acc = _mma(a_odd, w_odd, acc, MMA, DOT_PRECISION)
+    return _rows_first(acc, MMA)
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
+    top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for the pairs p (token t = p // top_k) of these rows."""
+    x_rows = x_ptr + (pairs // top_k)[:, None] * stride_x
+    gate_codes = codes_ptr + expert * stride_ce
+    gate_scales = scales_ptr + expert * stride_se
+    up_codes = gate_codes + inter_size * stride_cn
+    up_scales = gate_scales + inter_size * stride_sn
+    gate = _rows_times_nvfp4(
+        x_rows, rows_ok, gate_codes, gate_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+    )  # fmt: skip
+    up = _rows_times_nvfp4(
+        x_rows, rows_ok, up_codes, up_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+    )  # fmt: skip
+    gate = gate * (tl.load(global_ptr + expert * 2) * GLOBAL_FACTOR)
+    up = up * (tl.load(global_ptr + expert * 2 + 1) * GLOBAL_FACTOR)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
+    tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _down_rows(
+    act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr, expert, cols,
+    cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """pair_out[p] = routing[p] * (act[p] Wd^T) in fp32 for the pairs p of these rows."""
+    acc = _rows_times_nvfp4(
+        act_ptr + pairs[:, None] * inter_size, rows_ok, codes_ptr + expert * stride_ce,
+        scales_ptr + expert * stride_se, cols, cols_ok, inter_size, stride_cn, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+    )  # fmt: skip
+    routing = tl.cast(tl.load(routing_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
+    acc = acc * (tl.load(global_ptr + expert) * GLOBAL_FACTOR) * routing[:, None]
+    out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
+    tl.store(out, acc, mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This program's expert, its first row and row count, and what `_rows_at` finds its rows with:
+    grouped, tile program_id(0) of the table (expert, first row, end row) over the pairs sorted by expert
+    (an unused tile has no rows; `match` and `rank` unused); else the decode kernels' leader group (a
+    count only for the expert's first pair)."""
+    if GROUPED:
+        tile = tl.program_id(0)
+        expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        count = tl.load(tiles_ptr + tile * 3 + 2) - first
+        match = first
+        rank = first
+    else:
+        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+        first = 0
+    return expert, first, count, match, rank
+
+
+@triton.jit
+def _rows_at(
+    order_ptr, first, match, rank, start, count,
+    GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The pairs of the expert's rows start .. start + BLOCK_M - 1, and which of those rows exist."""
+    if GROUPED:
+        rows = start + tl.arange(0, BLOCK_M)
+        rows_ok = rows < count
+        pairs = tl.load(order_ptr + first + rows, mask=rows_ok, other=0)
+    else:
+        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+    return pairs, rows_ok
+
+
+# Batch-dependent counts are not specialized on (see ops/moe_decode_triton.py): one variant serves all.
+# The grouped kernels' loops over an expert's rows run once (a tile has at most BLOCK_M rows) or not at
+# all (an unused tile).
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
+    num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
+    GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < inter_size
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
+        _gate_up_rows(
+            x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
+            top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    act_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, routing_ptr, pair_out_ptr,
+    num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+    GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < hidden_size
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    for start in range(0, count, BLOCK_M):
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
+        _down_rows(
+            act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
+            expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        )  # fmt: skip
+
+
+def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles int32 [cdiv(P, block_m) + min(E, P), 3], order int32 [P]): `order` lists the pairs p = t * k
+    + j sorted by expert (stable); tile i covers rows tiles[i, 1] .. tiles[i, 2] - 1 of that order, at
+    most block_m, all routed to expert tiles[i, 0]. Tiles past the last expert's are empty (end = first
+    row). Device-side torch ops, no host sync: the table's size depends only on P and E."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles_per_expert, 0)
+    tile = torch.arange(
+        triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs), device=flat.device, dtype=torch.int64
+    )
+    expert = torch.searchsorted(tile_ends, tile, right=True)  # the first expert whose tiles end after it
+    used = expert < num_experts
+    expert = expert.clamp_(max=num_experts - 1)
+    first = ends[expert] - counts[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
+    end = torch.where(used, torch.minimum(first + block_m, ends[expert]), first)
+    return torch.stack((expert, first, end), dim=1).to(torch.int32), order.to(torch.int32)
+
+
+def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
+    """The decode kernels' MMA options for `tiles` (weight-only BF16 math: every mode is exact), with
+    `block_m` rows per MMA tile."""
+    if tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1):
+        # Each half tile (BLOCK_K / 2 columns) is a tl.dot's K: at least 16.
+        raise ValueError(f"NVFP4 tiles need BLOCK_K a power of two of at least 32, got {tuple(tiles)}")
+    options = decode_mma_options(tiles, fp8=False)
+    if tiles.mma != "gemv":
+        options["BLOCK_M"] = block_m
+    return options
+
+
+def _run(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    grouped_block_m: int | None,
+    gate_up_tiles: Tiles,
+    down_tiles: Tiles,
+) -> torch.Tensor:
+    """The kernels on one batch: grouped with tiles of `grouped_block_m` rows, else the decode ones."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    gate_up_scale, down_scale, gate_up_scale_2, down_scale_2 = scales
+    num_experts, hidden_size, inter_size = down_proj.shape[0], down_proj.shape[1], down_proj.shape[2] * 2
+    act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    routing = topk_weights.reshape(-1).contiguous()
+    grouped = grouped_block_m is not None
+    if grouped:
+        tiles, order = expert_tiles(topk_ids, num_experts, grouped_block_m)
+        programs, block_m, block_p = tiles.shape[0], grouped_block_m, 1
+    else:
+        tiles = order = ids  # unread
+        programs, block_m, block_p = num_pairs, _DECODE_BLOCK_M, triton.next_power_of_2(num_pairs)
+    common = dict(
+        GROUPED=grouped,
+        DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        BLOCK_P=block_p,
+    )
+    t = gate_up_tiles
+    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n))](
+        hidden, gate_up_proj, gate_up_scale, gate_up_scale_2, ids, tiles, order, act,
+        num_pairs, top_k, hidden_size, inter_size, hidden.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    t = down_tiles
+    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
+        act, down_proj, down_scale, down_scale_2, ids, tiles, order, routing, pair_out,
+        num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1),
+        down_scale.stride(0), down_scale.stride(1),
+        **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
+        pair_out, out, top_k, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
+    )
+    return out
+
+
+def moe_experts_nvfp4(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gate_up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    gate_up_scale_2: torch.Tensor,
+    down_scale_2: torch.Tensor,
+    grouped: bool = False,
+    block_m: int = GROUPED_BLOCK_M,
+    gate_up_tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """The contract of `moe_experts_reference` with NVFP4 experts; hidden [T, H] in bf16, fp16 or fp32.
+    The decode kernels (at most MAX_PAIRS (token, expert) pairs; tiles: the device's tuned file for this
+    shape, else the defaults), or with `grouped` the grouped kernels (any number of tokens: prefill;
+    `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES). `*_tiles`
+    override either."""
+    scales = (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
+    if gate_up_proj.dtype != torch.uint8 or any(scale is None for scale in scales):
+        raise ValueError("NVFP4 experts need uint8 codes and all four scales")
+    if hidden.stride(-1) != 1 or gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+        raise ValueError("NVFP4 experts need unit stride along H and along the codes' last dim")
+    tokens, top_k = topk_ids.shape
+    if not grouped and tokens * top_k > MAX_PAIRS:
+        raise ValueError(f"{tokens} tokens x top-{top_k} = {tokens * top_k} pairs, more than {MAX_PAIRS}")
+    if tokens == 0:
+        return torch.zeros_like(hidden)
+    tuned = None
+    if grouped:
+        defaults = (GROUPED_TILES, GROUPED_TILES)
+    else:
+        if hidden.is_cuda:
+            index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+            tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+        defaults = tuned or (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)
+    return _run(
+        hidden,
+        gate_up_proj,
+        down_proj,
+        topk_weights,
+        topk_ids,
+        tuple(scale.contiguous() for scale in scales),
+        block_m if grouped else None,
+        gate_up_tiles or defaults[0],
+        down_tiles or defaults[1],
+    )

@@ -1,0 +1,117 @@
+"""The NVFP4 expert kernels (decode and grouped) against dequantize-then-matmul (`moe_experts_reference`
+with NVFP4 experts), with tiny shapes in Triton's interpreter on the CPU (compiled on a GPU): every MMA
+mode of the decode kernels, an expert with more pairs than one row tile on both paths, fp32 and fp16
+activations (the interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), and the grouped
+path's tile table. Each nibble, block scale and global scale enters every output, so a kernel that read
+any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and ~1e-3 (fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from morion.ops.moe import moe_experts_reference
+from morion.ops.moe_nvfp4_triton import expert_tiles, moe_experts_nvfp4
+from morion.ops.moe_tiles import Tiles
+from morion.ops.nvfp4 import quantize_nvfp4_parts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTERMEDIATE, TOP_K = 64, 32, 2
+
+
+def nvfp4_experts(num_experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random experts quantized as the loader quantizes them: gate and up rows apart."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) * HIDDEN**-0.5
+    down = torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=gen) * INTERMEDIATE**-0.5
+    gate_up, down = quantize_nvfp4_parts(gate_up, 2), quantize_nvfp4_parts(down, 1)
+    experts = {
+        "gate_up_proj": gate_up.codes,
+        "down_proj": down.codes,
+        "gate_up_scale": gate_up.block_scales,
+        "down_scale": down.block_scales,
+        "gate_up_scale_2": gate_up.global_scale,
+        "down_scale_2": down.global_scale,
+    }
+    return {name: tensor.to(DEVICE) for name, tensor in experts.items()}
+
+
+def routing(tokens: int, num_experts: int, dtype: torch.dtype, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    topk_ids = torch.rand(tokens, num_experts, generator=gen).argsort(dim=-1)[:, :TOP_K]
+    topk_weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), dim=-1).to(dtype)
+    return hidden.to(DEVICE), topk_weights.to(DEVICE), topk_ids.to(DEVICE)
+
+
+def run(fn, experts: dict[str, torch.Tensor], hidden, topk_weights, topk_ids, **options) -> torch.Tensor:
+    codes = experts["gate_up_proj"], experts["down_proj"]
+    scales = {k: v for k, v in experts.items() if k.endswith(("scale", "scale_2"))}
+    return fn(hidden, *codes, topk_weights, topk_ids, **scales, **options)
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.cpu().float(), expected.cpu().float()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+TILES = {
+    "dot": {},  # the defaults
+    "gemv": dict(gate_up_tiles=Tiles(32, 32, 4, 1, "gemv"), down_tiles=Tiles(32, 32, 4, 1, "gemv")),
+    "swapped": dict(gate_up_tiles=Tiles(64, 32, 4, 1, "swapped"), down_tiles=Tiles(64, 32, 4, 1, "swapped")),
+}
+
+
+@pytest.mark.parametrize("mode", TILES)
+def test_decode_kernels_match_dequantize_then_matmul(mode):
+    experts = nvfp4_experts(8)
+    batch = routing(5, 8, torch.float32)  # 10 pairs over 8 experts: some experts shared
+    out = run(moe_experts_nvfp4, experts, *batch, **TILES[mode])
+    assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
+
+
+def test_an_expert_with_more_pairs_than_a_tile_fp16():
+    """Two experts and top-2: all 17 tokens route to both, 17 pairs per expert, past the decode kernels'
+    16-row tile and the 16-row grouped tiles asked for here (two tiles per expert, the second partial)."""
+    experts = nvfp4_experts(2, seed=3)
+    batch = routing(17, 2, torch.float16, seed=4)
+    reference = run(moe_experts_reference, experts, *batch)
+    assert reference.dtype == torch.float16
+    decode = run(moe_experts_nvfp4, experts, *batch)
+    grouped = run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16)
+    assert decode.dtype == grouped.dtype == torch.float16
+    # fp16 inputs on both sides, rounded in different places (the reference rounds each weight, the
+    # kernels only code x block scale, which is exact).
+    assert rel_l2(decode, reference) < 3e-3 and rel_l2(grouped, reference) < 3e-3
+
+
+def test_grouped_kernels_match_dequantize_then_matmul():
+    experts = nvfp4_experts(8, seed=5)
+    batch = routing(12, 8, torch.float32, seed=6)
+    out = run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16)
+    assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
+
+
+def test_expert_tiles_cover_every_pair_once_in_tiles_of_one_expert():
+    topk_ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [0, 3]])  # expert 3: 5 pairs, 2: none
+    tiles, order = expert_tiles(topk_ids, num_experts=4, block_m=2)
+    flat = topk_ids.reshape(-1)
+    assert torch.equal(flat[order.long()], flat.sort(stable=True).values)
+    # cdiv(10, 2) + min(4, 10) tiles at most; experts 0 (3 pairs), 1 (2), 3 (5) need 2 + 1 + 3.
+    assert tiles.shape == (9, 3)
+    covered = []
+    for expert, start, end in tiles.tolist():
+        assert end - start <= 2
+        covered += order[start:end].tolist()
+        assert all(flat[p] == expert for p in order[start:end].tolist())
+    assert sorted(covered) == list(range(10))
+    assert (tiles[6:, 1] == tiles[6:, 2]).all()  # the unused tiles are empty
+
+
+def test_inputs_the_kernels_cannot_take_are_refused():
+    experts = nvfp4_experts(2)
+    batch = routing(1, 2, torch.float32)
+    with pytest.raises(ValueError, match="BLOCK_K a power of two of at least 32"):
+        run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 16, 4, 1))
+    with pytest.raises(ValueError, match="all four scales"):
+        run(moe_experts_nvfp4, {**experts, "down_scale_2": None}, *batch)
