@@ -41,7 +41,7 @@ def main() -> None:
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - started) / steps * 1e3
     print(f"moe kernel {moe_kernel}: engine step {step_ms:.2f} ms, graph replay {replay_ms:.2f} ms")
-    engine.graphs = None  # eager steps for the profile
+    engine.runner.decode_graphs = None  # eager steps for the profile
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
     ) as prof:
@@ -49,7 +49,7 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    engine.graphs = graphs
+    engine.runner.decode_graphs = graphs
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             engine.step()

@@ -99,7 +99,7 @@ def main() -> None:
     for name, extra in sorted(growth.items(), key=lambda item: -abs(item[1]))[:15]:
         print(f"{extra:+9.1f} us  {name}")
     # Graphs off: one eager speculative step (verify forward and MTP draft), kernels by module type.
-    engine.graphs, engine.verify_graphs, engine.speculative.drafter.graphs = None, {}, {}
+    engine.runner.decode_graphs, engine.runner.verify_graphs, engine.speculative.drafter.graphs = None, {}, {}
     _table(
         "one eager speculative step (verify + draft), by module",
         _kernels_by_module(engine.model, engine.step),

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from morion.engine import engine as engine_module
-from morion.engine import speculative as speculative_module
-from morion.engine.cuda_graph import DecodeGraphRunner
 from morion.engine.scheduler import Scheduler
+from morion.runner.cuda_graph import DecodeGraphRunner
+from morion.spec import speculative as speculative_module
 from morion.spec.mtp import MtpDrafter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,7 +48,7 @@ def mark_phases() -> None:
         (engine_module.Engine, "_append_token", "append_token"),
         (Scheduler, "schedule", "schedule"),
         (spec, "_verify", "verify"),
-        (spec, "_commit", "commit"),
+        (engine_module.Engine, "_commit", "commit"),
         (spec, "_launch_drafts", "launch_drafts"),
         (MtpDrafter, "propose", "propose"),
         (MtpDrafter, "after_verify", "mtp.after_verify"),

@@ -32,9 +32,12 @@ import re
 import stat
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where weights are read: `morion cache` and the validate suites need no torch
+    import torch
 
 FORMAT_VERSION = 1
 BLOCK = 4096
@@ -82,6 +85,8 @@ def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 1024) -> st
     (about a millisecond per tensor); any re-quantization, dtype change, different seed or checkpoint
     changes the sample with near certainty. Not a security boundary: it stops a cache from being reused
     by a different model by accident."""
+    import torch
+
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):

@@ -32,11 +32,19 @@ class RequestOutput(NamedTuple):
 
 
 class StepOutput(NamedTuple):
+    """What one request gained in one step: everything a client is sent for it (the server's deltas are
+    made of these alone)."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    final: RequestOutput | None  # set once finished
+    final: RequestOutput | None  # set once finished: finish reason, usage, the whole answer
+    # With params.logprobs: one per new token (empty for an output that adds none); None otherwise.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With params.prompt_logprobs: on the request's first output only.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def internal_error(request_id: str) -> str:

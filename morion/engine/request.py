@@ -65,6 +65,7 @@ class Request:
     # With params.prompt_logprobs: entry i is prompt token i's (logprob, top alternatives) given the tokens
     # before it; entry 0 stays None (nothing predicts the first token).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_logprobs_reported: bool = False  # in a StepOutput already (they go out once)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
     @property

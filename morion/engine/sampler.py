@@ -81,6 +81,11 @@ class RequestSampler:
         """How often each of `output_ids` was generated (a view)."""
         return self._output_counts[: len(self._slot_of)]
 
+    def distribution(self, scores: torch.Tensor) -> torch.Tensor:
+        """Rows of fp32 `scores` as the distribution this request draws from (`sampling_probs`): what
+        rejection sampling of speculative drafts keeps (spec/rejection.py)."""
+        return sampling_probs(scores, [self.params] * scores.shape[0])
+
     def generator(self, device: torch.device) -> torch.Generator:
         """The request's generator, created and seeded on first use; a request samples on one device."""
         if self._generator is None:
@@ -111,6 +116,17 @@ class SampleResult(NamedTuple):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def committed_token(token: int, logprobs: torch.Tensor | None, params: SamplingParams) -> SampleResult:
+    """A token committed by a speculative verify as the sampler would report it: `logprobs` the
+    log-softmax of the raw logits at its row [V], for a request that asked for logprobs."""
+    if logprobs is None:
+        return SampleResult([token], None, None)
+    top_n = min(params.logprobs or 0, logprobs.shape[-1])
+    values, ids = logprobs.topk(top_n) if top_n else (logprobs[:0], logprobs[:0].long())
+    top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampleResult([token], [float(logprobs[token])], [top])
 
 
 def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleResult:

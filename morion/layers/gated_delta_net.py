@@ -205,7 +205,7 @@ class GatedDeltaNet(nn.Module):
         sampled token, then n - 1 drafts), and the state after each of them is kept: after token t it
         is in slot `slots[b, t]` (column 0 is the working slot). Whatever number of drafts is accepted,
         the state after the last accepted token is already in a slot: rollback costs nothing and
-        nothing is recomputed (engine/speculative.py).
+        nothing is recomputed (spec/speculative.py).
 
         On CUDA one conv launch and one gated-delta-rule launch cover all n tokens, each carrying the
         window and state from token to token and writing them to every token's slot. Elsewhere the

@@ -190,7 +190,7 @@ def _attend_block(
 # Arguments that vary with the batch (sequence and token counts, the page table's width) are not
 # specialized on: Triton would compile a variant per value class (1, a multiple of 16, other) the first
 # time a request brings one, stalling every running request for seconds (seen through the server on
-# the H200: a 4.1 s TTFT); one variant serves every batch. engine/warmup.py compiles the rest.
+# the H200: a 4.1 s TTFT); one variant serves every batch. runner/warmup.py compiles the rest.
 @triton.jit(do_not_specialize=["stride_pt_seq"])
 def _split_kernel(
     q_ptr,

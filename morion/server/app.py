@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from morion.engine.messages import EngineInfo
 from morion.server.anthropic_messages import register_messages_api
 from morion.server.chat_tools import ChatTooling
 from morion.server.completion_format import CompletionFormat
 from morion.server.describe import server_info
 from morion.server.engine_client import DRAINING, FAILED, LOADING, READY, EngineClient
+from morion.server.engine_messages import EngineInfo
 from morion.server.errors import APIError, error_body
 from morion.server.http_guards import install_browser_guards
 from morion.server.options import ServeOptions

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from morion.engine.messages import RequestDelta
 from morion.engine.outputs import PromptLogprob
+from morion.server.engine_messages import RequestDelta
 from morion.server.prepare import EngineJob
 from morion.server.protocol import CompletionRequest
 from morion.server.responses import Choice, ResponseFormat, TokenTexts, UsageTotals, prompt_logprobs_body

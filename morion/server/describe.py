@@ -14,7 +14,7 @@ from typing import Any
 
 from morion import __version__
 from morion.config import EngineConfig
-from morion.engine.messages import EngineInfo, EngineStats
+from morion.server.engine_messages import EngineInfo, EngineStats
 from morion.server.options import MAX_GRAMMAR_SOURCE_BYTES, ServeOptions
 from morion.server.protocol import MAX_N
 

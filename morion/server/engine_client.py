@@ -17,7 +17,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from morion.config import EngineConfig
-from morion.engine.messages import (
+from morion.engine.sampling_params import SamplingParams
+from morion.server.engine_messages import (
     AbortRequest,
     AddRequest,
     CacheEvicted,
@@ -30,7 +31,6 @@ from morion.engine.messages import (
     RequestDelta,
     Shutdown,
 )
-from morion.engine.sampling_params import SamplingParams
 from morion.server.engine_spawn import EngineProcess
 from morion.server.errors import APIError
 from morion.server.metrics import ServerMetrics

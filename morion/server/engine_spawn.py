@@ -49,6 +49,6 @@ def kill_engine(engine: EngineProcess) -> None:
 
 
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
-    from morion.engine.process import run_engine_process  # imported in the engine process only
+    from morion.server.engine_process import run_engine_process  # imported in the engine process only
 
     run_engine_process(config, inbox, outbox)

@@ -40,9 +40,9 @@ from morion.server.engine_spawn import kill_engine, spawn_engine
 from morion.server.options import ServeOptions
 
 if TYPE_CHECKING:
-    from morion.engine.messages import EngineInfo
     from morion.server.app import ServerContext
     from morion.server.engine_client import EngineClient
+    from morion.server.engine_messages import EngineInfo
 
 _ABORT_GRACE_S = 2.0  # after aborting what outlived the drain, how long its streams get to end
 

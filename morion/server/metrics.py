@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from morion.cache.tier_stats import CacheStats
-from morion.engine.messages import EngineInfo, EngineStats, SpecSnapshot
 from morion.engine.outputs import Usage
 from morion.engine.step_timing import StepTimes
+from morion.server.engine_messages import EngineInfo, EngineStats, SpecSnapshot
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)

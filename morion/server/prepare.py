@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from morion.engine.grammar import CompiledGrammar
-from morion.engine.messages import EngineInfo
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import InvalidRequestError
+from morion.server.engine_messages import EngineInfo
 from morion.server.errors import APIError
 from morion.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from morion.text.tokenizer import Tokenizer

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from morion.engine.messages import RequestDelta
 from morion.engine.outputs import PromptLogprob, Usage
+from morion.server.engine_messages import RequestDelta
 from morion.server.parsers.chat_output import ChatOutputParser, ParsedDelta
 from morion.server.parsers.tool_calls import ParsedToolCall, ToolCallDelta
 from morion.text.tokenizer import Tokenizer

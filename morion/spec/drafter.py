@@ -2,7 +2,7 @@
 
 Each decode step with speculation, the engine asks the drafter for up to `width` tokens per running
 request that continue its sequence (prompt + outputs so far); one target forward then verifies all of
-them (`engine/speculative.py`). A drafter never changes what the target generates: greedy output with
+them (`spec/speculative.py`). A drafter never changes what the target generates: greedy output with
 speculation equals output without, and sampled output keeps the target's distribution (rejection
 sampling); a drafter only changes how many tokens one target forward yields.
 

@@ -43,16 +43,13 @@ import numpy as np
 import torch
 
 from morion.cache.page_pool import PagePool
-from morion.engine.forward_batch import (
-    ForwardBatch,
-    KVScales,
-    PagedAttentionBackend,
-    build_forward_batch,
-    page_table_array,
-)
-from morion.engine.host_to_device import ToHost, to_device
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.ops.fp8 import FP8_DTYPE
+from morion.runner.backend import KVScales, PagedAttentionBackend
+from morion.runner.capture_failure import report_capture_failure
+from morion.runner.cuda_graph import DecodeGraphRunner
+from morion.runner.forward_batch import ForwardBatch, build_forward_batch, page_table_array
+from morion.runner.host_to_device import ToHost, to_device
 from morion.spec.drafter import DraftRequest, Drafts, PendingTokens, VerifyResult
 from morion.spec.frspec import to_full_ids
 from morion.spec.mtp_graph import MtpDraftGraphs
@@ -159,12 +156,30 @@ class MtpDrafter:
         # Drafts made right after a verify step (after_verify): request -> (its computed tokens then, the
         # step's drafts, its row in them)
         self._ready: dict[str, tuple[int, _HostDrafts, int]] = {}
-        self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (engine.py)
+        self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (`capture_graphs`)
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)
         self._reduced_head: torch.nn.Module | None = None
         if token_map is not None:
             self._reduced_head = reduced_head(model, self._token_map)
+
+    def capture_graphs(self, width: int, decode: DecodeGraphRunner, scratch_page: int) -> None:
+        """The after-verify draft of this width as CUDA graphs (spec/mtp_graph.py), in the decode graphs'
+        memory pool; eager where capture fails. Its hidden-state buffer is as wide as what the model's
+        forward returns (`hidden_width`: Qwen3.8-Flash-Next's n pre-mixer streams), in the embeddings'
+        dtype (never FP8)."""
+        model = self._model
+        dtype = model.model.embed_tokens.weight.dtype
+        graphs = MtpDraftGraphs(
+            self.draft_after_verify, width, decode.max_batch, decode.max_pages, model.hidden_width,
+            dtype, scratch_page, self._pool.device,
+        )  # fmt: skip
+        try:
+            graphs.capture(decode.memory_pool)
+        except RuntimeError as error:
+            report_capture_failure("MTP draft CUDA graph capture FAILED, drafts run eagerly", error)
+            return
+        self.graphs[width] = graphs
 
     def observe(self, request: DraftRequest, start: int, hidden: torch.Tensor) -> None:
         pending = self._pending.get(request.request_id)

@@ -3,7 +3,7 @@ per batch bucket, for one draft width.
 
 Eager, the draft is 1 + (width - 1) forwards of an MoE decoder layer plus their small ops, launched one
 by one every step: on the 80B preset that costs more than the verify forward it feeds. Its shapes depend
-only on the batch size and the width, so it captures like a decode step (`engine/cuda_graph.py`): inputs
+only on the batch size and the width, so it captures like a decode step (`runner/cuda_graph.py`): inputs
 are copied into static buffers, the graph of the smallest bucket >= B replays, and the drafts are read
 from its static output. Padding rows draft at positions 0 .. width of the scratch page (the verify graphs
 already need width + 1 <= page size), so they write no one's K/V.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from morion.engine.cuda_graph import batch_buckets
+from morion.runner.cuda_graph import batch_buckets
 
 DraftFunction = Callable[
     ..., torch.Tensor

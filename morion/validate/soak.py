@@ -44,7 +44,7 @@ _ENGINE_RSS = "morion_engine_process_resident_memory_bytes"
 _CACHE_MEMORY = "morion_engine_cache_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
 # Once idle, before the memory is read: a server may give freed memory back after a moment of idleness
-# (morion's engine after 1 s: morion/engine/heap_trim.py).
+# (morion's engine after 1 s: morion/server/heap_trim.py).
 _SETTLE_S = 2.0
 
 

@@ -96,7 +96,7 @@ def test_idle_trim_returns_freed_heap_memory() -> None:
     script = textwrap.dedent(
         """
         import ctypes
-        from morion.engine.heap_trim import release_free_heap
+        from morion.server.heap_trim import release_free_heap
 
         def resident():
             with open("/proc/self/statm") as statm:

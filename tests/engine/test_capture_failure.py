@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from morion.engine.engine import _report_capture_failure, is_device_fault
 from morion.errors import MorionError
+from morion.runner.capture_failure import is_device_fault
+from morion.runner.capture_failure import report_capture_failure as _report_capture_failure
 
 
 def _raised(message: str) -> RuntimeError:

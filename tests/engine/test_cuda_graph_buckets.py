@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from morion.engine.cuda_graph import batch_buckets
+from morion.runner.cuda_graph import batch_buckets
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 3, 8, 9, 64, 65, 100, 128])

@@ -108,7 +108,7 @@ def _compiled_variants() -> dict[str, list[str]]:
 
 def test_serving_compiles_no_kernel_after_the_warm_up(tiny_qwen3_next, engine_factory, engine_runner):
     """After the engine's warm-up, requests of any shape run on kernels compiled already: a compile while
-    serving stalls every running request for seconds (engine/warmup.py)."""
+    serving stalls every running request for seconds (runner/warmup.py)."""
     loaded = tiny_qwen3_next._replace(model=copy.deepcopy(tiny_qwen3_next.model).to("cuda", torch.bfloat16))
     engine = engine_factory(
         loaded, device="cuda", page_size=16, chunk_size=256, max_running_requests=8, cuda_graph_max_batch=4

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from morion.engine.forward_batch import build_forward_batch
-from morion.engine.host_to_device import ToHost, to_device
+from morion.runner.forward_batch import build_forward_batch
+from morion.runner.host_to_device import ToHost, to_device
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 

@@ -1,4 +1,4 @@
-"""The warm-up's batch shapes (engine/warmup.py): every kind of forward and every MoE pair block a
+"""The warm-up's batch shapes (runner/warmup.py): every kind of forward and every MoE pair block a
 decode or short forward can take, within the engine's limits."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS
-from morion.engine.warmup import warmup_batches
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
+from morion.runner.warmup import warmup_batches
 
 
 def _pair_block(tokens: int, top_k: int) -> int:

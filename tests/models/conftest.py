@@ -15,10 +15,11 @@ import transformers
 from morion.cache.page_pool import PagePool
 from morion.cache.spec import CacheSpec
 from morion.cache.state_slots import StateSlots
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.loader import LoadedModel, load_model
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.ops.attention import causal_attention_reference
+from morion.runner.backend import PagedAttentionBackend
+from morion.runner.forward_batch import build_forward_batch
 
 
 class ReferenceHybridBackend:

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from morion.cache.page_pool import PagePool
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-from morion.engine.forward_batch import PagedAttentionBackend, build_forward_batch
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.qsa_attention import QSAAttention
+from morion.runner.backend import PagedAttentionBackend
+from morion.runner.forward_batch import build_forward_batch
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.mtp import MtpDrafter, _UniformBackend
 from morion.spec.mtp_graph import MtpDraftGraphs
@@ -336,16 +337,17 @@ def test_after_verify_draft_makes_no_host_sync_in_qsa(qwen4_exp_tiny, engine_run
 def test_draft_graph_buffers_hold_the_pre_mixer_streams(
     qwen4_exp_tiny, engine_runner, prompts, plain, monkeypatch
 ):
-    """The engine's draft-graph setup (`_capture_draft_graphs`) with the runner prepared eagerly instead of
+    """The draft-graph setup (`MtpDrafter.capture_graphs`) with the runner prepared eagerly instead of
     captured (no CUDA here): its hidden buffer is n * H wide, and its static buffers, bucket padding and
     slicing give the plain after-verify drafts."""
     monkeypatch.setattr(MtpDraftGraphs, "capture", lambda self, pool: (self.prepare_eager(), pool)[1])
     reference = _mtp_engine(qwen4_exp_tiny)
     staged = _mtp_engine(qwen4_exp_tiny, max_running_requests=8)
-    staged._scratch_pages = staged.pool.alloc(1)  # padding rows write here, as on CUDA
+    staged.runner.scratch_pages = staged.pool.alloc(1)  # padding rows write here, as on CUDA
     drafter = staged.speculative.drafter
     assert isinstance(drafter, MtpDrafter)
-    staged._capture_draft_graphs(drafter, WIDTH, SimpleNamespace(max_batch=8, max_pages=64, memory_pool=None))
+    decode = SimpleNamespace(max_batch=8, max_pages=64, memory_pool=None)
+    drafter.capture_graphs(WIDTH, decode, staged.runner.scratch_pages[0])
     graphs = drafter.graphs[WIDTH]
     config = qwen4_exp_tiny.model.config
     assert (

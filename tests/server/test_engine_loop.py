@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from morion.cache.tier_stats import CacheStats
-from morion.engine.messages import AbortRequest, AddRequest, Shutdown
+from morion.engine.engine import Engine
 from morion.engine.outputs import RequestOutput, StepOutput, Usage
-from morion.engine.process import EngineLoop, _step_logprobs
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
 from morion.errors import InvalidRequestError
+from morion.server.engine_messages import AbortRequest, AddRequest, Shutdown
+from morion.server.engine_process import EngineLoop
 
 
 class StubEngine:
@@ -134,7 +135,7 @@ def test_stats_after_idle_integrity_check(loop):
 def test_the_last_answer_goes_out_before_the_idle_integrity_check():
     """The check walks the whole pool (264K pages on the 80B preset): a request that ends the engine's work
     must not wait for it, and the check's result follows in a message of its own."""
-    from morion.engine.process import serve
+    from morion.server.engine_process import serve
 
     engine = StubEngine()
     sent: list[tuple[str, object]] = []
@@ -160,7 +161,7 @@ def test_the_last_answer_goes_out_before_the_idle_integrity_check():
 
 def test_busy_outputs_carry_stats_at_most_every_period_and_always_when_idle(monkeypatch):
     """Stats cost time on every step's way out; the front end's gauges need them a few times a second."""
-    from morion.engine import process
+    from morion.server import engine_process as process
 
     clock = iter(range(1000))  # each reading 10 ms later than the last: a period is every 5th step
     monkeypatch.setattr(process.time, "monotonic", lambda: next(clock) / 100)
@@ -182,7 +183,7 @@ def test_busy_outputs_carry_stats_at_most_every_period_and_always_when_idle(monk
 def test_the_heap_is_trimmed_after_a_second_of_idleness_only(monkeypatch, quiet):
     """Back-to-back requests never pay the trim (nor fault its pages in again); an engine left idle for
     HEAP_TRIM_IDLE_S gives the memory its work freed back, once."""
-    from morion.engine import process
+    from morion.server import engine_process as process
 
     trims = []
     monkeypatch.setattr(process, "release_free_heap", lambda: trims.append("trim"))
@@ -206,9 +207,14 @@ def test_the_heap_is_trimmed_after_a_second_of_idleness_only(monkeypatch, quiet)
 
 def test_a_step_without_new_tokens_carries_no_logprobs():
     """A request that ends (an error, an abort) in a step that added no token sends no logprobs, not the
-    whole answer's again."""
-    running = {
-        "r": SimpleNamespace(output_logprobs=[-0.1, -0.2], output_top_logprobs=[[(1, -0.1)], [(2, -0.2)]])
-    }
-    assert _step_logprobs(StepOutput("r", [], "", False, None), running) == ([], [])
-    assert _step_logprobs(StepOutput("r", [2], "", False, None), running) == ([-0.2], [[(2, -0.2)]])
+    whole answer's again. The engine's step outputs carry them (the loop forwards them as they are)."""
+    request = SimpleNamespace(
+        request_id="r",
+        params=SimpleNamespace(logprobs=1),
+        prompt_logprobs=None,
+        output_logprobs=[-0.1, -0.2],
+        output_top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
+    )
+    none, last = Engine._output(request, [], ""), Engine._output(request, [2], "")
+    assert (none.logprobs, none.top_logprobs) == ([], [])
+    assert (last.logprobs, last.top_logprobs) == ([-0.2], [[(2, -0.2)]])

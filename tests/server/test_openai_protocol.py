@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import WordLevel
 
-from morion.engine.messages import RequestDelta
+from morion.server.engine_messages import RequestDelta
 from morion.server.parsers.chat_output import ChatOutputParser
 from morion.server.parsers.reasoning import Qwen3ReasoningParser
 from morion.server.prepare import fill_in_the_middle

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from morion.engine.messages import RequestDelta
 from morion.engine.outputs import Usage
 from morion.server.chat_stream import answer_blocks
 from morion.server.completion_format import CompletionFormat
+from morion.server.engine_messages import RequestDelta
 from morion.server.errors import APIError
 from morion.server.prepare import EngineJob
 from morion.server.protocol import CompletionRequest, parse_body

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from morion.config import EngineConfig
-from morion.engine.engine import max_model_len
-from morion.engine.messages import EngineInfo
+from morion.engine.assembly import max_model_len
 from morion.server.describe import automatic_decisions, server_info, startup_summary
+from morion.server.engine_messages import EngineInfo
 from morion.server.options import ServeOptions
 
 PAGE = 16

@@ -13,8 +13,10 @@ import torch
 from morion.cache.page_pool import PagePool
 from morion.cache.spec import CacheSpec
 from morion.cache.state_slots import StateSlots
-from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
+from morion.runner.backend import KVScales
+from morion.runner.forward_batch import build_forward_batch
+from morion.runner.model_runner import forward_eager
 
 
 @torch.inference_mode()
@@ -79,14 +81,13 @@ def _scratch_forward(
         page_size,
         device,
     )
-    backend = PagedAttentionBackend(pool, batch, slots, kv_scales)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    hidden = model(batch.input_ids, batch.positions, backend)
+    hidden = forward_eager(model, pool, batch, slots, kv_scales)
     model.compute_logits(hidden[batch.last_rows])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del pool, slots, batch, backend, hidden
+    del pool, slots, batch, hidden
     torch.cuda.empty_cache()
     return peak

@@ -1,8 +1,8 @@
-"""Speculative decoding in the engine: draft, verify in one target forward, accept, roll back.
+"""Speculative decoding: draft, verify in one target forward, accept, roll back.
 
 Per step, the running requests that decode (one uncomputed token: the last sampled one) and are eligible
 (no grammar, no penalties: both depend on every token before them, so drafts would need their state
-replayed) are handed to `SpeculativeDecoding.step` instead of the ordinary decode forward:
+replayed) are handed to `SpeculativeDecoding.verify` instead of the ordinary decode forward:
 
 1. Width: the policy (`spec/policy.py`) picks k for this batch size; the drafter proposes up to k tokens
    per request. With no proposals at all the requests decode normally (CUDA graphs included).
@@ -17,11 +17,13 @@ replayed) are handed to `SpeculativeDecoding.step` instead of the ordinary decod
    acceptance is computed on the device, and an MTP drafter launches the next step's drafts from it
    before the host has read anything: the device goes from the verify to the drafts without waiting
    for the host's commit.
-4. Commit token by token: the state after the last accepted position becomes the working slot by
-   swapping slot numbers (no copy, no recompute); K/V beyond the accepted tokens stay in the pages
-   and are overwritten later (rollback is `num_computed`). Each committed token goes through the
-   scheduler's decode bookkeeping (a page boundary keeps its state for the prefix cache) and the
-   engine's finish rules, so a stop token inside accepted drafts ends the request right there.
+4. Commit: `verify` returns, per request, the tokens to commit (`VerifiedRow`); the engine commits them
+   token by token (engine/engine.py): before token j, `VerifiedRow.use_state_after(j)` makes the state
+   after position j the working slot by swapping slot numbers (no copy, no recompute); K/V beyond the
+   accepted tokens stay in the pages and are overwritten later (rollback is `num_computed`). Each
+   committed token goes through the scheduler's decode bookkeeping (a page boundary keeps its state for
+   the prefix cache) and the engine's finish rules, so a stop token inside accepted drafts ends the
+   request right there. Then `after_commit` tells the drafter where each request stands.
 
 Greedy output with speculation equals output without it, token for token. Seeded sampling is
 reproducible for a given speculation setting, but draws differ from a run without speculation.
@@ -29,21 +31,16 @@ reproducible for a given speculation setting, but draws differ from a run withou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from morion.engine.cuda_graph import DecodeGraphRunner
-from morion.engine.forward_batch import KVScales, PagedAttentionBackend, build_forward_batch, page_table_array
-from morion.engine.host_to_device import to_device
-from morion.engine.outputs import StepOutput
-from morion.engine.request import Request
-from morion.engine.sampler import SampleResult
-from morion.engine.scheduler import Scheduler
-from morion.engine.verify_acceptance import Acceptance, VerifyRow, decide_acceptance, padded_draft
+from morion.runner.forward_batch import build_forward_batch, page_table_array
+from morion.runner.host_to_device import to_device
+from morion.runner.model_runner import ModelRunner
 from morion.spec.drafter import (
     Drafter,
     DraftRequest,
@@ -53,7 +50,10 @@ from morion.spec.drafter import (
     VerifyResult,
 )
 from morion.spec.forced import ForcedAcceptance
+from morion.spec.mtp import MtpDrafter
 from morion.spec.policy import WidthPolicy
+from morion.spec.target import SpecRequest, VerifyRoom
+from morion.spec.verify_acceptance import Acceptance, VerifyRow, decide_acceptance, padded_draft
 
 
 @dataclass
@@ -86,12 +86,45 @@ class SpecStats:
         self.emitted_tokens += emitted
 
 
-AppendToken = Callable[[Request, int, SampleResult], StepOutput]
+class VerifiedRow(NamedTuple):
+    """What one request's verify decided: the tokens to commit, in order (its accepted drafts, then the
+    target's own token). `logprobs` [n, V]: the log-softmax of the verify's logits at its rows, for a
+    request that asked for logprobs (token j's are row j). `state_columns` (models with state): the slot
+    holding the state after each verify position, column 0 the working slot."""
+
+    request: SpecRequest
+    tokens: list[int]
+    logprobs: torch.Tensor | None
+    state_columns: list[int] | None
+    start: int  # the request's computed tokens before the verify
+
+    def use_state_after(self, j: int) -> None:
+        """Before committing token j: the request has computed its last token and the j drafts before
+        token j, so its working state becomes the one after them (verify column j), the others its draft
+        slots."""
+        columns = self.state_columns
+        if columns is not None:
+            self.request.state_slot = columns[j]
+            self.request.draft_slots = columns[:j] + columns[j + 1 :]
+
+
+class VerifyStep(NamedTuple):
+    """One step's speculation: the verified requests' rows (commit each, then call `after_commit`), and
+    the requests left to decode normally (no drafts, or no room for them)."""
+
+    rows: list[VerifiedRow]
+    plain: list[SpecRequest]
+    drafting: _Drafting | None  # the next step's drafts, launched before the commit
 
 
 class SpeculativeDecoding:
     def __init__(
-        self, drafter: Drafter, policy: WidthPolicy, has_state: bool, forced: ForcedAcceptance | None = None
+        self,
+        drafter: Drafter,
+        policy: WidthPolicy,
+        has_state: bool,
+        runner: ModelRunner,
+        forced: ForcedAcceptance | None = None,
     ) -> None:
         """`forced` (benchmarks only, spec/forced.py) replaces the target's verdict on the drafts."""
         self.drafter = drafter
@@ -99,9 +132,10 @@ class SpeculativeDecoding:
         self.has_state = has_state
         self.forced = forced
         self.stats = SpecStats()
+        self._runner = runner
 
     @staticmethod
-    def eligible(request: Request) -> bool:
+    def eligible(request: SpecRequest) -> bool:
         params = request.params
         return (
             request.sampler.grammar is None
@@ -110,61 +144,58 @@ class SpeculativeDecoding:
             and params.frequency_penalty == 0.0
         )
 
-    def step(
-        self,
-        requests: Sequence[Request],
-        model: torch.nn.Module,
-        scheduler: Scheduler,
-        max_model_len: int,
-        kv_scales: KVScales,
-        append_token: AppendToken,
-        graphs: Mapping[int, DecodeGraphRunner],
-    ) -> tuple[list[StepOutput], list[Request]]:
-        """Drafts and verifies for `requests` (each decoding, its last token uncomputed). Returns the step
-        outputs and the requests left to decode normally (no drafts, or no room for them)."""
+    def capture_graphs(self, page_size: int) -> None:
+        """The verify forward of every width the policy may pick as CUDA graphs (after the runner's decode
+        graphs, in their memory pool), and an MTP drafter's after-verify draft of that width; eager from
+        the first width whose verify capture fails."""
+        for width in self.policy.candidate_widths:
+            if width + 1 > page_size:
+                continue  # padding rows keep their tokens in one scratch page
+            if not self._runner.capture_verify_graph(width + 1):
+                return
+            if isinstance(self.drafter, MtpDrafter):
+                self.drafter.capture_graphs(width, self._runner.decode_graphs, self._runner.scratch_pages[0])
+
+    def verify(self, requests: Sequence[SpecRequest], room: VerifyRoom, max_model_len: int) -> VerifyStep:
+        """Drafts and verifies for `requests` (each decoding, its last token uncomputed)."""
         width = self.policy.width(len(requests))
         self.stats.active_width = width
         # Positions past the context cannot be verified: the widest verify must fit every request.
         width = min([width, *(max_model_len - r.num_tokens for r in requests)])
         if width <= 0:
-            return [], list(requests)
+            return VerifyStep([], list(requests), None)
         # Room first (an MTP drafter writes its K/V at the draft positions while drafting).
         slots = width if self.has_state else 0
-        room = [r for r in requests if scheduler.reserve_for_verify(r, 1 + width, slots)]
-        plain = [r for r in requests if r not in room]
-        drafts = self.drafter.propose([_draft_request(r) for r in room], width)
+        with_room = [r for r in requests if room.reserve_for_verify(r, 1 + width, slots)]
+        plain = [r for r in requests if r not in with_room]
+        drafts = self.drafter.propose([_draft_request(r) for r in with_room], width)
         verifying = []
-        for request, tokens, probs in zip(room, drafts.tokens, drafts.probs, strict=True):
+        for request, tokens, probs in zip(with_room, drafts.tokens, drafts.probs, strict=True):
             if tokens:
                 verifying.append((request, tokens[:width], probs))  # PendingTokens stay pending
             else:
                 plain.append(request)
         if not verifying:
-            return [], plain
+            return VerifyStep([], plain, None)
         widest = max(len(tokens) for _, tokens, _ in verifying)
-        graph = graphs.get(1 + widest)
-        outputs = self._verify(verifying, widest, model, scheduler, kv_scales, append_token, graph)
-        self.policy.observe(len(requests), width, [accepted for accepted, _ in outputs])
-        return [output for _, emitted in outputs for output in emitted], plain
+        rows, drafting, accepted = self._verify(verifying, widest, room)
+        self.policy.observe(len(requests), width, accepted)
+        return VerifyStep(rows, plain, drafting)
 
-    def observe(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+    def observe(self, request: SpecRequest, start: int, hidden: torch.Tensor) -> None:
         """The target computed `request`'s positions start .. start + len(hidden) - 1 (an MTP drafter
         keeps their hidden states)."""
         if isinstance(self.drafter, HiddenStateDrafter):
             self.drafter.observe(_draft_request(request), start, hidden)
 
     def _verify(
-        self,
-        verifying: list[VerifyRow],
-        width: int,
-        model: torch.nn.Module,
-        scheduler: Scheduler,
-        kv_scales: KVScales,
-        append_token: AppendToken,
-        graph: DecodeGraphRunner | None,
-    ) -> list[tuple[int, list[StepOutput]]]:
+        self, verifying: list[VerifyRow], width: int, room: VerifyRoom
+    ) -> tuple[list[VerifiedRow], _Drafting | None, list[int]]:
+        """The verify forward of `verifying` (1 + `width` tokens each) and its acceptance; returns the rows
+        to commit, the next step's drafts when launched, and the drafts each row accepted."""
         n = 1 + width
-        device = next(model.parameters()).device
+        runner = self._runner
+        device = next(runner.model.parameters()).device
         # Drafts still on their way from the device (PendingTokens) run as placeholders in the host-built
         # batch and are written into its input ids on the device: the verify is launched without waiting
         # for them, and the host reads them only after it (below).
@@ -179,7 +210,7 @@ class SpeculativeDecoding:
                 for r, d, _ in verifying
             ],
             [r.state_slot for r, _, _ in verifying],
-            scheduler.page_size,
+            runner.pool.page_size,
             device,
         )
         input_rows = batch.input_ids.view(len(verifying), n)
@@ -190,15 +221,9 @@ class SpeculativeDecoding:
         if self.has_state:
             columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
             [verify_slots] = to_device([np.asarray(columns, dtype=np.int32)], device)
-        if graph is not None and graph.can_run(batch):
-            logits = graph.run(batch, verify_slots)
-            hidden = graph.last_hidden(len(verifying) * n)
-        else:
-            backend = PagedAttentionBackend(scheduler.pool, batch, scheduler.slots, kv_scales, verify_slots)
-            hidden = model(batch.input_ids, batch.positions, backend)
-            logits = model.compute_logits(hidden)
-        logits = logits.float().view(len(verifying), n, -1)
-        hidden = hidden.view(len(verifying), n, -1)
+        forward = runner.verify(batch, verify_slots)
+        logits = forward.logits.float().view(len(verifying), n, -1)
+        hidden = forward.hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1
         # Everything the host reads of the verify's outputs is taken before the next step's drafts are
         # launched: the draft graph shares the verify graph's memory pool and overwrites its outputs.
@@ -207,27 +232,36 @@ class SpeculativeDecoding:
             for row, (request, _, _) in enumerate(verifying)
         ]
         acceptance = decide_acceptance(verifying, input_rows, logits, width, self.forced)
-        drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, scheduler)
+        drafting = self._launch_drafts(verifying, input_rows, hidden, acceptance, width, room)
         accepted_counts, next_tokens = acceptance.on_host()
-        results = []
-        kept: list[tuple[str, int, int]] = []
+        rows = []
         for row, (request, tokens, _) in enumerate(verifying):
             accepted, next_token = accepted_counts[row], next_tokens[row]
             emitted = [*padded_draft(request, tokens, width)[:accepted], next_token]
             self.stats.count(len(tokens), min(accepted, len(tokens)), len(emitted))
-            start = request.num_computed
-            outputs = self._commit(request, emitted, raw_logprobs[row], scheduler, append_token)
-            results.append((accepted, outputs))
-            if request.is_finished or drafting is None:
+            columns = [request.state_slot, *request.draft_slots] if self.has_state else None
+            rows.append(VerifiedRow(request, emitted, raw_logprobs[row], columns, request.num_computed))
+        return rows, drafting, accepted_counts
+
+    def after_commit(self, step: VerifyStep) -> None:
+        """Once the engine committed `step`'s rows: the drafter keeps the next drafts it launched for the
+        requests still running, or, for those without room for them, the hidden states of the positions
+        they committed (the head waits for the next proposal)."""
+        drafting = step.drafting
+        if drafting is None:
+            return
+        kept: list[tuple[str, int, int]] = []
+        for row, verified in enumerate(step.rows):
+            request = verified.request
+            if request.is_finished:
                 continue
             if row in drafting.draft_rows:
                 kept.append((request.request_id, drafting.draft_rows[row], request.num_computed))
-            else:  # no room for the next drafts: the head waits for the next proposal
-                rows = drafting.waiting_hidden[row][: request.num_computed - start]
-                self.drafter.observe(_draft_request(request), start, rows)
-        if drafting is not None and drafting.handle is not None:
+            else:
+                rows = drafting.waiting_hidden[row][: request.num_computed - verified.start]
+                self.drafter.observe(_draft_request(request), verified.start, rows)
+        if drafting.handle is not None:
             self.drafter.keep_drafts(drafting.handle, kept)
-        return results
 
     def _launch_drafts(
         self,
@@ -236,7 +270,7 @@ class SpeculativeDecoding:
         hidden: torch.Tensor,
         acceptance: Acceptance,
         width: int,
-        scheduler: Scheduler,
+        room: VerifyRoom,
     ) -> _Drafting | None:
         """Hands the verify's hidden states to a drafter that reads them, before the commit. A verify-aware
         one (MTP) drafts the next step's tokens right away on the device, for the requests with room for
@@ -251,7 +285,7 @@ class SpeculativeDecoding:
             rows = [
                 row
                 for row, (request, _, _) in enumerate(verifying)
-                if scheduler.reserve_for_verify(request, 2 * (1 + width), slots)
+                if room.reserve_for_verify(request, 2 * (1 + width), slots)
             ]
         waiting = [row for row in range(len(verifying)) if row not in rows]
         # Indexing by a list copies: the draft graph may reuse `hidden`'s memory.
@@ -276,31 +310,6 @@ class SpeculativeDecoding:
             )
         return _Drafting({row: i for i, row in enumerate(rows)}, handle, waiting_hidden)
 
-    def _commit(
-        self,
-        request: Request,
-        emitted: list[int],
-        raw: torch.Tensor | None,
-        scheduler: Scheduler,
-        append_token: AppendToken,
-    ) -> list[StepOutput]:
-        """Appends `emitted` one by one; before token j, the request has computed its last token and the
-        j drafts before token j, and its working state is the one after them (verify column j). `raw`:
-        the log-softmax of the verify's logits per row, for a request that asked for logprobs."""
-        columns = [request.state_slot, *request.draft_slots]
-        outputs = []
-        for j, token in enumerate(emitted):
-            if self.has_state:
-                request.state_slot = columns[j]
-                request.draft_slots = columns[:j] + columns[j + 1 :]
-            scheduler.after_verified_token(request)
-            outputs.append(
-                append_token(request, 0, _one_token(token, raw[j] if raw is not None else None, request))
-            )
-            if request.is_finished:
-                break
-        return outputs
-
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
 
@@ -314,15 +323,5 @@ class _Drafting(NamedTuple):
     waiting_hidden: dict[int, torch.Tensor]
 
 
-def _draft_request(request: Request) -> DraftRequest:
+def _draft_request(request: SpecRequest) -> DraftRequest:
     return DraftRequest(request.request_id, request.token_ids, request.pages, request.num_computed)
-
-
-def _one_token(token: int, logprobs: torch.Tensor | None, request: Request) -> SampleResult:
-    """The committed token as the sampler would report it (logprobs of the raw logits at its row)."""
-    if logprobs is None:
-        return SampleResult([token], None, None)
-    top_n = min(request.params.logprobs or 0, logprobs.shape[-1])
-    values, ids = logprobs.topk(top_n) if top_n else (logprobs[:0], logprobs[:0].long())
-    top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return SampleResult([token], [float(logprobs[token])], [top])

@@ -1,4 +1,4 @@
-"""Which drafts a verify forward accepts (engine/speculative.py), per row of the verify batch.
+"""Which drafts a verify forward accepts (spec/speculative.py), per row of the verify batch.
 
 Greedy requests keep their drafts while they equal the target's argmax, and a benchmark's forced
 acceptance (spec/forced.py) keeps a drawn number of them: both need only the target's argmax, so they
@@ -15,13 +15,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from morion.engine.host_to_device import ToHost, to_device
-from morion.engine.request import Request
-from morion.engine.sampler import sampling_probs
+from morion.runner.host_to_device import ToHost, to_device
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.rejection import greedy_accept, rejection_sample
+from morion.spec.target import SpecRequest
 
-VerifyRow = tuple[Request, Sequence[int], torch.Tensor | None]  # request, its drafts, their probabilities
+VerifyRow = tuple[SpecRequest, Sequence[int], torch.Tensor | None]  # request, its drafts, their probabilities
 
 
 class Acceptance(NamedTuple):
@@ -50,7 +49,7 @@ class Acceptance(NamedTuple):
         return [a for a, _ in host], [t for _, t in host]
 
 
-def padded_draft(request: Request, tokens: Sequence[int], width: int) -> list[int]:
+def padded_draft(request: SpecRequest, tokens: Sequence[int], width: int) -> list[int]:
     """A row's `width` verify inputs after its last token: its drafts, then repeats of the last token (a
     repeat is verified like any draft: accepting one is what the target itself would pick)."""
     return [*tokens, *[request.token_ids[-1]] * (width - len(tokens))]
@@ -93,14 +92,13 @@ def decide_acceptance(
 
 
 def _sample_accept(
-    request: Request, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
+    request: SpecRequest, logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None, proposed: int
 ) -> tuple[int, int]:
     """Rejection sampling of a sampled request's drafts (padding positions: one-hot proposals)."""
     drafted = torch.tensor(draft, device=logits.device)
-    params = request.params
     if probs is not None and proposed < len(draft):
         # Padding positions are deterministic proposals: one-hot rows.
         padding = torch.nn.functional.one_hot(drafted[proposed:], logits.shape[-1]).to(probs)
         probs = torch.cat([probs.to(logits.device), padding])
-    target = sampling_probs(logits, [params] * logits.shape[0])
+    target = request.sampler.distribution(logits)
     return rejection_sample(target, drafted, probs, request.sampler.generator(logits.device))

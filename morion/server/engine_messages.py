@@ -74,7 +74,7 @@ class EngineFailed(NamedTuple):
 
 @dataclass(frozen=True)
 class SpecSnapshot:
-    """Speculative decoding since the engine started (`SpecStats` of engine/speculative.py), copied per step.
+    """Speculative decoding since the engine started (`SpecStats` of spec/speculative.py), copied per step.
 
     Index j of the per-position tuples is draft position j + 1 (the first draft of a step is position 1);
     accepted_by_position[j] <= drafted_by_position[j], and the tuples sum to accepted_tokens and

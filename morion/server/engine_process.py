@@ -1,6 +1,8 @@
-"""The engine process: owns the Engine, steps it while there is work, blocks on its inbox when idle.
+"""The engine process of `morion serve`: owns the Engine, steps it while there is work, blocks on its inbox
+when idle. The front end never imports this module (it imports torch and the engine); `engine_spawn.py`
+names it for the spawned process.
 
-The front end (morion.server) spawns `run_engine_process` and talks to it over two one-way pipes:
+The front end spawns `run_engine_process` and talks to it over two one-way pipes (`engine_messages.py`):
 requests and aborts come in on the inbox, one `EngineOutputs` per step goes out on the outbox. They are
 plain pipes, written and read by the threads that make and use the messages: no I/O thread wakes per
 token to compete with the model's threads for the cores. A request whose own sampling or output
@@ -21,8 +23,10 @@ import torch
 
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-from morion.engine.heap_trim import HEAP_TRIM_IDLE_S, release_free_heap
-from morion.engine.messages import (
+from morion.engine.outputs import internal_error
+from morion.errors import InvalidRequestError, MorionError
+from morion.logs import show_morion_logs
+from morion.server.engine_messages import (
     AbortRequest,
     AddRequest,
     CacheEvicted,
@@ -36,10 +40,8 @@ from morion.engine.messages import (
     Shutdown,
     SpecSnapshot,
 )
-from morion.engine.outputs import StepOutput, internal_error
-from morion.engine.speculative import SpeculativeDecoding
-from morion.errors import InvalidRequestError, MorionError
-from morion.logs import show_morion_logs
+from morion.server.heap_trim import HEAP_TRIM_IDLE_S, release_free_heap
+from morion.spec.speculative import SpeculativeDecoding
 
 _CUDA_ALLOCATED_PERIOD_S = 1.0
 STATS_PERIOD_S = 0.05  # while busy, outputs carry the engine stats at most this often (serve)
@@ -51,8 +53,8 @@ class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.stopped = False
-        self._wants_logprobs: dict[str, bool] = {}  # every request the engine holds, by id
-        self._prompt_logprobs_sent: set[str] = set()
+        # Every request the engine holds, by id, in arrival order (what Shutdown aborts, a failed step fails).
+        self._live: dict[str, None] = {}
         self._integrity = "ok"
         self._cache_memory_bytes = engine.cache_memory_bytes()
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
@@ -67,7 +69,7 @@ class EngineLoop:
             return self._abort(message.request_id)
         if isinstance(message, Shutdown):
             self.stopped = True
-            return [delta for request_id in list(self._wants_logprobs) for delta in self._abort(request_id)]
+            return [delta for request_id in list(self._live) for delta in self._abort(request_id)]
         if isinstance(message, EvictDeviceCache):
             self.replies.append(CacheEvicted(message.reply_id, self.engine.evict_device_cache()))
             return []
@@ -81,13 +83,13 @@ class EngineLoop:
         except Exception:
             traceback.print_exc()
             return [_error_delta(message.request_id, internal_error(message.request_id), internal=True)]
-        self._wants_logprobs[message.request_id] = message.params.logprobs is not None
+        self._live[message.request_id] = None
         return []
 
     def _abort(self, request_id: str) -> list[RequestDelta]:
-        if self._wants_logprobs.pop(request_id, None) is None:
+        if request_id not in self._live:
             return []  # finished already; its last delta is on its way
-        self._prompt_logprobs_sent.discard(request_id)
+        del self._live[request_id]
         final = self.engine.abort(request_id)
         usage = final.usage if final is not None else None
         return [RequestDelta(request_id, [], "", None, None, "abort", usage)]
@@ -100,22 +102,10 @@ class EngineLoop:
             traceback.print_exc()
             return self._fail_all()
         deltas = []
-        running = {r.request_id: r for r in self.engine.scheduler.running}
         for step in steps:
-            logprobs = top_logprobs = None
-            if self._wants_logprobs.get(step.request_id):
-                logprobs, top_logprobs = _step_logprobs(step, running)
-            request = running.get(step.request_id)
-            source = step.final if step.final is not None else request
-            prompt_logprobs = None
-            wants_prompt = source is not None and source.prompt_logprobs is not None
-            if wants_prompt and step.request_id not in self._prompt_logprobs_sent:
-                self._prompt_logprobs_sent.add(step.request_id)
-                prompt_logprobs = source.prompt_logprobs
             ending = {}
             if step.final is not None:
-                del self._wants_logprobs[step.request_id]
-                self._prompt_logprobs_sent.discard(step.request_id)
+                del self._live[step.request_id]
                 final = step.final
                 ending = {
                     "finish_reason": final.finish_reason,
@@ -129,19 +119,18 @@ class EngineLoop:
                     step.request_id,
                     step.new_token_ids,
                     step.new_text,
-                    logprobs,
-                    top_logprobs,
-                    prompt_logprobs=prompt_logprobs,
+                    step.logprobs,
+                    step.top_logprobs,
+                    prompt_logprobs=step.prompt_logprobs,
                     **ending,
                 )
             )
         return deltas
 
     def _fail_all(self) -> list[RequestDelta]:
-        self._prompt_logprobs_sent.clear()
         deltas = []
-        for request_id in list(self._wants_logprobs):
-            del self._wants_logprobs[request_id]
+        for request_id in list(self._live):
+            del self._live[request_id]
             try:
                 self.engine.abort(request_id)
             except Exception:
@@ -210,23 +199,6 @@ def _spec_snapshot(speculative: SpeculativeDecoding | None) -> SpecSnapshot | No
         max_width=speculative.policy.max_width,
         mean_accepted_length=stats.mean_accepted_length,
     )
-
-
-def _step_logprobs(
-    step: StepOutput, running: dict | None
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    # StepOutput carries no logprobs; they are the last entries of the request's lists (the final output
-    # for a finished request, the running Request otherwise: sampled requests are always running).
-    count = len(step.new_token_ids)
-    if step.final is not None:
-        source_logprobs, source_top = step.final.logprobs, step.final.top_logprobs
-    else:
-        request = running[step.request_id]
-        source_logprobs, source_top = request.output_logprobs, request.output_top_logprobs
-    if source_logprobs is None or source_top is None:
-        return None, None
-    start = len(source_logprobs) - count  # not [-count:]: a step that adds no token (count 0) sends none
-    return source_logprobs[start:], source_top[start:]
 
 
 def _error_delta(request_id: str, message: str, internal: bool) -> RequestDelta:

@@ -1,99 +1,18 @@
-"""One engine step as the model sees it: a flat token batch, its paging metadata as device tensors, and
-the backend that gives the layers the engine's memory (K/V pages and state slots)."""
+"""The layers' backend over the engine's memory: attention K/V and side caches in the page pool, per-request
+state in the state slots, and, while host/disk restores of this step are still copying in, every read or
+write of that memory ordered after the copies it depends on (`runner/restore_wait.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
-from morion.engine.host_to_device import to_device
 from morion.ops.paged_attention import FP8_KV_DTYPE, paged_attention_reference, store_kv
-
-
-class ForwardBatch(NamedTuple):
-    """Host lists describe the batch for Python code; the tensors (on the model's device) are what kernels
-    read. Sequence b owns the flat rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its keys are seq_lens[b]
-    positions (this step's tokens included) whose pages are page_table[b, :ceil(seq_lens[b] / page)]."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    out_slots: torch.Tensor  # [T] int64: flat pool token slot of each new token's K/V
-    page_table: torch.Tensor  # [B, max pages] int32
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    state_indices: torch.Tensor | None  # [B] int32 working state slot of each sequence (models with state)
-    max_query_len: int
-    query_ranges: list[tuple[int, int]]  # (start, length) of each sequence in the flat batch
-    last_rows: list[int]  # per sequence: flat row of its last token (where logits come from)
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-
-def build_forward_batch(
-    chunks: Sequence[tuple[Sequence[int], Sequence[int], int, int]],
-    state_slots: Sequence[int | None],
-    page_size: int,
-    device: torch.device,
-) -> ForwardBatch:
-    """chunks: per sequence (token_ids, pages, start, num_tokens): run token_ids[start:start+num_tokens];
-    state_slots: per sequence its working state slot, or None for models without state. The metadata is
-    assembled in numpy and reaches the device in one copy (engine/host_to_device.py)."""
-    input_ids: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
-    out_slots: list[np.ndarray] = []
-    query_ranges: list[tuple[int, int]] = []
-    used_pages: list[Sequence[int]] = []
-    rows = 0
-    for token_ids, pages, start, num_tokens in chunks:
-        end = start + num_tokens
-        used = pages[: -(-end // page_size)]
-        new_positions = np.arange(start, end, dtype=np.int64)
-        page_of_token = np.asarray(used, dtype=np.int64)[new_positions // page_size]
-        query_ranges.append((rows, num_tokens))
-        rows += num_tokens
-        input_ids.append(np.asarray(token_ids[start:end], dtype=np.int64))
-        positions.append(new_positions)
-        out_slots.append(page_of_token * page_size + new_positions % page_size)
-        used_pages.append(used)
-    lengths = [length for _, length in query_ranges]
-    host = [
-        np.concatenate(input_ids),
-        np.concatenate(positions),
-        np.concatenate(out_slots),
-        page_table_array(used_pages),
-        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-        np.asarray([start + length for (_, _, start, length) in chunks], dtype=np.int32),
-    ]
-    if None not in state_slots:
-        host.append(np.asarray(state_slots, dtype=np.int32))
-    tensors = to_device(host, device)
-    return ForwardBatch(
-        input_ids=tensors[0],
-        positions=tensors[1],
-        out_slots=tensors[2],
-        page_table=tensors[3],
-        cu_seqlens_q=tensors[4],
-        seq_lens=tensors[5],
-        state_indices=tensors[6] if len(tensors) > 6 else None,
-        max_query_len=max(lengths),
-        query_ranges=query_ranges,
-        last_rows=[start + length - 1 for start, length in query_ranges],
-    )
-
-
-def page_table_array(pages: Sequence[Sequence[int]]) -> np.ndarray:
-    """[B, max pages] int32: row b lists sequence b's pages, zero-padded."""
-    table = np.zeros((len(pages), max(len(p) for p in pages)), dtype=np.int32)
-    for row, used in enumerate(pages):
-        table[row, : len(used)] = used
-    return table
+from morion.runner.forward_batch import ForwardBatch
+from morion.runner.restore_wait import RestoreWaits
 
 
 class KVScales(NamedTuple):
@@ -109,7 +28,9 @@ UNSCALED = KVScales()
 class PagedAttentionBackend:
     """The layers' backend over the engine's memory: attention K/V in the page pool's "kv" component,
     per-request state (the HybridBackend protocol) in the state slots. Attention runs the Triton kernels
-    on CUDA and the pure-torch reference elsewhere."""
+    on CUDA and the pure-torch reference elsewhere. With `restore_waits` (a step that restored pages or
+    state from the host tier), every access to cache memory first waits for its copies (copy rule 4);
+    the batch's metadata needs no wait."""
 
     def __init__(
         self,
@@ -118,6 +39,7 @@ class PagedAttentionBackend:
         state_slots: StateSlots | None = None,
         kv_scales: KVScales = UNSCALED,
         verify_slots: torch.Tensor | None = None,
+        restore_waits: RestoreWaits | None = None,
     ) -> None:
         self._kv = pool.storage("kv")
         self.verify_slots = verify_slots  # speculative verify forwards only (HybridBackend.verify_slots)
@@ -126,6 +48,7 @@ class PagedAttentionBackend:
         self._state_slots = state_slots
         self._kv_scales = kv_scales
         self._pool = pool  # every token component, for layers with side caches (TokenCacheBackend)
+        self._waits = restore_waits
 
     @property
     def query_ranges(self) -> list[tuple[int, int]]:
@@ -148,6 +71,8 @@ class PagedAttentionBackend:
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         if self._state_slots is None:
             raise RuntimeError("this model keeps per-request state but the engine gave it no state slots")
+        if self._waits is not None:
+            self._waits.component(component, linear_ordinal)
         return self._state_slots.storage(component)[linear_ordinal]
 
     def read_state(self, component: str, linear_ordinal: int) -> torch.Tensor:
@@ -159,6 +84,8 @@ class PagedAttentionBackend:
     def attend(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        if self._waits is not None:
+            self._waits.tokens(layer_index)
         batch, (k_scale, v_scale) = self._batch, self._kv_scales
         kv_layer = self._kv[layer_index]
         store_kv(kv_layer, batch.out_slots, k, v, k_scale, v_scale)
@@ -178,24 +105,27 @@ class PagedAttentionBackend:
         )  # fmt: skip
 
     # -- TokenCacheBackend (layers/token_cache_backend.py): side caches and direct K/V access ----------
+    # Through `token_pool` / `kv_pool`: a side cache waits for its own (component, layer) copies, K/V reads
+    # and writes for every token component at that layer, as `attend` does.
 
     def write_tokens(self, component: str, ordinal: int, values: torch.Tensor) -> None:
-        storage = self._pool.storage(component)[ordinal]
+        storage = self.token_pool(component, ordinal)
         storage[self._batch.out_slots] = values.to(storage.dtype)
 
     def read_sequence_tokens(self, component: str, ordinal: int, seq_index: int) -> torch.Tensor:
+        storage = self.token_pool(component, ordinal)
         length = int(self._batch.seq_lens[seq_index])  # a host sync on CUDA
         positions = torch.arange(length, device=self._batch.page_table.device)
-        return self._pool.storage(component)[ordinal][self._token_slots(seq_index, positions)]
+        return storage[self._token_slots(seq_index, positions)]
 
     def write_kv(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_scale, v_scale = self._kv_scales
-        store_kv(self._kv[layer_index], self._batch.out_slots, k, v, k_scale, v_scale)
+        store_kv(self.kv_pool(layer_index), self._batch.out_slots, k, v, k_scale, v_scale)
 
     def read_sequence_kv(
         self, layer_index: int, seq_index: int, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv_layer = self._kv[layer_index]
+        kv_layer = self.kv_pool(layer_index)
         slots = self._token_slots(seq_index, positions)
         if kv_layer.dtype != FP8_KV_DTYPE:
             kv = kv_layer[slots].float()
@@ -210,7 +140,8 @@ class PagedAttentionBackend:
         pages = self._batch.page_table[seq_index].long()[positions // self._page_size]
         return pages * self._page_size + positions % self._page_size
 
-    # -- TokenCacheBackend, in place: storage and paging metadata as device tensors (no host syncs) -----
+    # -- TokenCacheBackend, in place: storage and paging metadata as device tensors (no host syncs); the
+    # storage is handed out after its copies (rule 4), the metadata as is -----------------------------
 
     @property
     def page_size(self) -> int:
@@ -225,9 +156,13 @@ class PagedAttentionBackend:
         return self._batch.out_slots
 
     def token_pool(self, component: str, ordinal: int) -> torch.Tensor:
+        if self._waits is not None:
+            self._waits.component(component, ordinal)
         return self._pool.storage(component)[ordinal]
 
     def kv_pool(self, layer_index: int) -> torch.Tensor:
+        if self._waits is not None:
+            self._waits.tokens(layer_index)
         return self._kv[layer_index]
 
     @property

@@ -27,7 +27,8 @@ import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
-from morion.engine.forward_batch import ForwardBatch, KVScales, PagedAttentionBackend
+from morion.runner.backend import KVScales, PagedAttentionBackend
+from morion.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

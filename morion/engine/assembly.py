@@ -1,0 +1,324 @@
+"""An engine's parts, built from its `EngineConfig` in the one order that works.
+
+Each step needs what the steps before it made, and the memory steps must come in this order because
+each one sizes itself from what is left:
+
+1. The model (loaded or given): its weights are the first thing on the device, and its parameters tell
+   the compute dtype, hence the K/V dtype.
+2. The cache spec: what a page and a state slot hold (with the MTP head's layers when it drafts).
+3. The activation reserve: a warm-up forward on scratch memory measures the peak of a full chunk
+   (runner/warmup.py). It runs before the pool exists, so the peak is measured with nothing else
+   allocated, and it compiles the kernels every later forward uses.
+4. State slots, then the page pool from what is really free after weights, slots and the reserve
+   (the pool takes the rest, so everything sized after it must be small or on the host). One page and
+   one slot more for CUDA graphs' padding rows.
+5. The model runner over the pool, then speculative decoding over the runner (an MTP drafter writes its
+   K/V into the pool's pages).
+6. The prefix cache over the pool, the host/disk tiers behind it (host memory; a write-back policy
+   listens to the prefix cache's evictions), and the scheduler over both.
+7. What follows from the pool's size: the longest request it can hold (`max_model_len`).
+8. The startup summary, then CUDA graphs last: their capture replays the model at every batch bucket up
+   to `max_model_len`'s pages, in memory the pool has left, and takes the longest.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+import morion
+from morion.cache.copy_engine import make_copy_engine
+from morion.cache.disk_format import config_digest, weights_digest
+from morion.cache.disk_store import open_disk_store
+from morion.cache.page_pool import PagePool
+from morion.cache.radix_cache import RadixCache
+from morion.cache.spec import CacheSpec
+from morion.cache.state_slots import StateSlots
+from morion.cache.tier_stats import CacheStats
+from morion.cache.tiers import CacheTiers
+from morion.config import DTYPES, EngineConfig
+from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS
+from morion.engine.scheduler import Scheduler
+from morion.engine.startup_report import report_startup
+from morion.errors import MorionError
+from morion.layers.moe import set_moe_kernel
+from morion.loader import LoadedModel, load_model
+from morion.runner.backend import KVScales
+from morion.runner.model_runner import ModelRunner
+from morion.runner.warmup import measure_forward_peak_bytes
+from morion.spec.drafter import Drafter
+from morion.spec.forced import ForcedAcceptance
+from morion.spec.frspec import load_token_map
+from morion.spec.mtp import MtpDrafter
+from morion.spec.ngram import NgramDrafter
+from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_policy
+from morion.spec.speculative import SpeculativeDecoding
+
+_CPU_DEFAULT_KV_GB = 1.0
+_GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
+
+
+class EngineParts(NamedTuple):
+    loaded: LoadedModel
+    kv_scales: KVScales
+    pool: PagePool
+    state_slots: StateSlots | None
+    runner: ModelRunner
+    speculative: SpeculativeDecoding | None
+    prefix_cache: RadixCache
+    cache_stats: CacheStats
+    tiers: CacheTiers | None
+    scheduler: Scheduler
+    pool_tokens: int  # the tokens requests can hold: the pool less the CUDA-graph scratch page
+    max_model_len: int
+    max_model_len_limit: str  # what limits it: "max_model_len", "context" or "kv_pool"
+
+
+def assemble(
+    config: EngineConfig,
+    loaded: LoadedModel | None,
+    drafter: Drafter | None,
+    forced_acceptance: ForcedAcceptance | None,
+) -> EngineParts:
+    """The parts in build order (module docstring). `drafter` (tests, benchmarks) turns speculative
+    decoding on with its proposals; without it, `config.speculative` names the drafter."""
+    device = config.torch_device
+    # 1. The model.
+    loaded = loaded or load_model(
+        config.model,
+        config.torch_dtype,
+        device,
+        config.load_format,
+        config.seed,
+        weight_dtype=config.weight_dtype,
+        host_table_placement=config.ple_placement,
+    )
+    model = loaded.model
+    set_moe_kernel(model, config.moe_kernel)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    # The compute dtype: FP8 weights (--weight-dtype fp8) are e4m3, embeddings and norms never are.
+    compute_dtype = next(p.dtype for p in model.parameters() if p.dtype.itemsize > 1)
+    kv_dtype = compute_dtype if config.kv_cache_dtype == "auto" else config.kv_torch_dtype
+    # FP8 K/V is stored unscaled (scale 1.0, as SGLang and vLLM default to without calibration): K/V
+    # of these models stay well inside e4m3's +-448 range after their norms.
+    kv_scales = KVScales()
+    if config.speculative == "mtp" and getattr(model, "mtp", None) is None:
+        raise MorionError(
+            f"speculative mtp needs a model with an MTP head; {model.config.model_type} from "
+            f"{loaded.path} has none (try --speculative ngram)"
+        )
+    # 2. The cache spec. The MTP head's K/V (and QSA side caches) are paged with the trunk's: further
+    # layers of its token components.
+    draft_layers = {"draft_layers": True} if config.speculative == "mtp" else {}
+    spec = model.cache_spec(config.page_size, kv_dtype, DTYPES[config.state_dtype], **draft_layers)
+    use_graphs = config.cuda_graph and device.type == "cuda"
+    speculating = drafter is not None or config.speculative != "off"
+    policy = _width_policy(config) if speculating else None
+    # 3. The activation reserve (a warm-up forward on scratch memory).
+    activation_reserve = _activation_reserve_bytes(config, model, spec, device, kv_scales)
+    # 4. State slots, then the pool from what is free.
+    state_slots = None
+    if spec.has_state:
+        # Each running request holds a working slot and a page-boundary copy (and with speculation a
+        # slot per draft position); the rest are snapshots.
+        per_request = 4 + (policy.max_width if policy else 0)
+        num_slots = config.state_slots or per_request * config.max_running_requests
+        state_slots = StateSlots(spec, num_slots + int(use_graphs), device)
+    state_bytes = state_slots.num_bytes if state_slots else 0
+    num_pages = _num_pages(config, spec.bytes_per_page, state_bytes, activation_reserve, weight_bytes)
+    pool = PagePool(spec, num_pages + int(use_graphs), device)
+    # CUDA-graph padding rows write into a scratch page and slot that nobody else ever gets.
+    scratch_pages = pool.alloc(1) if use_graphs else []
+    scratch_slots = [state_slots.alloc()] if use_graphs and state_slots else []
+    # 5. The runner, and speculative decoding over it.
+    runner = ModelRunner(model, pool, state_slots, kv_scales, scratch_pages, scratch_slots)
+    speculative = None
+    if policy is not None:
+        drafts = _drafter(config, drafter, model, pool, kv_scales)
+        speculative = SpeculativeDecoding(drafts, policy, spec.has_state, runner, forced_acceptance)
+    # 6. The prefix cache, the tiers behind it, the scheduler over both.
+    prefix_cache = RadixCache(pool, state_slots)
+    cache_stats = CacheStats()
+    tiers = None
+    if config.enable_prefix_cache:
+        tiers = _build_tiers(config, spec, loaded, pool, state_slots, prefix_cache, cache_stats)
+    scheduler = Scheduler(
+        prefix_cache,
+        config.chunk_size,
+        config.max_running_requests,
+        config.enable_prefix_cache,
+        tiers,
+        cache_stats,
+    )
+    # 7. The longest request the pool holds.
+    pool_tokens = (pool.num_pages - len(scratch_pages)) * config.page_size
+    context = model.config.max_position_embeddings
+    longest, limit = max_model_len(context, pool_tokens, config.max_model_len)
+    # 8. The summary, then the graphs.
+    report_startup(
+        config, model, pool, state_slots, tiers, cache_stats, weight_bytes, activation_reserve, longest,
+        spec.bytes_per_token,
+    )  # fmt: skip
+    if use_graphs:
+        runner.capture_decode_graphs(
+            min(config.cuda_graph_max_batch, config.max_running_requests), -(-longest // config.page_size)
+        )
+        # Verify forwards of speculative decoding, one graph per draft width the policy may pick.
+        if runner.decode_graphs is not None and speculative is not None:
+            speculative.capture_graphs(config.page_size)
+    return EngineParts(
+        loaded, kv_scales, pool, state_slots, runner, speculative, prefix_cache, cache_stats, tiers,
+        scheduler, pool_tokens, longest, limit,
+    )  # fmt: skip
+
+
+def max_model_len(context: int, pool_tokens: int, requested: int | None) -> tuple[int, str]:
+    """The longest prompt + generation, and what limits it: "max_model_len" (asked for; it wins ties),
+    "context" (the model's) or "kv_pool" (the tokens the pool can hold for requests)."""
+    limits = [(context, "context"), (pool_tokens, "kv_pool")]
+    if requested is not None:
+        limits.insert(0, (requested, "max_model_len"))
+    return min(limits, key=lambda limit: limit[0])
+
+
+def _width_policy(config: EngineConfig) -> WidthPolicy:
+    if config.spec_width is not None:
+        return fixed_width_policy(config.spec_width)
+    return load_width_policy(config.spec_policy)
+
+
+def _drafter(
+    config: EngineConfig,
+    given: Drafter | None,
+    model: torch.nn.Module,
+    pool: PagePool,
+    kv_scales: KVScales,
+) -> Drafter:
+    if given is not None:
+        if config.speculative != "off":
+            raise MorionError(f"a drafter was given, and speculative is {config.speculative!r}: pick one")
+        return given
+    if config.speculative == "mtp":
+        token_map = None
+        if config.spec_token_map is not None:
+            token_map = load_token_map(config.spec_token_map, model.config.vocab_size)
+        try:
+            mtp = MtpDrafter(model, pool, kv_scales, token_map)
+        except ValueError as error:  # a token map with an FP8 LM head
+            raise MorionError(str(error)) from None
+        return mtp
+    return NgramDrafter()  # config.speculative == "ngram"
+
+
+def _activation_reserve_bytes(
+    config: EngineConfig, model: torch.nn.Module, spec: CacheSpec, device: torch.device, kv_scales: KVScales
+) -> int:
+    """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk, plus a
+    margin for CUDA graphs and allocator fragmentation; the warm-up compiles the kernels of every
+    shape of forward (runner/warmup.py)."""
+    if device.type != "cuda":
+        return 0
+    if config.activation_reserve_gb is not None:
+        return int(config.activation_reserve_gb * 2**30)
+    tokens = min(config.chunk_size, model.config.max_position_embeddings)
+    started = time.perf_counter()
+    peak = measure_forward_peak_bytes(
+        model,
+        spec,
+        tokens,
+        device,
+        kv_scales,
+        FORWARD_GROUP_MAX_TOKENS,
+        config.max_running_requests,
+    )
+    reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
+    print(
+        f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "
+        f"({time.perf_counter() - started:.1f} s, includes kernel compilation); "
+        f"reserving {reserve / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
+    return reserve
+
+
+def _num_pages(
+    config: EngineConfig, bytes_per_page: int, state_bytes: int, activation_reserve: int, weight_bytes: int
+) -> int:
+    """Pages for the K/V pool: an explicit token count or size, or what is really free on the device
+    (after weights, state slots and the activation reserve) times `mem_fraction`."""
+    device = config.torch_device
+    if config.kv_cache_tokens is not None:
+        return -(-config.kv_cache_tokens // config.page_size)
+    if config.kv_cache_gb is not None:
+        budget = config.kv_cache_gb * 2**30 - state_bytes
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = (free - activation_reserve) * config.mem_fraction
+    else:
+        budget = _CPU_DEFAULT_KV_GB * 2**30 - state_bytes
+    if budget < bytes_per_page:
+        raise MorionError(
+            f"no memory left for the KV pool: {budget / 2**30:.2f} GiB after weights "
+            f"({weight_bytes / 2**30:.2f} GiB), state slots ({state_bytes / 2**30:.2f} GiB) "
+            f"and the "
+            f"activation reserve ({activation_reserve / 2**30:.2f} GiB); try --weight-dtype fp8, "
+            "--kv-cache-dtype fp8, fewer --state-slots or a smaller --chunk-size"
+        )
+    return int(budget // bytes_per_page)
+
+
+def _build_tiers(
+    config: EngineConfig,
+    spec: CacheSpec,
+    loaded: LoadedModel,
+    pool: PagePool,
+    state_slots: StateSlots | None,
+    prefix_cache: RadixCache,
+    stats: CacheStats,
+) -> CacheTiers | None:
+    if config.host_cache_gb is None:
+        return None
+    device = config.torch_device
+    model = loaded.model
+    host_bytes = int(config.host_cache_gb * 2**30)
+    try:
+        num_pages, num_snapshots = CacheTiers.host_rows(spec, host_bytes, config.host_cache_state_fraction)
+    except ValueError as error:
+        raise MorionError(f"host_cache_gb {config.host_cache_gb}: {error}") from None
+    tiers = CacheTiers(
+        pool,
+        state_slots,
+        make_copy_engine(device),
+        num_pages,
+        num_snapshots,
+        pin_memory=device.type == "cuda",
+        write_policy=config.host_cache_write_policy,
+        stats=stats,
+    )
+    if config.host_cache_write_policy == "write_back":
+        prefix_cache.evict_listener = tiers.on_device_evict
+    if config.disk_cache_dir is not None:
+        root = Path(config.disk_cache_dir).expanduser()
+        budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
+        identity = {
+            "model": {
+                "config_digest": config_digest(loaded.hf_config),
+                "weights_digest": weights_digest(model),
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "weight_dtype": config.weight_dtype,
+            }
+        }
+        info = {
+            "model_name": Path(str(loaded.path)).name,
+            "model_type": model.config.model_type,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "morion_version": morion.__version__,
+        }
+        store = open_disk_store(root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io)
+        tiers.attach_disk(store)
+    return tiers

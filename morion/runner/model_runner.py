@@ -1,0 +1,146 @@
+"""The model's forwards over the engine's memory, all through one door.
+
+`ModelRunner.forward` runs a step's prefill, short and decode chunks, `ModelRunner.verify` a speculative
+verify forward, and the warm-up (runner/warmup.py) runs `forward_eager` on scratch memory. Whether a
+forward replays a CUDA graph or runs eagerly is decided in `ModelRunner._run` alone: a graph when one was
+captured for the batch's shape (runner/cuda_graph.py: decode buckets, and verify graphs per draft
+width), eagerly otherwise. Host/disk restores still copying in are waited for there too: an eager
+forward's backend waits layer by layer (runner/restore_wait.py), a replay waits for all of them first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from morion.cache.copy_engine import Transfer
+from morion.cache.page_pool import PagePool
+from morion.cache.state_slots import StateSlots
+from morion.runner.backend import KVScales, PagedAttentionBackend
+from morion.runner.capture_failure import report_capture_failure
+from morion.runner.cuda_graph import DecodeGraphRunner
+from morion.runner.forward_batch import ForwardBatch
+from morion.runner.restore_wait import RestoreWaits
+
+
+class Forward(NamedTuple):
+    hidden: torch.Tensor  # [rows, hidden_width]: what the model's forward returns (an MTP drafter reads it)
+    # [rows, vocab] fp32 from a graph replay, valid until the next replay; None from an eager forward,
+    # whose caller computes the rows it needs (`ModelRunner.logits`).
+    logits: torch.Tensor | None
+
+
+def forward_eager(
+    model: torch.nn.Module,
+    pool: PagePool,
+    batch: ForwardBatch,
+    state_slots: StateSlots | None,
+    kv_scales: KVScales,
+    verify_slots: torch.Tensor | None = None,
+    restore_waits: RestoreWaits | None = None,
+) -> torch.Tensor:
+    """The trunk's forward over `batch` without a graph: hidden states [rows, hidden_width]."""
+    backend = PagedAttentionBackend(pool, batch, state_slots, kv_scales, verify_slots, restore_waits)
+    return model(batch.input_ids, batch.positions, backend)
+
+
+class ModelRunner:
+    """Owns the model's forwards and their CUDA graphs. `scratch_pages` / `scratch_slots`: the page and
+    state slot the graphs' padding rows write into (held by nobody else; empty without graphs)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: PagePool,
+        state_slots: StateSlots | None,
+        kv_scales: KVScales,
+        scratch_pages: list[int],
+        scratch_slots: list[int],
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.state_slots = state_slots
+        self.kv_scales = kv_scales
+        self.scratch_pages = scratch_pages
+        self.scratch_slots = scratch_slots
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
+
+    # ------------------------------------------------------------------ forwards
+    def forward(self, batch: ForwardBatch, restores: Sequence[Transfer]) -> Forward:
+        """A step's forward of one kind of chunk (engine/forward_groups.py), after `restores`."""
+        return self._run(batch, self.decode_graphs, restores)
+
+    def verify(self, batch: ForwardBatch, verify_slots: torch.Tensor | None) -> Forward:
+        """A verify forward: every sequence has the same 1 + width new tokens; logits of every row."""
+        forward = self._run(batch, self.verify_graphs.get(batch.max_query_len), (), verify_slots)
+        if forward.logits is None:
+            return Forward(forward.hidden, self.model.compute_logits(forward.hidden))
+        return forward
+
+    def logits(self, forward: Forward, rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] of `rows` (a copy: a graph's output buffer is rewritten by its
+        next replay)."""
+        if forward.logits is None:
+            return self.model.compute_logits(forward.hidden[rows])
+        return forward.logits[rows]
+
+    def _run(
+        self,
+        batch: ForwardBatch,
+        graph: DecodeGraphRunner | None,
+        restores: Sequence[Transfer],
+        verify_slots: torch.Tensor | None = None,
+    ) -> Forward:
+        """The one place that picks a graph replay or an eager forward."""
+        if graph is not None and graph.can_run(batch):
+            # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
+            # the GPU) for this step's restores instead.
+            for restore in restores:
+                restore.wait_all()
+            logits = graph.run(batch, verify_slots)
+            return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
+        waits = None
+        if restores:
+            components = [c.name for c in self.pool.spec.token_components]
+            waits = RestoreWaits(restores, components)
+        hidden = forward_eager(
+            self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits
+        )
+        return Forward(hidden, None)
+
+    # ------------------------------------------------------------------ capture
+    def capture_decode_graphs(self, max_batch: int, max_pages: int) -> None:
+        """Decode graphs for batches up to `max_batch` sequences of up to `max_pages` pages; decode runs
+        eagerly where capture fails (a model path that syncs with the host)."""
+        graphs = self._graph_runner(max_batch, max_pages)
+        try:
+            graphs.capture()
+        except RuntimeError as error:
+            report_capture_failure("CUDA graph capture FAILED, decode runs eagerly", error)
+            return
+        self.decode_graphs = graphs
+
+    def capture_verify_graph(self, query_len: int) -> bool:
+        """Verify graphs of `query_len` tokens per sequence, in the decode graphs' memory pool (runners
+        replay one at a time); False where capture failed (verify runs eagerly)."""
+        decode = self.decode_graphs
+        runner = self._graph_runner(decode.max_batch, decode.max_pages, query_len)
+        runner.share_memory_pool(decode)
+        try:
+            runner.capture()
+        except RuntimeError as error:
+            report_capture_failure("verify CUDA graph capture FAILED, verify runs eagerly", error)
+            return False
+        self.verify_graphs[query_len] = runner
+        return True
+
+    def _graph_runner(self, max_batch: int, max_pages: int, query_len: int = 1) -> DecodeGraphRunner:
+        """Graphs over this runner's model and memory, their padding rows in the scratch page and slot."""
+        scratch_slot = self.scratch_slots[0] if self.scratch_slots else None
+        return DecodeGraphRunner(
+            self.model, self.pool, self.state_slots, self.kv_scales, max_batch, max_pages,
+            self.scratch_pages[0], scratch_slot, query_len=query_len,
+        )  # fmt: skip
