@@ -73,6 +73,7 @@ class EngineParts(NamedTuple):
     cache_stats: CacheStats
     tiers: CacheTiers | None
     scheduler: Scheduler
+    weight_bytes: int  # the model's parameters and buffers as stored (packed NVFP4 and FP8 included)
     pool_tokens: int  # the tokens requests can hold: the pool less the CUDA-graph scratch page
     max_model_len: int
     max_model_len_limit: str  # what limits it: "max_model_len", "context" or "kv_pool"
@@ -172,7 +173,7 @@ def assemble(
             speculative.capture_graphs(config.page_size)
     return EngineParts(
         loaded, kv_scales, pool, state_slots, runner, speculative, prefix_cache, cache_stats, tiers,
-        scheduler, pool_tokens, longest, limit,
+        scheduler, weight_bytes, pool_tokens, longest, limit,
     )  # fmt: skip
 
 

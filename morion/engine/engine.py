@@ -68,6 +68,7 @@ class Engine:
         self.prefix_cache, self.tiers, self._cache_stats = parts.prefix_cache, parts.tiers, parts.cache_stats
         self.scheduler = parts.scheduler
         self.pool_tokens = parts.pool_tokens
+        self.weight_bytes = parts.weight_bytes
         self.max_model_len, self.max_model_len_limit = parts.max_model_len, parts.max_model_len_limit
         self.step_times = StepTimes()  # engine/step_timing.py: where the steps' time goes
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())

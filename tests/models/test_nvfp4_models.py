@@ -95,7 +95,7 @@ def test_the_engine_counts_packed_experts_and_their_scales(loaded):
     for module in experts.values():
         e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
         packed += 3 * e * h * i // 2 + 3 * e * h * i // 16 + 4 * e * 3
-    assert make_engine_for(model)._weight_bytes == others + packed
+    assert make_engine_for(model).weight_bytes == others + packed
 
 
 def make_engine_for(model: torch.nn.Module):
