@@ -105,6 +105,20 @@ def load_model(
     return LoadedModel(module, tokenizer, hf_config, path)
 
 
+def check_tensor_parallel(model: str | None, load_format: str, size: int) -> None:
+    """Raises a MorionError, before any rank starts, where `model` cannot be split over `size` ranks: an
+    architecture without a split, or a count of heads (value heads, intermediate rows) `size` does not
+    divide."""
+    if is_preset(model):
+        hf_config = preset_config(model)
+    else:
+        hf_config = read_source(resolve_model_path(model), require_weights=load_format != "dummy").hf_config
+    split = tensor_split(hf_config["model_type"])
+    split.local_config(architecture_config(hf_config), size)
+    if hf_config.get("tie_word_embeddings"):
+        raise ModelLoadError("tensor parallelism needs an untied LM head (this model ties it)")
+
+
 def _load_checkpoint(
     module: nn.Module,
     weights: HFDirectory | GGUFModel,

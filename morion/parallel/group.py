@@ -20,11 +20,21 @@ class TensorParallel:
     size: int = 1
 
     @classmethod
-    def join(cls, rank: int, size: int, device: torch.device, init_method: str) -> TensorParallel:
-        """Joins the group of `size` processes at `init_method` (e.g. tcp://127.0.0.1:PORT) as `rank`."""
+    def join(
+        cls,
+        rank: int,
+        size: int,
+        device: torch.device,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+    ) -> TensorParallel:
+        """Joins the group of `size` processes at `init_method` (e.g. tcp://127.0.0.1:PORT), or through
+        `store` (rank 0's TCPStore), as `rank`."""
         if size > 1 and not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             dist.init_process_group(
-                BACKENDS[device.type], init_method=init_method, rank=rank, world_size=size
+                BACKENDS[device.type], init_method=init_method, store=store, rank=rank, world_size=size
             )
         return cls(rank, size)
 
@@ -33,6 +43,14 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(partial)
         return partial
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (what all ranks must agree on: the pool's pages)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
 
     def gather_last_dim(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's `part` side by side along the last dimension, in rank order (the logits of a

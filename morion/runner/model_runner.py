@@ -17,7 +17,7 @@ import torch
 
 from morion.cache.copy_engine import Transfer
 from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
+from morion.cache.state_slots import DeviceWorkMirror, StateSlots
 from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
@@ -67,10 +67,15 @@ class ModelRunner:
         self.scratch_slots = scratch_slots
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
+        # Rank 0 of a tensor-parallel engine: each forward and each logits gather is sent to the follower
+        # ranks first (their collectives meet rank 0's), with the device work queued before it.
+        self.mirror: DeviceWorkMirror | None = None
 
     # ------------------------------------------------------------------ forwards
     def forward(self, batch: ForwardBatch, restores: Sequence[Transfer]) -> Forward:
         """A step's forward of one kind of chunk (engine/forward_groups.py), after `restores`."""
+        if self.mirror is not None:
+            self.mirror.send("forward", batch.host)
         return self._run(batch, self.decode_graphs, restores)
 
     def verify(self, batch: ForwardBatch, verify_slots: torch.Tensor | None) -> Forward:
@@ -84,6 +89,8 @@ class ModelRunner:
         """fp32 logits [len(rows), vocab] of `rows` (a copy: a graph's output buffer is rewritten by its
         next replay)."""
         if forward.logits is None:
+            if self.mirror is not None:
+                self.mirror.send("logits", rows)
             return self.model.compute_logits(forward.hidden[rows])
         return forward.logits[rows]
 
