@@ -17,7 +17,7 @@ import torch
 
 from morion.cache.copy_engine import Transfer
 from morion.engine.assembly import EngineParts, assemble
-from morion.engine.ranks import FollowerStart
+from morion.engine.ranks import FollowerStart, share_cpu_threads
 from morion.parallel.group import TensorParallel
 from morion.parallel.step_mirror import STOP
 from morion.runner.forward_batch import batch_from_host
@@ -107,6 +107,7 @@ def main() -> None:
     start: FollowerStart = pickle.load(stream)
     config = start.config
     device = config.torch_device
+    share_cpu_threads(config)
     store = torch.distributed.TCPStore("127.0.0.1", start.store_port, start.size, is_master=False)
     group = TensorParallel.join(start.rank, start.size, device, store=store)
     parts = assemble(config, None, None, None, group)

@@ -11,6 +11,7 @@ that rank 0 opens on a free port of the loopback interface; the model's collecti
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import subprocess
 import sys
@@ -43,18 +44,30 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}")
 
 
+def share_cpu_threads(config: EngineConfig) -> int:
+    """On the CPU every rank computes at once: each takes its share of the cores for torch's threads (two
+    ranks of all cores each ran 20x slower than one rank on a 2-core machine). Returns the previous count."""
+    previous = torch.get_num_threads()
+    if config.torch_device.type == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size))
+    return previous
+
+
 class Ranks:
     """Rank 0's view of the group: the model's `TensorParallel`, the mirror its followers repeat its
     device work from, and the follower processes, stopped by `close`."""
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
+        if dist.is_initialized():  # torch.distributed has one default group a process
+            raise MorionError("a process runs one tensor-parallel engine at a time: close the other first")
         device = torch.device(rank_config(config, 0).device)
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
             raise MorionError(
                 f"--tensor-parallel-size {size} needs {size} CUDA devices from {device}; "
                 f"{torch.cuda.device_count()} are visible"
             )
+        self._threads = share_cpu_threads(config)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, size):
@@ -87,3 +100,4 @@ class Ranks:
                 process.wait()
         self.processes = []
         self.tensor_parallel.leave()
+        torch.set_num_threads(self._threads)
