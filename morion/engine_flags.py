@@ -48,8 +48,8 @@ class EngineFlag:
     field: str  # the EngineConfig field it sets
     help: str
     option: str = ""  # "": the field's name with dashes (--page-size)
-    aliases: tuple[str, ...] = ()  # further option strings (--tp)
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # argparse's: type, choices, action
+    aliases: tuple[str, ...] = ()  # further option strings (--tp)
 
     @property
     def name(self) -> str:

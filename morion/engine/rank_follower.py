@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -102,6 +103,10 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def main() -> None:
+    # Ctrl-C or a SIGTERM to the process group reaches every rank; rank 0 decides when the ranks stop (the
+    # server drains first), and a follower ends when rank 0 says so or is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     stream = sys.stdin.buffer
     start: FollowerStart = pickle.load(stream)
