@@ -15,6 +15,10 @@ class DeviceWorkMirror(Protocol):
 
     def send(self, *op: object) -> None: ...
 
+    def agree(self, *op: object, flags: list[bool]) -> list[bool]:
+        """Sends `op`, to which every follower answers with its own flags: each flag anded over the ranks."""
+        ...
+
 
 class StateSlots:
     """`num_slots` slots, each holding one request's state of every state component of `spec`.

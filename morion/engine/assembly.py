@@ -47,7 +47,7 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
-from morion.parallel.group import TensorParallel
+from morion.parallel.group import ONE_RANK, TensorParallel
 from morion.parallel.step_mirror import MirroredCopyEngine, StepMirror
 from morion.runner.backend import KVScales
 from morion.runner.model_runner import ModelRunner
@@ -86,7 +86,7 @@ def assemble(
     loaded: LoadedModel | None,
     drafter: Drafter | None,
     forced_acceptance: ForcedAcceptance | None,
-    tensor_parallel: TensorParallel = TensorParallel(),
+    tensor_parallel: TensorParallel = ONE_RANK,
     mirror: StepMirror | None = None,
 ) -> EngineParts:
     """The parts in build order (module docstring). `drafter` (tests, benchmarks) turns speculative
@@ -323,11 +323,14 @@ def _build_tiers(
         write_policy=config.host_cache_write_policy,
         stats=stats,
     )
+    tiers.mirror = mirror
     if config.host_cache_write_policy == "write_back":
         prefix_cache.evict_listener = tiers.on_device_evict
     if config.disk_cache_dir is not None:
         root = Path(config.disk_cache_dir).expanduser()
-        budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
+        # Each rank keeps its shard in a namespace of its own on the same disk: a share of the budget each.
+        ranks = tensor_parallel.size
+        budget = int(config.disk_cache_gb * 2**30 / ranks) if config.disk_cache_gb is not None else None
         identity = {
             "model": {
                 "config_digest": config_digest(loaded.hf_config),
@@ -344,6 +347,8 @@ def _build_tiers(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "morion_version": morion.__version__,
         }
-        store = open_disk_store(root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io)
+        store = open_disk_store(
+            root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io, budget_share=1 / ranks
+        )
         tiers.attach_disk(store)
     return tiers

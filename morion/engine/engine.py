@@ -25,13 +25,13 @@ from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_group
 from morion.engine.grammar import GrammarRuntime
 from morion.engine.outputs import RequestOutput, StepOutput, Usage, internal_error
 from morion.engine.prompt_logprobs import record_prompt_logprobs
+from morion.engine.ranks import Ranks, rank_config
 from morion.engine.request import Request
 from morion.engine.sampler import RequestSampler, SampleResult, committed_token, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk
 from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
-from morion.engine.ranks import Ranks, rank_config
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel
 from morion.loader.load import check_tensor_parallel

@@ -17,6 +17,8 @@ from typing import BinaryIO
 import torch
 
 from morion.cache.copy_engine import Transfer
+from morion.cache.disk_format import KIND_PAGE, KIND_SNAPSHOT
+from morion.cache.host_store import HostObjectStore
 from morion.engine.assembly import EngineParts, assemble
 from morion.engine.ranks import FollowerStart, share_cpu_threads
 from morion.parallel.group import TensorParallel
@@ -25,14 +27,18 @@ from morion.runner.forward_batch import batch_from_host
 from morion.runner.model_runner import Forward
 
 _PARENT_CHECK_S = 1.0
+_DISK_WAIT_S = 0.05  # one wait for this rank's disk jobs, while rank 0 needs their outcome or their row
 
 
 class Follower:
     """Applies rank 0's operations to this rank's parts, in rank 0's order."""
 
-    def __init__(self, parts: EngineParts, device: torch.device) -> None:
+    def __init__(self, parts: EngineParts, device: torch.device, group: TensorParallel) -> None:
         self._parts = parts
         self._device = device
+        self._group = group
+        self._disk_jobs: dict[tuple[int, bytes], int] = {}  # (kind, key) -> the host row it reads or writes
+        self._reads: dict[tuple[int, bytes], bool] = {}  # finished reads until rank 0 asks: succeeded?
         self._last: Forward | None = None  # the latest forward: what "logits" rows index
         self._restores: list[Transfer] = []  # issued since the last forward, which waits on them
         self._backups: list[Transfer] = []  # until done: their host rows must not be read before
@@ -58,21 +64,74 @@ class Follower:
         elif name == "backup":
             pages, page_rows, slot, snapshot_row = args
             tiers = parts.tiers
+            self._settle(KIND_PAGE, page_rows)  # a disk job still reading a row rank 0 reuses
+            self._settle(KIND_SNAPSHOT, [snapshot_row])
             transfer = tiers.copy_engine.backup(
-                parts.pool, pages, tiers.host, page_rows, parts.state_slots, slot, tiers.snapshots, snapshot_row
-            )
+                parts.pool, pages, tiers.host, page_rows, parts.state_slots, slot, tiers.snapshots,
+                snapshot_row,
+            )  # fmt: skip
             self._backups = [t for t in self._backups if not t.done()] + [transfer]
         elif name == "restore":
             page_rows, pages, snapshot_row, dst_slots = args
             tiers = parts.tiers
-            self._restores.append(
-                tiers.copy_engine.restore(
-                    tiers.host, page_rows, parts.pool, pages, tiers.snapshots, snapshot_row,
-                    parts.state_slots, dst_slots,
-                )  # fmt: skip
-            )
+            restore = tiers.copy_engine.restore(
+                tiers.host, page_rows, parts.pool, pages, tiers.snapshots, snapshot_row, parts.state_slots,
+                dst_slots,
+            )  # fmt: skip
+            self._restores.append(restore)
+        elif name.startswith("disk_"):
+            self._disk(name, *args)
         else:
             raise RuntimeError(f"unknown operation {name!r} from rank 0")
+
+    # -- the disk tier: this rank's shard of each object, in its own namespace -----------------------------
+    def _disk(self, name: str, *args) -> None:
+        disk = self._parts.tiers.disk
+        if name == "disk_write":
+            kind, key, row = args
+            filled = self._backups[-1].synchronize  # the backup just before filled the row
+            if disk.submit_write(kind, key, self._row(kind, row), filled):
+                self._disk_jobs[(kind, key)] = row
+        elif name == "disk_read":
+            kind, key, row = args
+            self._settle(kind, [row])
+            if disk.submit_read(kind, key, self._row(kind, row)):
+                self._disk_jobs[(kind, key)] = row
+            else:
+                self._reads[(kind, key)] = False
+        elif name == "disk_touch":
+            disk.touch_chain(*args)
+        elif name == "disk_agree":
+            (objects,) = args
+            flags = []
+            for kind, key in objects:
+                while (kind, key) in self._disk_jobs:
+                    self.poll_disk(_DISK_WAIT_S)
+                flags.append(self._reads.pop((kind, key), False))
+            self._group.all_agree(flags)
+        else:
+            raise RuntimeError(f"unknown operation {name!r} from rank 0")
+
+    def _row(self, kind: int, row: int):
+        tiers = self._parts.tiers
+        store: HostObjectStore = tiers.host if kind == KIND_PAGE else tiers.snapshots
+        return store.arena[row].numpy()
+
+    def poll_disk(self, timeout: float = 0.0) -> None:
+        """Takes this rank's finished disk jobs (a read's outcome is kept for rank 0's question)."""
+        tiers = self._parts.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        for result in tiers.disk.poll(timeout):
+            self._disk_jobs.pop((result.kind, result.key), None)
+            if result.op == "read":
+                self._reads[(result.kind, result.key)] = result.error is None
+
+    def _settle(self, kind: int, rows: list[int | None]) -> None:
+        """Waits for this rank's disk jobs on `rows` of `kind`'s arena: they are about to be overwritten."""
+        busy = set(rows)
+        while any(k == kind and row in busy for (k, _), row in self._disk_jobs.items()):
+            self.poll_disk(_DISK_WAIT_S)
 
     def close(self) -> None:
         for transfer in self._backups + self._restores:
@@ -92,6 +151,7 @@ def follow(follower: Follower, stream: BinaryIO) -> None:
             if op[0] == STOP:
                 return
             follower.apply(op)
+        follower.poll_disk()
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -116,7 +176,7 @@ def main() -> None:
     store = torch.distributed.TCPStore("127.0.0.1", start.store_port, start.size, is_master=False)
     group = TensorParallel.join(start.rank, start.size, device, store=store)
     parts = assemble(config, None, None, None, group)
-    follower = Follower(parts, device)
+    follower = Follower(parts, device, group)
     try:
         follow(follower, stream)
     finally:

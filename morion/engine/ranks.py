@@ -80,8 +80,8 @@ class Ranks:
             pickle.dump(start, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             process.stdin.flush()
             self.processes.append(process)
-        self.mirror = StepMirror([process.stdin for process in self.processes])
         self.tensor_parallel = TensorParallel.join(0, size, device, store=store)
+        self.mirror = StepMirror([process.stdin for process in self.processes], self.tensor_parallel)
         self._store = store  # the group's rendezvous: kept for the group's life
 
     @property

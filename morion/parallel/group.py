@@ -7,6 +7,7 @@ process group at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    cpu_group: Any = None  # a gloo group of the same ranks, for host-side agreements (also under NCCL)
 
     @classmethod
     def join(
@@ -36,6 +38,7 @@ class TensorParallel:
             dist.init_process_group(
                 BACKENDS[device.type], init_method=init_method, store=store, rank=rank, world_size=size
             )
+            return cls(rank, size, dist.new_group(backend="gloo"))
         return cls(rank, size)
 
     def all_reduce_(self, partial: torch.Tensor) -> torch.Tensor:
@@ -52,6 +55,14 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
 
+    def all_agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag anded over the ranks (on the CPU, over the gloo group)."""
+        if self.size == 1:
+            return flags
+        tensor = torch.tensor(flags, dtype=torch.uint8)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return [bool(flag) for flag in tensor.tolist()]
+
     def gather_last_dim(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's `part` side by side along the last dimension, in rank order (the logits of a
         vocabulary split in contiguous blocks)."""
@@ -64,3 +75,6 @@ class TensorParallel:
     def leave(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+ONE_RANK = TensorParallel()

@@ -15,11 +15,13 @@ broadcasts its scheduler's requests over a gloo group; one host's pipes need no 
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Sequence
 from typing import BinaryIO
 
 from morion.cache.copy_engine import CopyEngine, Transfer
+from morion.parallel.group import TensorParallel
 
 # Operations that take part in a collective: the followers must have them (and everything before) now.
 _COLLECTIVE = frozenset({"forward", "logits"})
@@ -29,14 +31,21 @@ STOP = "stop"
 class StepMirror:
     """Queues rank 0's device work and sends it to every follower before a collective (module docstring)."""
 
-    def __init__(self, streams: Sequence[BinaryIO]) -> None:
+    def __init__(self, streams: Sequence[BinaryIO], group: TensorParallel) -> None:
         self._streams = list(streams)
+        self._group = group
         self._queue: list[tuple] = []
 
     def send(self, *op: object) -> None:
         self._queue.append(op)
         if op[0] in _COLLECTIVE:
             self.flush()
+
+    def agree(self, *op: object, flags: list[bool]) -> list[bool]:
+        """Sends `op` (with what is queued) and ands `flags` with every follower's answer to it."""
+        self._queue.append(op)
+        self.flush()
+        return self._group.all_agree(flags)
 
     def flush(self) -> None:
         if not self._queue:
@@ -52,16 +61,12 @@ class StepMirror:
         Idempotent."""
         if not self._streams:
             return
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):  # a follower already gone: nothing to tell it
             self.send(STOP)
             self.flush()
-        except (BrokenPipeError, OSError):  # a follower already gone: nothing to tell it
-            pass
         for stream in self._streams:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 stream.close()
-            except (BrokenPipeError, OSError):
-                pass
         self._streams = []
 
 
@@ -85,7 +90,9 @@ class MirroredCopyEngine(CopyEngine):
         snapshot_row=None,
     ) -> Transfer:
         self._mirror.send("backup", list(pages), list(page_rows), slot, snapshot_row)
-        return self._inner.backup(pool, pages, page_store, page_rows, slots, slot, snapshot_store, snapshot_row)
+        return self._inner.backup(
+            pool, pages, page_store, page_rows, slots, slot, snapshot_store, snapshot_row
+        )
 
     def restore(
         self,

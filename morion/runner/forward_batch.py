@@ -3,6 +3,7 @@ backend that gives the layers the engine's memory is `runner/backend.py`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -77,7 +78,7 @@ def batch_from_host(host: tuple[np.ndarray, ...], device: torch.device) -> Forwa
     table, cu_seqlens, seq_lens [, state slots]."""
     tensors = to_device(host, device)
     cu_seqlens = host[4]
-    query_ranges = [(int(start), int(end - start)) for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    query_ranges = [(int(start), int(end - start)) for start, end in itertools.pairwise(cu_seqlens)]
     return ForwardBatch(
         input_ids=tensors[0],
         positions=tensors[1],

@@ -435,7 +435,7 @@ def test_code_edit_prompts(tiny_chat_llama_dir, tmp_path):
         if p.task != "type-hints":  # the function, constant or call the instruction names first
             target = p.instruction.split("`")[1].replace("...)", "")
             assert target in p.text.split("```python\n", 1)[1]
-    _byte_tokenizer(tmp_path, None)
+    write_byte_tokenizer(tmp_path, None)
     plain = CodeEditPrompts(load_hf_tokenizer(tmp_path, {}))
     text = plain.make("k:0", 1500)
     assert not plain.chat and text.text == made[0].text and len(text.token_ids) == len(text.text.encode())

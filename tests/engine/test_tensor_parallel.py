@@ -1,19 +1,24 @@
 """A tensor-parallel engine (issue #28) on the CPU: rank 0 in this process, one follower rank in a process of
 its own, gloo between them. The same requests on the tiny Qwen3-Next at TP=2 and at TP=1 give the same
 greedy tokens, cached tokens and (within fp32 tolerance) prompt logprobs, through a batch, a device prefix
-hit and a host-tier restore; closing the engine, or killing rank 0, ends the follower."""
+hit and a host-tier restore; after a restart each rank restores its shard from its own disk namespace,
+which one rank never reads; closing the engine, or killing rank 0, ends the follower."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from morion.cache.disk_format import BLOCK, KIND_SNAPSHOT, object_relative_path
+from morion.cache.page_keys import extend_page_keys
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
@@ -23,18 +28,24 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2)
 LOGPROB_TOLERANCE = 1e-4  # fp32: the ranks' partial sums add in another order
 PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(length)] for k, length in ((1, 45), (2, 23), (3, 70))]
-SHARED = PROMPTS[2][:64] + [11, 12, 13, 14, 15]  # the third prompt up to its tail snapshot, then its own
+SHARED = [*PROMPTS[2][:64], 11, 12, 13, 14, 15]  # the third prompt up to its tail snapshot, then its own
 EXIT_S = 15.0
 
 
-def _config(model_dir, size: int) -> EngineConfig:
+def _config(model_dir, size: int, disk: Path | None = None) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir),
         load_format="dummy",
         kv_cache_tokens=2048,
         host_cache_gb=0.02,
+        disk_cache_dir=str(disk) if disk else None,
         tensor_parallel_size=size,
     )
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp_disk_cache")
 
 
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, object]:
@@ -68,8 +79,8 @@ def one_rank(tiny_qwen3_next_config_dir) -> list[list]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_qwen3_next_config_dir) -> Iterator[Engine]:
-    engine = Engine(_config(tiny_qwen3_next_config_dir, 2))
+def two_ranks(tiny_qwen3_next_config_dir, disk) -> Iterator[Engine]:
+    engine = Engine(_config(tiny_qwen3_next_config_dir, 2, disk))
     yield engine
     engine.close()
 
@@ -78,7 +89,8 @@ def test_two_ranks_answer_as_one_through_prefix_hits_and_restores(one_rank, two_
     [batch, device_hit, host_hit] = _scenario(two_ranks)
     [one_batch, one_device_hit, one_host_hit] = one_rank
     assert len(two_ranks.follower_pids) == 1
-    for tp2, tp1 in zip(batch + device_hit + host_hit, one_batch + one_device_hit + one_host_hit, strict=True):
+    one_rank_outputs = one_batch + one_device_hit + one_host_hit
+    for tp2, tp1 in zip(batch + device_hit + host_hit, one_rank_outputs, strict=True):
         assert tp2.token_ids == tp1.token_ids
         assert tp2.usage == tp1.usage
     assert device_hit[0].usage.cached_tokens == 64  # the shared pages, from the device
@@ -101,11 +113,54 @@ def test_closing_the_engine_ends_its_followers(two_ranks):
     assert not _alive(follower)
 
 
+def test_a_restart_restores_each_rank_s_shard_from_its_disk_namespace(
+    tiny_qwen3_next_config_dir, disk, one_rank, two_ranks
+):
+    """Both conversations are on disk, one rank's namespace each. Rank 1's snapshot of the first prompt is
+    corrupt: rank 0's read of it succeeds, rank 1's fails, so the ranks agree on a miss and that prompt is
+    computed (as cold); the other is restored from both ranks' objects."""
+    two_ranks.close()  # the first run's writes are done
+    namespaces = {}
+    for manifest in disk.glob("*/manifest.json"):
+        layout = json.loads(manifest.read_text())["identity"]["tensor_parallel"]
+        namespaces[(layout["rank"], layout["size"])] = manifest.parent
+    assert sorted(namespaces) == [(0, 2), (1, 2)]
+    [_, snapshot_key] = extend_page_keys([], PROMPTS[0], 16, 2)  # its tail snapshot, after two pages
+    snapshot = namespaces[(1, 2)] / object_relative_path(KIND_SNAPSHOT, snapshot_key)
+    payload = bytearray(snapshot.read_bytes())
+    payload[BLOCK] ^= 0xFF  # the first payload byte: the checksum no longer matches
+    snapshot.write_bytes(bytes(payload))
+    engine = Engine(_config(tiny_qwen3_next_config_dir, 2, disk))
+    try:
+        [corrupt, from_disk] = _run(engine, [(PROMPTS[0], GREEDY), (PROMPTS[2], GREEDY)])
+        assert engine.cache_stats.checksum_failures == 0  # rank 0's own objects were fine
+    finally:
+        engine.close()
+    assert from_disk.usage.cached_tokens == 64
+    assert from_disk.token_ids == one_rank[0][2].token_ids  # as cold
+    assert corrupt.usage.cached_tokens == 0
+    assert corrupt.token_ids == one_rank[0][0].token_ids
+
+
+def test_one_rank_never_reads_a_two_rank_disk_cache(tiny_qwen3_next_config_dir, disk, one_rank):
+    engine = Engine(_config(tiny_qwen3_next_config_dir, 1, disk))
+    try:
+        [cold] = _run(engine, [(PROMPTS[2], GREEDY)])
+        assert engine.cache_stats.disk_hits == 0
+    finally:
+        engine.close()
+    assert cold.usage.cached_tokens == 0
+    assert cold.token_ids == one_rank[0][2].token_ids
+
+
 _RANK_ZERO = """
 import sys, time
+from morion.cache.disk_format import BLOCK, KIND_SNAPSHOT, object_relative_path
+from morion.cache.page_keys import extend_page_keys
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
-engine = Engine(EngineConfig(model=sys.argv[1], load_format="dummy", kv_cache_tokens=256, tensor_parallel_size=2))
+config = EngineConfig(model=sys.argv[1], load_format="dummy", kv_cache_tokens=256, tensor_parallel_size=2)
+engine = Engine(config)
 print(*engine.follower_pids, flush=True)
 time.sleep(600)
 """

@@ -17,6 +17,7 @@ MAX_TOKENS = 10
 TOKEN_PROMPT = [5, 17, 42, 9, 100, 77, 1, 2, 64, 65, 66]
 MESSAGES = [{"role": "user", "content": "Two ranks, one answer?"}]
 POOL = ["--kv-cache-tokens", "1024", "--load-format", "dummy", "--device", "cpu"]
+IGNORE_EOS = {"ignore_eos": True}
 TAG = "MORION_TP_SERVING_TEST"
 
 
@@ -44,11 +45,13 @@ def test_two_ranks_answer_the_openai_client_as_one_rank(tp_server, one_rank, tin
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     [expected] = one_rank.generate(TOKEN_PROMPT, greedy)
     completion = client.completions.create(
-        model=model, prompt=TOKEN_PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        model=model, prompt=TOKEN_PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=IGNORE_EOS
     )
     assert completion.choices[0].text == expected.text
     assert completion.usage.completion_tokens == len(expected.token_ids) == MAX_TOKENS
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
     [expected_chat] = one_rank.generate(
         one_rank.encode_chat(MESSAGES), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     )
