@@ -127,10 +127,10 @@ class EngineConfig:
             )
         if self.moe_kernel not in MOE_KERNELS:
             raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
-        if self.tensor_parallel_size > 1 and self.speculative != "off":
+        if self.tensor_parallel_size > 1 and self.speculative == "mtp":
             raise MorionError(
-                f"speculative {self.speculative} is not supported with tensor_parallel_size > 1 yet "
-                "(docs/parallel.md)"
+                "speculative mtp is not supported with tensor_parallel_size > 1 yet (ngram is; "
+                "docs/parallel.md)"
             )
         if self.ple_placement not in PLE_PLACEMENTS:
             raise MorionError(

@@ -51,6 +51,9 @@ class Follower:
             (host,) = args
             restores, self._restores = self._restores, []
             self._last = parts.runner.forward(batch_from_host(host, self._device), restores)
+        elif name == "verify":
+            host, verify_columns = args
+            self._last = parts.runner.verify(batch_from_host(host, self._device), verify_columns)
         elif name == "logits":
             (rows,) = args
             parts.runner.logits(self._last, rows)

@@ -24,7 +24,7 @@ from morion.cache.copy_engine import CopyEngine, Transfer
 from morion.parallel.group import TensorParallel
 
 # Operations that take part in a collective: the followers must have them (and everything before) now.
-_COLLECTIVE = frozenset({"forward", "logits"})
+_COLLECTIVE = frozenset({"forward", "verify", "logits"})
 STOP = "stop"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from morion.cache.copy_engine import Transfer
@@ -22,6 +23,7 @@ from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import ForwardBatch
+from morion.runner.host_to_device import to_device
 from morion.runner.restore_wait import RestoreWaits
 
 
@@ -78,8 +80,15 @@ class ModelRunner:
             self.mirror.send("forward", batch.host)
         return self._run(batch, self.decode_graphs, restores)
 
-    def verify(self, batch: ForwardBatch, verify_slots: torch.Tensor | None) -> Forward:
-        """A verify forward: every sequence has the same 1 + width new tokens; logits of every row."""
+    def verify(self, batch: ForwardBatch, verify_columns: np.ndarray | None) -> Forward:
+        """A verify forward: every sequence has the same 1 + width new tokens; logits of every row.
+        `verify_columns` [B, 1 + width] int32: each sequence's state slot per verified position (models
+        with state)."""
+        if self.mirror is not None:
+            self.mirror.send("verify", batch.host, verify_columns)
+        verify_slots = None
+        if verify_columns is not None:
+            [verify_slots] = to_device([verify_columns], batch.input_ids.device)
         forward = self._run(batch, self.verify_graphs.get(batch.max_query_len), (), verify_slots)
         if forward.logits is None:
             return Forward(forward.hidden, self.model.compute_logits(forward.hidden))

@@ -1,8 +1,8 @@
 """A tensor-parallel engine (issue #28) on the CPU: rank 0 in this process, one follower rank in a process of
 its own, gloo between them. The same requests on the tiny Qwen3-Next at TP=2 and at TP=1 give the same
 greedy tokens, cached tokens and (within fp32 tolerance) prompt logprobs, through a batch, a device prefix
-hit and a host-tier restore; after a restart each rank restores its shard from its own disk namespace,
-which one rank never reads; closing the engine, or killing rank 0, ends the follower."""
+hit and a host-tier restore, with n-gram speculation; after a restart each rank restores its shard from its
+own disk namespace, which one rank never reads; closing the engine, or killing rank 0, ends the follower."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ from morion.errors import MorionError
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2)
 LOGPROB_TOLERANCE = 1e-4  # fp32: the ranks' partial sums add in another order
-PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(length)] for k, length in ((1, 45), (2, 23), (3, 70))]
+# Phrases repeated: n-gram speculation drafts their continuation, so verify forwards run on both ranks.
+PROMPTS = [
+    ([(7 * i + k) % 500 + 3 for i in range(9)] * 8)[:length] for k, length in ((1, 45), (2, 23), (3, 70))
+]
 SHARED = [*PROMPTS[2][:64], 11, 12, 13, 14, 15]  # the third prompt up to its tail snapshot, then its own
 EXIT_S = 15.0
 
@@ -39,6 +42,7 @@ def _config(model_dir, size: int, disk: Path | None = None) -> EngineConfig:
         kv_cache_tokens=2048,
         host_cache_gb=0.02,
         disk_cache_dir=str(disk) if disk else None,
+        speculative="ngram",
         tensor_parallel_size=size,
     )
 
@@ -97,6 +101,7 @@ def test_two_ranks_answer_as_one_through_prefix_hits_and_restores(one_rank, two_
     assert host_hit[0].usage.cached_tokens == 64  # all but the tail, restored from the host tier
     assert host_hit[0].token_ids == batch[2].token_ids  # as cold
     assert two_ranks.cache_stats.restores >= 1
+    assert two_ranks.speculative.stats.verify_steps > 0
     for tp2, tp1 in zip(batch[0].prompt_logprobs[1:], one_batch[0].prompt_logprobs[1:], strict=True):
         assert abs(tp2.logprob - tp1.logprob) < LOGPROB_TOLERANCE and tp2.rank == tp1.rank
 
