@@ -70,6 +70,18 @@ class Ranks:
         self._threads = share_cpu_threads(config)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
         self.processes: list[subprocess.Popen] = []
+        try:
+            self._start(config, store, device)
+        except BaseException:
+            for process in self.processes:  # a follower that started, or never joined
+                process.kill()
+                process.wait()
+            torch.set_num_threads(self._threads)
+            raise
+        self._store = store  # the group's rendezvous: kept for the group's life
+
+    def _start(self, config: EngineConfig, store: dist.TCPStore, device: torch.device) -> None:
+        size = config.tensor_parallel_size
         for rank in range(1, size):
             process = subprocess.Popen(
                 [sys.executable, "-m", "morion.engine.rank_follower"],
@@ -82,7 +94,6 @@ class Ranks:
             self.processes.append(process)
         self.tensor_parallel = TensorParallel.join(0, size, device, store=store)
         self.mirror = StepMirror([process.stdin for process in self.processes], self.tensor_parallel)
-        self._store = store  # the group's rendezvous: kept for the group's life
 
     @property
     def pids(self) -> list[int]:

@@ -7,12 +7,16 @@ process group at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+# A collective waits this long for the other ranks: the first after loading waits for the slowest rank's
+# load and warm-up (an 80B checkpoint from a slow disk takes minutes; torch's default is 10 to 30).
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,12 @@ class TensorParallel:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             dist.init_process_group(
-                BACKENDS[device.type], init_method=init_method, store=store, rank=rank, world_size=size
+                BACKENDS[device.type],
+                init_method=init_method,
+                store=store,
+                rank=rank,
+                world_size=size,
+                timeout=COLLECTIVE_TIMEOUT,
             )
             return cls(rank, size, dist.new_group(backend="gloo"))
         return cls(rank, size)

@@ -78,33 +78,16 @@ class MirroredCopyEngine(CopyEngine):
         self._inner = inner
         self._mirror = mirror
 
-    def backup(
-        self,
-        pool,
-        pages,
-        page_store,
-        page_rows,
-        slots=None,
-        slot=None,
-        snapshot_store=None,
-        snapshot_row=None,
-    ) -> Transfer:
+    # The CopyEngine interface's signatures (copy_engine.py documents the arguments).
+    def backup(self, pool, pages, page_store, page_rows, slots=None, slot=None,
+               snapshot_store=None, snapshot_row=None) -> Transfer:  # fmt: skip
         self._mirror.send("backup", list(pages), list(page_rows), slot, snapshot_row)
         return self._inner.backup(
             pool, pages, page_store, page_rows, slots, slot, snapshot_store, snapshot_row
         )
 
-    def restore(
-        self,
-        page_store,
-        page_rows,
-        pool,
-        pages,
-        snapshot_store=None,
-        snapshot_row=None,
-        slots=None,
-        dst_slots=(),
-    ) -> Transfer:
+    def restore(self, page_store, page_rows, pool, pages, snapshot_store=None, snapshot_row=None,
+                slots=None, dst_slots=()) -> Transfer:  # fmt: skip
         self._mirror.send("restore", list(page_rows), list(pages), snapshot_row, list(dst_slots))
         return self._inner.restore(
             page_store, page_rows, pool, pages, snapshot_store, snapshot_row, slots, dst_slots
