@@ -137,10 +137,13 @@ class Follower:
             self.poll_disk(_DISK_WAIT_S)
 
     def close(self) -> None:
+        """Finishes this rank's copies and disk writes (its tiers' index is rank 0's: only the disk store
+        itself is closed here)."""
         for transfer in self._backups + self._restores:
             transfer.synchronize()
-        if self._parts.tiers is not None:
-            self._parts.tiers.close()
+        tiers = self._parts.tiers
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.close()
 
 
 def follow(follower: Follower, stream: BinaryIO) -> None:
