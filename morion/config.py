@@ -61,6 +61,7 @@ class EngineConfig:
     spec_width: int | None = None  # a fixed draft width instead of the policy
     spec_token_map: str | None = None  # FR-Spec reduced draft vocabulary for the MTP head (frspec build)
     ple_placement: str = "ram"  # PLE n-gram table: ram (pinned on CUDA), or mmap of the checkpoint files
+    tensor_parallel_size: int = 1  # ranks the model is split over, one process and device each (issue #28)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -77,6 +78,7 @@ class EngineConfig:
             "max_running_requests": self.max_running_requests,
             "state_slots": self.state_slots,
             "cuda_graph_max_batch": self.cuda_graph_max_batch,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():
             if value is not None and value <= 0:
@@ -125,6 +127,11 @@ class EngineConfig:
             )
         if self.moe_kernel not in MOE_KERNELS:
             raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
+        if self.tensor_parallel_size > 1 and self.speculative == "mtp":
+            raise MorionError(
+                "speculative mtp is not supported with tensor_parallel_size > 1 yet (ngram is; "
+                "docs/parallel.md)"
+            )
         if self.ple_placement not in PLE_PLACEMENTS:
             raise MorionError(
                 f"ple_placement must be one of {', '.join(PLE_PLACEMENTS)}, got {self.ple_placement!r}"

@@ -49,6 +49,7 @@ class EngineFlag:
     help: str
     option: str = ""  # "": the field's name with dashes (--page-size)
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # argparse's: type, choices, action
+    aliases: tuple[str, ...] = ()  # further option strings (--tp)
 
     @property
     def name(self) -> str:
@@ -153,6 +154,12 @@ ENGINE_FLAGS = (
         "Qwen3.8-Flash-Next's n-gram table: host RAM, pinned on CUDA (ram), or memory-mapped files",
     ),
     _switch("enable_prefix_cache", "--no-prefix-cache", False, "do not reuse cached prompt prefixes"),
+    EngineFlag(
+        "tensor_parallel_size",
+        "split the model over N ranks: one process and device each, NCCL on CUDA, gloo on the CPU (1)",
+        aliases=("--tp",),
+        kwargs={"type": bounded(int, 1, "--tensor-parallel-size"), "metavar": "N"},
+    ),
 )
 
 # EngineConfig fields that no flag sets, and why.
@@ -170,7 +177,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The model flags and the engine's; a flag left out keeps EngineConfig's default."""
     add_model_flags(parser)
     for flag in ENGINE_FLAGS:
-        parser.add_argument(flag.name, dest=flag.field, help=flag.help, **flag.kwargs)
+        parser.add_argument(flag.name, *flag.aliases, dest=flag.field, help=flag.help, **flag.kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

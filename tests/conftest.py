@@ -92,6 +92,23 @@ def tiny_qwen3_next_config_dir(tmp_path_factory) -> Path:
     return directory
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_chat_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-Next (config only: dummy weights) with a vocabulary of 258, the ids of a byte-level
+    tokenizer with a chat template: a hybrid model that takes text (and splits over two ranks)."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_next_chat")
+    config = {**TINY_QWEN3_NEXT, "vocab_size": 258, "eos_token_id": 257}
+    (directory / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(directory, CHAT_TEMPLATE)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_next(tiny_qwen3_next_config_dir) -> LoadedModel:
     """Seeded random weights on the CPU (move a copy to another device: weights drawn there differ)."""
@@ -298,6 +315,22 @@ def recorded_proposals(engine) -> list:
 
     drafter.propose = propose
     return record
+
+
+def write_byte_tokenizer(directory: Path, chat_template: str | None) -> None:
+    """A byte-level BPE without merges (one token per byte, ids 0-255) and two special tokens (256, 257:
+    the end of a turn, also EOS), written to `directory` as tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = FastTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def small_token_map(directory: Path, eos_id: int) -> Path:

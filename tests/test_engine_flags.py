@@ -49,6 +49,7 @@ EXAMPLES = {
     "spec_token_map": ("map.json", "map.json", ["--speculative", "mtp"]),
     "ple_placement": ("mmap", "mmap", []),
     "enable_prefix_cache": (None, False, []),
+    "tensor_parallel_size": ("2", 2, []),
 }
 FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]
 COMMANDS = {"serve": [], "generate": ["--prompt", "hi"], "bench": []}
@@ -68,7 +69,7 @@ def test_no_engine_field_is_parsed_outside_the_table():
     for name in COMMANDS:
         for action in commands[name]._actions:
             if action.dest in FLAGS:
-                assert action.option_strings == [FLAGS[action.dest].name], name
+                assert action.option_strings == [FLAGS[action.dest].name, *FLAGS[action.dest].aliases], name
             else:
                 assert action.dest not in FIELDS or action.dest in NOT_FLAGS, (name, action.option_strings)
 

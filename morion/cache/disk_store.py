@@ -86,6 +86,7 @@ class DiskStore:
         payload_bytes: dict[int, int],
         num_threads: int = 4,
         direct_io: bool = False,
+        budget_share: float = 1.0,
     ) -> None:
         """`direct_io`: write objects with O_DIRECT where the filesystem allows it. Off by default:
         buffered writes leave the objects in the page cache, so a restarted server restores from memory
@@ -94,13 +95,15 @@ class DiskStore:
         crowding the page cache.
 
         `budget_bytes` None: automatic, `AUTO_BUDGET_SHARE` of the filesystem's free space plus the bytes
-        of this namespace's objects found at start (`automatic_budget`)."""
+        of this namespace's objects found at start (`automatic_budget`), times `budget_share` (a rank's
+        share of the filesystem when every tensor-parallel rank keeps its own namespace on it)."""
         self.root = Path(root)
         self.identity = identity
         self.namespace = namespace_of(identity)
         self.dir = self.root / self.namespace
         self.budget_auto = budget_bytes is None
         self.budget_bytes = budget_bytes or 0
+        self._budget_share = budget_share
         self.payload_bytes = payload_bytes  # kind -> bytes of one object's payload (a host row)
         self.enabled = False
         self.skip_reason: str | None = None
@@ -170,7 +173,7 @@ class DiskStore:
         self.direct_io = direct_io and probe_direct_io(self.dir)
         self._scan(objects)
         if self.budget_auto:
-            self.budget_bytes = automatic_budget(self.dir, self.used_bytes)
+            self.budget_bytes = int(automatic_budget(self.dir, self.used_bytes) * self._budget_share)
         self.enabled = True
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="morion-disk")
         if self.used_bytes > self.budget_bytes:  # the budget shrank since the objects were written
@@ -460,11 +463,12 @@ def open_disk_store(
     budget_bytes: int | None,
     num_threads: int = 4,
     direct_io: bool = False,
+    budget_share: float = 1.0,
 ) -> DiskStore:
     """The disk tier for `spec`'s page and snapshot objects, in the namespace of `model_identity` (what
     the engine knows about the model: config and weights digests, dtype) plus what the cache itself
     determines: the format version, the page size, the CacheSpec and the exact byte layout of objects.
-    `budget_bytes` None: the automatic budget (see `DiskStore`)."""
+    `budget_bytes` None: the automatic budget (see `DiskStore`), times `budget_share`."""
     page_layout = ObjectLayout.for_pages(spec)
     identity = {
         "format_version": FORMAT_VERSION,
@@ -480,4 +484,4 @@ def open_disk_store(
         snapshot_layout = ObjectLayout.for_snapshots(spec)
         identity["snapshot_object"] = [*snapshot_layout.describe(), {"row_bytes": snapshot_layout.row_bytes}]
         payload[KIND_SNAPSHOT] = snapshot_layout.row_bytes
-    return DiskStore(Path(root), identity, info, budget_bytes, payload, num_threads, direct_io)
+    return DiskStore(Path(root), identity, info, budget_bytes, payload, num_threads, direct_io, budget_share)

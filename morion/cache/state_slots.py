@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from morion.cache.spec import CacheSpec
+
+
+class DeviceWorkMirror(Protocol):
+    """Where rank 0 of a tensor-parallel engine sends the device work its followers repeat on their own
+    shards (parallel/step_mirror.py); cache/ only calls it."""
+
+    def send(self, *op: object) -> None: ...
+
+    def agree(self, *op: object, flags: list[bool]) -> list[bool]:
+        """Sends `op`, to which every follower answers with its own flags: each flag anded over the ranks."""
+        ...
 
 
 class StateSlots:
@@ -30,6 +43,8 @@ class StateSlots:
         }
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self._is_free = bytearray(b"\x01") * num_slots
+        # Rank 0 of a tensor-parallel engine: every copy and reset is repeated on each rank's slots.
+        self.mirror: DeviceWorkMirror | None = None
 
     @property
     def num_slots(self) -> int:
@@ -83,12 +98,24 @@ class StateSlots:
         """Copy every state component of slot `src` into slot `dst` (taking or restoring a snapshot)."""
         self._check_allocated(src)
         self._check_allocated(dst)
-        for tensor in self._storage.values():
-            tensor[:, dst].copy_(tensor[:, src])
+        if self.mirror is not None:
+            self.mirror.send("state_copy", src, dst)
+        self.copy_storage(src, dst)
 
     def zero(self, slot: int) -> None:
         """Reset every state component of `slot`: the state before the first token."""
         self._check_allocated(slot)
+        if self.mirror is not None:
+            self.mirror.send("state_zero", slot)
+        self.zero_storage(slot)
+
+    def copy_storage(self, src: int, dst: int) -> None:
+        """`copy` without the allocation checks: a follower rank's slots are allocated by rank 0."""
+        for tensor in self._storage.values():
+            tensor[:, dst].copy_(tensor[:, src])
+
+    def zero_storage(self, slot: int) -> None:
+        """`zero` without the allocation checks (a follower rank's)."""
         for tensor in self._storage.values():
             tensor[:, slot].zero_()
 

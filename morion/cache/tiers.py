@@ -35,7 +35,7 @@ from morion.cache.disk_store import DiskResult, DiskStore
 from morion.cache.host_store import HostObjectStore, ObjectLayout
 from morion.cache.page_keys import extend_page_keys
 from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
+from morion.cache.state_slots import DeviceWorkMirror, StateSlots
 from morion.cache.tier_stats import CacheStats
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -100,6 +100,9 @@ class CacheTiers:
         self._in_flight: list[_InFlight] = []
         self._for_forward: list[Transfer] = []
         self._batches: dict[tuple[int, bytes], _PrefetchBatch] = {}  # by the object being read
+        # Rank 0 of a tensor-parallel engine: each disk write and read of a host row is repeated by every
+        # rank on its own shard's row, and a read counts as done only when every rank's succeeded.
+        self.mirror: DeviceWorkMirror | None = None
         self.refresh_gauges()
 
     @staticmethod
@@ -219,6 +222,8 @@ class CacheTiers:
             if not self.disk.submit_read(kind, key, store.row_array(entry)):
                 store.drop(key)
                 break
+            if self.mirror is not None:
+                self.mirror.send("disk_read", kind, key, entry.row)
             self._batches[(kind, key)] = batch
             batch.outstanding += 1
         if batch.outstanding == 0:
@@ -351,6 +356,8 @@ class CacheTiers:
             # Rule 3 (host side): the writer reads the row only after the backup copy has filled it.
             if not self.disk.submit_write(kind, key, store.row_array(entry), transfer.synchronize):
                 store.unpin(key)
+            elif self.mirror is not None:
+                self.mirror.send("disk_write", kind, key, entry.row)
 
     def on_device_evict(
         self, prefix_tokens: Sequence[int], node_pages: Sequence[int], snapshot_slot: int | None
@@ -367,6 +374,8 @@ class CacheTiers:
         hit, its head becomes the most recently used, so disk cleanup evicts conversations from their end."""
         if self.disk is not None:
             self.disk.touch_chain(chain_keys)
+            if self.mirror is not None:  # the ranks' disks evict in the same order
+                self.mirror.send("disk_touch", list(chain_keys))
 
     # -- progress --------------------------------------------------------------------------------------------
 
@@ -375,9 +384,25 @@ class CacheTiers:
         timeout, first waits up to that long for a disk job to finish."""
         self._retire_copies()
         if self.disk is not None:
-            for result in self.disk.poll(timeout):
+            for result in self._agreed(self.disk.poll(timeout)):
                 self._disk_done(result)
         self.refresh_gauges()
+
+    def _agreed(self, results: list[DiskResult]) -> list[DiskResult]:
+        """At tensor parallelism, a read that succeeded here fails unless every rank's read of its shard of
+        the object did too (a rank's object may be missing, or corrupt, where rank 0's is not)."""
+        reads = [r for r in results if r.op == "read" and r.error is None]
+        if self.mirror is None or not reads:
+            return results
+        objects = [(r.kind, r.key) for r in reads]
+        agreed = self.mirror.agree("disk_agree", objects, flags=[True] * len(reads))
+        everywhere = dict(zip(objects, agreed, strict=True))
+        return [
+            r._replace(error="another rank's read failed", nbytes=0)
+            if r.op == "read" and r.error is None and not everywhere[(r.kind, r.key)]
+            else r
+            for r in results
+        ]
 
     def _retire_copies(self) -> None:
         """Unpin the host objects of finished transfers (rule 1: not before) and time finished restores."""

@@ -47,6 +47,8 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
+from morion.parallel.group import ONE_RANK, TensorParallel
+from morion.parallel.step_mirror import MirroredCopyEngine, StepMirror
 from morion.runner.backend import KVScales
 from morion.runner.model_runner import ModelRunner
 from morion.runner.warmup import measure_forward_peak_bytes
@@ -84,9 +86,15 @@ def assemble(
     loaded: LoadedModel | None,
     drafter: Drafter | None,
     forced_acceptance: ForcedAcceptance | None,
+    tensor_parallel: TensorParallel = ONE_RANK,
+    mirror: StepMirror | None = None,
 ) -> EngineParts:
     """The parts in build order (module docstring). `drafter` (tests, benchmarks) turns speculative
-    decoding on with its proposals; without it, `config.speculative` names the drafter."""
+    decoding on with its proposals; without it, `config.speculative` names the drafter.
+
+    At tensor parallelism every rank assembles the same parts from the same config, with its shard of the
+    model (`config.device` is the rank's own); rank 0 passes the `mirror` its followers repeat its device
+    work from (parallel/step_mirror.py), and the ranks agree on the pool's size."""
     device = config.torch_device
     # 1. The model.
     loaded = loaded or load_model(
@@ -97,6 +105,7 @@ def assemble(
         config.seed,
         weight_dtype=config.weight_dtype,
         host_table_placement=config.ple_placement,
+        tensor_parallel=tensor_parallel,
     )
     model = loaded.model
     set_moe_kernel(model, config.moe_kernel)
@@ -131,12 +140,17 @@ def assemble(
         state_slots = StateSlots(spec, num_slots + int(use_graphs), device)
     state_bytes = state_slots.num_bytes if state_slots else 0
     num_pages = _num_pages(config, spec.bytes_per_page, state_bytes, activation_reserve, weight_bytes)
+    # Page ids mean the same memory on every rank: the pool is as large as the smallest rank's.
+    num_pages = tensor_parallel.min_over_ranks(num_pages, device)
     pool = PagePool(spec, num_pages + int(use_graphs), device)
     # CUDA-graph padding rows write into a scratch page and slot that nobody else ever gets.
     scratch_pages = pool.alloc(1) if use_graphs else []
     scratch_slots = [state_slots.alloc()] if use_graphs and state_slots else []
     # 5. The runner, and speculative decoding over it.
     runner = ModelRunner(model, pool, state_slots, kv_scales, scratch_pages, scratch_slots)
+    runner.mirror = mirror
+    if state_slots is not None:
+        state_slots.mirror = mirror
     speculative = None
     if policy is not None:
         drafts = _drafter(config, drafter, model, pool, kv_scales)
@@ -146,7 +160,9 @@ def assemble(
     cache_stats = CacheStats()
     tiers = None
     if config.enable_prefix_cache:
-        tiers = _build_tiers(config, spec, loaded, pool, state_slots, prefix_cache, cache_stats)
+        tiers = _build_tiers(
+            config, spec, loaded, pool, state_slots, prefix_cache, cache_stats, tensor_parallel, mirror
+        )
     scheduler = Scheduler(
         prefix_cache,
         config.chunk_size,
@@ -159,11 +175,12 @@ def assemble(
     pool_tokens = (pool.num_pages - len(scratch_pages)) * config.page_size
     context = model.config.max_position_embeddings
     longest, limit = max_model_len(context, pool_tokens, config.max_model_len)
-    # 8. The summary, then the graphs.
-    report_startup(
-        config, model, pool, state_slots, tiers, cache_stats, weight_bytes, activation_reserve, longest,
-        spec.bytes_per_token,
-    )  # fmt: skip
+    # 8. The summary (rank 0's), then the graphs.
+    if tensor_parallel.rank == 0:
+        report_startup(
+            config, model, pool, state_slots, tiers, cache_stats, weight_bytes, activation_reserve, longest,
+            spec.bytes_per_token,
+        )  # fmt: skip
     if use_graphs:
         runner.capture_decode_graphs(
             min(config.cuda_graph_max_batch, config.max_running_requests), -(-longest // config.page_size)
@@ -281,6 +298,8 @@ def _build_tiers(
     state_slots: StateSlots | None,
     prefix_cache: RadixCache,
     stats: CacheStats,
+    tensor_parallel: TensorParallel,
+    mirror: StepMirror | None,
 ) -> CacheTiers | None:
     if config.host_cache_gb is None:
         return None
@@ -291,21 +310,27 @@ def _build_tiers(
         num_pages, num_snapshots = CacheTiers.host_rows(spec, host_bytes, config.host_cache_state_fraction)
     except ValueError as error:
         raise MorionError(f"host_cache_gb {config.host_cache_gb}: {error}") from None
+    copy_engine = make_copy_engine(device)
+    if mirror is not None:
+        copy_engine = MirroredCopyEngine(copy_engine, mirror)
     tiers = CacheTiers(
         pool,
         state_slots,
-        make_copy_engine(device),
+        copy_engine,
         num_pages,
         num_snapshots,
         pin_memory=device.type == "cuda",
         write_policy=config.host_cache_write_policy,
         stats=stats,
     )
+    tiers.mirror = mirror
     if config.host_cache_write_policy == "write_back":
         prefix_cache.evict_listener = tiers.on_device_evict
     if config.disk_cache_dir is not None:
         root = Path(config.disk_cache_dir).expanduser()
-        budget = int(config.disk_cache_gb * 2**30) if config.disk_cache_gb is not None else None
+        # Each rank keeps its shard in a namespace of its own on the same disk: a share of the budget each.
+        ranks = tensor_parallel.size
+        budget = int(config.disk_cache_gb * 2**30 / ranks) if config.disk_cache_gb is not None else None
         identity = {
             "model": {
                 "config_digest": config_digest(loaded.hf_config),
@@ -314,12 +339,16 @@ def _build_tiers(
                 "weight_dtype": config.weight_dtype,
             }
         }
+        if tensor_parallel.size > 1:  # a rank's shard: never read by another layout or another rank
+            identity["tensor_parallel"] = {"size": tensor_parallel.size, "rank": tensor_parallel.rank}
         info = {
             "model_name": Path(str(loaded.path)).name,
             "model_type": model.config.model_type,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "morion_version": morion.__version__,
         }
-        store = open_disk_store(root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io)
+        store = open_disk_store(
+            root, identity, info, spec, budget, direct_io=config.disk_cache_direct_io, budget_share=1 / ranks
+        )
         tiers.attach_disk(store)
     return tiers

@@ -27,6 +27,7 @@ from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_group
 from morion.engine.grammar import GrammarRuntime
 from morion.engine.outputs import EngineLoad, RequestOutput, StepOutput, Usage, internal_error
 from morion.engine.prompt_logprobs import record_prompt_logprobs
+from morion.engine.ranks import Ranks, rank_config
 from morion.engine.request import Request
 from morion.engine.sampler import RequestSampler, SampleResult, committed_token, sample
 from morion.engine.sampling_params import SamplingParams
@@ -35,9 +36,11 @@ from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel
+from morion.loader.load import check_tensor_parallel
 from morion.multimodal.image_decode import PreparedImage
 from morion.multimodal.processing import ImageProcessing
 from morion.multimodal.prompt_images import PromptImages
+from morion.parallel.group import TensorParallel
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import build_forward_batch
 from morion.runner.image_batch import ImageChunk, ImageEncoder
@@ -62,8 +65,26 @@ class Engine:
     ) -> None:
         """`drafter` (e.g. the synthetic drafter of the tests, or a benchmark's) turns speculative decoding
         on with its proposals; without it, `config.speculative` names the drafter. `forced_acceptance`
-        (benchmarks only, spec/forced.py) decides how many drafts each verify step accepts."""
-        parts = assemble(config, loaded, drafter, forced_acceptance)
+        (benchmarks only, spec/forced.py) decides how many drafts each verify step accepts.
+
+        With `config.tensor_parallel_size` N > 1 this engine is rank 0: it starts N - 1 follower processes
+        (engine/ranks.py), builds its shard of the model and sends them each step's device work."""
+        self._ranks: Ranks | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None or drafter is not None:
+                raise MorionError("a tensor-parallel engine loads its model itself, on every rank")
+            check_tensor_parallel(config.model, config.load_format, config.tensor_parallel_size)
+            self._ranks = Ranks(config)
+            config = rank_config(config, 0)
+        group, mirror = TensorParallel(), None
+        if self._ranks is not None:
+            group, mirror = self._ranks.tensor_parallel, self._ranks.mirror
+        try:
+            parts = assemble(config, loaded, drafter, forced_acceptance, group, mirror)
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.close()
+            raise
         self.config = config
         self.device = config.torch_device
         loaded = parts.loaded
@@ -103,6 +124,11 @@ class Engine:
                 f"tower's {expected} (preprocessor_config.json of {self.model_path})"
             )
         return ImageEncoder(self.model, processing, self.device)
+
+    @property
+    def follower_pids(self) -> list[int]:
+        """The process ids of the follower ranks (tensor parallelism; none at one rank)."""
+        return self._ranks.pids if self._ranks is not None else []
 
     @property
     def graphs(self) -> DecodeGraphRunner | None:
@@ -318,7 +344,7 @@ class Engine:
             if chunk.request.prompt_logprobs is not None and chunk.request.num_computed < len(
                 chunk.request.prompt_token_ids
             ):
-                record_prompt_logprobs(self.model, chunk.request, hidden[start : start + length])
+                record_prompt_logprobs(self.runner, forward, chunk.request, start, length)
             if self.speculative is not None and self.speculative.eligible(chunk.request):
                 # An MTP drafter keeps the hidden states of the requests it may draft for.
                 rows = hidden[start : start + length]
@@ -473,9 +499,11 @@ class Engine:
 
     def close(self) -> None:
         """Finish the cache tiers' copies and disk writes (a later engine on the same disk cache then finds
-        everything). Idempotent; the engine must not step afterwards."""
+        everything), then stop the follower ranks. Idempotent; the engine must not step afterwards."""
         if self.tiers is not None:
             self.tiers.close()
+        if self._ranks is not None:
+            self._ranks.close()
 
 
 def _final_output(request: Request, error: str | None = None) -> RequestOutput:

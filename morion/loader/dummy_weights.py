@@ -16,17 +16,21 @@ import math
 import torch
 from torch import nn
 
+from morion.errors import ModelLoadError
 from morion.layers.host_table import HostRowTable, host_tables
 from morion.layers.norm import RMSNorm
 from morion.models.checkpoint import Nvfp4Scales, fp8_scales, nvfp4_scales, quantize_nvfp4_into
 from morion.ops.fp8 import FP8_DTYPE, quantize_fp8_
+from morion.parallel.shards import RankParts
 from morion.progress import Progress
 
 # Host tables are drawn on the model's device this many bytes at a time (a multiple of every dtype's size).
 _HOST_TABLE_CHUNK_BYTES = 256 * 2**20
 
 
-def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+def fill_dummy_weights(model: nn.Module, seed: int, rank_parts: RankParts | None = None) -> None:
+    """With `rank_parts` (a tensor-parallel rank's model), every parameter is drawn whole, in the same
+    order as at one rank, and the rank keeps its part: the ranks together hold the weights one rank would."""
     params = list(model.named_parameters())
     device = params[0][1].device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -41,9 +45,16 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in params:
             if name in nvfp4:
+                if rank_parts is not None:
+                    raise ModelLoadError("random NVFP4 experts are not split over tensor-parallel ranks yet")
                 _fill_nvfp4(name, param, nvfp4[name], dtype, generator)
             elif name in scales:
-                _fill_fp8(name, param, scales[name], dtype, generator)
+                _fill_fp8(name, param, scales[name], dtype, generator, rank_parts)
+            elif rank_parts is not None:
+                whole = torch.empty(rank_parts.whole_shapes[name], dtype=param.dtype, device=param.device)
+                _fill(name, whole, id(param) in unit_norms, generator)
+                param.copy_(rank_parts.cut(name, whole))  # copy_ reads any strides
+                del whole
             else:
                 _fill(name, param, id(param) in unit_norms, generator)
             progress.advance()
@@ -82,14 +93,26 @@ def _fill_host_table(
 
 
 def _fill_fp8(
-    name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
+    name: str,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    rank_parts: RankParts | None,
 ) -> None:
     """Draws the weight in `dtype` and quantizes it: stacked experts (per-row scales [E, N]) one expert
-    at a time, other matrices whole; the draw is freed before the next one."""
-    pieces = zip(weight, scale, strict=True) if scale.dim() == 2 else [(weight, scale)]
+    at a time, other matrices whole; the draw is freed before the next one. A rank draws the whole
+    matrix (expert) and quantizes its part."""
+    stacked = scale.dim() == 2
+    pieces = zip(weight, scale, strict=True) if stacked else [(weight, scale)]
     for piece, piece_scale in pieces:
-        draw = torch.empty(piece.shape, dtype=dtype, device=piece.device)
+        shape = piece.shape
+        if rank_parts is not None:
+            shape = rank_parts.whole_shapes[name][1:] if stacked else rank_parts.whole_shapes[name]
+        draw = torch.empty(shape, dtype=dtype, device=piece.device)
         _fill(name, draw, False, generator)
+        if rank_parts is not None:
+            draw = rank_parts.cut(name, draw, leading=int(stacked)).contiguous()
         quantize_fp8_(draw, piece, piece_scale)
         del draw
 

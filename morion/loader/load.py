@@ -22,7 +22,9 @@ from morion.loader.safetensors_loader import HFDirectory
 from morion.loader.safetensors_mmap import mapped_weights
 from morion.loader.source import read_source
 from morion.models.presets import is_preset, preset_config
-from morion.models.registry import build_model
+from morion.models.registry import architecture_config, build_model, tensor_split
+from morion.parallel.group import TensorParallel
+from morion.parallel.shards import RankParts
 from morion.progress import Progress
 from morion.text.tokenizer import Tokenizer
 
@@ -46,6 +48,7 @@ def load_model(
     seed: int = 0,
     weight_dtype: str = "auto",
     host_table_placement: str = "ram",
+    tensor_parallel: TensorParallel | None = None,
 ) -> LoadedModel:
     """`load_format` "dummy" (implied by `preset:NAME`) builds random weights instead of reading them.
 
@@ -56,6 +59,10 @@ def load_model(
     Tables a model keeps in host memory and never on `device` (its `host_tables` hook: Qwen3.8-Flash-Next's
     PLE table) are copied into RAM (page-locked when `device` is CUDA), or with `host_table_placement`
     "mmap" left in the checkpoint files, memory-mapped (layers/host_table.py).
+
+    With `tensor_parallel` of more than one rank, the model is that rank's part (models/registry.py): each
+    checkpoint tensor is cut to the rank's part as it streams in, before it is quantized; random weights
+    are drawn whole, as at one rank, and cut.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
@@ -70,15 +77,25 @@ def load_model(
         source = read_source(path, require_weights=load_format != "dummy")
         hf_config, tokenizer = source.hf_config, source.tokenizer
         weights = None if load_format == "dummy" else source
-    module = build_model(hf_config, dtype, device, weight_dtype)
+    module = build_model(hf_config, dtype, device, weight_dtype, tensor_parallel)
     tables = host_tables(module)
     for table in tables:
         table.place(host_table_placement, pin_memory=device.type == "cuda", model_dtype=dtype)
     if weights is None:
-        fill_dummy_weights(module, seed)
+        fill_dummy_weights(module, seed, _rank_parts_of(hf_config, dtype, weight_dtype, tensor_parallel))
     else:
         map_files = bool(tables) and host_table_placement == "mmap"
-        _load_checkpoint(module, weights, hf_config, path, weight_dtype, dtype, device, map_files)
+        _load_checkpoint(
+            module,
+            weights,
+            hf_config,
+            path,
+            weight_dtype,
+            dtype,
+            device,
+            map_files,
+            _rank_parts_of(hf_config, dtype, weight_dtype, tensor_parallel),
+        )
     for table in tables:
         print(f"morion: host table {table.describe()}", file=sys.stderr)
     if device.type == "cuda":
@@ -86,6 +103,20 @@ def load_model(
         # sized from the memory that is really free (design.md §4).
         torch.cuda.empty_cache()
     return LoadedModel(module, tokenizer, hf_config, path)
+
+
+def check_tensor_parallel(model: str | None, load_format: str, size: int) -> None:
+    """Raises a MorionError, before any rank starts, where `model` cannot be split over `size` ranks: an
+    architecture without a split, or a count of heads (value heads, intermediate rows) `size` does not
+    divide."""
+    if is_preset(model):
+        hf_config = preset_config(model)
+    else:
+        hf_config = read_source(resolve_model_path(model), require_weights=load_format != "dummy").hf_config
+    split = tensor_split(hf_config["model_type"])
+    split.local_config(architecture_config(hf_config), size)
+    if hf_config.get("tie_word_embeddings"):
+        raise ModelLoadError("tensor parallelism needs an untied LM head (this model ties it)")
 
 
 def _load_checkpoint(
@@ -97,6 +128,7 @@ def _load_checkpoint(
     dtype: torch.dtype,
     device: torch.device,
     map_files: bool = False,
+    rank_parts: RankParts | None = None,
 ) -> None:
     """`map_files`: hand over every tensor as a map of its file (safetensors only) instead of reading it,
     so host tables placed "mmap" keep those maps; everything else is copied from them as usual."""
@@ -118,5 +150,24 @@ def _load_checkpoint(
     block = block_fp8_size(hf_config)
     if block and weight_dtype == "fp8":
         logger.info("block-FP8 checkpoint: each weight is dequantized, then requantized per tensor / per row")
-    module.load_weights(dequantized_weights(tensors, block) if block else tensors)
+    tensors = dequantized_weights(tensors, block) if block else tensors
+    if rank_parts is not None:
+        tensors = ((name, rank_parts.cut(name, tensor)) for name, tensor in tensors)
+    module.load_weights(tensors)
     progress.finish()
+
+
+def _rank_parts_of(
+    hf_config: dict[str, Any], dtype: torch.dtype, weight_dtype: str, tensor_parallel: TensorParallel | None
+) -> RankParts | None:
+    """What a rank's random weights are cut from: the whole model's shapes (built on the meta device)."""
+    if tensor_parallel is None or tensor_parallel.size == 1:
+        return None
+    whole = build_model(hf_config, dtype, torch.device("meta"), weight_dtype)
+    split, config = tensor_split(hf_config["model_type"]), architecture_config(hf_config)
+    return RankParts(
+        {name: parameter.shape for name, parameter in whole.named_parameters()},
+        lambda name: split.shard_of(name, config),
+        tensor_parallel.rank,
+        tensor_parallel.size,
+    )

@@ -3,6 +3,7 @@ backend that gives the layers the engine's memory is `runner/backend.py`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,6 +28,9 @@ class ForwardBatch(NamedTuple):
     max_query_len: int
     query_ranges: list[tuple[int, int]]  # (start, length) of each sequence in the flat batch
     last_rows: list[int]  # per sequence: flat row of its last token (where logits come from)
+    # The host arrays the tensors were copied from (build_forward_batch's): what rank 0 of a tensor-parallel
+    # engine sends its followers, which rebuild the same batch on their devices (`batch_from_host`).
+    host: tuple[np.ndarray, ...] = ()
 
     @property
     def decode_only(self) -> bool:
@@ -45,21 +49,17 @@ def build_forward_batch(
     input_ids: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     out_slots: list[np.ndarray] = []
-    query_ranges: list[tuple[int, int]] = []
     used_pages: list[Sequence[int]] = []
-    rows = 0
     for token_ids, pages, start, num_tokens in chunks:
         end = start + num_tokens
         used = pages[: -(-end // page_size)]
         new_positions = np.arange(start, end, dtype=np.int64)
         page_of_token = np.asarray(used, dtype=np.int64)[new_positions // page_size]
-        query_ranges.append((rows, num_tokens))
-        rows += num_tokens
         input_ids.append(np.asarray(token_ids[start:end], dtype=np.int64))
         positions.append(new_positions)
         out_slots.append(page_of_token * page_size + new_positions % page_size)
         used_pages.append(used)
-    lengths = [length for _, length in query_ranges]
+    lengths = [num_tokens for _, _, _, num_tokens in chunks]
     host = [
         np.concatenate(input_ids),
         np.concatenate(positions),
@@ -70,7 +70,15 @@ def build_forward_batch(
     ]
     if None not in state_slots:
         host.append(np.asarray(state_slots, dtype=np.int32))
+    return batch_from_host(tuple(host), device)
+
+
+def batch_from_host(host: tuple[np.ndarray, ...], device: torch.device) -> ForwardBatch:
+    """The batch of `build_forward_batch`'s host arrays on `device`: token ids, positions, out slots, page
+    table, cu_seqlens, seq_lens [, state slots]."""
     tensors = to_device(host, device)
+    cu_seqlens = host[4]
+    query_ranges = [(int(start), int(end - start)) for start, end in itertools.pairwise(cu_seqlens)]
     return ForwardBatch(
         input_ids=tensors[0],
         positions=tensors[1],
@@ -79,9 +87,10 @@ def build_forward_batch(
         cu_seqlens_q=tensors[4],
         seq_lens=tensors[5],
         state_indices=tensors[6] if len(tensors) > 6 else None,
-        max_query_len=max(lengths),
+        max_query_len=max(length for _, length in query_ranges),
         query_ranges=query_ranges,
         last_rows=[start + length - 1 for start, length in query_ranges],
+        host=host,
     )
 
 

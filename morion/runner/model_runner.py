@@ -14,16 +14,18 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from morion.cache.copy_engine import Transfer
 from morion.cache.page_pool import PagePool
-from morion.cache.state_slots import StateSlots
+from morion.cache.state_slots import DeviceWorkMirror, StateSlots
 from morion.models.image_rows import ImageRows
 from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import ForwardBatch
+from morion.runner.host_to_device import to_device
 from morion.runner.profile_ranges import FORWARD, LM_HEAD, ProfileRanges
 from morion.runner.restore_wait import RestoreWaits
 
@@ -74,18 +76,30 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
         self.ranges = ProfileRanges()  # named profiler ranges, on only while profiling
+        # Rank 0 of a tensor-parallel engine: each forward and each logits gather is sent to the follower
+        # ranks first (their collectives meet rank 0's), with the device work queued before it.
+        self.mirror: DeviceWorkMirror | None = None
 
     # ------------------------------------------------------------------ forwards
     def forward(
         self, batch: ForwardBatch, restores: Sequence[Transfer], images: ImageRows | None = None
     ) -> Forward:
         """A step's forward of one kind of chunk (engine/forward_groups.py), after `restores`."""
+        if self.mirror is not None:
+            self.mirror.send("forward", batch.host)
         return self._run(batch, self.decode_graphs, restores, images=images)
 
     def verify(
-        self, batch: ForwardBatch, verify_slots: torch.Tensor | None, images: ImageRows | None = None
+        self, batch: ForwardBatch, verify_columns: np.ndarray | None, images: ImageRows | None = None
     ) -> Forward:
-        """A verify forward: every sequence has the same 1 + width new tokens; logits of every row."""
+        """A verify forward: every sequence has the same 1 + width new tokens; logits of every row.
+        `verify_columns` [B, 1 + width] int32: each sequence's state slot per verified position (models
+        with state)."""
+        if self.mirror is not None:
+            self.mirror.send("verify", batch.host, verify_columns)
+        verify_slots = None
+        if verify_columns is not None:
+            [verify_slots] = to_device([verify_columns], batch.input_ids.device)
         graph = self.verify_graphs.get(batch.max_query_len)
         forward = self._run(batch, graph, (), verify_slots, images)
         if forward.logits is None:
@@ -97,6 +111,8 @@ class ModelRunner:
         """fp32 logits [len(rows), vocab] of `rows` (a copy: a graph's output buffer is rewritten by its
         next replay)."""
         if forward.logits is None:
+            if self.mirror is not None:
+                self.mirror.send("logits", rows)
             with self.ranges.region(LM_HEAD):
                 return self.model.compute_logits(forward.hidden[rows])
         return forward.logits[rows]

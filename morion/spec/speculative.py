@@ -223,14 +223,13 @@ class SpeculativeDecoding:
         for row, (_, tokens, _) in enumerate(verifying):
             if isinstance(tokens, PendingTokens):
                 input_rows[row, 1 : 1 + len(tokens)].copy_(tokens.on_device, non_blocking=True)
-        verify_slots = None
+        columns = None
         if self.has_state:
-            columns = [[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying]
-            [verify_slots] = to_device([np.asarray(columns, dtype=np.int32)], device)
+            columns = np.asarray([[r.state_slot, *r.draft_slots[:width]] for r, _, _ in verifying], np.int32)
         images = None
         if self.image_encoder is not None:  # positions per axis for requests with images
             images = self.image_encoder.rows([ImageChunk(r, r.num_computed, n) for r, _, _ in verifying])
-        forward = runner.verify(batch, verify_slots, images)
+        forward = runner.verify(batch, columns, images)
         logits = forward.logits.float().view(len(verifying), n, -1)
         hidden = forward.hidden.view(len(verifying), n, -1)
         self.stats.verify_steps += 1

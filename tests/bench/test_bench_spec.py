@@ -14,7 +14,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from morion.bench import speculative
 from morion.bench.prompts import CODE_EDIT, CodeEditPrompts
@@ -25,6 +24,7 @@ from morion.loader.hf_tokenizer import load_hf_tokenizer
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.synthetic import acceptance_for_mean_accepted
 from tests.bench.conftest import run_bench
+from tests.conftest import CHAT_TEMPLATE, write_byte_tokenizer
 
 WIDTH, OUTPUT, MEAN = 3, 48, 2.58
 TINY_SPEC = [
@@ -234,22 +234,6 @@ def test_flag_errors_are_one_line(flags, message, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------ real acceptance (ngram)
 NGRAM_OUTPUT, NGRAM_CONTEXT = 32, 1024
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _byte_tokenizer(directory: Path, chat_template: str | None) -> None:
-    """A byte-level BPE without merges (one token per byte, ids 0-255) and two special tokens."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", **({"chat_template": chat_template} if chat_template else {})}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +246,7 @@ def tiny_chat_llama_dir(tmp_path_factory) -> Path:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=257,
     )  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config))
-    _byte_tokenizer(directory, CHAT_TEMPLATE)
+    write_byte_tokenizer(directory, CHAT_TEMPLATE)
     return directory
 
 
@@ -451,7 +435,7 @@ def test_code_edit_prompts(tiny_chat_llama_dir, tmp_path):
         if p.task != "type-hints":  # the function, constant or call the instruction names first
             target = p.instruction.split("`")[1].replace("...)", "")
             assert target in p.text.split("```python\n", 1)[1]
-    _byte_tokenizer(tmp_path, None)
+    write_byte_tokenizer(tmp_path, None)
     plain = CodeEditPrompts(load_hf_tokenizer(tmp_path, {}))
     text = plain.make("k:0", 1500)
     assert not plain.chat and text.text == made[0].text and len(text.token_ids) == len(text.text.encode())

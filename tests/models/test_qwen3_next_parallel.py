@@ -1,0 +1,146 @@
+"""Qwen3-Next's tensor-parallel split (models/qwen3_next_parallel.py, parallel/shards.py), checked in one
+process against the whole model: every parameter of a rank's model is cut from the whole one with the
+rank's shape; each rank's projections give exactly its heads' part of the whole projections; and the
+partial outputs of the row-parallel projections and of the MoE block add up to the whole model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from morion.errors import MorionError
+from morion.models.qwen3_next import Qwen3NextForCausalLM
+from morion.models.qwen3_next_parallel import local_config, shard_of
+from morion.parallel.shards import ReplicatedHeads, Split, cut
+
+SIZE = 2
+TOLERANCE = 1e-5  # fp32; only the order of a sum's terms differs
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal but for the last bits: a GEMM of fewer output columns may block its sums differently."""
+    return a.shape == b.shape and bool((a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max().item()))
+
+
+@pytest.fixture(scope="module", params=["tiny", "odd"])  # odd: one K/V head, 3 value heads a group, bias
+def whole_and_ranks(request, qwen3_next_checkpoint, build_qwen3_next):
+    directory, _ = qwen3_next_checkpoint(request.param)
+    whole = build_qwen3_next(directory)
+    ranks = []
+    for rank in range(SIZE):
+        model = Qwen3NextForCausalLM(local_config(whole.config, SIZE)).eval()
+        if whole.mtp is None:
+            model.mtp = None  # transformers' checkpoints carry no MTP head
+        whole_parameters = dict(whole.named_parameters())
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name == "lm_head.weight":
+                    continue  # split by vocabulary where the head is built: test_lm_head_rows_...
+                part = cut(whole_parameters[name], shard_of(name, whole.config), rank, SIZE)
+                assert part.shape == parameter.shape, name
+                parameter.copy_(part)
+        ranks.append(model)
+    return whole, ranks
+
+
+def test_every_parameter_has_a_rule_and_ranks_hold_a_part(whole_and_ranks):
+    whole, ranks = whole_and_ranks
+    local = dict(ranks[0].named_parameters())
+    assert local.keys() == dict(whole.named_parameters()).keys()
+    split = [n for n, p in whole.named_parameters() if p.shape != local[n].shape]
+    assert any("in_proj_qkvz" in n for n in split) and any("experts.down_proj" in n for n in split)
+    with pytest.raises(KeyError, match=r"no tensor-parallel rule for model\.layers\.0\.new_thing\.weight"):
+        shard_of("model.layers.0.new_thing.weight", whole.config)
+
+
+def test_gated_delta_net_projections_are_the_ranks_heads(whole_and_ranks):
+    whole, ranks = whole_and_ranks
+    index = whole.config.linear_layers[0]
+    full = whole.model.layers[index].linear_attn
+    x = torch.randn(5, whole.config.hidden_size)
+    qkv, z, b, a = full.project(x)
+    q, k, v = qkv.split([full.key_dim, full.key_dim, full.value_dim], dim=-1)
+    value_heads = full.num_v_heads // SIZE
+    outputs = []
+    for rank, model in enumerate(ranks):
+        part = model.model.layers[index].linear_attn
+        heads = slice(rank * value_heads, (rank + 1) * value_heads)
+        local_qkv, local_z, local_b, local_a = part.project(x)
+        local_q, local_k, local_v = local_qkv.split([part.key_dim, part.key_dim, part.value_dim], dim=-1)
+        keys = slice(rank * part.key_dim, (rank + 1) * part.key_dim)
+        values = slice(rank * part.value_dim, (rank + 1) * part.value_dim)
+        assert same(local_q, q[:, keys]) and same(local_k, k[:, keys])
+        assert same(local_v, v[:, values])
+        assert same(local_z, z[:, heads]) and same(local_b, b[:, heads])
+        assert same(local_a, a[:, heads])
+        # The conv's channels follow mixed_qkv's: the rank's q, k and v channels of the whole conv.
+        channels = torch.cat(
+            [
+                torch.arange(full.key_dim)[keys],
+                full.key_dim + torch.arange(full.key_dim)[keys],
+                2 * full.key_dim + torch.arange(full.value_dim)[values],
+            ]
+        )
+        assert torch.equal(part.conv1d.weight, full.conv1d.weight[channels])
+        assert torch.equal(part.A_log, full.A_log[heads]) and torch.equal(part.dt_bias, full.dt_bias[heads])
+        outputs.append(part.out_proj(v[:, values]))
+    whole_out = full.out_proj(v)
+    assert (sum(outputs) - whole_out).abs().max() < TOLERANCE
+
+
+def test_attention_projections_and_row_parallel_output(whole_and_ranks):
+    whole, ranks = whole_and_ranks
+    index = whole.config.attention_layers[0]
+    full = whole.model.layers[index].self_attn
+    x = torch.randn(5, whole.config.hidden_size)
+    query_gate = full.q_proj(x)
+    keys, values = full.k_proj(x), full.v_proj(x)
+    width = query_gate.shape[1] // SIZE
+    attended = torch.randn(5, full.o_proj.in_features)
+    partial = []
+    for rank, model in enumerate(ranks):
+        part = model.model.layers[index].self_attn
+        assert same(part.q_proj(x), query_gate[:, rank * width : (rank + 1) * width])
+        kv_heads = whole.config.num_kv_heads
+        first = rank * kv_heads // SIZE  # shared by consecutive ranks where there are fewer heads
+        count = max(1, kv_heads // SIZE)
+        kv = slice(first * full.head_dim, (first + count) * full.head_dim)
+        assert same(part.k_proj(x), keys[:, kv]) and same(part.v_proj(x), values[:, kv])
+        rows = part.o_proj.in_features
+        partial.append(part.o_proj(attended[:, rank * rows : (rank + 1) * rows]))
+    assert (sum(partial) - full.o_proj(attended)).abs().max() < TOLERANCE
+
+
+def test_moe_block_outputs_add_up_to_the_whole(whole_and_ranks):
+    whole, ranks = whole_and_ranks
+    x = torch.randn(7, whole.config.hidden_size)
+    for index in (0, len(whole.model.layers) - 1):
+        with torch.no_grad():
+            expected = whole.model.layers[index].mlp(x)
+            partial = sum(model.model.layers[index].mlp(x) for model in ranks)
+        assert (partial - expected).abs().max() < TOLERANCE
+        assert expected.abs().max() > 10 * TOLERANCE  # not a trivial zero
+
+
+def test_lm_head_rows_are_split_by_vocabulary(whole_and_ranks):
+    whole, _ = whole_and_ranks
+    weight = whole.lm_head.weight
+    parts = [cut(weight, shard_of("lm_head.weight", whole.config), rank, SIZE) for rank in range(SIZE)]
+    assert torch.equal(torch.cat(parts), weight)
+
+
+def test_shared_kv_heads_and_segments():
+    whole = torch.arange(4 * 3).reshape(4, 3)  # 2 heads of 2 rows
+    shared = [cut(whole, ReplicatedHeads(0, 2), rank, 4) for rank in range(4)]
+    assert [part[0, 0].item() for part in shared] == [0, 0, 6, 6]
+    blocks = torch.arange(12)
+    assert cut(blocks, Split(0, (4, 8)), 1, 2).tolist() == [2, 3, 8, 9, 10, 11]
+    with pytest.raises(MorionError, match="3 ranks cannot share 2 K/V heads"):
+        cut(whole, ReplicatedHeads(0, 2), 0, 3)
+
+
+def test_sizes_that_do_not_divide_are_one_clear_error(whole_and_ranks):
+    whole, _ = whole_and_ranks
+    with pytest.raises(MorionError, match="--tensor-parallel-size 3 does not divide the 4 attention heads"):
+        local_config(whole.config, 3)
+    assert local_config(whole.config, 1) is whole.config
