@@ -23,6 +23,7 @@ from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
+from tests.conftest import TINY_QWEN3_NEXT
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2)
@@ -32,7 +33,19 @@ PROMPTS = [
     ([(7 * i + k) % 500 + 3 for i in range(9)] * 8)[:length] for k, length in ((1, 45), (2, 23), (3, 70))
 ]
 SHARED = [*PROMPTS[2][:64], 11, 12, 13, 14, 15]  # the third prompt up to its tail snapshot, then its own
+# Token 3 followed by every token of the vocabulary, then 3 again: whatever the first answer token t is,
+# (3, t) is in the prompt, so n-gram speculation drafts from the first decode step on, whatever the
+# random weights answer (the repeated phrases above draft only if the answer happens to repeat one).
+DRAFTABLE = [*[token for t in range(TINY_QWEN3_NEXT["vocab_size"]) for token in (3, t)], 3]
 EXIT_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next_config_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-Next (conftest.py's), with positions for DRAFTABLE's 1,025 tokens."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_next_long_config")
+    (directory / "config.json").write_text(json.dumps({**TINY_QWEN3_NEXT, "max_position_embeddings": 2048}))
+    return directory
 
 
 def _config(model_dir, size: int, disk: Path | None = None) -> EngineConfig:
@@ -65,7 +78,10 @@ def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> di
 def _scenario(engine: Engine) -> list[list]:
     """A batch (one request with prompt logprobs), a prefix hit on the device, then the same prompt again
     from the host tier once the device cache is evicted."""
-    batch = _run(engine, [(PROMPTS[0], WITH_PROMPT_LOGPROBS), (PROMPTS[1], GREEDY), (PROMPTS[2], GREEDY)])
+    batch = _run(
+        engine,
+        [(PROMPTS[0], WITH_PROMPT_LOGPROBS), (PROMPTS[1], GREEDY), (PROMPTS[2], GREEDY), (DRAFTABLE, GREEDY)],
+    )
     device_hit = _run(engine, [(SHARED, GREEDY)])
     assert engine.evict_device_cache() > 0
     host_hit = _run(engine, [(PROMPTS[2], GREEDY)])
