@@ -50,6 +50,8 @@ from morion.ops.nvfp4 import GROUP_SIZE
 
 # The half tiles hold code x block scale x 2^-14 (exact in fp16); the epilogue's global scale undoes it.
 GLOBAL_FACTOR = tl.constexpr(2.0**14)
+# Compiled kernels read only constexpr globals (the interpreter reads any: CPU tests cannot catch this).
+_SCALE_BYTES = tl.constexpr(GROUP_SIZE // 2)  # code bytes per block scale
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
 _SUM_BLOCK = 512
@@ -78,7 +80,7 @@ def _nvfp4_half_tiles(
     even = ((packed & 0x7) << 9) | ((packed & 0x8) << 12)
     odd = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
     # Byte j holds columns 2j and 2j + 1: both in block scale 2j // 16 = j // 8.
-    scale_ptrs = scales_ptr + cols[None, :] * stride_sn + (byte // (GROUP_SIZE // 2))[:, None]
+    scale_ptrs = scales_ptr + cols[None, :] * stride_sn + (byte // _SCALE_BYTES)[:, None]
     scale = tl.cast(tl.load(scale_ptrs, mask=mask, other=0.0), tl.float16)  # e4m3 -> fp16: exact
     w_even = tl.cast(even, tl.float16, bitcast=True) * scale
     w_odd = tl.cast(odd, tl.float16, bitcast=True) * scale

@@ -16,7 +16,7 @@ from morion.errors import ModelLoadError
 from morion.loader import resolve_model_path
 from morion.loader.hf_hub import hub_cache_dir
 from morion.loader.resolve import is_model_name
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

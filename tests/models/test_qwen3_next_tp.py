@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from morion.loader import load_model
 from morion.parallel.group import TensorParallel
 from tests.models.conftest import ReferenceHybridBackend
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 SIZE = 2
 PROMPT_TOKENS = 40

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.ports import free_port
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180
@@ -107,12 +108,6 @@ class RunningServer:
             if fields.get("PPid", "").strip() == str(self.process.pid):
                 children.append(int(status.parent.name))
         return children
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(
