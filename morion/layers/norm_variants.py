@@ -7,6 +7,8 @@
 
 On CUDA the first two run as one fused Triton kernel each (ops/row_kernels_triton.py) with the same
 rounding points; the torch code here is its reference. The sigmoid-gated one is pure torch everywhere.
+`ZeroCentredRMSNorm.add_and_norm` is a pre-norm layer's residual add and norm, one kernel on CUDA
+(ops/add_rms_norm_triton.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from morion.ops.add_rms_norm import AddNormResult, add_rms_norm_reference
 
 
 def _rms_normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,6 +38,16 @@ class ZeroCentredRMSNorm(nn.Module):
                 return rows.rms_norm_rows(x, self.weight, self.eps, rows.ZERO_CENTRED)
         # Unlike Llama's RMSNorm, the product with the weight is taken in fp32 and rounded once.
         return (_rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> AddNormResult:
+        """(norm(residual + x), residual + x), the sum rounded to the model dtype before the norm."""
+        if x.is_cuda:
+            from morion.ops import add_rms_norm_triton as fused
+            from morion.ops.row_kernels_triton import ZERO_CENTRED
+
+            if fused.supports(x, residual):
+                return fused.add_rms_norm_rows(x, residual, self.weight, self.eps, ZERO_CENTRED)
+        return add_rms_norm_reference(x, residual, self)
 
 
 class GatedRMSNorm(nn.Module):

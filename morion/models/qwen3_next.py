@@ -79,7 +79,14 @@ class Qwen3NextConfig(HybridConfig):
 
 class Qwen3NextDecoderLayer(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). The mixer is gated attention
-    (`self_attn`) or Gated DeltaNet (`linear_attn`); `ordinal` counts layers of the same kind."""
+    (`self_attn`) or Gated DeltaNet (`linear_attn`); `ordinal` counts layers of the same kind.
+
+    The residual stream is carried beside the block outputs, so each add happens together with the norm
+    after it (`ZeroCentredRMSNorm.add_and_norm`, one kernel on CUDA): the layer takes the previous
+    layer's MLP output `x` and the stream before it (`residual`; None for the first layer, whose `x` is
+    the stream itself) and returns its own MLP output and stream. The stream after the layer is
+    `residual + x` of its outputs; the values are those of the plain `x = x + block(norm(x))` sequence.
+    """
 
     def __init__(self, config: Qwen3NextConfig, layer_type: str, ordinal: int, sparse_mlp: bool) -> None:
         super().__init__()
@@ -97,15 +104,38 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: HybridBackend
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: HybridBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
         if self.layer_type == FULL_ATTENTION:
             h = self.self_attn(h, cos, sin, backend)
         else:
             h = self.linear_attn(h, backend)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
+
+
+def run_layers(
+    layers: Iterable[Qwen3NextDecoderLayer],
+    norm: ZeroCentredRMSNorm,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    backend: HybridBackend,
+) -> torch.Tensor:
+    """The stream x through `layers`, then `norm`: the last layer's residual add fused with it."""
+    residual = None
+    for layer in layers:
+        x, residual = layer(x, residual, cos, sin, backend)
+    return norm(x) if residual is None else norm.add_and_norm(x, residual).normed
 
 
 class Qwen3NextModel(nn.Module):
@@ -126,10 +156,7 @@ class Qwen3NextModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: HybridBackend
     ) -> torch.Tensor:
         cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, backend)
-        return self.norm(x)
+        return run_layers(self.layers, self.norm, self.embed_tokens(input_ids), cos, sin, backend)
 
 
 class Qwen3NextMTP(nn.Module):
@@ -193,9 +220,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         embedded = mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         x = mtp.fc(torch.cat((embedded, mtp.pre_fc_norm_hidden(target_hidden)), dim=-1))
         cos, sin = self.model.rotary(positions)
-        for layer in mtp.layers:
-            x = layer(x, cos, sin, backend)
-        return mtp.norm(x)
+        return run_layers(mtp.layers, mtp.norm, x, cos, sin, backend)
 
     def cache_spec(
         self,

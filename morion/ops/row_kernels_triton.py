@@ -7,11 +7,15 @@ the step (measured on an H200: ~2,000 kernels per step of a 12-layer Qwen3-Next,
 Each kernel here is one program per row and reproduces the torch code's rounding points exactly, so the
 pure-torch versions (layers/norm*.py, ops/fp8.py) remain the references.
 
-Rows: x is [R, K] or [T, H, K] with a unit stride on K (a [T, H, K] view of a wider projection, such as
-the query half of Qwen3-Next's gated q_proj, is read in place). K <= MAX_ROW.
+Rows: x is [R, K], [T, H, K] or [T, G, R, K] with a unit stride on K, read in place through its strides (a
+[T, H, K] view of a wider projection, such as the query half of Qwen3-Next's gated q_proj; a [T, G, R, K]
+view of a group-first one, such as the z part of Qwen3-Next's in_proj_qkvz, R value heads per key-head
+group G). K <= MAX_ROW.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,24 +32,20 @@ GATED = 2  # round(round(weight * round(x * r)) * silu(z)) (layers/norm_variants
 
 
 @triton.jit
-def _load_row(ptr, row, inner, stride_outer, stride_inner, cols, mask):
-    """Row `row` of a [R, K] or [T, H, K] tensor (see `_rows`), its columns `cols`, in fp32."""
+def _load_row(ptr, row, groups, per_group, stride_t, stride_g, stride_r, cols, mask):
+    """Row `row` of a [T, G, R, K] tensor (2-D and 3-D ones as such with G = R = 1 or R = 1: see `_rows`),
+    its columns `cols`, in fp32."""
     row64 = tl.cast(row, tl.int64)
-    offset = (row64 // inner) * stride_outer + (row64 % inner) * stride_inner
+    outer = row64 // per_group
+    offset = (outer // groups) * stride_t + (outer % groups) * stride_g + (row64 % per_group) * stride_r
     return tl.cast(tl.load(ptr + offset + cols, mask=mask, other=0.0), tl.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, w_ptr, z_ptr, out_ptr,
-    K, inner, stride_xo, stride_xi, stride_zo, stride_zi,
-    eps,
-    MODE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < K
-    x = _load_row(x_ptr, row, inner, stride_xo, stride_xi, cols, mask)
+def rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE: tl.constexpr):
+    """The RMSNorm of one fp32 row x (variant MODE; z the gate row for GATED), in fp32, to be cast once
+    into out_ptr's dtype. Every kernel that normalises rows goes through here, so a row gets the same
+    bits whichever kernel (plain or fused with the residual add) normalises it."""
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     w = tl.cast(tl.load(w_ptr + cols, mask=mask, other=0.0), tl.float32)
     out_dtype = out_ptr.dtype.element_ty
@@ -54,21 +54,38 @@ def _rms_norm_kernel(
     elif MODE == 1:
         out = normed * (1.0 + w)
     else:
-        z = _load_row(z_ptr, row, inner, stride_zo, stride_zi, cols, mask)
         gated = tl.cast(tl.cast(w * tl.cast(tl.cast(normed, out_dtype), tl.float32), out_dtype), tl.float32)
         out = gated * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, tl.cast(out, out_dtype), mask=mask)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, z_ptr, out_ptr,
+    K, groups, per_group, stride_xt, stride_xg, stride_xr, stride_zt, stride_zg, stride_zr,
+    eps,
+    MODE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = _load_row(x_ptr, row, groups, per_group, stride_xt, stride_xg, stride_xr, cols, mask)
+    z = x
+    if MODE == 2:
+        z = _load_row(z_ptr, row, groups, per_group, stride_zt, stride_zg, stride_zr, cols, mask)
+    out = rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE)
+    tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, tl.cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _quantize_fp8_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, inner, stride_xo, stride_xi,
+    x_ptr, q_ptr, scale_ptr, K, groups, per_group, stride_xt, stride_xg, stride_xr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
-    x = _load_row(x_ptr, row, inner, stride_xo, stride_xi, cols, mask)
+    x = _load_row(x_ptr, row, groups, per_group, stride_xt, stride_xg, stride_xr, cols, mask)
     # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
@@ -77,34 +94,46 @@ def _quantize_fp8_rows_kernel(
     tl.store(scale_ptr + row, scale)
 
 
-def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """(rows, inner, outer stride, inner stride) of a [R, K] or [T, H, K] tensor with unit stride on K."""
+class _Rows(NamedTuple):
+    """A tensor's rows as `_load_row` walks them: x[t, g, r] for R = groups * per_group * T rows."""
+
+    count: int
+    groups: int
+    per_group: int
+    strides: tuple[int, int, int]  # of t, g and r
+
+
+def _rows(x: torch.Tensor) -> _Rows:
+    """The rows of a [R, K], [T, H, K] or [T, G, R, K] tensor with unit stride on K."""
     if x.dim() == 2:
-        return x.shape[0], 1, x.stride(0), 0
+        return _Rows(x.shape[0], 1, 1, (x.stride(0), 0, 0))
     if x.dim() == 3:
-        return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
-    raise ValueError(f"expected [R, K] or [T, H, K], got {tuple(x.shape)}")
+        return _Rows(x.shape[0] * x.shape[1], x.shape[1], 1, (x.stride(0), x.stride(1), 0))
+    if x.dim() == 4:
+        count = x.shape[0] * x.shape[1] * x.shape[2]
+        return _Rows(count, x.shape[1], x.shape[2], (x.stride(0), x.stride(1), x.stride(2)))
+    raise ValueError(f"expected [R, K], [T, H, K] or [T, G, R, K], got {tuple(x.shape)}")
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether these kernels take x: 2-D or 3-D, unit stride on the last dim, a row of at most MAX_ROW."""
-    return x.dim() in (2, 3) and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_ROW
+    """Whether these kernels take x: 2-D to 4-D, unit stride on the last dim, a row of at most MAX_ROW."""
+    return x.dim() in (2, 3, 4) and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_ROW
 
 
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """RMSNorm of every row of x (variant `mode`; GATED multiplies by silu(gate), gate shaped like x).
+    """RMSNorm of every row of x (variant `mode`; GATED multiplies by silu(gate), gate shaped like x,
+    strides of its own).
     Returns a contiguous tensor of x's shape and dtype."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_rows, inner, stride_xo, stride_xi = _rows(x)
-    if num_rows == 0:
+    rows = _rows(x)
+    if rows.count == 0:
         return out
     z = gate if gate is not None else x
-    _, _, stride_zo, stride_zi = _rows(z)
     key = x.shape[-1]
-    _rms_norm_kernel[(num_rows,)](
-        x, weight, z, out, key, inner, stride_xo, stride_xi, stride_zo, stride_zi, eps,
+    _rms_norm_kernel[(rows.count,)](
+        x, weight, z, out, key, rows.groups, rows.per_group, *rows.strides, *_rows(z).strides, eps,
         MODE=mode, BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
     return out
@@ -112,14 +141,14 @@ def rms_norm_rows(
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], fp32 scale [R]), the values of `ops.fp8.quantize_fp8(x, per_row=True)`."""
-    num_rows, inner, stride_xo, stride_xi = _rows(x)
+    rows = _rows(x)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if num_rows == 0:
+    if rows.count == 0:
         return q, scale
     key = x.shape[-1]
-    _quantize_fp8_rows_kernel[(num_rows,)](
-        x, q, scale, key, inner, stride_xo, stride_xi,
+    _quantize_fp8_rows_kernel[(rows.count,)](
+        x, q, scale, key, rows.groups, rows.per_group, *rows.strides,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
     return q, scale

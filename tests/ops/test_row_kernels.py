@@ -56,6 +56,27 @@ def test_gated_norm_on_strided_head_views(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_norm_on_group_first_views(dtype):
+    """[T, G, R, D] views of a group-first projection (Qwen3-Next's in_proj_qkvz: per key-head group
+    G, other columns, then z for its R value heads), read in place: the same values as the copied rows."""
+    module = _norm(GatedRMSNorm(16, 1e-6), dtype)
+    tokens, groups, per_group = 3, 2, 3
+    projection = torch.randn(tokens, groups, 8 + per_group * 16, generator=torch.Generator().manual_seed(4))
+    projection = projection.to(dtype)
+    z = projection[..., 8:].unflatten(-1, (per_group, 16))
+    x = torch.randn(tokens, groups, per_group, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    expected = _torch_reference(module, x, z)
+    got = rows.rms_norm_rows(x.to(DEVICE), module.weight.to(DEVICE), 1e-6, rows.GATED, gate=z.to(DEVICE))
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), expected, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=1e-6)
+    flat = rows.rms_norm_rows(
+        x.reshape(-1, 16).to(DEVICE), module.weight.to(DEVICE), 1e-6, rows.GATED,
+        gate=z.reshape(-1, 16).to(DEVICE),
+    )  # fmt: skip
+    assert torch.equal(got.reshape(-1, 16), flat)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_fp8_rows_equals_the_torch_quantization(dtype):
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(2)).to(dtype) * 7
     x[2] = 0  # an all-zero row gets the minimum scale, not a division by zero
@@ -74,5 +95,6 @@ def test_quantize_fp8_rows_equals_the_torch_quantization(dtype):
 def test_supports_only_rows_it_can_address():
     assert rows.supports(torch.zeros(2, 8)) and rows.supports(torch.zeros(2, 3, 8)[..., :4])
     assert not rows.supports(torch.zeros(8, 2).t())  # the last dim is strided
-    assert not rows.supports(torch.zeros(2, 2, 2, 8))
+    assert rows.supports(torch.zeros(2, 2, 2, 8))
+    assert not rows.supports(torch.zeros(2, 2, 2, 2, 8))
     assert not rows.supports(torch.zeros(1, rows.MAX_ROW + 1))
