@@ -12,12 +12,19 @@ backend, so a chunk of any length continues exactly where the previous one stopp
 On CUDA the layer runs in-place kernels on the backend's state pools (`state_pool` + `state_indices`,
 see hybrid_backend.py): our Triton conv and decode kernels (ops/*_triton.py) and fla-core's chunked
 prefill. Elsewhere it runs the pure-torch references through `read_state` / `write_state`.
+
+The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
+layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
+`GroupedChannels`, the step kernels a and b as [T, H, r], the output norm z as [T, H, r, Dv]). A decode
+step of the 80B model is 10 kernels: in_proj_qkvz (3 with FP8 weights: quantize, GEMM, row scales),
+in_proj_ba, the conv step, the gated-delta-rule step (its gates inside), the gated norm, out_proj (3).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +32,11 @@ from torch import nn
 
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
-from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
+from morion.ops.causal_conv1d import (
+    GroupedChannels,
+    causal_conv1d_reference,
+    causal_conv1d_update_reference,
+)
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -35,6 +46,28 @@ from morion.ops.log_once import log_once
 logger = logging.getLogger(__name__)
 
 OUTPUT_GATES = ("sigmoid", "silu")
+
+
+class Projections(NamedTuple):
+    """A forward's projected inputs, views of the in_proj outputs (no copies). Value head hv = h * r + j
+    of H key-head groups of r: z, b and a come either head-major ([T, HV, Dv], [T, HV]) or group-first
+    ([T, H, r, Dv], [T, H, r]); both index the same heads in the same order."""
+
+    qkv: GroupedChannels  # the conv input; `.flat()` is mixed_qkv [T, conv_dim] (q | k | v)
+    z: torch.Tensor  # the output gate's logits
+    b: torch.Tensor  # beta's logits
+    a: torch.Tensor  # the decay's logits (before dt_bias and softplus)
+
+    def head_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mixed_qkv [T, conv_dim], z [T, HV, Dv], b [T, HV], a [T, HV]), copied where needed: what the
+        references take."""
+        tokens, dv = self.z.shape[0], self.z.shape[-1]
+        return (
+            self.qkv.flat(),
+            self.z.reshape(tokens, -1, dv),
+            self.b.reshape(tokens, -1),
+            self.a.reshape(tokens, -1),
+        )
 
 
 class GatedDeltaNet(nn.Module):
@@ -82,9 +115,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Splits the group-first projections: mixed_qkv [T, conv_dim] (q | k | v, each head-major),
-        z [T, HV, Dv], b and a [T, HV].
+    def project(self, x: torch.Tensor) -> Projections:
+        """The group-first projections as views: qkv [T, H, X] grouped, z [T, H, r, Dv], b and a [T, H, r].
 
         The checkpoint orders in_proj_qkvz by key-head group: for group h, [q_h | k_h | v for its r
         value heads | z for its r value heads]; in_proj_ba likewise [b for its r heads | a for its r heads].
@@ -93,13 +125,11 @@ class GatedDeltaNet(nn.Module):
         tokens = x.shape[0]
         r = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split(
-            [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1
-        )
-        b, a = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        mixed_qkv = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
-        z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        return mixed_qkv, z, b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads)
+        value_width = r * self.head_v_dim
+        z = qkvz[..., 2 * self.head_k_dim + value_width :].unflatten(-1, (r, self.head_v_dim))
+        ba = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * r)
+        qkv = GroupedChannels(qkvz, self.head_k_dim, value_width)
+        return Projections(qkv, z, ba[..., :r], ba[..., r:])
 
     def forward(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
         """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`. Returns [T, hidden]."""
@@ -113,7 +143,7 @@ class GatedDeltaNet(nn.Module):
         ranges = list(backend.query_ranges)
         cu_seqlens = _cu_seqlens(ranges, tokens)
         decode_only = all(length == 1 for _, length in ranges)
-        mixed_qkv, z, b, a = self.project(x)
+        mixed_qkv, z, b, a = self.project(x).head_major()
 
         mixed_qkv = self._conv(mixed_qkv, ranges, decode_only, backend)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -166,18 +196,17 @@ class GatedDeltaNet(nn.Module):
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
         weight = self.conv1d.weight[:, 0, :]
         scale = self.head_k_dim**-0.5
-        mixed_qkv, z, b, a = self.project(x)
+        qkv, z, b, a = self.project(x)
 
         if decode_only:
             log_once(
                 logger, "Gated DeltaNet decode: Triton conv update + fused gated-delta-rule step (in place)"
             )
-            mixed_qkv = causal_conv1d_update_(mixed_qkv, conv_pool, weight, state_indices, "silu")
+            mixed_qkv = causal_conv1d_update_(qkv, conv_pool, weight, state_indices, "silu")
         else:
             log_once(logger, "Gated DeltaNet prefill: Triton varlen conv + fla-core chunk_gated_delta_rule")
-            mixed_qkv = causal_conv1d_varlen_(
-                mixed_qkv, conv_pool, weight, state_indices, backend.cu_seqlens, "silu"
-            )
+            cu_seqlens = backend.cu_seqlens
+            mixed_qkv = causal_conv1d_varlen_(qkv, conv_pool, weight, state_indices, cu_seqlens, "silu")
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
@@ -197,7 +226,8 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
                 scale, cu_seqlens_cpu=_cu_seqlens(list(backend.query_ranges), tokens),
             )  # fmt: skip
-        out = self.norm(out, z).reshape(tokens, self.value_dim)
+        # The norm reads z where in_proj put it: the output viewed in z's head layout (same heads).
+        out = self.norm(out.view(z.shape), z).reshape(tokens, self.value_dim)
         return self.out_proj(out)
 
     def _forward_verify(self, x: torch.Tensor, backend: HybridBackend, slots: torch.Tensor) -> torch.Tensor:
@@ -216,30 +246,40 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
-        mixed_qkv, z, b, a = self.project(x)
-        tokens = num_seqs * width
-        if x.is_cuda:
-            from morion.ops.causal_conv1d_triton import causal_conv1d_steps_
-            from morion.ops.gated_delta_rule_triton import fused_gdn_steps_
+        projections = self.project(x)
+        verify = self._verify_kernels if x.is_cuda else self._verify_reference
+        out = verify(projections, conv_pool, recurrent_pool, weight, slots)
+        z = projections.z
+        out = self.norm(out.view(z.shape), z)
+        return self.out_proj(out.reshape(num_seqs * width, self.value_dim))
 
-            convolved = causal_conv1d_steps_(mixed_qkv, conv_pool, weight, slots, "silu")
-            q, k, v = convolved.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            out = fused_gdn_steps_(
-                q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                v.reshape(tokens, self.num_v_heads, self.head_v_dim),
-                a, b, self.A_log, self.dt_bias, recurrent_pool, slots, self.head_k_dim**-0.5,
-            )  # fmt: skip
-        else:
-            out = self._verify_reference(mixed_qkv, a, b, conv_pool, recurrent_pool, weight, slots)
-        out = self.norm(out.view(tokens, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(out.reshape(tokens, self.value_dim))
+    def _verify_kernels(
+        self,
+        projections: Projections,
+        conv_pool: torch.Tensor,
+        recurrent_pool: torch.Tensor,
+        weight: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The verify forward's conv and gated delta rule in one launch each (the Triton kernels, reading
+        the projections in place); returns out [B * n, HV, V]."""
+        from morion.ops.causal_conv1d_triton import causal_conv1d_steps_
+        from morion.ops.gated_delta_rule_triton import fused_gdn_steps_
+
+        tokens = slots.numel()
+        convolved = causal_conv1d_steps_(projections.qkv, conv_pool, weight, slots, "silu")
+        q, k, v = convolved.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return fused_gdn_steps_(
+            q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+            k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+            v.reshape(tokens, self.num_v_heads, self.head_v_dim),
+            projections.a, projections.b, self.A_log, self.dt_bias, recurrent_pool, slots,
+            self.head_k_dim**-0.5,
+        )  # fmt: skip
 
     def _verify_reference(
         self,
-        mixed_qkv: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
+        projections: Projections,
         conv_pool: torch.Tensor,
         recurrent_pool: torch.Tensor,
         weight: torch.Tensor,
@@ -248,6 +288,7 @@ class GatedDeltaNet(nn.Module):
         """The verify forward's conv and gated delta rule by the references, token column by column;
         returns out [B * n, HV, V]."""
         num_seqs, width = slots.shape
+        mixed_qkv, _, b, a = projections.head_major()
         columns = slots.t().long()
         mixed_qkv = mixed_qkv.view(num_seqs, width, -1)
         convolved = torch.empty_like(mixed_qkv)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from morion.layers.gated_delta_net import GatedDeltaNet
+from morion.layers.gated_delta_net import GatedDeltaNet, Projections
+from morion.ops.causal_conv1d import GroupedChannels
 
 
 class GatedDeltaNet35(GatedDeltaNet):
@@ -25,7 +26,8 @@ class GatedDeltaNet35(GatedDeltaNet):
         self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mixed_qkv [T, conv_dim] (q | k | v, each head-major), z [T, HV, Dv], b and a [T, HV]."""
+    def project(self, x: torch.Tensor) -> Projections:
+        """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV]."""
         z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv = GroupedChannels.of(self.in_proj_qkv(x))
+        return Projections(qkv, z, self.in_proj_b(x), self.in_proj_a(x))

@@ -20,6 +20,38 @@ import torch
 import torch.nn.functional as F
 
 
+class GroupedChannels(NamedTuple):
+    """A conv input as a group-first projection lays it out, to be read in place rather than copied.
+
+    `x` [T, G, X] (unit stride on X) holds, for each group g, its q channels (`key_width` columns), its k
+    channels (`key_width`) and its v channels (`value_width`), then columns the conv does not read (such
+    as Qwen3-Next's z). The conv's channel order is q of every group, then k of every group, then v of
+    every group: C = G * (2 * key_width + value_width) channels. A plain [T, C] input is the case G = 1,
+    key_width 0, value_width C (`of`).
+    """
+
+    x: torch.Tensor
+    key_width: int
+    value_width: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor | GroupedChannels) -> GroupedChannels:
+        """x as is if grouped; a plain [T, C] tensor as one group of C v-like channels."""
+        return x if isinstance(x, GroupedChannels) else cls(x[:, None, :], 0, x.shape[-1])
+
+    @property
+    def channels(self) -> int:
+        return self.x.shape[1] * (2 * self.key_width + self.value_width)
+
+    def flat(self) -> torch.Tensor:
+        """[T, C] in the conv's channel order (a copy unless already so laid out)."""
+        x, key, value = self.x, self.key_width, self.value_width
+        if x.shape[1] == 1 and key == 0:
+            return x[:, 0, :value]
+        parts = (x[..., :key], x[..., key : 2 * key], x[..., 2 * key : 2 * key + value])
+        return torch.cat([part.reshape(x.shape[0], -1) for part in parts], dim=-1)
+
+
 class CausalConv1dOutput(NamedTuple):
     out: torch.Tensor  # [B, D, T], x's dtype
     final_states: torch.Tensor  # [B, D, W - 1], x's dtype: the window to carry into the next call

@@ -80,9 +80,11 @@ def _gdn_steps_kernel(
     stride_vn,
     stride_vh,
     stride_an,
-    stride_ah,
+    stride_ag,
+    stride_ar,
     stride_bn,
-    stride_bh,
+    stride_bg,
+    stride_br,
     stride_ps,
     stride_ph,
     stride_pk,
@@ -108,6 +110,7 @@ def _gdn_steps_kernel(
     hv = tl.cast(tl.program_id(1), tl.int64)
     iv = tl.program_id(2)
     h = hv // HEADS_PER_QK  # grouped value heads: q/k head h serves value heads h*r .. h*r + r-1
+    j = hv % HEADS_PER_QK  # a and b are read as [T, H, r]: value head hv at (h, j)
 
     offs_k = tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
@@ -129,8 +132,8 @@ def _gdn_steps_kernel(
         q = tl.load(q_ptr + row * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0)
         k = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0)
         v = tl.load(v_ptr + row * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
-        a = tl.load(a_ptr + row * stride_an + hv * stride_ah)
-        b = tl.load(b_ptr + row * stride_bn + hv * stride_bh)
+        a = tl.load(a_ptr + row * stride_an + h * stride_ag + j * stride_ar)
+        b = tl.load(b_ptr + row * stride_bn + h * stride_bg + j * stride_br)
         state, out = _gdn_token(state, q, k, v, a, b, a_log, dt_bias, scale, eps)
 
         # The state stored is the one the next token continues from, rounded like the pool's dtype.
@@ -166,9 +169,11 @@ def _gdn_chunks_kernel(
     stride_vn,
     stride_vh,
     stride_an,
-    stride_ah,
+    stride_ag,
+    stride_ar,
     stride_bn,
-    stride_bh,
+    stride_bg,
+    stride_br,
     stride_ps,
     stride_ph,
     stride_pk,
@@ -190,6 +195,7 @@ def _gdn_chunks_kernel(
     hv = tl.cast(tl.program_id(1), tl.int64)
     iv = tl.program_id(2)
     h = hv // HEADS_PER_QK
+    j = hv % HEADS_PER_QK
 
     offs_k = tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
@@ -208,8 +214,8 @@ def _gdn_chunks_kernel(
         q = tl.load(q_ptr + row * stride_qn + h * stride_qh + offs_k, mask=mask_k, other=0.0)
         k = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_k, mask=mask_k, other=0.0)
         v = tl.load(v_ptr + row * stride_vn + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
-        a = tl.load(a_ptr + row * stride_an + hv * stride_ah)
-        b = tl.load(b_ptr + row * stride_bn + hv * stride_bh)
+        a = tl.load(a_ptr + row * stride_an + h * stride_ag + j * stride_ar)
+        b = tl.load(b_ptr + row * stride_bn + h * stride_bg + j * stride_br)
         state, out = _gdn_token(state, q, k, v, a, b, a_log, dt_bias, scale, eps)
         state = tl.cast(tl.cast(state, pool_ptr.dtype.element_ty), tl.float32)
         tl.store(
@@ -235,13 +241,19 @@ def _checked_step_inputs(
     state_pool: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """The shape rules both token-stepping entry points share (index values are not checked: that would
-    sync); returns q, k, v, A_log, dt_bias as the kernels read them and the output [T, HV, V]."""
+    sync); returns q, k, v, a, b, A_log, dt_bias as the kernels read them and the output [T, HV, V]."""
     rows, num_qk_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != rows or num_v_heads % num_qk_heads:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if a.shape != (rows, num_v_heads) or b.shape != a.shape:
-        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, HV] = {(rows, num_v_heads)}")
+    per_group = (num_qk_heads, num_v_heads // num_qk_heads)
+    # [T, HV] views are read as [T, H, r] (a view of any strides); group-first ones come so already.
+    a, b = (x.unflatten(1, per_group) if x.shape == (rows, num_v_heads) else x for x in (a, b))
+    if a.shape != (rows, *per_group) or b.shape != a.shape:
+        raise ValueError(
+            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, HV] = {(rows, num_v_heads)} "
+            f"or [T, H, HV / H] = {(rows, *per_group)}"
+        )
     if A_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
         raise ValueError(
             f"A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{num_v_heads}]"
@@ -254,14 +266,14 @@ def _checked_step_inputs(
         raise ValueError("state_pool needs unit stride over V (it is updated in place, so it is not copied)")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(rows, num_v_heads, value_dim, dtype=v.dtype, device=v.device)
-    return q, k, v, A_log.contiguous(), dt_bias.contiguous(), out
+    return q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out
 
 
 def _strides(q, k, v, a, b, state_pool, out) -> tuple[int, ...]:
     """The strides both kernels take, in their order."""
     return (
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
     )  # fmt: skip
 
@@ -316,16 +328,17 @@ def fused_gdn_steps_(
     its token t is written to `state_pool[slots[n, t]]` (column 0: in place), so every intermediate state
     is kept and the one after any accepted prefix is already in a slot.
 
-    q, k: [N * T, H, K]; v: [N * T, HV, V] (HV a multiple of H); a, b: [N * T, HV] (raw gate and beta
-    logits), sequence n's tokens in rows n * T .. n * T + T - 1; A_log, dt_bias: [HV]; state_pool:
-    [S, HV, K, V] fp32 or bf16 with unit stride over V; slots: [N, T] int32, distinct within a row
-    (negative = padding row: no slot is read or written). Returns out [N * T, HV, V] in v's dtype. Shapes
-    are checked; index values are not (that would sync).
+    q, k: [N * T, H, K]; v: [N * T, HV, V] (HV a multiple of H); a, b: [N * T, HV] or, as group-first
+    projections lay them out, [N * T, H, HV / H] (raw gate and beta logits; any strides), sequence n's
+    tokens in rows n * T .. n * T + T - 1; A_log, dt_bias: [HV]; state_pool: [S, HV, K, V] fp32 or bf16
+    with unit stride over V; slots: [N, T] int32, distinct within a row (negative = padding row: no slot
+    is read or written). Returns out [N * T, HV, V] in v's dtype. Shapes are checked; index values are
+    not (that would sync).
     """
     rows = q.shape[0]
     if slots.dim() != 2 or slots.shape[0] * slots.shape[1] != rows:
         raise ValueError(f"slots {tuple(slots.shape)} must be [N, T] with N * T = {rows} rows")
-    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    q, k, v, a, b, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
     num_v_heads, value_dim = v.shape[1:]
     slots = slots.contiguous()  # the kernel reads slot (n, t) at offset n * T + t
     if rows == 0:
@@ -366,7 +379,7 @@ def fused_gdn_chunks_(
     num_seqs = state_indices.shape[0]
     if cu_seqlens.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
-    q, k, v, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
+    q, k, v, a, b, A_log, dt_bias, out = _checked_step_inputs(q, k, v, a, b, A_log, dt_bias, state_pool)
     num_v_heads, value_dim = v.shape[1:]
     state_indices, cu_seqlens = state_indices.contiguous(), cu_seqlens.contiguous()
     if num_seqs == 0:
@@ -397,10 +410,10 @@ def gdn_prefill_(
 ) -> torch.Tensor:
     """The gated delta rule over N packed sequences through fla-core's chunked kernel.
 
-    q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV]; A_log, dt_bias: [HV]; state_pool: [S, HV, K, V];
-    state_indices: [N] (distinct, non-negative); cu_seqlens: [N+1] on the device (0, end_0, ..., T);
-    cu_seqlens_cpu: the same on the host if the caller has it (saves fla a device-to-host copy).
-    Each sequence continues from its slot's state, which then holds the state after its tokens; a
+    q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] or [T, H, HV / H]; A_log, dt_bias: [HV]; state_pool:
+    [S, HV, K, V]; state_indices: [N] (distinct, non-negative); cu_seqlens: [N+1] on the device (0,
+    end_0, ..., T); cu_seqlens_cpu: the same on the host if the caller has it (saves fla a device-to-host
+    copy). Each sequence continues from its slot's state, which then holds the state after its tokens; a
     sequence with no tokens keeps its slot exactly as it was. Returns out [T, HV, V] in q's dtype.
     """
     # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
@@ -410,8 +423,9 @@ def gdn_prefill_(
     if cu_seqlens.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
     # As the reference layer: the log-decay in fp32 (bf16 loses the decay's precision), beta in b's dtype.
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    beta = b.sigmoid()
+    num_v_heads = v.shape[1]
+    g = -A_log.float().exp() * F.softplus(a.float().reshape(-1, num_v_heads) + dt_bias.float())
+    beta = b.sigmoid().reshape(-1, num_v_heads)
     rows = state_indices.long()
     initial = state_pool[rows].float()
     # A fresh int64 tensor on every call: fla memoises its varlen metadata (`tensor_cache`) by tensor

@@ -58,14 +58,14 @@ def test_gated_delta_net_projections_are_the_ranks_heads(whole_and_ranks):
     index = whole.config.linear_layers[0]
     full = whole.model.layers[index].linear_attn
     x = torch.randn(5, whole.config.hidden_size)
-    qkv, z, b, a = full.project(x)
+    qkv, z, b, a = full.project(x).head_major()
     q, k, v = qkv.split([full.key_dim, full.key_dim, full.value_dim], dim=-1)
     value_heads = full.num_v_heads // SIZE
     outputs = []
     for rank, model in enumerate(ranks):
         part = model.model.layers[index].linear_attn
         heads = slice(rank * value_heads, (rank + 1) * value_heads)
-        local_qkv, local_z, local_b, local_a = part.project(x)
+        local_qkv, local_z, local_b, local_a = part.project(x).head_major()
         local_q, local_k, local_v = local_qkv.split([part.key_dim, part.key_dim, part.value_dim], dim=-1)
         keys = slice(rank * part.key_dim, (rank + 1) * part.key_dim)
         values = slice(rank * part.value_dim, (rank + 1) * part.value_dim)
