@@ -16,8 +16,9 @@ prefill. Elsewhere it runs the pure-torch references through `read_state` / `wri
 The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
 layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
 `GroupedChannels`, the step kernels a and b as [T, H, r], the output norm z as [T, H, r, Dv]). A decode
-step of the 80B model is 10 kernels: in_proj_qkvz (3 with FP8 weights: quantize, GEMM, row scales),
-in_proj_ba, the conv step, the gated-delta-rule step (its gates inside), the gated norm, out_proj (3).
+step of the 80B model with FP8 weights is 9 kernels: in_proj_qkvz (3: quantize, GEMM, row scales),
+in_proj_ba, the conv step, the gated-delta-rule step (its gates inside), the gated norm with out_proj's
+activation quantization (one kernel), out_proj's GEMM and row scales.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
+from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
 from morion.ops.causal_conv1d import (
     GroupedChannels,
@@ -171,8 +173,7 @@ class GatedDeltaNet(nn.Module):
             out = out[0]
         backend.write_state("recurrent", self.linear_ordinal, new_state.to(state.dtype))
 
-        out = self.norm(out, z).reshape(tokens, self.value_dim)
-        return self.out_proj(out)
+        return self._gate_and_project(out, z)
 
     def _forward_cuda(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
         """The in-place path: every state is read from and written back to its pool slot by the kernels.
@@ -226,9 +227,7 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
                 scale, cu_seqlens_cpu=_cu_seqlens(list(backend.query_ranges), tokens),
             )  # fmt: skip
-        # The norm reads z where in_proj put it: the output viewed in z's head layout (same heads).
-        out = self.norm(out.view(z.shape), z).reshape(tokens, self.value_dim)
-        return self.out_proj(out)
+        return self._gate_and_project(out, z)
 
     def _forward_verify(self, x: torch.Tensor, backend: HybridBackend, slots: torch.Tensor) -> torch.Tensor:
         """A speculative verify forward: every sequence has the same number n of new tokens (its last
@@ -242,16 +241,31 @@ class GatedDeltaNet(nn.Module):
         references go token by token: the state after token t - 1 is copied into slot t, which the
         one-token step then advances in place. No host sync: a CUDA graph can capture it.
         """
-        num_seqs, width = slots.shape
         weight = self.conv1d.weight[:, 0, :]
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
         projections = self.project(x)
         verify = self._verify_kernels if x.is_cuda else self._verify_reference
         out = verify(projections, conv_pool, recurrent_pool, weight, slots)
-        z = projections.z
-        out = self.norm(out.view(z.shape), z)
-        return self.out_proj(out.reshape(num_seqs * width, self.value_dim))
+        return self._gate_and_project(out, projections.z)
+
+    def _gate_and_project(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj(norm(out, z)) for out [T, HV, Dv] and z in either head layout (`Projections`; the
+        norm reads it where in_proj put it, out viewed alike). With FP8 out_proj weights on CUDA, the
+        gated norm and the activation's FP8 quantization run as one kernel (ops/gated_norm_fp8_triton.py),
+        and out_proj takes the quantized rows (through its module call: its hooks, such as tensor
+        parallelism's all-reduce, run as for any input)."""
+        out_proj, norm = self.out_proj, self.norm
+        if isinstance(out_proj, Fp8Linear) and out_proj.takes_quantized_rows(out):
+            from morion.ops import gated_norm_fp8_triton as fused
+            from morion.ops import row_kernels_triton as rows
+
+            mode = rows.SIGMOID_GATED if isinstance(norm, SigmoidGatedRMSNorm) else rows.GATED
+            if fused.supports(out, z):
+                log_once(logger, "Gated DeltaNet output: gated norm + FP8 quantization in one kernel")
+                return out_proj(fused.gated_rms_norm_fp8_rows(out, z, norm.weight, norm.eps, mode))
+        normed = self.norm(out.view(z.shape), z)
+        return out_proj(normed.reshape(out.shape[0], self.value_dim))
 
     def _verify_kernels(
         self,

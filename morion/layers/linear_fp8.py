@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from morion.ops.fp8 import FP8_DTYPE, fp8_linear, fp8_linear_reference
+from morion.ops.fp8 import FP8_DTYPE, QuantizedRows, fp8_linear, fp8_linear_quantized, fp8_linear_reference
 from morion.ops.log_once import log_once
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,18 @@ class Fp8Linear(nn.Module):
             linear.in_features, linear.out_features, bias is not None, None if bias is None else bias.dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] in x's dtype."""
+    def takes_quantized_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes x's rows as `QuantizedRows` (on CUDA, with the GEMM's shapes): a
+        producer may then quantize them in its own kernel."""
+        return x.is_cuda and self.kernel_shapes
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype; or rows quantized by their producer
+        ([M, in_features] -> [M, out_features]; only where `takes_quantized_rows`)."""
+        if isinstance(x, QuantizedRows):
+            if not self.takes_quantized_rows(x.q):
+                raise ValueError("quantized rows are taken on CUDA with K and N multiples of 16 only")
+            return fp8_linear_quantized(x, self.weight, self.weight_scale, self.bias)
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:  # amax of nothing is undefined
             return x.new_empty(*x.shape[:-1], self.out_features)

@@ -5,8 +5,8 @@
 - `GatedRMSNorm`: the Gated DeltaNet output norm, rmsnorm(x) * w * silu(z); *not* zero-centred.
 - `SigmoidGatedRMSNorm`: the same with sigmoid(z), Qwen3.5's Gated DeltaNet output norm.
 
-On CUDA the first two run as one fused Triton kernel each (ops/row_kernels_triton.py) with the same
-rounding points; the torch code here is its reference. The sigmoid-gated one is pure torch everywhere.
+On CUDA each runs as one fused Triton kernel (ops/row_kernels_triton.py) with the same rounding
+points; the torch code here is its reference.
 `ZeroCentredRMSNorm.add_and_norm` is a pre-norm layer's residual add and norm, one kernel on CUDA
 (ops/add_rms_norm_triton.py).
 """
@@ -73,7 +73,7 @@ class GatedRMSNorm(nn.Module):
 class SigmoidGatedRMSNorm(nn.Module):
     """rmsnorm(x) * w * sigmoid(z) per value head. Rounding points as transformers'
     `Qwen4ExpTextRMSNormGated`: the normalised x is cast to the input dtype before the weight, the gate is
-    applied in fp32, the product cast once. Pure torch on every device (no fused kernel yet)."""
+    applied in fp32, the product cast once."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -81,5 +81,10 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from morion.ops import row_kernels_triton as rows
+
+            if rows.supports(x) and rows.supports(z) and z.shape == x.shape:
+                return rows.rms_norm_rows(x, self.weight, self.eps, rows.SIGMOID_GATED, gate=z)
         normed = self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
         return (normed * torch.sigmoid(z.float())).to(x.dtype)

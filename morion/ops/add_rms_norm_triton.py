@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.add_rms_norm import AddNormResult
-from morion.ops.row_kernels_triton import GATED, MAX_ROW, rms_norm_row
+from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, rms_norm_row
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def add_rms_norm_rows(
 ) -> AddNormResult:
     """residual + x and its RMSNorm (variant `mode` of row_kernels_triton: LLAMA or ZERO_CENTRED) for
     [R, K] rows (`supports`). Both results are new contiguous tensors; the inputs are left as they are."""
-    if mode == GATED:
+    if mode in GATED_MODES:
         raise ValueError("the gated RMSNorm has no residual form")
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)

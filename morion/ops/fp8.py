@@ -7,6 +7,8 @@ device from amax: no host sync, so a captured CUDA graph recomputes them on ever
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -97,6 +99,16 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return unit
 
 
+class QuantizedRows(NamedTuple):
+    """Activation rows already quantized per row, as `quantize_fp8(x, per_row=True)` gives them, for
+    `fp8_linear_quantized`: what a kernel that fuses the quantization into its epilogue hands an FP8
+    linear (`dtype`: the dtype x had, and the product is returned in)."""
+
+    q: torch.Tensor  # e4m3 [M, K]
+    scale: torch.Tensor  # fp32 [M]
+    dtype: torch.dtype
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -109,13 +121,21 @@ def fp8_linear(
     are applied to its output. Needs K and N multiples of 16; `weight.t()` is the column-major operand
     cuBLASLt wants.
     """
-    q, row_scale = quantize_fp8(x, per_row=True)
+    rows = QuantizedRows(*quantize_fp8(x, per_row=True), x.dtype)
+    return fp8_linear_quantized(rows, weight, weight_scale, bias)
+
+
+def fp8_linear_quantized(
+    rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`fp8_linear` from activation rows already quantized: [M, N] in `rows.dtype`."""
+    q = rows.q
     out = torch._scaled_mm(
-        q, weight.t(), scale_a=_unit_scale(x.device), scale_b=weight_scale, out_dtype=x.dtype
+        q, weight.t(), scale_a=_unit_scale(q.device), scale_b=weight_scale, out_dtype=rows.dtype
     )
     # The fp32 row scales multiply in place, rounded once into x's dtype: one kernel, where casting the
     # scales to x's dtype first would be two (and round them).
-    out.mul_(row_scale.unsqueeze(-1))
+    out.mul_(rows.scale.unsqueeze(-1))
     # The bias is added here rather than in the GEMM epilogue, whose bias dtype rules depend on out_dtype.
     return out if bias is None else out + bias
 

@@ -29,6 +29,8 @@ MAX_ROW = 16384
 LLAMA = 0  # weight * round(x * r): the product in the weight's dtype (layers/norm.py)
 ZERO_CENTRED = 1  # round(x * r * (1 + weight)) in fp32 (layers/norm_variants.ZeroCentredRMSNorm)
 GATED = 2  # round(round(weight * round(x * r)) * silu(z)) (layers/norm_variants.GatedRMSNorm)
+SIGMOID_GATED = 3  # the same with sigmoid(z) (layers/norm_variants.SigmoidGatedRMSNorm)
+GATED_MODES = (GATED, SIGMOID_GATED)
 
 
 @triton.jit
@@ -45,8 +47,9 @@ def _load_row(ptr, row, groups, per_group, stride_t, stride_g, stride_r, cols, m
 def rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE: tl.constexpr):
     """The RMSNorm of one fp32 row x (variant MODE; z the gate row for GATED), in fp32, to be cast once
     into out_ptr's dtype. Every kernel that normalises rows goes through here, so a row gets the same
-    bits whichever kernel (plain or fused with the residual add) normalises it."""
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    bits whichever kernel (plain or fused with the residual add) normalises it. x may be a 2-D tile of
+    rows ([rows, BLOCK], cols and mask then for its columns): each row is normalised on its own."""
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / K + eps)
     w = tl.cast(tl.load(w_ptr + cols, mask=mask, other=0.0), tl.float32)
     out_dtype = out_ptr.dtype.element_ty
     if MODE == 0:
@@ -55,7 +58,8 @@ def rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE: tl.constexpr):
         out = normed * (1.0 + w)
     else:
         gated = tl.cast(tl.cast(w * tl.cast(tl.cast(normed, out_dtype), tl.float32), out_dtype), tl.float32)
-        out = gated * (z / (1.0 + tl.exp(-z)))
+        # silu(z) = z / (1 + e^-z) and sigmoid(z) = 1 / (1 + e^-z), each rounded as torch computes it.
+        out = gated * (z / (1.0 + tl.exp(-z))) if MODE == 2 else gated * (1.0 / (1.0 + tl.exp(-z)))
     return out
 
 
@@ -71,7 +75,7 @@ def _rms_norm_kernel(
     mask = cols < K
     x = _load_row(x_ptr, row, groups, per_group, stride_xt, stride_xg, stride_xr, cols, mask)
     z = x
-    if MODE == 2:
+    if MODE >= 2:
         z = _load_row(z_ptr, row, groups, per_group, stride_zt, stride_zg, stride_zr, cols, mask)
     out = rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE)
     tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, tl.cast(out, out_ptr.dtype.element_ty), mask=mask)
@@ -86,12 +90,19 @@ def _quantize_fp8_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = _load_row(x_ptr, row, groups, per_group, stride_xt, stride_xg, stride_xr, cols, mask)
-    # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    q = tl.cast(q, q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    q, scale = fp8_row(x, tl.max(tl.abs(x), axis=0), q_ptr, FP8_MAX, MIN_SCALE)
     tl.store(q_ptr + tl.cast(row, tl.int64) * K + cols, q, mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def fp8_row(x, amax, q_ptr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """(e4m3 codes in q_ptr's dtype, fp32 scale) of the fp32 values x whose absolute maximum is amax:
+    `ops.fp8.quantize_fp8`'s per-row values. Every kernel that quantizes a row goes through here."""
+    # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    return tl.cast(q, q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), scale
 
 
 class _Rows(NamedTuple):
@@ -123,8 +134,8 @@ def supports(x: torch.Tensor) -> bool:
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """RMSNorm of every row of x (variant `mode`; GATED multiplies by silu(gate), gate shaped like x,
-    strides of its own).
+    """RMSNorm of every row of x (variant `mode`; GATED multiplies by silu(gate), SIGMOID_GATED by
+    sigmoid(gate), gate shaped like x, strides of its own).
     Returns a contiguous tensor of x's shape and dtype."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = _rows(x)

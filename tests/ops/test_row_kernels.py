@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from morion.layers.norm import RMSNorm
-from morion.layers.norm_variants import GatedRMSNorm, ZeroCentredRMSNorm
+from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm, ZeroCentredRMSNorm
 from morion.ops import row_kernels_triton as rows
 from morion.ops.fp8 import _cast, fp8_scale
 
@@ -52,6 +52,19 @@ def test_gated_norm_on_strided_head_views(dtype):
     expected = _torch_reference(module, x, z)
     got = rows.rms_norm_rows(x.to(DEVICE), module.weight.to(DEVICE), 1e-6, rows.GATED, gate=z.to(DEVICE))
     assert got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), expected, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gated_norm_matches_the_module(dtype):
+    """Qwen3.5's output norm (sigmoid gate) on strided [T, H, D] head views."""
+    module = _norm(SigmoidGatedRMSNorm(16, 1e-6), dtype)
+    wide = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x, z = wide[..., :16], wide[..., 16:]
+    expected = _torch_reference(module, x, z)
+    got = rows.rms_norm_rows(
+        x.to(DEVICE), module.weight.to(DEVICE), 1e-6, rows.SIGMOID_GATED, gate=z.to(DEVICE)
+    )
     torch.testing.assert_close(got.cpu(), expected, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=1e-6)
 
 
