@@ -49,15 +49,35 @@ class GatedAttentionProjections(nn.Module):
         rotated, v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+        q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, cos, sin)
+        return q, k, v, gate
 
     def gate_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The attention output [T, H, D] times sigmoid(gate), through o_proj: [T, hidden]."""
         tokens = out.shape[0]
         return self.o_proj(out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+def norm_and_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: ZeroCentredRMSNorm,
+    k_norm: ZeroCentredRMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, Hkv, D] (views of the projections) normed, then rotated on their first
+    `cos.shape[-1]` dims. On CUDA one kernel for both (ops/qk_norm_rope_triton.py, same rounding points);
+    the eager code here is its reference and runs everywhere else, and for shapes the kernel does not
+    take."""
+    if q.is_cuda:
+        from morion.ops import qk_norm_rope_triton as heads
+
+        if q_norm.eps == k_norm.eps and heads.supports(q, k, cos, sin):
+            return heads.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
+    return apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
 
 
 class GatedAttention(GatedAttentionProjections):
