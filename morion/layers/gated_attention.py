@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from morion.layers.attention import AttentionBackend
+from morion.layers.linear_fp8 import linears_of_one_input
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
 
@@ -48,9 +49,11 @@ class GatedAttentionProjections(nn.Module):
         """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns q [T, H, D] and k [T, Hkv, D], normed and
         rotated, v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        # Under FP8 weights x is quantized once for the three projections.
+        q_gate, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, cos, sin)
         return q, k, v, gate
 
