@@ -3,6 +3,10 @@
 Compared with Qwen3 attention: q_proj also yields a per-head output gate (for each head, D query dims
 then D gate dims), q/k norms are zero-centred, RoPE rotates only the first `rotary_dim` dims of each
 head, and the attention output is multiplied by sigmoid(gate) before o_proj.
+
+The eager code is the reference and the CPU path. On CUDA the q/k norms and RoPE run as one kernel
+(ops/qk_norm_rope_triton.py), and with FP8 projections x is quantized once for q/k/v and the output gate
+is applied in o_proj's activation quantization (ops/fp8.py), all with the same rounding points.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import torch
 from torch import nn
 
 from morion.layers.attention import AttentionBackend
-from morion.layers.linear_fp8 import linears_of_one_input
+from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
+from morion.ops.fp8 import quantize_fp8_sigmoid_gated
 
 
 class GatedAttentionProjections(nn.Module):
@@ -60,7 +65,12 @@ class GatedAttentionProjections(nn.Module):
     def gate_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The attention output [T, H, D] times sigmoid(gate), through o_proj: [T, hidden]."""
         tokens = out.shape[0]
-        return self.o_proj(out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1)))
+        if isinstance(self.o_proj, Fp8Linear) and tokens:
+            # The gate and o_proj's activation quantization in one pass (one kernel on CUDA).
+            quantized, row_scale = quantize_fp8_sigmoid_gated(out, gate)
+            return self.o_proj.forward_quantized(quantized, row_scale, out.dtype)
+        # [T, H, D] shapes: the strided gate is read in place, where reshaping it first would copy it.
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
 
 
 def norm_and_rotate(

@@ -45,6 +45,23 @@ def quantize_fp8(x: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, 
     return _cast(x, scale), scale
 
 
+def quantize_fp8_sigmoid_gated(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] * sigmoid(gate [T, H, D]) in x's dtype (the sigmoid rounded to it, then the product, as
+    torch computes it), each token's row of H * D quantized: (e4m3 [T, H * D], fp32 scale [T]).
+
+    On CUDA one Triton kernel, whose exp (the special function unit's) may differ from torch's in the
+    last bits of fp32. Where those bits flip the sigmoid's rounding (rare: a few elements in 2^16) the
+    gate factor differs by one ulp of x's dtype and the product by at most two, before the e4m3 rounding
+    (16 times coarser than bf16's); the row's scale moves only if its largest element is one of them."""
+    tokens = x.shape[0]
+    if x.is_cuda and tokens:
+        from morion.ops import row_kernels_triton
+
+        if x.is_contiguous() and gate.stride(-1) == 1 and row_kernels_triton.supports(x.view(tokens, -1)):
+            return row_kernels_triton.quantize_fp8_sigmoid_gated_rows(x, gate)
+    return quantize_fp8((x * torch.sigmoid(gate)).flatten(1), per_row=True)
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.to(torch.float32) * _expand(scale, q)).to(dtype)
 
