@@ -119,9 +119,10 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         num_q_heads, num_k_heads, head_dim, cos.shape[-1], eps,
         BLOCK=triton.next_power_of_2(head_dim),
-        # fp32 heads: no fused multiply-add of a product into the sum (torch rounds both products). In
-        # half dtypes each product is rounded to the dtype before the sum, so there is nothing to fuse,
-        # and the sum of squares compiles as the row kernel's does.
+        # fp32 heads: no fused multiply-add of a product into the rotary's sum (torch rounds both
+        # products); the sum of squares may then round differently from the row kernel's in its last bit.
+        # In half dtypes each product is rounded to the dtype before the sum, so there is nothing to fuse,
+        # and the sum of squares compiles as the row kernel's does (the same expression and block).
         enable_fp_fusion=q.dtype != torch.float32,
     )  # fmt: skip
     return q_out, k_out

@@ -143,15 +143,20 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, ROTARY_DIM = 16, 2, 256, 64
 @pytest.mark.parametrize("tokens", [1, 4, 64, 1000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_on_the_gpu_at_the_80b_shapes(dtype, tokens):
-    """Compiled: bit for bit the sequence it replaced on CUDA (the norm's row kernel, torch's rotary), and
-    within one ulp of the eager CPU reference."""
+    """Compiled: in bf16 bit for bit the sequence it replaced on CUDA (the norm's row kernel, torch's
+    rotary); in fp32, where the kernel compiles without fused multiply-adds (so its rotary rounds as
+    torch's) and the row kernel with them, the sums of squares may differ in the last bit. Within an ulp
+    or two of the eager CPU reference."""
     q, k, _ = _heads(tokens, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype, "cuda")
     q_norm, k_norm = _norms(HEAD_DIM, dtype, "cuda")
     cos, sin = _rotation(ROTARY_DIM, torch.arange(100, 100 + tokens, device="cuda"), YARN)
     got = heads.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, EPS, cos, sin)
     expected = _row_kernel_sequence(q, k, q_norm, k_norm, cos, sin)
     for got_part, expected_part in zip(got, expected, strict=True):
-        assert torch.equal(got_part, expected_part)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got_part, expected_part)
+        else:
+            torch.testing.assert_close(got_part, expected_part, rtol=1e-6, atol=1e-6)
     cpu_norms = (q_norm.cpu(), k_norm.cpu())
     reference = norm_and_rotate(q.cpu(), k.cpu(), *cpu_norms, cos.cpu(), sin.cpu())
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
