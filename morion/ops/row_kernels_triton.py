@@ -1,5 +1,5 @@
 """Row-wise elementwise chains fused into one Triton kernel each: RMSNorm (three variants) and per-row FP8
-quantization.
+quantization, optionally of x * sigmoid(gate) (gated attention's output, quantized for o_proj).
 
 In eager torch each is a chain of 6-10 tiny kernels (upcast, square, mean, rsqrt, scale, cast, ...). A
 decode step runs them for every layer, so even inside a CUDA graph their launch gaps added up to most of
@@ -62,13 +62,22 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _quantize_fp8_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, inner, stride_xo, stride_xi,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, z_ptr, q_ptr, scale_ptr, K, inner, stride_xo, stride_xi, z_head_dim, stride_zt, stride_zh,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, SIGMOID_GATED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = _load_row(x_ptr, row, inner, stride_xo, stride_xi, cols, mask)
+    if SIGMOID_GATED:
+        # Row `row` of x [T, K] times sigmoid of the gate [T, H, D] (H * D = K, a strided view), rounded as
+        # torch rounds x * torch.sigmoid(z) in x's dtype: the sigmoid, then the product.
+        dtype = x_ptr.dtype.element_ty
+        heads, dims = cols // z_head_dim, cols % z_head_dim
+        z_offset = tl.cast(row, tl.int64) * stride_zt + heads * stride_zh + dims
+        z = tl.cast(tl.load(z_ptr + z_offset, mask=mask, other=0.0), tl.float32)
+        sigmoid = tl.cast(tl.cast(tl.math.div_rn(1.0, 1.0 + tl.exp(-z)), dtype), tl.float32)
+        x = tl.cast(tl.cast(x * sigmoid, dtype), tl.float32)
     # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): the same scale and values as torch.
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
@@ -113,13 +122,33 @@ def rms_norm_rows(
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], fp32 scale [R]), the values of `ops.fp8.quantize_fp8(x, per_row=True)`."""
     num_rows, inner, stride_xo, stride_xi = _rows(x)
+    return _quantize(x, num_rows, inner, stride_xo, stride_xi, None)
+
+
+def quantize_fp8_sigmoid_gated_rows(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] contiguous times sigmoid(gate [T, H, D], unit stride on D), each token's row of H * D
+    quantized: (e4m3 [T, H * D], fp32 scale [T]), the values of `ops.fp8.quantize_fp8_sigmoid_gated` up
+    to the sigmoid's rounding (see there)."""
+    if not (x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1):
+        raise ValueError(f"expected x contiguous and a gate of its shape {tuple(x.shape)}, unit stride on D")
+    rows = x.view(x.shape[0], -1)
+    return _quantize(rows, rows.shape[0], 1, rows.stride(0), 0, gate)
+
+
+def _quantize(
+    x: torch.Tensor, num_rows: int, inner: int, stride_xo: int, stride_xi: int, gate: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return q, scale
     key = x.shape[-1]
+    z, z_head_dim, stride_zt, stride_zh = (
+        (x, 1, 0, 0) if gate is None else (gate, gate.shape[-1], *gate.stride()[:2])
+    )
     _quantize_fp8_rows_kernel[(num_rows,)](
-        x, q, scale, key, inner, stride_xo, stride_xi,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(key),
+        x, z, q, scale, key, inner, stride_xo, stride_xi, z_head_dim, stride_zt, stride_zh,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SIGMOID_GATED=gate is not None,
+        BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
     return q, scale
