@@ -47,6 +47,7 @@ case "$model" in
     engine=(--model preset:qwen3-next-80b-a3b "${fp8[@]}" --host-cache-gb 24 --max-running-requests 16
         --cuda-graph-max-batch 16)
     restore=(--restore-conversations 100 --restore-lengths 1024:65536 --restore-group 10)
+    min_hits=100  # per tier: issue #20's bar
     # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
     # still hold every conversation of restore at its disk step.
     soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
@@ -62,6 +63,7 @@ flash-next)
     engine=(--model preset:qwen3.8-flash-next "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
         --cuda-graph-max-batch 8)
     restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
+    min_hits=30  # the shorter run: every conversation a hit on every tier
     soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
         --perf-prefill-lengths 1024)
@@ -73,6 +75,7 @@ cpu-smoke)
     beside=()
     engine=(--device cpu --kv-cache-tokens 4096 --max-model-len 1024 --host-cache-gb 0.25)
     restore=(--restore-conversations 4 --restore-lengths 40:400 --restore-group 2)
+    min_hits=4
     soak=(--soak-clients 2 --soak-minutes 0.3 --soak-turn-tokens 32 --soak-max-tokens 8)
     perf=(--perf-concurrency 1,2 --perf-contexts 64 --perf-output-tokens 8 --perf-repeats 1
         --perf-prefill-lengths 64)
@@ -177,7 +180,7 @@ report_part() {
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
     python3 -m morion.validate.qualify --validate "$restored" ${disk:+--validate "$disk"} ${perf:+--validate "$perf"} \
         ${offline:+--offline "$offline"} --label "$label" --serve-command "$serve_command" \
-        --min-hits "${QUALIFY_MIN_HITS:-100}" --out "$out"
+        --min-hits "${QUALIFY_MIN_HITS:-$min_hits}" --out "$out"
 }
 
 status=0

@@ -3,6 +3,10 @@
 Compared with Qwen3 attention: q_proj also yields a per-head output gate (for each head, D query dims
 then D gate dims), q/k norms are zero-centred, RoPE rotates only the first `rotary_dim` dims of each
 head, and the attention output is multiplied by sigmoid(gate) before o_proj.
+
+The eager code is the reference and the CPU path. On CUDA the q/k norms and RoPE run as one kernel
+(ops/qk_norm_rope_triton.py), and with FP8 projections x is quantized once for q/k/v and the output gate
+is applied in o_proj's activation quantization (ops/fp8.py), all with the same rounding points.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import torch
 from torch import nn
 
 from morion.layers.attention import AttentionBackend
+from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
+from morion.ops.fp8 import quantize_fp8_sigmoid_gated
 
 
 class GatedAttentionProjections(nn.Module):
@@ -48,16 +54,43 @@ class GatedAttentionProjections(nn.Module):
         """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns q [T, H, D] and k [T, Hkv, D], normed and
         rotated, v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+        # Under FP8 weights x is quantized once for the three projections.
+        q_gate, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, cos, sin)
+        return q, k, v, gate
 
     def gate_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The attention output [T, H, D] times sigmoid(gate), through o_proj: [T, hidden]."""
         tokens = out.shape[0]
-        return self.o_proj(out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1)))
+        if isinstance(self.o_proj, Fp8Linear) and tokens:
+            # The gate and o_proj's activation quantization in one pass (one kernel on CUDA).
+            quantized, row_scale = quantize_fp8_sigmoid_gated(out, gate)
+            return self.o_proj.forward_quantized(quantized, row_scale, out.dtype)
+        # [T, H, D] shapes: the strided gate is read in place, where reshaping it first would copy it.
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
+
+
+def norm_and_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: ZeroCentredRMSNorm,
+    k_norm: ZeroCentredRMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, Hkv, D] (views of the projections) normed, then rotated on their first
+    `cos.shape[-1]` dims. On CUDA one kernel for both (ops/qk_norm_rope_triton.py, same rounding points);
+    the eager code here is its reference and runs everywhere else, and for shapes the kernel does not
+    take."""
+    if q.is_cuda:
+        from morion.ops import qk_norm_rope_triton as heads
+
+        if q_norm.eps == k_norm.eps and heads.supports(q, k, cos, sin):
+            return heads.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
+    return apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
 
 
 class GatedAttention(GatedAttentionProjections):

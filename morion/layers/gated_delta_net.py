@@ -252,18 +252,19 @@ class GatedDeltaNet(nn.Module):
     def _gate_and_project(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """out_proj(norm(out, z)) for out [T, HV, Dv] and z in either head layout (`Projections`; the
         norm reads it where in_proj put it, out viewed alike). With FP8 out_proj weights on CUDA, the
-        gated norm and the activation's FP8 quantization run as one kernel (ops/gated_norm_fp8_triton.py),
-        and out_proj takes the quantized rows (through its module call: its hooks, such as tensor
-        parallelism's all-reduce, run as for any input)."""
+        gated norm and the activation's FP8 quantization run as one kernel (ops/gated_norm_fp8_triton.py)
+        and out_proj takes the quantized rows (tensor parallelism's all-reduce hooks the whole layer, not
+        out_proj, so it still sees the result)."""
         out_proj, norm = self.out_proj, self.norm
-        if isinstance(out_proj, Fp8Linear) and out_proj.takes_quantized_rows(out):
+        if isinstance(out_proj, Fp8Linear) and out.is_cuda and out.shape[0] > 0:
             from morion.ops import gated_norm_fp8_triton as fused
             from morion.ops import row_kernels_triton as rows
 
             mode = rows.SIGMOID_GATED if isinstance(norm, SigmoidGatedRMSNorm) else rows.GATED
             if fused.supports(out, z):
                 log_once(logger, "Gated DeltaNet output: gated norm + FP8 quantization in one kernel")
-                return out_proj(fused.gated_rms_norm_fp8_rows(out, z, norm.weight, norm.eps, mode))
+                q, row_scale = fused.gated_rms_norm_fp8_rows(out, z, norm.weight, norm.eps, mode)
+                return out_proj.forward_quantized(q, row_scale, out.dtype)
         normed = self.norm(out.view(z.shape), z)
         return out_proj(normed.reshape(out.shape[0], self.value_dim))
 

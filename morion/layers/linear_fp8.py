@@ -1,7 +1,8 @@
 """A linear layer with FP8 (e4m3) weights and one fp32 weight scale: y = x (weight * weight_scale)^T + bias.
 
-The activation is quantized per row on every call (dynamic amax, on the device) and the product runs
-in `torch._scaled_mm` on CUDA; elsewhere, or when K or N is not a multiple of 16 (cuBLASLt's FP8 rule),
+The activation is quantized per row on every call (dynamic amax, on the device), or once for several
+layers that read it (`linears_of_one_input`, `Fp8Linear.forward_quantized`), and the product runs in
+`torch._scaled_mm` on CUDA; elsewhere, or when K or N is not a multiple of 16 (cuBLASLt's FP8 rule),
 the pure-torch reference computes the same math in fp32. `--weight-dtype fp8` swaps these in for
 nn.Linear at load (layers/fp8_convert.py).
 """
@@ -9,11 +10,12 @@ nn.Linear at load (layers/fp8_convert.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from morion.ops.fp8 import FP8_DTYPE, QuantizedRows, fp8_linear, fp8_linear_quantized, fp8_linear_reference
+from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.log_once import log_once
 
 logger = logging.getLogger(__name__)
@@ -44,33 +46,43 @@ class Fp8Linear(nn.Module):
             linear.in_features, linear.out_features, bias is not None, None if bias is None else bias.dtype
         )
 
-    def takes_quantized_rows(self, x: torch.Tensor) -> bool:
-        """Whether `forward` takes x's rows as `QuantizedRows` (on CUDA, with the GEMM's shapes): a
-        producer may then quantize them in its own kernel."""
-        return x.is_cuda and self.kernel_shapes
-
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] in x's dtype; or rows quantized by their producer
-        ([M, in_features] -> [M, out_features]; only where `takes_quantized_rows`)."""
-        if isinstance(x, QuantizedRows):
-            if not self.takes_quantized_rows(x.q):
-                raise ValueError("quantized rows are taken on CUDA with K and N multiples of 16 only")
-            return fp8_linear_quantized(x, self.weight, self.weight_scale, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:  # amax of nothing is undefined
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if x.is_cuda and self.kernel_shapes:
-            log_once(logger, "FP8 linear: torch._scaled_mm, per-row activation and per-tensor weight scales")
-            out = fp8_linear(rows, self.weight, self.weight_scale, self.bias)
-        else:
-            where = (
-                f"{self.out_features}x{self.in_features}, not multiples of 16" if x.is_cuda else x.device.type
-            )
-            log_once(logger, f"FP8 linear: reference (dequantize + F.linear) for {where}")
-            out = fp8_linear_reference(rows, self.weight, self.weight_scale, self.bias)
+        out = self.forward_quantized(*quantize_fp8(rows, per_row=True), x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def forward_quantized(
+        self, q: torch.Tensor, row_scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An activation already quantized per row (q [M, K] e4m3, M > 0, row_scale [M] fp32: what
+        `ops.fp8.quantize_fp8(x, per_row=True)` gives) -> [M, out_features] in `out_dtype`, as `forward`
+        of the unquantized rows."""
+        if q.is_cuda and self.kernel_shapes:
+            log_once(logger, "FP8 linear: torch._scaled_mm, per-row activation and per-tensor weight scales")
+            return fp8_linear_quantized(q, row_scale, self.weight, self.weight_scale, self.bias, out_dtype)
+        where = f"{self.out_features}x{self.in_features}, not multiples of 16" if q.is_cuda else q.device.type
+        log_once(logger, f"FP8 linear: reference (dequantize + F.linear) for {where}")
+        return fp8_linear_quantized_reference(
+            q, row_scale, self.weight, self.weight_scale, self.bias, out_dtype
+        )
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """`[layer(x) for layer in layers]`, x [..., K]; where every layer is an `Fp8Linear`, x is quantized
+    once for all of them (the same values each would quantize on its own: one kernel instead of
+    len(layers))."""
+    if x.numel() == 0 or not all(isinstance(layer, Fp8Linear) for layer in layers):
+        return [layer(x) for layer in layers]
+    q, row_scale = quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True)
+    return [
+        layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)
+        for layer in layers
+    ]

@@ -7,8 +7,6 @@ device from amax: no host sync, so a captured CUDA graph recomputes them on ever
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +43,23 @@ def quantize_fp8(x: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, 
     amax = x.abs().amax(dim=-1) if per_row else x.abs().amax()
     scale = fp8_scale(amax)
     return _cast(x, scale), scale
+
+
+def quantize_fp8_sigmoid_gated(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] * sigmoid(gate [T, H, D]) in x's dtype (the sigmoid rounded to it, then the product, as
+    torch computes it), each token's row of H * D quantized: (e4m3 [T, H * D], fp32 scale [T]).
+
+    On CUDA one Triton kernel, whose exp (the special function unit's) may differ from torch's in the
+    last bits of fp32. Where those bits flip the sigmoid's rounding (rare: a few elements in 2^16) the
+    gate factor differs by one ulp of x's dtype and the product by at most two, before the e4m3 rounding
+    (16 times coarser than bf16's); the row's scale moves only if its largest element is one of them."""
+    tokens = x.shape[0]
+    if x.is_cuda and tokens:
+        from morion.ops import row_kernels_triton
+
+        if x.is_contiguous() and gate.stride(-1) == 1 and row_kernels_triton.supports(x.view(tokens, -1)):
+            return row_kernels_triton.quantize_fp8_sigmoid_gated_rows(x, gate)
+    return quantize_fp8((x * torch.sigmoid(gate)).flatten(1), per_row=True)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -99,43 +114,39 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return unit
 
 
-class QuantizedRows(NamedTuple):
-    """Activation rows already quantized per row, as `quantize_fp8(x, per_row=True)` gives them, for
-    `fp8_linear_quantized`: what a kernel that fuses the quantization into its epilogue hands an FP8
-    linear (`dtype`: the dtype x had, and the product is returned in)."""
-
-    q: torch.Tensor  # e4m3 [M, K]
-    scale: torch.Tensor  # fp32 [M]
-    dtype: torch.dtype
-
-
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale (0-d fp32)).T + bias -> [M, N] in x's dtype.
 
     The activation is quantized per row, so a row's result never depends on the other rows of the batch
-    (batched = single, and CUDA-graph padding rows cannot change real rows). The GEMM itself runs
-    `torch._scaled_mm` (cuBLASLt) with per-tensor scales, the recipe that is fastest at decode sizes
-    (kernels-and-libraries.md §4: 1.6x over bf16 where the rowwise kernel gains nothing); the row scales
-    are applied to its output. Needs K and N multiples of 16; `weight.t()` is the column-major operand
-    cuBLASLt wants.
+    (batched = single, and CUDA-graph padding rows cannot change real rows); the product is
+    `fp8_linear_quantized`'s. Needs K and N multiples of 16.
     """
-    rows = QuantizedRows(*quantize_fp8(x, per_row=True), x.dtype)
-    return fp8_linear_quantized(rows, weight, weight_scale, bias)
+    return fp8_linear_quantized(*quantize_fp8(x, per_row=True), weight, weight_scale, bias, x.dtype)
 
 
 def fp8_linear_quantized(
-    rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    q: torch.Tensor,
+    row_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """`fp8_linear` from activation rows already quantized: [M, N] in `rows.dtype`."""
-    q = rows.q
+    """`fp8_linear` of an activation already quantized per row (q [M, K] e4m3, row_scale [M] fp32), so
+    that layers reading one input quantize it once. Rows of M = 0 are not allowed (cuBLASLt).
+
+    The GEMM runs `torch._scaled_mm` (cuBLASLt) with per-tensor scales, the recipe that is fastest at
+    decode sizes (kernels-and-libraries.md §4: 1.6x over bf16 where the rowwise kernel gains nothing);
+    the row scales are applied to its output. `weight.t()` is the column-major operand cuBLASLt wants.
+    """
     out = torch._scaled_mm(
-        q, weight.t(), scale_a=_unit_scale(q.device), scale_b=weight_scale, out_dtype=rows.dtype
+        q, weight.t(), scale_a=_unit_scale(q.device), scale_b=weight_scale, out_dtype=out_dtype
     )
-    # The fp32 row scales multiply in place, rounded once into x's dtype: one kernel, where casting the
-    # scales to x's dtype first would be two (and round them).
-    out.mul_(rows.scale.unsqueeze(-1))
+    # The fp32 row scales multiply in place, rounded once into the output dtype: one kernel, where casting
+    # the scales to that dtype first would be two (and round them).
+    out.mul_(row_scale.unsqueeze(-1))
     # The bias is added here rather than in the GEMM epilogue, whose bias dtype rules depend on out_dtype.
     return out if bias is None else out + bias
 
@@ -145,7 +156,19 @@ def fp8_linear_reference(
 ) -> torch.Tensor:
     """The same math as `fp8_linear` in fp32: the activation quantized per row, both operands
     dequantized, F.linear. Any shapes; the result in x's dtype."""
-    out = F.linear(fake_quantize_fp8(x, per_row=True), dequantize_fp8(weight, weight_scale))
+    return fp8_linear_quantized_reference(*quantize_fp8(x, per_row=True), weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_quantized_reference(
+    q: torch.Tensor,
+    row_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_linear_quantized`'s math in fp32: both operands dequantized, F.linear. Any shapes."""
+    out = F.linear(dequantize_fp8(q, row_scale), dequantize_fp8(weight, weight_scale))
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
+from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from morion.ops.row_kernels_triton import GATED, GATED_MODES, fp8_row, rms_norm_row
 
 # The tile is [HV, Dv] in registers: the 80B model's 32 x 128 (the quantization kernel's rows go to 16K).
@@ -63,10 +63,10 @@ def supports(x: torch.Tensor, z: torch.Tensor) -> bool:
 
 def gated_rms_norm_fp8_rows(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = GATED
-) -> QuantizedRows:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated RMSNorm of every value head of x ([T, HV, Dv]; gate z as `supports` takes it; `mode`
-    GATED or SIGMOID_GATED of row_kernels_triton), each token's [HV * Dv] result quantized to e4m3 with
-    one fp32 scale (`QuantizedRows` for an FP8 linear that returns x's dtype)."""
+    GATED or SIGMOID_GATED of row_kernels_triton), each token's [HV * Dv] result quantized per row:
+    (e4m3 [T, HV * Dv], fp32 scale [T]), for `Fp8Linear.forward_quantized`."""
     if mode not in GATED_MODES:
         raise ValueError(f"mode {mode} is not a gated RMSNorm")
     tokens, heads, key = x.shape
@@ -80,4 +80,4 @@ def gated_rms_norm_fp8_rows(
             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, MODE=mode,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_K=triton.next_power_of_2(key),
         )  # fmt: skip
-    return QuantizedRows(q, scale, x.dtype)
+    return q, scale

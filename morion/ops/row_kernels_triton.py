@@ -1,5 +1,5 @@
-"""Row-wise elementwise chains fused into one Triton kernel each: RMSNorm (three variants) and per-row FP8
-quantization.
+"""Row-wise elementwise chains fused into one Triton kernel each: RMSNorm (four variants) and per-row FP8
+quantization, optionally of x * sigmoid(gate) (gated attention's output, quantized for o_proj).
 
 In eager torch each is a chain of 6-10 tiny kernels (upcast, square, mean, rsqrt, scale, cast, ...). A
 decode step runs them for every layer, so even inside a CUDA graph their launch gaps added up to most of
@@ -58,8 +58,8 @@ def rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE: tl.constexpr):
         out = normed * (1.0 + w)
     else:
         gated = tl.cast(tl.cast(w * tl.cast(tl.cast(normed, out_dtype), tl.float32), out_dtype), tl.float32)
-        # silu(z) = z / (1 + e^-z) and sigmoid(z) = 1 / (1 + e^-z), each rounded as torch computes it.
-        out = gated * (z / (1.0 + tl.exp(-z))) if MODE == 2 else gated * (1.0 / (1.0 + tl.exp(-z)))
+        # silu(z) = z / (1 + e^-z); sigmoid(z) = 1 / (1 + e^-z), an IEEE division as torch's.
+        out = gated * (z / (1.0 + tl.exp(-z))) if MODE == 2 else gated * tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
     return out
 
 
@@ -83,13 +83,23 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _quantize_fp8_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, groups, per_group, stride_xt, stride_xg, stride_xr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, z_ptr, q_ptr, scale_ptr, K, groups, per_group, stride_xt, stride_xg, stride_xr,
+    z_head_dim, stride_zt, stride_zh,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, SIGMOID_GATED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = _load_row(x_ptr, row, groups, per_group, stride_xt, stride_xg, stride_xr, cols, mask)
+    if SIGMOID_GATED:
+        # Row `row` of x [T, K] times sigmoid of the gate [T, H, D] (H * D = K, a strided view), rounded as
+        # torch rounds x * torch.sigmoid(z) in x's dtype: the sigmoid, then the product.
+        dtype = x_ptr.dtype.element_ty
+        heads, dims = cols // z_head_dim, cols % z_head_dim
+        z_offset = tl.cast(row, tl.int64) * stride_zt + heads * stride_zh + dims
+        z = tl.cast(tl.load(z_ptr + z_offset, mask=mask, other=0.0), tl.float32)
+        sigmoid = tl.cast(tl.cast(tl.math.div_rn(1.0, 1.0 + tl.exp(-z)), dtype), tl.float32)
+        x = tl.cast(tl.cast(x * sigmoid, dtype), tl.float32)
     q, scale = fp8_row(x, tl.max(tl.abs(x), axis=0), q_ptr, FP8_MAX, MIN_SCALE)
     tl.store(q_ptr + tl.cast(row, tl.int64) * K + cols, q, mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -152,14 +162,31 @@ def rms_norm_rows(
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], fp32 scale [R]), the values of `ops.fp8.quantize_fp8(x, per_row=True)`."""
+    return _quantize(x, None)
+
+
+def quantize_fp8_sigmoid_gated_rows(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] contiguous times sigmoid(gate [T, H, D], unit stride on D), each token's row of H * D
+    quantized: (e4m3 [T, H * D], fp32 scale [T]), the values of `ops.fp8.quantize_fp8_sigmoid_gated` up
+    to the sigmoid's rounding (see there)."""
+    if not (x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1):
+        raise ValueError(f"expected x contiguous and a gate of its shape {tuple(x.shape)}, unit stride on D")
+    return _quantize(x.view(x.shape[0], -1), gate)
+
+
+def _quantize(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows(x)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if rows.count == 0:
         return q, scale
     key = x.shape[-1]
+    z, z_head_dim, stride_zt, stride_zh = (
+        (x, 1, 0, 0) if gate is None else (gate, gate.shape[-1], *gate.stride()[:2])
+    )
     _quantize_fp8_rows_kernel[(rows.count,)](
-        x, q, scale, key, rows.groups, rows.per_group, *rows.strides,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(key),
+        x, z, q, scale, key, rows.groups, rows.per_group, *rows.strides, z_head_dim, stride_zt, stride_zh,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SIGMOID_GATED=gate is not None,
+        BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
     return q, scale

@@ -15,7 +15,7 @@ from torch import nn
 import morion.ops.fp8 as fp8_ops
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.fp8_convert import convert_to_fp8
-from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
 from morion.layers.moe import StackedExperts
 from morion.loader import load_model
 from morion.models.checkpoint import fp8_scales
@@ -107,6 +107,19 @@ def test_fp8_linear_of_any_shape_and_dtype():
     assert out.dtype == torch.bfloat16 and out.shape == (7, 24)
     with torch.no_grad():
         assert rel_l2(out, linear(x.float())) < 0.06
+
+
+def test_layers_of_one_input_quantize_it_once_with_the_same_result():
+    """`linears_of_one_input` (gated attention's q/k/v) equals each layer on its own, bit for bit; layers
+    that are not all FP8, and empty inputs, run one by one."""
+    layers = [make_fp8_linear(64, n, bias=n == 32, seed=n)[1] for n in (48, 16, 32)]
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for got, layer in zip(linears_of_one_input(x, layers), layers, strict=True):
+        assert torch.equal(got, layer(x))
+    mixed = [layers[0], nn.Linear(64, 8).to(torch.bfloat16)]
+    for got, layer in zip(linears_of_one_input(x, mixed), mixed, strict=True):
+        assert torch.equal(got, layer(x))
+    assert [out.shape for out in linears_of_one_input(x[:0], layers)] == [(0, 5, 48), (0, 5, 16), (0, 5, 32)]
 
 
 # -- models loaded with FP8 weights --------------------------------------------------------------------

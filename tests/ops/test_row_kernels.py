@@ -9,7 +9,7 @@ import torch
 from morion.layers.norm import RMSNorm
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm, ZeroCentredRMSNorm
 from morion.ops import row_kernels_triton as rows
-from morion.ops.fp8 import _cast, fp8_scale
+from morion.ops.fp8 import _cast, fp8_scale, quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -111,3 +111,30 @@ def test_supports_only_rows_it_can_address():
     assert rows.supports(torch.zeros(2, 2, 2, 8))
     assert not rows.supports(torch.zeros(2, 2, 2, 2, 8))
     assert not rows.supports(torch.zeros(1, rows.MAX_ROW + 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gated_quantization_equals_the_torch_code(dtype):
+    """Gated attention's output times sigmoid(gate) (a strided half of q_proj's output), each token's
+    row of all heads quantized: the torch code's scale and, where the hardware converts, its values."""
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 3, 16, generator=generator) * 5).to(dtype)
+    gate = (torch.randn(4, 3, 32, generator=generator) * 4).to(dtype)[..., 16:]
+    x[1] = 0  # an all-zero row gets the minimum scale
+    expected_q, expected_scale = quantize_fp8((x * torch.sigmoid(gate)).reshape(4, -1), per_row=True)
+    q, scale = rows.quantize_fp8_sigmoid_gated_rows(x.to(DEVICE), gate.to(DEVICE))
+    assert q.shape == (4, 48) and scale.shape == (4,)
+    # The kernel's exp may differ from torch's by an ulp of fp32 (ops/fp8.py bounds what that changes).
+    torch.testing.assert_close(
+        scale.cpu(), expected_scale, rtol=1e-2 if dtype != torch.float32 else 1e-6, atol=0
+    )
+    if DEVICE == "cpu":
+        return  # the interpreter's e4m3 rounding is wrong (above)
+    assert (q.cpu().float() != expected_q.float()).float().mean() < 0.01
+    # A flipped value moves by at most one e4m3 step: 1/8 relative, or a subnormal step of its row's scale.
+    torch.testing.assert_close(
+        q.cpu().float() * scale.cpu()[:, None],
+        expected_q.float() * expected_scale[:, None],
+        rtol=0.13,
+        atol=float(expected_scale.max()) * 2**-9,
+    )

@@ -1,0 +1,52 @@
+"""The one-command qualification (scripts/gpu_qualify.sh) runs end to end: its CPU smoke profile serves the
+default model, restores every conversation from each tier (a restart in between), soaks, measures decode
+through the server and offline, and reports a pass. On the GPU the same script, with the 80B and Flash-Next
+profiles, is the gate of every serving change; this keeps the script itself from breaking unseen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT_TIMEOUT_S = 900
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the script waits for /health with curl")
+def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
+    results = tmp_path / "qualify"
+    env = {
+        **os.environ,
+        # The script runs `python3 -m morion`: the interpreter running these tests.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "QUALIFY_DIR": str(results),
+        "QUALIFY_DISK_DIR": str(tmp_path / "disk"),
+        "QUALIFY_PORT": str(free_port()),
+    }
+    env.pop("OUT", None)
+    run = subprocess.run(
+        ["bash", "scripts/gpu_qualify.sh", "cpu-smoke", "all"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reports = [path for path in results.glob("*-cpu-qualify-smoke.json")]
+    assert len(reports) == 1, sorted(path.name for path in results.iterdir())
+    summary = json.loads(reports[0].read_text())["summary"]
+    assert summary["verdict"] == "pass", summary["problems"]
+    restore = summary["restore"]
+    assert restore["hits"] == {"device": 4, "host": 4, "disk": 4}
+    assert restore["wrong_answers"] == 0
+    assert summary["soak"]["errors"] == 0
