@@ -19,6 +19,7 @@ from morion.spec.forced import ForcedAcceptance
 from morion.spec.speculative import SpecStats
 from tests.engine.test_tensor_parallel import GREEDY, LOGPROB_TOLERANCE, PROMPTS, SHARED, _run
 
+WIDTH = 3
 WITH_LOGPROBS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, prompt_logprobs=2)
 LONGER = SamplingParams(max_tokens=10, temperature=0.0)
 
@@ -31,16 +32,29 @@ def _engine(model_dir, size: int) -> Engine:
         kv_cache_tokens=2048,
         host_cache_gb=0.02,
         speculative="mtp",
-        spec_width=3,
+        spec_width=WIDTH,
         tensor_parallel_size=size,
     )
     return Engine(config, forced_acceptance=ForcedAcceptance(0.7, seed=3))
 
 
 def _scenario(engine: Engine) -> tuple[list[list], SpecStats]:
-    """A batch (one request with logprobs), a prefix hit on the device, then the same prompt again from
-    the host tier once the device cache is evicted."""
+    """A batch (one request with logprobs; one never given room for the next step's drafts right after
+    its verify, so it keeps the verify's hidden states and drafts on demand), a prefix hit on the
+    device, then the same prompt again from the host tier once the device cache is evicted."""
+    reserve = engine.scheduler.reserve_for_verify
+    refused = []
+
+    def no_room_after_verify_for_one_request(request, num_tokens: int, num_draft_slots: int) -> bool:
+        granted = reserve(request, num_tokens, num_draft_slots)
+        if num_tokens == 2 * (1 + WIDTH) and request.prompt_token_ids == PROMPTS[1]:
+            refused.append(request.request_id)
+            return False
+        return granted
+
+    engine.scheduler.reserve_for_verify = no_room_after_verify_for_one_request
     batch = _run(engine, [(PROMPTS[0], WITH_LOGPROBS), (PROMPTS[1], LONGER), (PROMPTS[2], GREEDY)])
+    assert refused
     device_hit = _run(engine, [(SHARED, LONGER)])
     assert engine.evict_device_cache() > 0
     host_hit = _run(engine, [(PROMPTS[2], LONGER)])
