@@ -90,3 +90,23 @@ def test_stacked_equals_separate_on_cuda_at_the_80b_shapes(tokens):
     expected = separate(x).float()
     scale = expected.abs().max().item()
     torch.testing.assert_close(stacked(x).float(), expected, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.gpu
+def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
+    """One decode row through each block, kernels counted by the profiler: the separate shared expert's
+    GEMMs, activation, gate, sigmoid, multiply and add are gone (the router's column and the experts'
+    extra pair ride kernels that run anyway)."""
+    separate = separate_moe(2048, 512, 10, 512).cuda()
+    stacked = stacked_copy(separate).to(torch.bfloat16)
+    separate = separate.to(torch.bfloat16)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    counts = {}
+    for name, block in (("separate", separate), ("stacked", stacked)):
+        block(x)  # compile and autotune outside the count
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            block(x)
+            torch.cuda.synchronize()
+        counts[name] = sum(1 for event in profile.events() if event.device_type.name == "CUDA")
+    assert counts["stacked"] <= counts["separate"] - 6, counts
