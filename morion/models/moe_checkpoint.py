@@ -31,7 +31,12 @@ _PER_EXPERT = re.compile(
 _SHARED = re.compile(
     r"^(?P<mlp>.+\.mlp)\.(?:shared_expert\.(?P<proj>gate_proj|up_proj|down_proj)|shared_expert_gate)\.weight$"
 )
-_STACKED = ("gate_up_proj", "down_proj")
+# A block's router weight and stacked expert parameters, the ones a stacked shared expert shares.
+_BLOCK_PARAM = re.compile(
+    r"^(?P<mlp>.+\.mlp)\.(?P<param>gate\.weight|experts\.gate_up_proj|experts\.down_proj)$"
+)
+# The checkpoint projections each stacked parameter holds.
+_PROJECTIONS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
 
 class _Target(NamedTuple):
@@ -100,27 +105,22 @@ class MoECheckpointLoader:
             return self._expert_target(f"{shared['mlp']}.experts", slot, shared["proj"], name)
         param = self.params.get(name)
         if param is not None:
-            mlp, _, leaf = name.rpartition(".")
-            mlp = mlp.removesuffix(".experts") if leaf in _STACKED else mlp.removesuffix(".gate")
-            slot = self.shared_slots.get(mlp)
-            routed_only = slot is not None and len(shape) == param.dim() and shape[0] == slot
-            if routed_only and name in (
-                f"{mlp}.gate.weight",
-                *(f"{mlp}.experts.{kind}" for kind in _STACKED),
-            ):
-                rows = (slice(0, slot),)  # the router's E rows or the E routed experts, before the shared one
-                covered = self._checkpoint_names(name, param)
-                shared_names = {f"{mlp}.shared_expert_gate.weight", *_shared_expert_names(mlp, leaf)}
-                return _Target(name, rows, rows, [unit for unit in covered if unit not in shared_names])
+            block = _BLOCK_PARAM.match(name)
+            slot = None if block is None else self.shared_slots.get(block["mlp"])
+            if slot is not None and len(shape) == param.dim() and shape[0] == slot:
+                # The router's E rows, or stacked checkpoint tensors of the E routed experts.
+                rows = (slice(0, slot),)
+                return _Target(name, rows, rows, _routed_names(block, slot))
             return _Target(name, (), (), self._checkpoint_names(name, param))
         match = _PER_EXPERT.match(name)
         if match is not None:
-            experts = match["experts"]
+            experts, expert = match["experts"], int(match["expert"])
             stacked = self.params.get(f"{experts}.gate_up_proj")
-            slot = self.shared_slots.get(experts.removesuffix(".experts"))
-            routed = slot if slot is not None else None if stacked is None else stacked.shape[0]
-            if routed is not None and int(match["expert"]) < routed:
-                return self._expert_target(experts, int(match["expert"]), match["proj"], name)
+            routed = self.shared_slots.get(experts.removesuffix(".experts"))
+            if routed is None and stacked is not None:
+                routed = stacked.shape[0]
+            if routed is not None and expert < routed:
+                return self._expert_target(experts, expert, match["proj"], name)
         raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.model_type}")
 
     def _expert_target(self, experts: str, expert: int, proj: str, name: str) -> _Target:
@@ -134,28 +134,26 @@ class MoECheckpointLoader:
         return _Target(stacked_name, (expert, rows), (expert, slice(part, part + 1)), [name])
 
     def _checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
-        """The checkpoint names a parameter stands for: a stacked expert parameter its per-expert names
-        (and, stacked, the shared expert's), a stacked block's router also the shared expert's gate;
-        otherwise its own name."""
-        parent, _, leaf = name.rpartition(".")
-        if parent.endswith("mlp.experts") and leaf in _STACKED:
-            mlp = parent.removesuffix(".experts")
-            slot = self.shared_slots.get(mlp)
-            projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-            routed = [
-                f"{parent}.{e}.{proj}.weight" for e in range(slot or param.shape[0]) for proj in projections
-            ]
-            return routed + (_shared_expert_names(mlp, leaf) if slot is not None else [])
-        if (
-            leaf == "weight"
-            and parent.endswith("mlp.gate")
-            and parent.removesuffix(".gate") in self.shared_slots
-        ):
-            return [name, f"{parent.removesuffix('.gate')}.shared_expert_gate.weight"]
-        return [name]
+        """The checkpoint names a parameter stands for: a stacked expert parameter its per-expert names,
+        and where the block stacks its shared expert, the shared expert's (its projections for the
+        experts, its gate for the router); otherwise its own name."""
+        block = _BLOCK_PARAM.match(name)
+        if block is None:
+            return [name]
+        slot = self.shared_slots.get(block["mlp"])
+        if slot is None:
+            return _routed_names(block, param.shape[0])
+        if block["param"] == "gate.weight":
+            return [name, f"{block['mlp']}.shared_expert_gate.weight"]
+        projections = _PROJECTIONS[block["param"]]
+        shared = [f"{block['mlp']}.shared_expert.{proj}.weight" for proj in projections]
+        return _routed_names(block, slot) + shared
 
 
-def _shared_expert_names(mlp: str, stacked: str) -> list[str]:
-    """The shared expert's checkpoint names that the stacked parameter `stacked` of block `mlp` holds."""
-    projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
-    return [f"{mlp}.shared_expert.{proj}.weight" for proj in projections]
+def _routed_names(block: re.Match[str], count: int) -> list[str]:
+    """The checkpoint names of the router weight or of `count` routed experts' stacked parameter that
+    `_BLOCK_PARAM` matched."""
+    if block["param"] == "gate.weight":
+        return [block[0]]
+    projections = _PROJECTIONS[block["param"]]
+    return [f"{block['mlp']}.experts.{e}.{proj}.weight" for e in range(count) for proj in projections]
