@@ -127,10 +127,10 @@ class EngineConfig:
             )
         if self.moe_kernel not in MOE_KERNELS:
             raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
-        if self.tensor_parallel_size > 1 and self.speculative == "mtp":
+        if self.tensor_parallel_size > 1 and self.spec_token_map is not None:
+            # The reduced head takes rows of the LM head, which each rank holds a vocabulary block of.
             raise MorionError(
-                "speculative mtp is not supported with tensor_parallel_size > 1 yet (ngram is; "
-                "docs/parallel.md)"
+                "spec_token_map is not supported with tensor_parallel_size > 1 yet (docs/parallel.md)"
             )
         if self.ple_placement not in PLE_PLACEMENTS:
             raise MorionError(

@@ -1,7 +1,8 @@
 """Which op computes a row differently at batch 1 than beside other rows? Many rows per op, bit for bit.
 
 The decode path's ops of one layer of each kind (every linear, BF16 or FP8; the whole sparse-MoE block:
-router, fused experts, shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
+router (with a stacked shared expert's gate as its last row), fused experts (a stacked shared expert among
+them), a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
 For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
 for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
 against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at

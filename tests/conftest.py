@@ -30,6 +30,7 @@ import transformers
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.layers.moe import SparseMoE
 from morion.loader import LoadedModel, load_model
 from morion.loader.model_store import DEFAULT_MODEL, pull
 from morion.ops.attention import causal_attention_reference
@@ -200,6 +201,28 @@ def with_modules_of(model: torch.nn.Module, donor: torch.nn.Module, kind: type) 
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)
     return model
+
+
+def with_shared_expert_apart(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` (weights in the model dtype) whose stacked shared experts (layers/moe.py) are
+    separate modules again, holding the same weights: the layout `--weight-dtype nvfp4` builds."""
+    model = copy.deepcopy(model)
+    for block in model.modules():
+        if not isinstance(block, SparseMoE) or block.shared_slot is None:
+            continue
+        slot, router, experts = block.shared_slot, block.gate.weight, block.experts
+        block.separate_shared_expert()
+        shared = block.shared_expert
+        gate, up = experts.gate_up_proj[slot].chunk(2)
+        with torch.no_grad():
+            block.gate.weight.copy_(router[:slot])
+            block.shared_expert_gate.weight.copy_(router[slot:])
+            block.experts.gate_up_proj.copy_(experts.gate_up_proj[:slot])
+            block.experts.down_proj.copy_(experts.down_proj[:slot])
+            shared.gate_proj.weight.copy_(gate)
+            shared.up_proj.weight.copy_(up)
+            shared.down_proj.weight.copy_(experts.down_proj[slot])
+    return model.requires_grad_(False)
 
 
 def make_engine(loaded: LoadedModel, **options) -> Engine:

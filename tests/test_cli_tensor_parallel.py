@@ -1,7 +1,10 @@
 """`morion generate --tp N` as a user runs it (a real subprocess; rank 1 a process of its own over gloo):
-the same text as one rank, and a size the model cannot be split by is one error line."""
+the same text as one rank (also with `--speculative mtp`), and a size the model cannot be split by is one
+error line."""
 
 from __future__ import annotations
+
+import pytest
 
 from morion.engine.sampling_params import SamplingParams
 from morion.llm import LLM
@@ -16,9 +19,11 @@ def _flags(model_dir) -> list[str]:
     return ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu", *POOL]
 
 
-def test_generate_on_two_ranks_prints_what_one_rank_does(tiny_qwen3_next_chat_dir):
+@pytest.mark.parametrize("speculation", [[], ["--speculative", "mtp"]], ids=["plain", "mtp"])
+def test_generate_on_two_ranks_prints_what_one_rank_does(tiny_qwen3_next_chat_dir, speculation):
+    """With the MTP head drafting on both ranks too: greedy output is the target's, drafts or not."""
     flags = [*_flags(tiny_qwen3_next_chat_dir), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS)]
-    result = run_morion("generate", *flags, "--tp", "2")
+    result = run_morion("generate", *flags, "--tp", "2", *speculation)
     assert result.returncode == 0, result.stderr
     llm = LLM(str(tiny_qwen3_next_chat_dir), load_format="dummy", device="cpu", kv_cache_tokens=1024)
     prompt_ids = llm.encode_chat([{"role": "user", "content": PROMPT}])

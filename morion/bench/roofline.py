@@ -19,6 +19,9 @@ with N_active the weights one token multiplies (dense + k experts per MoE layer;
 which runs for the last token only). The Gated DeltaNet scan is left out: small, and not at tensor-core
 peak (performance-anchors.md §3).
 
+A shared expert stacked with the routed ones (layers/moe.py's `shared_slot`) runs for every token: its
+slot counts in W_dense, not as one of the E routed experts.
+
 Weights a plain decode step does not read are left out and listed: the input embedding (a gather of B
 rows; unless tied, when the LM head reads it in full) and a speculative draft head (`model.mtp`).
 """
@@ -140,6 +143,7 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
     parents = {child: parent for parent in model.modules() for child in parent.children()}
     moe_layers = []
     attention_query_dims = []
+    shared_bytes = shared_params = 0
     for module in model.modules():
         excluded_module = any(id(t) in excluded_ids for _, t in _tensors(module))
         if isinstance(module, _ATTENTION_TYPES) and not excluded_module:
@@ -151,15 +155,19 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
             continue  # inside an excluded subtree
         num_experts = module.num_experts
         stacked = [(o, t) for o, t in tensors if t.dim() >= 1 and t.shape[0] == num_experts]
-        total_bytes = sum(_stored_bytes(o, t, fp8_weights) for o, t in stacked)
-        total_params = sum(t.numel() for _, t in stacked)
+        bytes_per_expert = sum(_stored_bytes(o, t, fp8_weights) for o, t in stacked) // num_experts
+        params_per_expert = sum(t.numel() for _, t in stacked) // num_experts
         counted.update(id(t) for _, t in stacked)  # anything else (a global scale) stays dense
-        top_k = getattr(parents.get(module), "top_k", None) or getattr(config, "num_experts_per_tok", 0)
-        moe_layers.append(
-            MoELayer(num_experts, int(top_k), total_bytes // num_experts, total_params // num_experts)
-        )
+        block = parents.get(module)
+        shared_slot = getattr(block, "shared_slot", None)
+        if shared_slot is not None:  # the stacked shared expert: read every step, like a dense weight
+            shared_bytes += bytes_per_expert
+            shared_params += params_per_expert
+        top_k = getattr(block, "top_k", None) or getattr(config, "num_experts_per_tok", 0)
+        routed = num_experts if shared_slot is None else shared_slot
+        moe_layers.append(MoELayer(routed, int(top_k), bytes_per_expert, params_per_expert))
 
-    dense_bytes = dense_params = 0
+    dense_bytes, dense_params = shared_bytes, shared_params
     for owner, tensor in _tensors(model):
         if id(tensor) not in counted:
             counted.add(id(tensor))

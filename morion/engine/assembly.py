@@ -47,6 +47,7 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
+from morion.parallel.draft_mirror import DraftMirror
 from morion.parallel.group import ONE_RANK, TensorParallel
 from morion.parallel.step_mirror import MirroredCopyEngine, StepMirror
 from morion.runner.backend import KVScales
@@ -155,6 +156,9 @@ def assemble(
     if policy is not None:
         drafts = _drafter(config, drafter, model, pool, kv_scales)
         speculative = SpeculativeDecoding(drafts, policy, spec.has_state, runner, forced_acceptance)
+        if mirror is not None and isinstance(drafts, MtpDrafter):  # the head's forwards on every rank
+            speculative.mirror = DraftMirror(mirror)
+            drafts.flush_mirror = mirror.flush
     # 6. The prefix cache, the tiers behind it, the scheduler over both.
     prefix_cache = RadixCache(pool, state_slots)
     cache_stats = CacheStats()

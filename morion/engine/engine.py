@@ -347,8 +347,8 @@ class Engine:
                 record_prompt_logprobs(self.runner, forward, chunk.request, start, length)
             if self.speculative is not None and self.speculative.eligible(chunk.request):
                 # An MTP drafter keeps the hidden states of the requests it may draft for.
-                rows = hidden[start : start + length]
-                self.speculative.observe(chunk.request, chunk.request.num_computed, rows)
+                rows = slice(start, start + length)
+                self.speculative.observe(chunk.request, chunk.request.num_computed, hidden, rows)
             self.scheduler.after_forward(chunk.request, chunk.num_tokens)
             if chunk.request.num_uncomputed == 0:
                 sampled.append((chunk.request, last_row))

@@ -21,10 +21,12 @@ from morion.cache.disk_format import KIND_PAGE, KIND_SNAPSHOT
 from morion.cache.host_store import HostObjectStore
 from morion.engine.assembly import EngineParts, assemble
 from morion.engine.ranks import FollowerStart, share_cpu_threads
+from morion.parallel.draft_mirror import DraftFollower
 from morion.parallel.group import TensorParallel
 from morion.parallel.step_mirror import STOP
 from morion.runner.forward_batch import batch_from_host
 from morion.runner.model_runner import Forward
+from morion.spec.mtp import MtpDrafter
 
 _PARENT_CHECK_S = 1.0
 _DISK_WAIT_S = 0.05  # one wait for this rank's disk jobs, while rank 0 needs their outcome or their row
@@ -42,6 +44,10 @@ class Follower:
         self._last: Forward | None = None  # the latest forward: what "logits" rows index
         self._restores: list[Transfer] = []  # issued since the last forward, which waits on them
         self._backups: list[Transfer] = []  # until done: their host rows must not be read before
+        self._drafts: DraftFollower | None = None  # an MTP drafter's calls (parallel/draft_mirror.py)
+        speculative = parts.speculative
+        if speculative is not None and isinstance(speculative.drafter, MtpDrafter):
+            self._drafts = DraftFollower(speculative.drafter, device, group.broadcast_)
 
     @torch.inference_mode()
     def apply(self, op: tuple) -> None:
@@ -53,7 +59,10 @@ class Follower:
             self._last = parts.runner.forward(batch_from_host(host, self._device), restores)
         elif name == "verify":
             host, verify_columns = args
-            self._last = parts.runner.verify(batch_from_host(host, self._device), verify_columns)
+            batch = batch_from_host(host, self._device)
+            if self._drafts is not None:
+                self._drafts.before_verify(batch)
+            self._last = parts.runner.verify(batch, verify_columns)
         elif name == "logits":
             (rows,) = args
             parts.runner.logits(self._last, rows)
@@ -84,6 +93,8 @@ class Follower:
             self._restores.append(restore)
         elif name.startswith("disk_"):
             self._disk(name, *args)
+        elif name.startswith("spec_") and self._drafts is not None:
+            self._drafts.apply(name, tuple(args), self._last.hidden if self._last is not None else None)
         else:
             raise RuntimeError(f"unknown operation {name!r} from rank 0")
 

@@ -7,7 +7,9 @@ exists in full precision on the device: each weight is quantized as it is loaded
 and shapes the FP8 kernels cannot take (a dimension not a multiple of 16). Embeddings, norms and convs
 are not linear layers and never convert. Dense layers stay FP8 under nvfp4: they are a small share of the
 bytes (the routed experts are 93% of Qwen3.8-Flash-Next's), and the FP8 GEMM is there and exact per row
-where a 4-bit dense GEMM would add NVFP4's error to every token's path for a few GiB.
+where a 4-bit dense GEMM would add NVFP4's error to every token's path for a few GiB. For the same reason
+a shared expert stacked with the routed ones (layers/moe.py) is separated back out under nvfp4 and
+converts with the dense layers; under fp8 it stays stacked and is quantized per (expert, row) with them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from morion.layers.linear_fp8 import Fp8Linear
-from morion.layers.moe import StackedExperts
+from morion.layers.moe import SparseMoE, StackedExperts
 
 _GIB = 1 << 30
 
@@ -51,6 +53,10 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = 
     (dimensions not multiples of 16). The replacements are unfilled, like the modules they replace."""
     if experts not in ("fp8", "nvfp4"):
         raise ValueError(f"experts must be fp8 or nvfp4, got {experts!r}")
+    if experts == "nvfp4":  # the shared expert is dense traffic on every token: it stays FP8
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.separate_shared_expert()
     modules = tensors = before = after = 0
     kept = []
     for name, module in list(model.named_modules()):

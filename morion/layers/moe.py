@@ -4,6 +4,9 @@
     top-k   = the k largest probs, renormalised to sum 1 when `norm_topk_prob`
     out     = sum_top-k p_e * expert_e(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
+When the shared expert is as wide as a routed one it is stacked as one more expert (`SparseMoE`'s
+`shared_slot`), and the last sum is the routed kernels' k + 1-th term.
+
 Routed expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down) so a grouped GEMM can take
 them whole; the loader scatters per-expert checkpoint tensors into them. Under `--weight-dtype fp8` they
 are e4m3 with one fp32 scale per (expert, output channel); under `--weight-dtype nvfp4` packed E2M1 codes
@@ -179,6 +182,21 @@ def set_moe_kernel(model: nn.Module, kernel: str) -> None:
 
 
 class SparseMoE(nn.Module):
+    """The routed experts, the router (`gate`) and the gated shared expert, in one of two layouts:
+
+    - separate: `shared_expert` (a SwiGLU) and `shared_expert_gate` (one output) beside the routed experts,
+      `out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)`;
+    - stacked (`stack_shared_expert`, when the shared expert is as wide as a routed one): the shared
+      expert is expert `shared_slot` = E of `experts` (E + 1 stacked) and its gate's weight row E of the
+      router (E + 1 outputs). `route` appends slot E to every token's top-k with weight
+      sigmoid(logit E), so the routed kernels compute the whole block and the shared expert launches
+      nothing of its own (a decode step's ~12 kernels per layer: docs/models.md). The same sum; only the
+      rounding of the final add differs (the experts' kernels accumulate the k + 1 terms together).
+    """
+
+    shared_expert: SwiGLU | None
+    shared_expert_gate: NarrowLinear | None
+
     def __init__(
         self,
         hidden_size: int,
@@ -187,34 +205,89 @@ class SparseMoE(nn.Module):
         intermediate_size: int,
         shared_expert_intermediate_size: int,
         norm_topk_prob: bool,
+        stack_shared_expert: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
+        if stack_shared_expert and shared_expert_intermediate_size != intermediate_size:
+            raise ValueError(
+                f"a shared expert of width {shared_expert_intermediate_size} cannot stack with routed "
+                f"experts of width {intermediate_size}"
+            )
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts  # routed experts, the shared slot not counted
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
-        self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
-        self.shared_expert_gate = NarrowLinear(hidden_size, 1, bias=False)  # batch-invariant rows
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        # Where the shared expert sits in `experts` and its gate's row in `gate`; None: kept separate.
+        self.shared_slot: int | None = num_experts if stack_shared_expert else None
+        stacked = int(stack_shared_expert)
+        self.gate = nn.Linear(hidden_size, num_experts + stacked, bias=False)  # the router
+        self.experts = StackedExperts(num_experts + stacked, hidden_size, intermediate_size)
+        if stack_shared_expert:
+            self.shared_expert = self.shared_expert_gate = None
+        else:
+            self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = NarrowLinear(hidden_size, 1, bias=False)  # batch-invariant rows
+
+    def separate_shared_expert(self) -> None:
+        """Rebuilds a stacked block in the separate layout, unfilled, on the same device and dtype (the
+        meta device: called by `--weight-dtype nvfp4`'s conversion, which keeps the shared expert out of
+        the NVFP4 experts). A separate block stays as it is."""
+        if self.shared_slot is None:
+            return
+        weight = self.gate.weight
+        with torch.device(weight.device):
+            self.gate = nn.Linear(self.hidden_size, self.num_experts, bias=False, dtype=weight.dtype)
+            self.experts = StackedExperts(
+                self.num_experts, self.hidden_size, self.experts.intermediate_size
+            ).to(weight.dtype)
+            self.shared_expert = SwiGLU(self.hidden_size, self.shared_expert_intermediate_size).to(
+                weight.dtype
+            )
+            self.shared_expert_gate = NarrowLinear(self.hidden_size, 1, bias=False, dtype=weight.dtype)
+        self.shared_slot = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""
+        """(topk_weights [T, k] in x's dtype, topk_ids [T, k]); stacked, [T, k + 1] with the shared slot
+        last, weighted by sigmoid(its logit) (outside the renormalisation of the routed k)."""
         logits = self.gate(x)
+        shared = self.shared_slot is not None
         if logits.is_cuda:
             from morion.ops import router_triton
 
-            if router_triton.supports(logits, self.top_k):
+            if router_triton.supports(logits, self.top_k, shared):
                 log_once(logger, "MoE router: one Triton kernel (softmax, top-k, renormalisation)")
-                return router_triton.route(logits, self.top_k, self.norm_topk_prob)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+                return router_triton.route(logits, self.top_k, self.norm_topk_prob, shared)
+        return route_reference(logits, self.top_k, self.norm_topk_prob, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            topk_weights, topk_ids = self.route(x)
+            return self.experts(x, topk_weights, topk_ids)  # the shared expert is one of them
         shared = self.shared_expert(x)
         topk_weights, topk_ids = self.route(x)
         routed = self.experts(x, topk_weights, topk_ids)
         return routed + F.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+def route_reference(
+    logits: torch.Tensor, top_k: int, normalize: bool, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The route in torch (ops/router_triton.py's reference): softmax over the routed logits in fp32,
+    the top k, renormalised with `normalize`, in the logits' dtype. With `shared`, the last logit is the
+    shared expert's gate: its slot (the routed count) is appended to every token's top-k with weight
+    sigmoid(logit) (fp32, then the logits' dtype, as `F.sigmoid` of the separate gate rounds it)."""
+    num_routed = logits.shape[-1] - int(shared)
+    probs = torch.softmax(logits[:, :num_routed], dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    if not shared:
+        return weights, ids
+    gate = torch.sigmoid(logits[:, num_routed:].float()).to(logits.dtype)
+    return torch.cat((weights, gate), dim=-1), torch.cat(
+        (ids, torch.full_like(ids[:, :1], num_routed)), dim=-1
+    )

@@ -1,8 +1,11 @@
 """Random weights of the real shapes (`--load-format dummy`): for benchmarks, never for answers.
 
-Generated on the model's device with a seeded generator, so building a full-size model takes seconds
-and the same seed gives the same weights. Values are scaled like a trained model's (fan-in scaled
-matrices, norms near their identity) so activations stay finite through many layers; nothing is zero.
+Generated on the model's device with a generator seeded from the seed and the parameter's name, so
+building a full-size model takes seconds, the same seed gives the same weights, and a tensor's values do
+not depend on the others (a stacked shared expert, layers/moe.py, adds a slot without moving any other
+tensor's draw; a tensor-parallel rank draws what one rank would). Values are scaled like a trained
+model's (fan-in scaled matrices, norms near their identity) so activations stay finite through many
+layers; nothing is zero.
 FP8 parameters (`--weight-dtype fp8`) and NVFP4 experts (`nvfp4`) are drawn in the model dtype one matrix
 (one expert) at a time and quantized, so the full-precision model never exists at once. Tables the model
 keeps in host memory (`host_tables`) live there, shard by shard: drawn on the device a chunk at a time
@@ -11,6 +14,7 @@ and copied over, never held on the device whole.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -29,11 +33,11 @@ _HOST_TABLE_CHUNK_BYTES = 256 * 2**20
 
 
 def fill_dummy_weights(model: nn.Module, seed: int, rank_parts: RankParts | None = None) -> None:
-    """With `rank_parts` (a tensor-parallel rank's model), every parameter is drawn whole, in the same
-    order as at one rank, and the rank keeps its part: the ranks together hold the weights one rank would."""
+    """With `rank_parts` (a tensor-parallel rank's model), every parameter is drawn whole, from its own
+    generator as at one rank, and the rank keeps its part: the ranks together hold the weights one rank
+    would."""
     params = list(model.named_parameters())
     device = params[0][1].device
-    generator = torch.Generator(device=device).manual_seed(seed)
     unit_norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     scales = fp8_scales(model)
     nvfp4 = nvfp4_scales(model)
@@ -44,6 +48,7 @@ def fill_dummy_weights(model: nn.Module, seed: int, rank_parts: RankParts | None
     progress = Progress("random weights", len(params), " tensors")
     with torch.no_grad():
         for name, param in params:
+            generator = torch.Generator(device=device).manual_seed(_seed_of(seed, name))
             if name in nvfp4:
                 if rank_parts is not None:
                     raise ModelLoadError("random NVFP4 experts are not split over tensor-parallel ranks yet")
@@ -61,6 +66,13 @@ def fill_dummy_weights(model: nn.Module, seed: int, rank_parts: RankParts | None
     progress.finish()
     for table in host_tables(model):
         _fill_host_table(table, dtype, torch.Generator(device=device).manual_seed(seed), device)
+
+
+def _seed_of(seed: int, name: str) -> int:
+    """The seed of parameter `name`'s generator: `seed` and a stable hash of the name (not Python's
+    `hash`, which changes between processes)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _fill_host_table(

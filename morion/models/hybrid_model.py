@@ -53,13 +53,17 @@ def gated_delta_net(
 
 
 def sparse_moe(config: HybridConfig) -> SparseMoE:
+    """The MoE block, its shared expert stacked as one more routed-kernel expert where it is as wide as a
+    routed one (layers/moe.py; the 80B and Flash-Next shapes: 512 and 640)."""
+    width = config.moe_intermediate_size
     return SparseMoE(
         config.hidden_size,
         config.num_experts,
         config.num_experts_per_tok,
-        config.moe_intermediate_size,
+        width,
         config.shared_expert_intermediate_size,
         config.norm_topk_prob,
+        stack_shared_expert=width > 0 and config.shared_expert_intermediate_size == width,
     )
 
 

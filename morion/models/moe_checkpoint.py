@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from morion.errors import ModelLoadError
+from morion.layers.moe import SparseMoE
 from morion.models.checkpoint import Nvfp4Scales, copy_checkpoint_tensor, fp8_scales, nvfp4_scales
 from morion.ops.nvfp4 import Nvfp4Weight
 
@@ -26,6 +27,16 @@ logger = logging.getLogger(__name__)
 _PER_EXPERT = re.compile(
     r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
+# The shared expert's checkpoint names (its projections, or with no `proj` its gate), for stacked blocks.
+_SHARED = re.compile(
+    r"^(?P<mlp>.+\.mlp)\.(?:shared_expert\.(?P<proj>gate_proj|up_proj|down_proj)|shared_expert_gate)\.weight$"
+)
+# A block's router weight and stacked expert parameters, the ones a stacked shared expert shares.
+_BLOCK_PARAM = re.compile(
+    r"^(?P<mlp>.+\.mlp)\.(?P<param>gate\.weight|experts\.gate_up_proj|experts\.down_proj)$"
+)
+# The checkpoint projections each stacked parameter holds.
+_PROJECTIONS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
 
 class _Target(NamedTuple):
@@ -45,9 +56,15 @@ class MoECheckpointLoader:
         self.params = dict(model.named_parameters())
         self.scales = fp8_scales(model)
         self.nvfp4 = nvfp4_scales(model)
+        # The shared slot (= routed count) of each MoE block that stacks its shared expert, by its name.
+        self.shared_slots = {
+            name: module.shared_slot
+            for name, module in model.named_modules()
+            if isinstance(module, SparseMoE) and module.shared_slot is not None
+        }
         # Checkpoint names still to arrive; a stacked expert tensor counts as its per-expert names.
         self.missing = {
-            unit for name, param in self.params.items() for unit in _checkpoint_names(name, param)
+            unit for name, param in self.params.items() for unit in self._checkpoint_names(name, param)
         }
         self.saw_mtp = False
 
@@ -55,7 +72,7 @@ class MoECheckpointLoader:
         """Copies checkpoint tensor `name` (an HF name) into the parameter, or the stacked expert's slice,
         it fills."""
         self.saw_mtp = self.saw_mtp or name.startswith("mtp.")
-        target = self._target(name)
+        target = self._target(name, tensor.shape)
         scale = self.scales.get(target.param)
         nvfp4 = self.nvfp4.get(target.param)
         copy_checkpoint_tensor(
@@ -75,33 +92,68 @@ class MoECheckpointLoader:
             self.missing = {name for name in self.missing if not name.startswith("mtp.")}
         return self.missing
 
-    def _target(self, name: str) -> _Target:
-        """The parameter that checkpoint tensor `name` fills, the index of the part it fills (a stacked
-        expert's slice; the same index selects an FP8 parameter's per-row scales and an NVFP4 one's
-        block scales), the global scales of NVFP4 experts it sets, and the checkpoint names it covers."""
+    def _target(self, name: str, shape: tuple[int, ...]) -> _Target:
+        """The parameter that checkpoint tensor `name` (of `shape`) fills, the index of the part it fills
+        (a stacked expert's slice, router rows; the same index selects an FP8 parameter's per-row scales
+        and an NVFP4 one's block scales), the global scales of NVFP4 experts it sets, and the checkpoint
+        names it covers."""
+        shared = _SHARED.match(name)
+        if shared is not None and shared["mlp"] in self.shared_slots:
+            slot = self.shared_slots[shared["mlp"]]
+            if shared["proj"] is None:  # the shared expert's gate: the router's last row
+                return _Target(f"{shared['mlp']}.gate.weight", (slice(slot, slot + 1),), (), [name])
+            return self._expert_target(f"{shared['mlp']}.experts", slot, shared["proj"], name)
         param = self.params.get(name)
         if param is not None:
-            return _Target(name, (), (), _checkpoint_names(name, param))
+            block = _BLOCK_PARAM.match(name)
+            slot = None if block is None else self.shared_slots.get(block["mlp"])
+            if slot is not None and len(shape) == param.dim() and shape[0] == slot:
+                # The router's E rows, or stacked checkpoint tensors of the E routed experts.
+                rows = (slice(0, slot),)
+                return _Target(name, rows, rows, _routed_names(block, slot))
+            return _Target(name, (), (), self._checkpoint_names(name, param))
         match = _PER_EXPERT.match(name)
         if match is not None:
-            expert, proj = int(match["expert"]), match["proj"]
-            kind = "down_proj" if proj == "down_proj" else "gate_up_proj"
-            stacked_name = f"{match['experts']}.{kind}"
-            stacked = self.params.get(stacked_name)
-            if stacked is not None and expert < stacked.shape[0]:
-                if proj == "down_proj":
-                    return _Target(stacked_name, (expert,), (expert,), [name])
-                size = stacked.shape[1] // 2
-                part = 0 if proj == "gate_proj" else 1
-                rows = slice(part * size, (part + 1) * size)
-                return _Target(stacked_name, (expert, rows), (expert, slice(part, part + 1)), [name])
+            experts, expert = match["experts"], int(match["expert"])
+            stacked = self.params.get(f"{experts}.gate_up_proj")
+            routed = self.shared_slots.get(experts.removesuffix(".experts"))
+            if routed is None and stacked is not None:
+                routed = stacked.shape[0]
+            if routed is not None and expert < routed:
+                return self._expert_target(experts, expert, match["proj"], name)
         raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.model_type}")
 
+    def _expert_target(self, experts: str, expert: int, proj: str, name: str) -> _Target:
+        """Checkpoint matrix `name`, projection `proj` of expert `expert`, in the stacked `experts`."""
+        if proj == "down_proj":
+            return _Target(f"{experts}.down_proj", (expert,), (expert,), [name])
+        stacked_name = f"{experts}.gate_up_proj"
+        size = self.params[stacked_name].shape[1] // 2
+        part = 0 if proj == "gate_proj" else 1
+        rows = slice(part * size, (part + 1) * size)
+        return _Target(stacked_name, (expert, rows), (expert, slice(part, part + 1)), [name])
 
-def _checkpoint_names(name: str, param: torch.Tensor) -> list[str]:
-    """The per-expert checkpoint names a stacked expert parameter stands for; otherwise its own name."""
-    experts, _, kind = name.rpartition(".")
-    if not experts.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
-        return [name]
-    projections = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-    return [f"{experts}.{e}.{proj}.weight" for e in range(param.shape[0]) for proj in projections]
+    def _checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
+        """The checkpoint names a parameter stands for: a stacked expert parameter its per-expert names,
+        and where the block stacks its shared expert, the shared expert's (its projections for the
+        experts, its gate for the router); otherwise its own name."""
+        block = _BLOCK_PARAM.match(name)
+        if block is None:
+            return [name]
+        slot = self.shared_slots.get(block["mlp"])
+        if slot is None:
+            return _routed_names(block, param.shape[0])
+        if block["param"] == "gate.weight":
+            return [name, f"{block['mlp']}.shared_expert_gate.weight"]
+        projections = _PROJECTIONS[block["param"]]
+        shared = [f"{block['mlp']}.shared_expert.{proj}.weight" for proj in projections]
+        return _routed_names(block, slot) + shared
+
+
+def _routed_names(block: re.Match[str], count: int) -> list[str]:
+    """The checkpoint names of the router weight or of `count` routed experts' stacked parameter that
+    `_BLOCK_PARAM` matched."""
+    if block["param"] == "gate.weight":
+        return [block[0]]
+    projections = _PROJECTIONS[block["param"]]
+    return [f"{block['mlp']}.experts.{e}.{proj}.weight" for e in range(count) for proj in projections]

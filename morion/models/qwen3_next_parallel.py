@@ -9,7 +9,9 @@ The split, as SGLang and vLLM make it for this model:
   head-major), cut block by block; A_log and dt_bias by value head; out_proj's input by value head. The
   conv and recurrent states are then per rank (their sizes follow the local heads);
 - the MoE's experts by intermediate size (every rank holds every expert, 1/N of each), the shared expert
-  and dense MLPs column- then row-parallel; the router and the shared expert's gate whole;
+  and dense MLPs column- then row-parallel; the router and the shared expert's gate whole. A shared
+  expert stacked as expert E (layers/moe.py) is then cut like every routed expert, from its own checkpoint
+  tensors (the rules below still name them), and its gate is the replicated router's row E;
 - the LM head by vocabulary (logits gathered before sampling); embeddings and norms whole.
 A layer's output projections (o_proj, out_proj, the experts' and shared expert's down) then hold partial
 sums, added across ranks by one all-reduce per mixer and one per MLP (o_proj's bias, where there is one,

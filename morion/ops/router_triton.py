@@ -8,10 +8,14 @@ token does all of it:
 - probs = softmax(logits) in fp32: exp(x - max) / sum, the divisions IEEE-rounded (`div_rn`), as torch's;
 - k rounds of "take the largest remaining prob": the k best, best first, and among equal probs the lower
   expert (torch.topk leaves the order of ties unspecified);
-- with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype.
+- with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype;
+- with `shared` (a stacked shared expert, layers/moe.py), the last logit is not routed: it is the shared
+  expert's gate, and column k gets its slot (the routed count E) with weight sigmoid(logit) in fp32, after
+  the renormalisation, which covers the routed k only.
 
 Same results as the torch route up to the exponential's last bits (Triton's exp is not libm's) and the
-order of exact ties. No host sync, fixed shapes: capturable.
+order of exact ties. No host sync, fixed shapes: capturable. The reference is
+`layers.moe.route_reference`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ MAX_EXPERTS = 4096
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SHARED: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # num_experts counts the routed experts; with SHARED the logit after them is the shared expert's gate
+    # and each row's output has WIDTH = TOP_K + 1 columns (TOP_K without).
     row = tl.cast(tl.program_id(0), tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -48,25 +55,39 @@ def _route_kernel(
     if NORMALIZE:
         total = tl.sum(tl.where(slots < TOP_K, chosen_probs, 0.0), axis=0)
         chosen_probs = tl.math.div_rn(chosen_probs, tl.broadcast_to(total, (BLOCK_K,)))
-    out = slots < TOP_K
-    tl.store(weights_ptr + row * TOP_K + slots, tl.cast(chosen_probs, weights_ptr.dtype.element_ty), mask=out)
-    tl.store(ids_ptr + row * TOP_K + slots, chosen_ids, mask=out)
+    if SHARED:
+        gate_logit = tl.cast(tl.load(logits_ptr + row * stride_logits + num_experts), tl.float32)
+        gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-gate_logit))
+        chosen_probs = tl.where(slots == TOP_K, gate, chosen_probs)
+        chosen_ids = tl.where(slots == TOP_K, tl.cast(num_experts, tl.int64), chosen_ids)
+    out = slots < WIDTH
+    tl.store(weights_ptr + row * WIDTH + slots, tl.cast(chosen_probs, weights_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + row * WIDTH + slots, chosen_ids, mask=out)
 
 
-def supports(logits: torch.Tensor, top_k: int) -> bool:
-    """Whether the kernel takes these router logits [T, E]: unit stride on E, E <= MAX_EXPERTS."""
-    return logits.dim() == 2 and logits.stride(-1) == 1 and 0 < top_k <= logits.shape[1] <= MAX_EXPERTS
+def supports(logits: torch.Tensor, top_k: int, shared: bool = False) -> bool:
+    """Whether the kernel takes these router logits [T, E] (with `shared`, [T, E + 1]): unit stride on
+    the logits, E <= MAX_EXPERTS."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        return False
+    return 0 < top_k <= logits.shape[1] - int(shared) <= MAX_EXPERTS
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] in logits' dtype, topk_ids [T, k] int64), as `SparseMoE.route`'s torch code."""
-    tokens, num_experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] in logits' dtype, topk_ids [T, k] int64), as `layers.moe.route_reference`;
+    with `shared`, [T, k + 1]: the shared expert's slot E and sigmoid(logits[:, E]) in column k."""
+    tokens, columns = logits.shape
+    num_experts = columns - int(shared)
+    width = top_k + int(shared)
+    weights = torch.empty(tokens, width, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, width, dtype=torch.int64, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+            TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(width), num_warps=4,
         )  # fmt: skip
     return weights, ids

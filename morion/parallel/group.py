@@ -1,7 +1,8 @@
 """The tensor-parallel group of one rank (issue #28): who it is, and the two collectives a split model
 needs: the sum of partial outputs (after o_proj, out_proj and the MLPs' down projections) and the gather
-of the vocabulary-split logits. NCCL on CUDA, gloo on the CPU; at one rank both are the identity, with no
-process group at all.
+of the vocabulary-split logits; also rank 0's broadcast of what it alone decided and the others compute
+from (a verify's accepted drafts: parallel/draft_mirror.py). NCCL on CUDA, gloo on the CPU; at one rank
+each is the identity, with no process group at all.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(partial)
         return partial
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's (same shape and dtype), in place; returns it."""
+        if self.size > 1:
+            dist.broadcast(tensor, src=0)
+        return tensor
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's `value` (what all ranks must agree on: the pool's pages)."""

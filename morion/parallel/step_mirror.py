@@ -20,6 +20,8 @@ import pickle
 from collections.abc import Sequence
 from typing import BinaryIO
 
+import torch
+
 from morion.cache.copy_engine import CopyEngine, Transfer
 from morion.parallel.group import TensorParallel
 
@@ -46,6 +48,13 @@ class StepMirror:
         self._queue.append(op)
         self.flush()
         return self._group.all_agree(flags)
+
+    def broadcast(self, tensor: torch.Tensor, *op: object) -> None:
+        """Sends `op` (with what is queued), then broadcasts rank 0's device `tensor`, which the followers
+        receive while applying `op`."""
+        self._queue.append(op)
+        self.flush()
+        self._group.broadcast_(tensor)
 
     def flush(self) -> None:
         if not self._queue:

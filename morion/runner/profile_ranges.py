@@ -25,7 +25,8 @@ SAMPLING = f"{PREFIX}sampling"
 DRAFT = f"{PREFIX}draft"  # speculative decoding: proposing, and launching the next step's drafts
 ACCEPTANCE = f"{PREFIX}acceptance"  # speculative decoding: which drafts a verify accepts
 
-# Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts.
+# Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts (a
+# shared expert stacked with them, layers/moe.py, is timed inside it: only a separate one is its own part).
 _KIND_BY_NAME = {
     "self_attn": "full attention",
     "linear_attn": "Gated DeltaNet",

@@ -35,7 +35,7 @@ both only cost draft quality, never correctness (every draft is verified).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -157,6 +157,9 @@ class MtpDrafter:
         # step's drafts, its row in them)
         self._ready: dict[str, tuple[int, _HostDrafts, int]] = {}
         self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (`capture_graphs`)
+        # Rank 0 of a tensor-parallel engine: sends the follower ranks the calls queued so far before each
+        # of the head's forwards, whose collectives theirs must meet (parallel/draft_mirror.py).
+        self.flush_mirror: Callable[[], None] | None = None
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)
         self._reduced_head: torch.nn.Module | None = None
@@ -227,6 +230,7 @@ class MtpDrafter:
           past a write MTP K/V at positions no query reads before the next extend rewrites them;
         - the output at row a (position c - 1, c = c0 + 1 + a) gives draft 1, then the chained steps.
         """
+        self._meet_ranks()
         v = verified
         args = (v.inputs, v.hidden, v.accepted, v.next_tokens, v.start_positions)
         width = v.inputs.shape[1] - 1
@@ -273,6 +277,7 @@ class MtpDrafter:
         """[B, width] drafts from the head's output `last` [B, hidden_width] at `position` [B] (c - 1): draft
         1 is its argmax, then each chained step runs the head at the next position on the previous draft,
         its hidden state the head's own output at the position before."""
+        self._meet_ranks()
         drafts = [self._argmax_device(last)]
         for _ in range(1, width):
             position = position + 1
@@ -295,6 +300,7 @@ class MtpDrafter:
         """The head over each request's pending positions up to `ends` (exclusive; each position's next
         token known; at least one), writing their MTP K/V; keeps its output at each request's last
         position (`_Pending.last`)."""
+        self._meet_ranks()
         model, page_size = self._model, self._pool.page_size
         device = next(model.parameters()).device
         pendings = [self._pending[r.request_id] for r in requests]
@@ -323,6 +329,10 @@ class MtpDrafter:
         position = torch.tensor([r.num_computed - 1 for r in requests], device=device)
         [table] = to_device([page_table_array([r.pages for r in requests]).astype(np.int64)], device)
         return self._chain(last, position, table, width).tolist()
+
+    def _meet_ranks(self) -> None:
+        if self.flush_mirror is not None:
+            self.flush_mirror()
 
     def _backend(self, batch) -> PagedAttentionBackend:
         return PagedAttentionBackend(self._pool, batch, None, self._kv_scales)

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from morion.parallel.draft_mirror import DraftMirror
 from morion.runner.forward_batch import build_forward_batch, page_table_array
 from morion.runner.host_to_device import to_device
 from morion.runner.image_batch import ImageChunk, ImageEncoder
@@ -135,6 +136,9 @@ class SpeculativeDecoding:
         self.forced = forced
         self.stats = SpecStats()
         self._runner = runner
+        # Rank 0 of a tensor-parallel engine with an MTP drafter: the drafter's calls, which the follower
+        # ranks make to theirs (parallel/draft_mirror.py).
+        self.mirror: DraftMirror | None = None
         # Set by the engine for models with a vision tower: verify rows of requests with images take
         # their positions per axis (text after the images: index + the prompt's delta).
         self.image_encoder: ImageEncoder | None = None
@@ -173,8 +177,11 @@ class SpeculativeDecoding:
         slots = width if self.has_state else 0
         with_room = [r for r in requests if room.reserve_for_verify(r, 1 + width, slots)]
         plain = [r for r in requests if r not in with_room]
+        draft_requests = [_draft_request(r) for r in with_room]
+        if self.mirror is not None:
+            self.mirror.propose(draft_requests, width)
         with self._runner.ranges.region(DRAFT):
-            drafts = self.drafter.propose([_draft_request(r) for r in with_room], width)
+            drafts = self.drafter.propose(draft_requests, width)
         verifying = []
         for request, tokens, probs in zip(with_room, drafts.tokens, drafts.probs, strict=True):
             if tokens:
@@ -188,11 +195,14 @@ class SpeculativeDecoding:
         self.policy.observe(len(requests), width, accepted)
         return VerifyStep(rows, plain, drafting)
 
-    def observe(self, request: SpecRequest, start: int, hidden: torch.Tensor) -> None:
-        """The target computed `request`'s positions start .. start + len(hidden) - 1 (an MTP drafter
-        keeps their hidden states)."""
+    def observe(self, request: SpecRequest, start: int, hidden: torch.Tensor, rows: slice) -> None:
+        """The target computed `request`'s positions from `start` on, their hidden states `hidden[rows]`
+        (`hidden`: its forward's output; an MTP drafter keeps them)."""
         if isinstance(self.drafter, HiddenStateDrafter):
-            self.drafter.observe(_draft_request(request), start, hidden)
+            draft_request = _draft_request(request)
+            if self.mirror is not None:
+                self.mirror.observe(draft_request, start, rows)
+            self.drafter.observe(draft_request, start, hidden[rows])
 
     def _verify(
         self, verifying: list[VerifyRow], width: int, room: VerifyRoom
@@ -268,9 +278,14 @@ class SpeculativeDecoding:
             if row in drafting.draft_rows:
                 kept.append((request.request_id, drafting.draft_rows[row], request.num_computed))
             else:
-                rows = drafting.waiting_hidden[row][: request.num_computed - verified.start]
-                self.drafter.observe(_draft_request(request), verified.start, rows)
+                count = request.num_computed - verified.start
+                draft_request = _draft_request(request)
+                if self.mirror is not None:
+                    self.mirror.observe_verified(draft_request, verified.start, row, count)
+                self.drafter.observe(draft_request, verified.start, drafting.waiting_hidden[row][:count])
         if drafting.handle is not None:
+            if self.mirror is not None:
+                self.mirror.keep_drafts(kept)
             self.drafter.keep_drafts(drafting.handle, kept)
 
     def _launch_drafts(
@@ -301,26 +316,30 @@ class SpeculativeDecoding:
         # Indexing by a list copies: the draft graph may reuse `hidden`'s memory.
         waiting_hidden = dict(zip(waiting, hidden[waiting], strict=True)) if waiting else {}
         handle = None
-        if rows:
+        if not rows:
+            if self.mirror is not None:
+                self.mirror.launch(len(verifying))
+        else:
             requests = [verifying[row][0] for row in rows]
+            host_starts = np.asarray([r.num_computed for r in requests], dtype=np.int64)
+            host_table = page_table_array([r.pages for r in requests])
             index, starts, page_table = to_device(
-                [
-                    np.asarray(rows, dtype=np.int64),
-                    np.asarray([r.num_computed for r in requests], dtype=np.int64),
-                    page_table_array([r.pages for r in requests]),
-                ],
-                hidden.device,
+                [np.asarray(rows, dtype=np.int64), host_starts, host_table], hidden.device
             )
             accepted, next_tokens = acceptance.accepted, acceptance.next_tokens
             if len(rows) < len(verifying):  # else every row drafts, in order: no gather needed
                 inputs, hidden = inputs.index_select(0, index), hidden.index_select(0, index)
                 accepted, next_tokens = accepted.index_select(0, index), next_tokens.index_select(0, index)
+            if self.mirror is not None:  # the followers draft from what rank 0 alone accepted
+                self.mirror.launch(len(verifying), rows, host_starts, host_table, accepted, next_tokens)
             handle = drafter.after_verify(
                 VerifyResult(inputs, hidden, accepted, next_tokens, starts, page_table)
             )
         return _Drafting({row: i for i, row in enumerate(rows)}, handle, waiting_hidden)
 
     def release(self, request_id: str) -> None:
+        if self.mirror is not None:
+            self.mirror.release(request_id)
         self.drafter.release(request_id)
 
 

@@ -75,6 +75,18 @@ def test_tiny_model_bytes_match_a_hand_count():
     assert "mtp" in draft[0] and draft[1] > 2 * E * EXPERT  # the draft head's layer has its own experts
 
 
+def test_a_stacked_shared_expert_counts_as_dense():
+    """The tiny model stacks its shared expert (as wide as a routed expert): expert E of each layer's
+    stack is read every step, so it is in the dense bytes (the hand count's MOE_LINEAR), and the routed
+    experts are E, not E + 1. Under nvfp4 it is kept apart and the count is the same."""
+    model = build_model(TINY, torch.bfloat16, torch.device("meta"))
+    assert model.model.layers[0].mlp.experts.num_experts == E + 1
+    for weights in ("auto", "nvfp4"):
+        cost = roofline.from_config(TINY, torch.bfloat16, weights)
+        assert all(layer.num_experts == E for layer in cost.moe_layers)
+    assert tiny_cost().dense_params == DENSE_LINEAR + DENSE_OTHER
+
+
 def test_distinct_experts():
     assert roofline.distinct_experts(1, E, K) == K
     assert roofline.distinct_experts(3, E, K) == pytest.approx(8 * (1 - 0.75**3))  # 4.625
@@ -158,7 +170,9 @@ def test_nvfp4_experts_count_their_packed_bytes():
     fp8 = roofline.from_config(TINY, torch.bfloat16, "fp8")
     nvfp4 = roofline.from_config(TINY, torch.bfloat16, "nvfp4")
     assert nvfp4.moe_layers[0].bytes_per_expert == EXPERT // 2 + EXPERT // 16 + 3 * 4
-    assert nvfp4.dense_bytes == fp8.dense_bytes
+    # The same dense bytes but for the shared expert's scales: stacked with the FP8 experts it has fp32
+    # scales per row (2I + H); kept apart under nvfp4 (FP8 linear layers), one per matrix.
+    assert nvfp4.dense_bytes == fp8.dense_bytes - 4 * (2 * FF + H) * 4 + 4 * 3 * 4
     # Qwen3.8-Flash-Next: about 70 GiB of weights in all (the issue's target; 121 GiB under fp8).
     flash = roofline.from_config(preset_config("preset:qwen3.8-flash-next"), torch.bfloat16, "nvfp4")
     experts = sum(m.num_experts * m.bytes_per_expert for m in flash.moe_layers)

@@ -1,7 +1,9 @@
 """A request's decode on the GPU does not depend on what decodes beside it, at the 80B preset's layer shapes
 (12 of its 48 layers, FP8 weights and K/V), bit for bit over many steps: what makes a restored answer equal
 its cold one under traffic. Before `NarrowLinear` (cuBLAS's N = 1 GEMM for `shared_expert_gate`), prompts
-1 and 4 of this set parted at tokens 35 and 43 (`results/2026-12-02-h200-decode-divergence-trace.md`)."""
+1 and 4 of this set parted at tokens 35 and 43 (`results/2026-12-02-h200-decode-divergence-trace.md`).
+With the shared expert stacked as expert 512 (layers/moe.py) its gate is column 512 of the router's GEMM
+(N = 513, not a shape of the first H200 row-invariance measurement): this test checks that shape too."""
 
 from __future__ import annotations
 

@@ -162,7 +162,9 @@ def test_fp8_weights_are_the_checkpoint_rounded(model_pair):
     if full.config.model_type == "qwen3_next":
         experts = fp8.model.layers[0].mlp.experts
         assert isinstance(experts, StackedExperts) and experts.fp8
-        assert {name.rpartition(".")[2] for name in kept} == {"gate", "shared_expert_gate", "in_proj_ba"}
+        # The shared expert and its gate are stacked: expert E of the FP8 experts, row E of the router.
+        assert experts.num_experts == fp8.config.num_experts + 1
+        assert {name.rpartition(".")[2] for name in kept} == {"gate", "in_proj_ba"}
         assert isinstance(fp8.lm_head, Fp8Linear)
     else:
         assert not kept

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import ModelLoadError
 from morion.loader import load_model
+from morion.loader.dummy_weights import fill_dummy_weights
 from morion.loader.fp8_block import dequantize_block_fp8
 from morion.models.presets import preset_config
 from morion.models.registry import build_model
@@ -33,6 +34,20 @@ def test_dummy_weights_from_a_config_only_directory(
     assert not torch.equal(next(other.model.parameters()), next(first.model.parameters()))
     [out] = engine_runner(engine_factory(first), [[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out.token_ids) == 4
+
+
+def test_a_dummy_tensor_depends_on_its_name_and_the_seed_only():
+    """Each parameter draws from a generator of its own (seed and name): a model with one tensor more (a
+    stacked shared expert's router row, say) leaves every other tensor's values as they were."""
+    small = torch.nn.ModuleDict({"gate": torch.nn.Linear(16, 8, bias=False)})
+    larger = torch.nn.ModuleDict(
+        {"extra": torch.nn.Linear(16, 4, bias=False), "gate": torch.nn.Linear(16, 8, bias=False)}
+    )
+    fill_dummy_weights(small, seed=5)
+    fill_dummy_weights(larger, seed=5)
+    assert torch.equal(small["gate"].weight, larger["gate"].weight)
+    fill_dummy_weights(larger, seed=6)
+    assert not torch.equal(small["gate"].weight, larger["gate"].weight)
 
 
 def test_dummy_without_weights_is_only_for_dummy(tiny_qwen3_next_config_dir):

@@ -27,9 +27,16 @@ import torch
 
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import StackedExperts
+from morion.layers.narrow_linear import NarrowLinear
 from morion.loader import load_model
 from morion.ops.nvfp4 import dequantize_parts, quantize_nvfp4_parts
-from tests.conftest import TINY_QWEN3_NEXT, full_prefill_logits, make_engine, with_modules_of
+from tests.conftest import (
+    TINY_QWEN3_NEXT,
+    full_prefill_logits,
+    make_engine,
+    with_modules_of,
+    with_shared_expert_apart,
+)
 from tests.models.conftest import QWEN4_EXP_TINY_CONFIG, one_shot_logits
 
 CPU = torch.device("cpu")
@@ -39,13 +46,15 @@ PROJECTIONS = (("gate_up_proj", 2), ("down_proj", 1))  # (parameter, parts quant
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def loaded(request, tmp_path_factory):
-    """(name, {weight_dtype: model}) with the same seeded dummy weights under auto and nvfp4."""
+    """(name, {weight_dtype: model}) with the same seeded dummy weights under auto and nvfp4, both with
+    the shared expert apart (nvfp4 keeps it out of the NVFP4 experts)."""
     directory = tmp_path_factory.mktemp(request.param)
     (directory / "config.json").write_text(json.dumps(CONFIGS[request.param]))
     models = {
         weights: load_model(str(directory), torch.float32, CPU, "dummy", weight_dtype=weights).model
         for weights in ("auto", "nvfp4")
     }
+    models["auto"] = with_shared_expert_apart(models["auto"])
     return request.param, models
 
 
@@ -122,6 +131,9 @@ def test_logits_within_nvfp4_error(loaded):
     # The reference: the unquantized experts with the NVFP4 build's FP8 dense layers, so that only the
     # experts differ from the NVFP4 build.
     reference = with_modules_of(models["auto"], models["nvfp4"], Fp8Linear)
+    # The shared expert's gate too (random weights: drawn by its own name under nvfp4, as the router's
+    # last row under auto).
+    reference = with_modules_of(reference, models["nvfp4"], NarrowLinear)
     nvfp4_experts = experts_of(models["nvfp4"])
     noisy = copy.deepcopy(reference)
     generator = torch.Generator().manual_seed(0)

@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from morion.errors import ModelLoadError
+from morion.layers.moe import SparseMoE
 from morion.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 SMALL = dict(
@@ -102,7 +103,10 @@ def test_released_config_and_cache_spec_sizes():
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
     assert list(model.buffers()) == []  # nothing that to_empty would leave uninitialised
-    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (512, 1024, 2048)
+    # The shared expert (as wide as a routed one) stacked as expert 512, its gate the router's row 512.
+    mlp = model.model.layers[0].mlp
+    assert mlp.experts.gate_up_proj.shape == (513, 1024, 2048) and mlp.gate.weight.shape == (513, 2048)
+    assert mlp.shared_slot == 512 and mlp.shared_expert is None
     spec = model.cache_spec(page_size=64, kv_dtype=torch.bfloat16)
     # model-architecture.md §3: 24 KiB/token of bf16 K/V; 1.69 MiB conv + 72 MiB fp32 recurrent state.
     assert spec.bytes_per_token == 24 * 1024
@@ -126,6 +130,20 @@ def test_config_rejects_what_it_cannot_run():
         Qwen3NextConfig.from_hf(
             {**RELEASED_80B, "linear_num_value_heads": 24, "linear_num_key_heads": 16 + 1}
         )
+
+
+def test_the_shared_expert_loads_into_the_stacked_slot(small_checkpoint, build_qwen3_next):
+    tensors = load_file(small_checkpoint / "model.safetensors")
+    mlp = build_qwen3_next(small_checkpoint).model.layers[1].mlp
+    slot, width = SMALL["num_experts"], SMALL["moe_intermediate_size"]
+    assert mlp.shared_slot == slot and mlp.experts.num_experts == slot + 1
+    shared = "model.layers.1.mlp.shared_expert"
+    assert torch.equal(mlp.experts.gate_up_proj[slot, :width], tensors[f"{shared}.gate_proj.weight"])
+    assert torch.equal(mlp.experts.gate_up_proj[slot, width:], tensors[f"{shared}.up_proj.weight"])
+    assert torch.equal(mlp.experts.down_proj[slot], tensors[f"{shared}.down_proj.weight"])
+    assert torch.equal(mlp.gate.weight[:slot], tensors["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(mlp.gate.weight[slot:], tensors["model.layers.1.mlp.shared_expert_gate.weight"])
+    assert torch.equal(mlp.experts.down_proj[2], tensors["model.layers.1.mlp.experts.2.down_proj.weight"])
 
 
 def test_stacked_expert_names_load_like_per_expert_names(
@@ -155,15 +173,30 @@ def test_stacked_expert_names_load_like_per_expert_names(
     [
         (lambda t: {**t, "model.layers.0.linear_attn.bogus": torch.zeros(1)}, "no place"),
         (lambda t: {**t, "model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(32, 64)}, "no place"),
+        # Expert 4 is where the shared expert is stacked: no checkpoint's routed expert goes there.
+        (lambda t: {**t, "model.layers.0.mlp.experts.4.up_proj.weight": torch.zeros(32, 64)}, "no place"),
         (lambda t: {**t, "model.layers.3.self_attn.q_norm.weight": torch.zeros(33)}, "shape"),
         (lambda t: {**t, "model.layers.1.mlp.experts.2.down_proj.weight": torch.zeros(32, 64)}, "shape"),
         (lambda t: {k: v for k, v in t.items() if not k.endswith("linear_attn.A_log")}, "lacks 3"),
+        (
+            lambda t: {k: v for k, v in t.items() if not k.endswith("mlp.shared_expert_gate.weight")},
+            "lacks 4",
+        ),
         (
             lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.3.up_proj.weight"},
             "experts.3.up_proj",
         ),
     ],
-    ids=["unknown", "expert-out-of-range", "shape", "expert-shape", "missing", "missing-expert-part"],
+    ids=[
+        "unknown",
+        "expert-out-of-range",
+        "expert-in-the-shared-slot",
+        "shape",
+        "expert-shape",
+        "missing",
+        "missing-shared-gate",
+        "missing-expert-part",
+    ],
 )
 def test_bad_checkpoints_are_rejected(small_checkpoint, tmp_path, build_qwen3_next, change, message):
     broken = _copy_with(small_checkpoint, tmp_path / "broken", change)
@@ -172,11 +205,14 @@ def test_bad_checkpoints_are_rejected(small_checkpoint, tmp_path, build_qwen3_ne
 
 
 def _mtp_tensors(config: Qwen3NextConfig) -> dict[str, torch.Tensor]:
-    """Random `mtp.*` tensors under checkpoint names (per-expert), shaped from the model's own."""
+    """Random `mtp.*` tensors under checkpoint names (per-expert, the shared expert apart), shaped from
+    the model's own in the separate layout."""
     with torch.device("meta"):
-        shapes = {
-            n: p.shape for n, p in Qwen3NextForCausalLM(config).named_parameters() if n.startswith("mtp.")
-        }
+        model = Qwen3NextForCausalLM(config)
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.separate_shared_expert()
+        shapes = {n: p.shape for n, p in model.named_parameters() if n.startswith("mtp.")}
     gen = torch.Generator().manual_seed(7)
     tensors = {}
     for name, shape in shapes.items():

@@ -122,6 +122,26 @@ def test_moe_block_outputs_add_up_to_the_whole(whole_and_ranks):
         assert expected.abs().max() > 10 * TOLERANCE  # not a trivial zero
 
 
+def test_a_stacked_shared_expert_splits_like_a_routed_one(whole_and_ranks):
+    """tiny stacks its shared expert (as wide as a routed one), odd keeps it apart (48 against 64)."""
+    whole, ranks = whole_and_ranks
+    block = whole.model.layers[0].mlp
+    config = whole.config
+    assert (block.shared_slot is None) == (
+        config.shared_expert_intermediate_size != config.moe_intermediate_size
+    )
+    if block.shared_slot is None:
+        return
+    slot, width = block.shared_slot, whole.config.moe_intermediate_size // SIZE
+    gate, up = block.experts.gate_up_proj[slot].chunk(2)
+    for rank, model in enumerate(ranks):
+        local = model.model.layers[0].mlp
+        assert local.shared_slot == slot and local.gate.weight.shape == block.gate.weight.shape
+        rows = slice(rank * width, (rank + 1) * width)
+        assert torch.equal(local.experts.gate_up_proj[slot], torch.cat((gate[rows], up[rows])))
+        assert torch.equal(local.experts.down_proj[slot], block.experts.down_proj[slot][:, rows])
+
+
 def test_lm_head_rows_are_split_by_vocabulary(whole_and_ranks):
     whole, _ = whole_and_ranks
     weight = whole.lm_head.weight

@@ -106,16 +106,24 @@ def _hyper_mix(hc, streams: torch.Tensor, n: int, hidden: int, eps: float):
 
 
 def _moe(mlp, x: torch.Tensor, top_k: int, renormalise: bool) -> torch.Tensor:
-    """Softmax router, top-k (renormalised), SwiGLU experts, plus the sigmoid-gated shared expert."""
-    probs = torch.softmax(mlp.gate.weight @ x, dim=-1)
+    """Softmax router, top-k (renormalised), SwiGLU experts, plus the sigmoid-gated shared expert (stacked
+    as the last expert and the router's last row, or its own modules)."""
+    slot = mlp.shared_slot
+    logits = mlp.gate.weight @ x
+    probs = torch.softmax(logits if slot is None else logits[:slot], dim=-1)
     weights, ids = probs.topk(top_k)
     if renormalise:
         weights = weights / weights.sum()
+    if slot is not None:
+        weights = torch.cat((weights, torch.sigmoid(logits[slot:])))
+        ids = torch.cat((ids, torch.tensor([slot])))
     out = torch.zeros_like(x)
     for weight, expert in zip(weights, ids.tolist(), strict=True):
         gate_up = mlp.experts.gate_up_proj[expert] @ x
         gate, up = gate_up.chunk(2)
         out += weight * (mlp.experts.down_proj[expert] @ (F.silu(gate) * up))
+    if slot is not None:
+        return out
     shared = mlp.shared_expert
     shared_out = shared.down_proj.weight @ (F.silu(shared.gate_proj.weight @ x) * (shared.up_proj.weight @ x))
     return out + torch.sigmoid(mlp.shared_expert_gate.weight @ x) * shared_out

@@ -38,3 +38,11 @@ def test_tuned_tiles_are_read_once_and_missing_ones_are_none(tmp_path, monkeypat
         assert moe_tiles.tuned_tiles("Other GPU", shape) is None
     finally:
         moe_tiles.tuned_tiles.cache_clear()
+
+
+def test_the_80b_experts_with_the_shared_expert_stacked_have_the_tuned_tiles():
+    """The 80B preset stacks its shared expert as expert 512 (layers/moe.py): E513 runs the E512 tiles."""
+    stacked = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(513, 2048, 512, "fp8"))
+    assert stacked is not None and stacked == moe_tiles.tuned_tiles(
+        "NVIDIA H200", ExpertShape(512, 2048, 512, "fp8")
+    )
