@@ -47,12 +47,12 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
-from morion.parallel.draft_mirror import DraftMirror
 from morion.parallel.group import ONE_RANK, TensorParallel
 from morion.parallel.step_mirror import MirroredCopyEngine, StepMirror
 from morion.runner.backend import KVScales
 from morion.runner.model_runner import ModelRunner
 from morion.runner.warmup import measure_forward_peak_bytes
+from morion.spec.draft_mirror import DraftMirror
 from morion.spec.drafter import Drafter
 from morion.spec.forced import ForcedAcceptance
 from morion.spec.frspec import load_token_map

@@ -21,11 +21,11 @@ from morion.cache.disk_format import KIND_PAGE, KIND_SNAPSHOT
 from morion.cache.host_store import HostObjectStore
 from morion.engine.assembly import EngineParts, assemble
 from morion.engine.ranks import FollowerStart, share_cpu_threads
-from morion.parallel.draft_mirror import DraftFollower
 from morion.parallel.group import TensorParallel
 from morion.parallel.step_mirror import STOP
 from morion.runner.forward_batch import batch_from_host
 from morion.runner.model_runner import Forward
+from morion.spec.draft_mirror import DraftFollower
 from morion.spec.mtp import MtpDrafter
 
 _PARENT_CHECK_S = 1.0
@@ -44,7 +44,7 @@ class Follower:
         self._last: Forward | None = None  # the latest forward: what "logits" rows index
         self._restores: list[Transfer] = []  # issued since the last forward, which waits on them
         self._backups: list[Transfer] = []  # until done: their host rows must not be read before
-        self._drafts: DraftFollower | None = None  # an MTP drafter's calls (parallel/draft_mirror.py)
+        self._drafts: DraftFollower | None = None  # an MTP drafter's calls (spec/draft_mirror.py)
         speculative = parts.speculative
         if speculative is not None and isinstance(speculative.drafter, MtpDrafter):
             self._drafts = DraftFollower(speculative.drafter, device, group.broadcast_)

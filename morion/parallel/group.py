@@ -1,7 +1,7 @@
 """The tensor-parallel group of one rank (issue #28): who it is, and the two collectives a split model
 needs: the sum of partial outputs (after o_proj, out_proj and the MLPs' down projections) and the gather
 of the vocabulary-split logits; also rank 0's broadcast of what it alone decided and the others compute
-from (a verify's accepted drafts: parallel/draft_mirror.py). NCCL on CUDA, gloo on the CPU; at one rank
+from (a verify's accepted drafts: spec/draft_mirror.py). NCCL on CUDA, gloo on the CPU; at one rank
 each is the identity, with no process group at all.
 """
 

@@ -158,7 +158,7 @@ class MtpDrafter:
         self._ready: dict[str, tuple[int, _HostDrafts, int]] = {}
         self.graphs: dict[int, MtpDraftGraphs] = {}  # per draft width, when captured (`capture_graphs`)
         # Rank 0 of a tensor-parallel engine: sends the follower ranks the calls queued so far before each
-        # of the head's forwards, whose collectives theirs must meet (parallel/draft_mirror.py).
+        # of the head's forwards, whose collectives theirs must meet (spec/draft_mirror.py).
         self.flush_mirror: Callable[[], None] | None = None
         device = next(model.parameters()).device
         self._token_map = None if token_map is None else token_map.to(device)

@@ -38,12 +38,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from morion.parallel.draft_mirror import DraftMirror
 from morion.runner.forward_batch import build_forward_batch, page_table_array
 from morion.runner.host_to_device import to_device
 from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.runner.model_runner import ModelRunner
 from morion.runner.profile_ranges import ACCEPTANCE, DRAFT
+from morion.spec.draft_mirror import DraftMirror
 from morion.spec.drafter import (
     Drafter,
     DraftRequest,
@@ -137,7 +137,7 @@ class SpeculativeDecoding:
         self.stats = SpecStats()
         self._runner = runner
         # Rank 0 of a tensor-parallel engine with an MTP drafter: the drafter's calls, which the follower
-        # ranks make to theirs (parallel/draft_mirror.py).
+        # ranks make to theirs (spec/draft_mirror.py).
         self.mirror: DraftMirror | None = None
         # Set by the engine for models with a vision tower: verify rows of requests with images take
         # their positions per axis (text after the images: index + the prompt's delta).
