@@ -59,7 +59,7 @@ def _old_gate_output(layer: GatedAttention, out: torch.Tensor, gate: torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_path_equals_the_old_code(dtype, fp8):
     """On the CPU the eager code is the reference: x quantized once for q/k/v and the gate applied before
-    o_proj's quantization give the very bits of the old op-by-op code."""
+    o_proj's quantization give the very bits of the old op-by-op code (full precision: within an ulp)."""
     layer = _layer(64, 4, 2, 16, dtype, fp8, "cpu")
     x, attended, cos, sin = _inputs(layer, 5, 8, dtype, "cpu")
     with torch.no_grad():
@@ -67,7 +67,12 @@ def test_cpu_path_equals_the_old_code(dtype, fp8):
         expected = _old_project(layer, x, cos, sin)
         for got_part, expected_part in zip(got, expected, strict=True):
             assert torch.equal(got_part, expected_part)
-        assert torch.equal(layer.gate_output(attended, got[3]), _old_gate_output(layer, attended, got[3]))
+        got_out, expected_out = layer.gate_output(attended, got[3]), _old_gate_output(layer, attended, got[3])
+        if fp8:
+            assert torch.equal(got_out, expected_out)
+        else:  # torch's sigmoid of the strided gate may take its scalar loop, the old contiguous copy a
+            # vectorised one (machine-dependent last bits)
+            torch.testing.assert_close(got_out, expected_out, rtol=torch.finfo(dtype).eps, atol=1e-6)
         assert layer.gate_output(attended[:0], got[3][:0]).shape == (0, 64)
 
 
@@ -77,15 +82,18 @@ def test_cpu_path_equals_the_old_code(dtype, fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cuda_path_at_the_80b_shapes(fp8, tokens):
     """Qwen3-Next-80B's attention (hidden 2048, 16 query heads, 2 K/V heads, head_dim 256, 64 dims
-    rotated) in bf16: q, k, v and the gate bit for bit the old CUDA code's (row-kernel norms, torch rotary,
-    one quantization per projection); the output through o_proj bit for bit in bf16, and under FP8 within
-    the fused sigmoid's bound (ops/fp8.py: quantize_fp8_sigmoid_gated)."""
+    rotated) in bf16: v and the gate bit for bit the old CUDA code's (one quantization per projection), q
+    and k within an ulp of it (the fused norm + rotary kernel: tests/ops/test_qk_norm_rope.py); the output
+    through o_proj bit for bit in bf16, and under FP8 within the fused sigmoid's bound (ops/fp8.py:
+    quantize_fp8_sigmoid_gated)."""
     layer = _layer(2048, 16, 2, 256, torch.bfloat16, fp8, "cuda")
     x, attended, cos, sin = _inputs(layer, tokens, 64, torch.bfloat16, "cuda")
     with torch.no_grad():
         got = layer.project(x, cos, sin)
         expected = _old_project(layer, x, cos, sin)
-        for got_part, expected_part in zip(got, expected, strict=True):
+        for got_part, expected_part in zip(got[:2], expected[:2], strict=True):
+            torch.testing.assert_close(got_part, expected_part, rtol=2.0**-7, atol=2.0**-7)
+        for got_part, expected_part in zip(got[2:], expected[2:], strict=True):
             assert torch.equal(got_part, expected_part)
         got_out = layer.gate_output(attended, got[3])
         expected_out = _old_gate_output(layer, attended, got[3])

@@ -82,7 +82,7 @@ def test_stacked_equals_separate_on_cuda_at_the_80b_shapes(tokens):
     """Router kernel with the shared column, then the fused kernels (up to 64 tokens) or the grouped
     GEMMs (200), against the separate shared expert, in bf16."""
     separate = separate_moe(2048, 512, 10, 512).cuda()
-    stacked = stacked_copy(separate).to(torch.bfloat16)
+    stacked = stacked_copy(separate).to("cuda", torch.bfloat16)
     separate = separate.to(torch.bfloat16)
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(tokens)).cuda().bfloat16()
     _, ids = stacked.route(x)
@@ -98,7 +98,7 @@ def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
     GEMMs, activation, gate, sigmoid, multiply and add are gone (the router's column and the experts'
     extra pair ride kernels that run anyway)."""
     separate = separate_moe(2048, 512, 10, 512).cuda()
-    stacked = stacked_copy(separate).to(torch.bfloat16)
+    stacked = stacked_copy(separate).to("cuda", torch.bfloat16)
     separate = separate.to(torch.bfloat16)
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     counts = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,8 +123,9 @@ def test_matches_transformers_torch_fallbacks():
 
     q, k, v, g, beta, state = make_inputs(2, 90, 2, 4, 16, 8, seed=4)
     for ours, theirs in (
-        (chunk_gated_delta_rule_reference, hf.torch_chunk_gated_delta_rule),
-        (recurrent_gated_delta_rule_reference, hf.torch_recurrent_gated_delta_rule),
+        # unwrapped: where fla is installed transformers wraps its fallbacks to call fla's GPU kernels
+        (chunk_gated_delta_rule_reference, inspect.unwrap(hf.torch_chunk_gated_delta_rule)),
+        (recurrent_gated_delta_rule_reference, inspect.unwrap(hf.torch_recurrent_gated_delta_rule)),
     ):
         kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
         out, final = ours(q, k, v, g, beta, **kwargs)

@@ -120,8 +120,8 @@ def test_fp8_equals_fp8_reference(tokens, gate_up_tiles, down_tiles):
     hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=10 + tokens)
     gate_up_q, down_q, scales = fp8_experts(gate_up, down)
     args = on_device(hidden, gate_up_q, down_q, weights, ids)
-    scales = {k: v.to(DEVICE) for k, v in scales.items()}
-    out = moe_experts_triton(*args, **scales, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
+    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    out = moe_experts_triton(*args, **device_scales, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles).cpu()
     expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
     # The same quantized math in fp32 (both quantize the token rows and the SwiGLU rows per row, and
     # weight the expert outputs after the down projection); only summation orders differ, which can
