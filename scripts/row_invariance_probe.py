@@ -1,8 +1,9 @@
 """Which op computes a row differently at batch 1 than beside other rows? Many rows per op, bit for bit.
 
 The decode path's ops of one layer of each kind (every linear, BF16 or FP8; the whole sparse-MoE block:
-router (with a stacked shared expert's gate as its last row), fused experts (a stacked shared expert among
-them), a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
+the router's GEMM (with a stacked shared expert's gate as its last row) and its products as the block runs
+them (`router_logits`: that row apart), fused experts (a stacked shared expert among them), a separate
+shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
 For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
 for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
 against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at
@@ -45,12 +46,23 @@ def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], tor
             full = f"{layer_name}.{name}"
             if isinstance(module, SparseMoE):
                 ops[full] = (module, module.gate.in_features)
+                # The router's products as the block runs them (a stacked gate row apart); the whole
+                # [E + 1]-row gate as one GEMM is measured too, as the shape the block avoids.
+                ops[f"{full}.router_logits"] = (_joined_router_logits(module), module.gate.in_features)
             elif isinstance(module, (torch.nn.Linear, Fp8Linear)):
                 ops[full] = (module, module.in_features)
     head = getattr(model, "lm_head", None)
     if isinstance(head, (torch.nn.Linear, Fp8Linear)):
         ops["lm_head"] = (head, head.in_features)
     return ops
+
+
+def _joined_router_logits(block: SparseMoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    def router_logits(rows: torch.Tensor) -> torch.Tensor:
+        logits, shared_logits = block.router_logits(rows)
+        return logits if shared_logits is None else torch.cat((logits, shared_logits), dim=-1)
+
+    return router_logits
 
 
 @torch.inference_mode()

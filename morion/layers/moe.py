@@ -27,7 +27,7 @@ from torch import nn
 
 from morion.config import MOE_KERNELS
 from morion.layers.mlp import SwiGLU
-from morion.layers.narrow_linear import NarrowLinear
+from morion.layers.narrow_linear import NarrowLinear, narrow_product
 from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
@@ -252,15 +252,25 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] in x's dtype, topk_ids [T, k]); stacked, [T, k + 1] with the shared slot
         last, weighted by sigmoid(its logit) (outside the renormalisation of the routed k)."""
-        logits = self.gate(x)
-        shared = self.shared_slot is not None
+        logits, shared_logits = self.router_logits(x)
         if logits.is_cuda:
             from morion.ops import router_triton
 
-            if router_triton.supports(logits, self.top_k, shared):
+            if router_triton.supports(logits, self.top_k):
                 log_once(logger, "MoE router: one Triton kernel (softmax, top-k, renormalisation)")
-                return router_triton.route(logits, self.top_k, self.norm_topk_prob, shared)
-        return route_reference(logits, self.top_k, self.norm_topk_prob, shared)
+                return router_triton.route(logits, self.top_k, self.norm_topk_prob, shared_logits)
+        return route_reference(logits, self.top_k, self.norm_topk_prob, shared_logits)
+
+    def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None).
+        The gate's row E is its own narrow product (layers/narrow_linear.py): the routed GEMM keeps
+        N = E, the shape measured row-invariant on the H200, where N = E + 1 is a cuBLAS shape whose
+        rows came out differently beside other rows (`results/2026-12-02-h200-stacked-router-invariance.md`).
+        """
+        if self.shared_slot is None:
+            return self.gate(x), None
+        weight = self.gate.weight  # [E + 1, H]; rows 0..E-1 a contiguous view
+        return F.linear(x, weight[: self.shared_slot]), narrow_product(x, weight[self.shared_slot :])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:
@@ -273,21 +283,21 @@ class SparseMoE(nn.Module):
 
 
 def route_reference(
-    logits: torch.Tensor, top_k: int, normalize: bool, shared: bool = False
+    logits: torch.Tensor, top_k: int, normalize: bool, shared_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The route in torch (ops/router_triton.py's reference): softmax over the routed logits in fp32,
-    the top k, renormalised with `normalize`, in the logits' dtype. With `shared`, the last logit is the
-    shared expert's gate: its slot (the routed count) is appended to every token's top-k with weight
-    sigmoid(logit) (fp32, then the logits' dtype, as `F.sigmoid` of the separate gate rounds it)."""
-    num_routed = logits.shape[-1] - int(shared)
-    probs = torch.softmax(logits[:, :num_routed], dim=-1, dtype=torch.float32)
+    """The route in torch (ops/router_triton.py's reference): softmax over the routed logits [T, E] in
+    fp32, the top k, renormalised with `normalize`, in the logits' dtype. With `shared_logits` [T, 1] (the
+    shared expert's gate), its slot E is appended to every token's top-k with weight sigmoid(logit) (fp32,
+    then the logits' dtype, as `F.sigmoid` of the separate gate rounds it)."""
+    num_routed = logits.shape[-1]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(logits.dtype)
-    if not shared:
+    if shared_logits is None:
         return weights, ids
-    gate = torch.sigmoid(logits[:, num_routed:].float()).to(logits.dtype)
+    gate = torch.sigmoid(shared_logits.float()).to(logits.dtype)
     return torch.cat((weights, gate), dim=-1), torch.cat(
         (ids, torch.full_like(ids[:, :1], num_routed)), dim=-1
     )

@@ -18,13 +18,19 @@ from morion.ops.log_once import log_once
 logger = logging.getLogger(__name__)
 
 
+def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a gate's few outputs (weight [N, K]): on CUDA, where the kernel takes them, one
+    Triton program per row, so a row's result does not depend on the batch; F.linear elsewhere."""
+    if x.is_cuda and x.dtype == weight.dtype:
+        from morion.ops import narrow_linear_triton
+
+        if narrow_linear_triton.supports(x, weight):
+            log_once(logger, "narrow linear (gates): one Triton program per row, batch-invariant")
+            return narrow_linear_triton.narrow_linear(x, weight)
+    return F.linear(x, weight)
+
+
 class NarrowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype:
-            from morion.ops import narrow_linear_triton
-
-            if narrow_linear_triton.supports(x, self.weight):
-                log_once(logger, "narrow linear (gates): one Triton program per row, batch-invariant")
-                out = narrow_linear_triton.narrow_linear(x, self.weight)
-                return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        out = narrow_product(x, self.weight)
+        return out if self.bias is None else out + self.bias

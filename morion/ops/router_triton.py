@@ -9,9 +9,9 @@ token does all of it:
 - k rounds of "take the largest remaining prob": the k best, best first, and among equal probs the lower
   expert (torch.topk leaves the order of ties unspecified);
 - with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype;
-- with `shared` (a stacked shared expert, layers/moe.py), the last logit is not routed: it is the shared
-  expert's gate, and column k gets its slot (the routed count E) with weight sigmoid(logit) in fp32, after
-  the renormalisation, which covers the routed k only.
+- with `shared_logits` (a stacked shared expert, layers/moe.py: its gate's logit per token, [T, 1]),
+  column k gets the shared slot (the routed count E) with weight sigmoid(logit) in fp32, after the
+  renormalisation, which covers the routed k only.
 
 Same results as the torch route up to the exponential's last bits (Triton's exp is not libm's) and the
 order of exact ties. No host sync, fixed shapes: capturable. The reference is
@@ -29,12 +29,12 @@ MAX_EXPERTS = 4096
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+    logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_shared,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SHARED: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # num_experts counts the routed experts; with SHARED the logit after them is the shared expert's gate
-    # and each row's output has WIDTH = TOP_K + 1 columns (TOP_K without).
+    # With SHARED, shared_ptr holds each row's shared expert gate logit and each row's output has
+    # WIDTH = TOP_K + 1 columns (TOP_K without).
     row = tl.cast(tl.program_id(0), tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -56,7 +56,7 @@ def _route_kernel(
         total = tl.sum(tl.where(slots < TOP_K, chosen_probs, 0.0), axis=0)
         chosen_probs = tl.math.div_rn(chosen_probs, tl.broadcast_to(total, (BLOCK_K,)))
     if SHARED:
-        gate_logit = tl.cast(tl.load(logits_ptr + row * stride_logits + num_experts), tl.float32)
+        gate_logit = tl.cast(tl.load(shared_ptr + row * stride_shared), tl.float32)
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-gate_logit))
         chosen_probs = tl.where(slots == TOP_K, gate, chosen_probs)
         chosen_ids = tl.where(slots == TOP_K, tl.cast(num_experts, tl.int64), chosen_ids)
@@ -65,27 +65,28 @@ def _route_kernel(
     tl.store(ids_ptr + row * WIDTH + slots, chosen_ids, mask=out)
 
 
-def supports(logits: torch.Tensor, top_k: int, shared: bool = False) -> bool:
-    """Whether the kernel takes these router logits [T, E] (with `shared`, [T, E + 1]): unit stride on
-    the logits, E <= MAX_EXPERTS."""
+def supports(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether the kernel takes these router logits [T, E]: unit stride on the logits, E <= MAX_EXPERTS."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         return False
-    return 0 < top_k <= logits.shape[1] - int(shared) <= MAX_EXPERTS
+    return 0 < top_k <= logits.shape[1] <= MAX_EXPERTS
 
 
 def route(
-    logits: torch.Tensor, top_k: int, normalize: bool, shared: bool = False
+    logits: torch.Tensor, top_k: int, normalize: bool, shared_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, k] in logits' dtype, topk_ids [T, k] int64), as `layers.moe.route_reference`;
-    with `shared`, [T, k + 1]: the shared expert's slot E and sigmoid(logits[:, E]) in column k."""
-    tokens, columns = logits.shape
-    num_experts = columns - int(shared)
+    with `shared_logits` [T, 1], [T, k + 1]: the shared expert's slot E and sigmoid(shared_logits) in
+    column k."""
+    tokens, num_experts = logits.shape
+    shared = shared_logits is not None
     width = top_k + int(shared)
     weights = torch.empty(tokens, width, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(tokens, width, dtype=torch.int64, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            logits, weights, ids, num_experts, logits.stride(0),
+            logits, logits if shared_logits is None else shared_logits, weights, ids, num_experts,
+            logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0),
             TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width,
             BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(width), num_warps=4,

@@ -110,3 +110,21 @@ def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
             torch.cuda.synchronize()
         counts[name] = sum(1 for event in profile.events() if event.device_type.name == "CUDA")
     assert counts["stacked"] <= counts["separate"] - 6, counts
+
+
+@pytest.mark.gpu
+def test_a_token_s_route_does_not_depend_on_its_batch_on_cuda():
+    """The router's GEMM over the routed rows (N = E) and the shared gate's narrow product give a token
+    the same logits, so the same route, alone and beside 1 to 15 others (a decode or short forward's
+    sizes, engine/forward_groups.py). N = E + 1 in one cuBLAS GEMM did not (layers/moe.py)."""
+    stacked = stacked_copy(separate_moe(2048, 512, 10, 512)).to("cuda", torch.bfloat16)
+    x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
+    with torch.no_grad():
+        logits, shared_logits = stacked.router_logits(x[:1])
+        weights, ids = stacked.route(x[:1])
+        for tokens in (2, 3, 4, 5, 8, 16):
+            batch_logits, batch_shared_logits = stacked.router_logits(x[:tokens])
+            assert torch.equal(batch_logits[:1], logits)
+            assert torch.equal(batch_shared_logits[:1], shared_logits)
+            batch_weights, batch_ids = stacked.route(x[:tokens])
+            assert torch.equal(batch_weights[:1], weights) and torch.equal(batch_ids[:1], ids)

@@ -57,16 +57,16 @@ def test_no_tokens_and_what_it_refuses():
 @pytest.mark.parametrize(
     ("num_experts", "top_k", "normalize"), [(512, 10, True), (7, 3, False), (4, 4, True)]
 )
-def test_the_shared_column_is_sigmoid_of_the_last_logit_after_the_routed_k(
+def test_the_shared_column_is_sigmoid_of_its_gate_logit_after_the_routed_k(
     dtype, num_experts, top_k, normalize
 ):
     generator = torch.Generator().manual_seed(num_experts + 1)
     ladder = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(5)])
     routed = (ladder - num_experts / 2) * (8 / num_experts)
     gate_logits = torch.tensor([[-6.0], [-0.5], [0.0], [0.75], [9.0]])
-    logits = torch.cat((routed, gate_logits), dim=1).to(dtype)
-    weights, ids = router_triton.route(logits.to(DEVICE), top_k, normalize, shared=True)
-    expected_weights, expected_ids = route_reference(logits, top_k, normalize, shared=True)
+    logits, gate_logits = routed.to(dtype), gate_logits.to(dtype)
+    weights, ids = router_triton.route(logits.to(DEVICE), top_k, normalize, gate_logits.to(DEVICE))
+    expected_weights, expected_ids = route_reference(logits, top_k, normalize, gate_logits)
     assert weights.shape == ids.shape == (5, top_k + 1) and weights.dtype == dtype
     assert torch.equal(ids.cpu(), expected_ids)
     assert ids[:, top_k].tolist() == [num_experts] * 5  # the shared slot, last
@@ -74,14 +74,9 @@ def test_the_shared_column_is_sigmoid_of_the_last_logit_after_the_routed_k(
         weights.cpu(), expected_weights, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=0
     )
     # The routed k alone are renormalised (up to the order of the sum's terms); the shared weight is outside.
-    routed_only, routed_ids = router_triton.route(logits[:, :num_experts].to(DEVICE), top_k, normalize)
+    routed_only, routed_ids = router_triton.route(logits.to(DEVICE), top_k, normalize)
     assert torch.equal(ids[:, :top_k], routed_ids)
     torch.testing.assert_close(weights[:, :top_k], routed_only)
     torch.testing.assert_close(
         weights[:, top_k].cpu(), torch.sigmoid(gate_logits[:, 0].to(dtype).float()).to(dtype)
     )
-
-
-def test_shared_supports_counts_the_routed_experts_only():
-    assert router_triton.supports(torch.zeros(3, 17), 16, shared=True)
-    assert not router_triton.supports(torch.zeros(3, 16), 16, shared=True)  # 15 routed experts
