@@ -188,10 +188,11 @@ class SparseMoE(nn.Module):
       `out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)`;
     - stacked (`stack_shared_expert`, when the shared expert is as wide as a routed one): the shared
       expert is expert `shared_slot` = E of `experts` (E + 1 stacked) and its gate's weight row E of the
-      router (E + 1 outputs). `route` appends slot E to every token's top-k with weight
-      sigmoid(logit E), so the routed kernels compute the whole block and the shared expert launches
-      nothing of its own (a decode step's ~12 kernels per layer: docs/models.md). The same sum; only the
-      rounding of the final add differs (the experts' kernels accumulate the k + 1 terms together).
+      router's (`router_logits`). `route` appends slot E to every token's top-k with weight
+      sigmoid(gate logit), so the routed kernels compute the whole block and the shared expert launches
+      only its gate's product (of a decode step's ~12 kernels per layer: docs/models.md). The same sum;
+      only the rounding of the final add differs (the experts' kernels accumulate the k + 1 terms
+      together).
     """
 
     shared_expert: SwiGLU | None
