@@ -57,8 +57,10 @@ def test_bench_against_a_server(tiny_server, tmp_path, capsys):
                 assert request["completion_tokens"] == 8 and request["prompt_tokens"] == 32
                 assert request["cached_tokens"] == 0
                 assert request["decode_tok_s"] > 0 and request["ttft_s"] > 0
-            # The server's engine counted its steps of the run (its /metrics, read before and after).
-            assert run["engine_steps"]["decode_steps"] == 7
+            # The server's engine counted its steps of the run (its /metrics, read before and after): 7
+            # decode steps when the requests run in step, up to 7 each where one's prefill came a step late.
+            steps = run["engine_steps"]["decode_steps"]
+            assert steps == 7 if point["concurrency"] == 1 else 7 <= steps <= 7 * point["concurrency"]
             assert run["engine_decode_step_ms"] > 0
             assert isinstance(run["engine_steps"]["loop_overhead_ms_per_step"], float)
     assert all(run["cached_tokens"] == 0 for p in [*result["prefill"], result["ttft"]] for run in p["runs"])
