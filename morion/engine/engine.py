@@ -216,6 +216,8 @@ class Engine:
                 f"this model ({self.model.config.model_type} from {self.model_path}) has no vision tower: "
                 "it takes no images"
             )
+        if self.config.tensor_parallel_size > 1:  # a follower's forward gets no image rows (step_mirror)
+            raise InvalidRequestError("images are not supported with tensor_parallel_size > 1 yet")
         return PromptImages(prompt, images, image_token, encoder.processing.merge_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -13,7 +13,7 @@ from torch import nn
 from morion.config import WEIGHT_DTYPES
 from morion.errors import ModelLoadError
 from morion.layers.fp8_convert import convert_to_fp8
-from morion.models import qwen3_next_parallel
+from morion.models import qwen3_next_parallel, qwen4_exp_parallel
 from morion.models.llama import DenseConfig, DenseForCausalLM
 from morion.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
@@ -30,8 +30,12 @@ _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]
     "qwen4_exp_text": (Qwen4ExpConfig.from_hf, Qwen4ExpForCausalLM),
 }
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
-# model_type -> how it is split over tensor-parallel ranks (issue #28: Qwen3-Next so far)
-_TENSOR_PARALLEL = {"qwen3_next": qwen3_next_parallel}
+# model_type -> how it is split over tensor-parallel ranks (issue #28)
+_TENSOR_PARALLEL = {
+    "qwen3_next": qwen3_next_parallel,
+    "qwen4_exp": qwen4_exp_parallel,
+    "qwen4_exp_text": qwen4_exp_parallel,
+}
 
 logger = logging.getLogger(__name__)
 

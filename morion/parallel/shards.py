@@ -1,7 +1,7 @@
 """How one rank's part of a weight is cut from the whole tensor, for tensor parallelism (issue #28).
 
 Every rank builds the model from its local configuration (heads, value heads and intermediate sizes
-divided by the number of ranks, models/parallel_config.py), so each parameter's local shape is fixed; a
+divided by the number of ranks, models/hybrid_parallel.py), so each parameter's local shape is fixed; a
 `Shard` says which elements of the checkpoint's tensor fill it:
 
 - `Split(dim)`: the rank's contiguous 1/N of `dim` (a projection's heads, a row-parallel input);

@@ -79,6 +79,13 @@ def two_ranks(tiny_qwen3_next_config_dir) -> Iterator[Engine]:
 
 
 def test_two_ranks_draft_with_the_mtp_head_as_one(one_rank, two_ranks):
+    check_as_one_rank(two_ranks, one_rank)
+
+
+def check_as_one_rank(two_ranks: Engine, one_rank: tuple[list[list], SpecStats], rank_slack: int = 0) -> None:
+    """`_scenario` on the TP=2 engine gives what it gave on one rank (`one_rank`); a prompt token's rank
+    in the vocabulary within `rank_slack` (logits of other tokens within fp32 reordering error of its own
+    may swap places with it)."""
     ([batch, device_hit, host_hit], stats) = _scenario(two_ranks)
     ([one_batch, one_device_hit, one_host_hit], one_stats) = one_rank
     assert len(two_ranks.follower_pids) == 1
@@ -97,7 +104,8 @@ def test_two_ranks_draft_with_the_mtp_head_as_one(one_rank, two_ranks):
     for got, want in zip(tp2.logprobs, tp1.logprobs, strict=True):
         assert abs(got - want) < LOGPROB_TOLERANCE
     for got, want in zip(tp2.prompt_logprobs[1:], tp1.prompt_logprobs[1:], strict=True):
-        assert abs(got.logprob - want.logprob) < LOGPROB_TOLERANCE and got.rank == want.rank
+        assert abs(got.logprob - want.logprob) < LOGPROB_TOLERANCE
+        assert abs(got.rank - want.rank) <= rank_slack and [t for t, _ in got.top] == [t for t, _ in want.top]
 
 
 def test_a_token_map_is_refused_at_two_ranks(tiny_qwen3_next_config_dir, tmp_path):
