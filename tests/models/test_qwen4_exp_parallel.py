@@ -11,6 +11,7 @@ import torch
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
 from morion.models.qwen4_exp_parallel import local_config, shard_of
 from morion.parallel.shards import REPLICATED, cut
+from tests.models.gated_delta_net_split import check_gated_delta_net_split
 
 SIZE = 2
 
@@ -53,28 +54,7 @@ def test_every_parameter_and_checkpoint_name_has_a_rule(whole_and_ranks):
 
 
 def test_gated_delta_net_projections_are_the_ranks_heads(whole_and_ranks):
-    whole, ranks = whole_and_ranks
-    index = whole.config.linear_layers[0]
-    full = whole.model.layers[index].linear_attn
-    x = torch.randn(5, whole.config.hidden_size)
-    qkv, z, b, a = full.project(x).head_major()
-    q, k, v = qkv.split([full.key_dim, full.key_dim, full.value_dim], dim=-1)
-    value_heads = full.num_v_heads // SIZE
-    outputs = []
-    for rank, model in enumerate(ranks):
-        part = model.model.layers[index].linear_attn
-        heads = slice(rank * value_heads, (rank + 1) * value_heads)
-        local_qkv, local_z, local_b, local_a = part.project(x).head_major()
-        local_q, local_k, local_v = local_qkv.split([part.key_dim, part.key_dim, part.value_dim], dim=-1)
-        keys = slice(rank * part.key_dim, (rank + 1) * part.key_dim)
-        values = slice(rank * part.value_dim, (rank + 1) * part.value_dim)
-        for got, want in ((local_q, q[:, keys]), (local_k, k[:, keys]), (local_v, v[:, values])):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        for got, want in ((local_z, z[:, heads]), (local_b, b[:, heads]), (local_a, a[:, heads])):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        assert torch.equal(part.A_log, full.A_log[heads])
-        outputs.append(part.out_proj(v[:, values]))
-    torch.testing.assert_close(sum(outputs), full.out_proj(v), rtol=0, atol=1e-5)
+    check_gated_delta_net_split(*whole_and_ranks)
 
 
 def test_per_token_modules_are_whole_on_every_rank(whole_and_ranks):
