@@ -264,9 +264,9 @@ class SparseMoE(nn.Module):
 
     def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None).
-        The gate's row E is its own narrow product (layers/narrow_linear.py): the routed GEMM keeps
-        N = E, the shape measured row-invariant on the H200, where N = E + 1 is a cuBLAS shape whose
-        rows came out differently beside other rows (`results/2026-12-02-h200-stacked-router-invariance.md`).
+        The gate's row E is its own narrow product (layers/narrow_linear.py) and the routed GEMM keeps
+        N = E: the shapes measured row-invariant on the H200. With one GEMM of N = E + 1 (not measured)
+        the H200's decode-invariance test failed (`results/2026-12-02-h200-gpu-check-b158263.md`).
         """
         if self.shared_slot is None:
             return self.gate(x), None

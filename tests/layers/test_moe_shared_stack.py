@@ -116,7 +116,7 @@ def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
 def test_a_token_s_route_does_not_depend_on_its_batch_on_cuda():
     """The router's GEMM over the routed rows (N = E) and the shared gate's narrow product give a token
     the same logits, so the same route, alone and beside 1 to 15 others (a decode or short forward's
-    sizes, engine/forward_groups.py). N = E + 1 in one cuBLAS GEMM did not (layers/moe.py)."""
+    sizes, engine/forward_groups.py), which one GEMM of N = E + 1 was not shown to (layers/moe.py)."""
     stacked = stacked_copy(separate_moe(2048, 512, 10, 512)).to("cuda", torch.bfloat16)
     x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
     with torch.no_grad():
