@@ -13,21 +13,28 @@ from morion.layers.fp8_convert import convert_to_fp8
 from morion.layers.moe import SparseMoE
 
 
-def separate_moe(hidden: int, experts: int, top_k: int, width: int, seed: int = 0) -> SparseMoE:
-    generator = torch.Generator().manual_seed(seed)
-    moe = SparseMoE(hidden, experts, top_k, width, width, norm_topk_prob=True)
+def separate_moe(
+    hidden: int, experts: int, top_k: int, width: int, seed: int = 0, device: str = "cpu"
+) -> SparseMoE:
+    """A block in the separate layout with random weights, built and drawn on `device` (the 80B shapes'
+    3 GB of fp32 experts take seconds on a GPU, tens of seconds on a CPU)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        moe = SparseMoE(hidden, experts, top_k, width, width, norm_topk_prob=True)
     with torch.no_grad():
         for param in moe.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+            draw = torch.randn(param.shape, generator=generator, device=device)
+            param.copy_(draw * param.shape[-1] ** -0.5)
     return moe
 
 
 def stacked_copy(separate: SparseMoE) -> SparseMoE:
     """The same block in the stacked layout: the shared expert at slot E, its gate the router's row E."""
     experts, width = separate.num_experts, separate.experts.intermediate_size
-    stacked = SparseMoE(
-        separate.hidden_size, experts, separate.top_k, width, width, True, stack_shared_expert=True
-    )
+    with torch.device(separate.gate.weight.device):
+        stacked = SparseMoE(
+            separate.hidden_size, experts, separate.top_k, width, width, True, stack_shared_expert=True
+        )
     shared = separate.shared_expert
     with torch.no_grad():
         stacked.gate.weight.copy_(torch.cat((separate.gate.weight, separate.shared_expert_gate.weight)))
@@ -76,14 +83,23 @@ def test_nvfp4_conversion_keeps_the_shared_expert_apart_and_fp8_keeps_it_stacked
     assert fp8[0].gate.weight.shape == (9, 64)
 
 
+@pytest.fixture(scope="module")
+def blocks_80b() -> tuple[SparseMoE, SparseMoE]:
+    """(separate, stacked): the 80B preset's MoE block (hidden 2048, 512 experts of width 512, top 10) in
+    both layouts with the same weights, bf16 on CUDA; built once for the module's GPU tests."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    separate = separate_moe(2048, 512, 10, 512, device="cuda")
+    stacked = stacked_copy(separate).to(torch.bfloat16)
+    return separate.to(torch.bfloat16), stacked
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4, 64, 200])
-def test_stacked_equals_separate_on_cuda_at_the_80b_shapes(tokens):
+def test_stacked_equals_separate_on_cuda_at_the_80b_shapes(blocks_80b, tokens):
     """Router kernel with the shared column, then the fused kernels (up to 64 tokens) or the grouped
     GEMMs (200), against the separate shared expert, in bf16."""
-    separate = separate_moe(2048, 512, 10, 512).cuda()
-    stacked = stacked_copy(separate).to("cuda", torch.bfloat16)
-    separate = separate.to(torch.bfloat16)
+    separate, stacked = blocks_80b
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(tokens)).cuda().bfloat16()
     _, ids = stacked.route(x)
     assert (ids[:, 10] == 512).all()
@@ -93,13 +109,11 @@ def test_stacked_equals_separate_on_cuda_at_the_80b_shapes(tokens):
 
 
 @pytest.mark.gpu
-def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
+def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more(blocks_80b):
     """One decode row through each block, kernels counted by the profiler: the separate shared expert's
     GEMMs, activation, sigmoid, multiply and add are gone (the experts' extra pair rides kernels that run
     anyway; its gate's narrow product stays)."""
-    separate = separate_moe(2048, 512, 10, 512).cuda()
-    stacked = stacked_copy(separate).to("cuda", torch.bfloat16)
-    separate = separate.to(torch.bfloat16)
+    separate, stacked = blocks_80b
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     counts = {}
     for name, block in (("separate", separate), ("stacked", stacked)):
@@ -113,11 +127,11 @@ def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more():
 
 
 @pytest.mark.gpu
-def test_a_token_s_route_does_not_depend_on_its_batch_on_cuda():
+def test_a_token_s_route_does_not_depend_on_its_batch_on_cuda(blocks_80b):
     """The router's GEMM over the routed rows (N = E) and the shared gate's narrow product give a token
     the same logits, so the same route, alone and beside 1 to 15 others (a decode or short forward's
     sizes, engine/forward_groups.py), which one GEMM of N = E + 1 was not shown to (layers/moe.py)."""
-    stacked = stacked_copy(separate_moe(2048, 512, 10, 512)).to("cuda", torch.bfloat16)
+    _, stacked = blocks_80b
     x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
     with torch.no_grad():
         logits, shared_logits = stacked.router_logits(x[:1])
