@@ -12,7 +12,7 @@ from morion.errors import MorionError
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.models.qwen3_next_parallel import local_config, shard_of
 from morion.parallel.shards import ReplicatedHeads, Split, cut
-from tests.models.gated_delta_net_split import TOLERANCE, check_gated_delta_net_split, same
+from tests.models.split_checks import TOLERANCE, check_gated_delta_net_split, fill_rank, same
 
 SIZE = 2
 
@@ -26,15 +26,7 @@ def whole_and_ranks(request, qwen3_next_checkpoint, build_qwen3_next):
         model = Qwen3NextForCausalLM(local_config(whole.config, SIZE)).eval()
         if whole.mtp is None:
             model.mtp = None  # transformers' checkpoints carry no MTP head
-        whole_parameters = dict(whole.named_parameters())
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name == "lm_head.weight":
-                    continue  # split by vocabulary where the head is built: test_lm_head_rows_...
-                part = cut(whole_parameters[name], shard_of(name, whole.config), rank, SIZE)
-                assert part.shape == parameter.shape, name
-                parameter.copy_(part)
-        ranks.append(model)
+        ranks.append(fill_rank(model, whole, shard_of, rank, SIZE))
     return whole, ranks
 
 

@@ -10,8 +10,8 @@ import torch
 
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
 from morion.models.qwen4_exp_parallel import local_config, shard_of
-from morion.parallel.shards import REPLICATED, cut
-from tests.models.gated_delta_net_split import check_gated_delta_net_split
+from morion.parallel.shards import REPLICATED
+from tests.models.split_checks import check_gated_delta_net_split, fill_rank
 
 SIZE = 2
 
@@ -19,18 +19,10 @@ SIZE = 2
 @pytest.fixture(scope="module")
 def whole_and_ranks(qwen4_exp_tiny) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     whole = qwen4_exp_tiny.model
-    whole_parameters = dict(whole.named_parameters())
     ranks = []
     for rank in range(SIZE):
         model = Qwen4ExpForCausalLM(local_config(whole.config, SIZE)).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name == "lm_head.weight":
-                    continue  # split by vocabulary where the head is built (hybrid_parallel.split_lm_head)
-                part = cut(whole_parameters[name], shard_of(name, whole.config), rank, SIZE)
-                assert part.shape == parameter.shape, name
-                parameter.copy_(part)
-        ranks.append(model)
+        ranks.append(fill_rank(model, whole, shard_of, rank, SIZE))
     return whole, ranks
 
 

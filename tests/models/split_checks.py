@@ -1,8 +1,13 @@
-"""The check both hybrids' tensor-parallel splits share: a rank's Gated DeltaNet holds exactly its heads."""
+"""What both hybrids' tensor-parallel split tests share: a rank's model filled with its parts of the whole
+model's parameters, and the check that a rank's Gated DeltaNet holds exactly its heads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from morion.parallel.shards import Shard, cut
 
 TOLERANCE = 1e-5  # fp32; only the order of a sum's terms differs
 
@@ -10,6 +15,26 @@ TOLERANCE = 1e-5  # fp32; only the order of a sum's terms differs
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal but for the last bits: a GEMM of fewer output columns may block its sums differently."""
     return a.shape == b.shape and bool((a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max().item()))
+
+
+def fill_rank(
+    model: torch.nn.Module,
+    whole: torch.nn.Module,
+    shard_of: Callable[[str, object], Shard],
+    rank: int,
+    size: int,
+) -> torch.nn.Module:
+    """`model` (built from the rank's local configuration) given rank `rank`'s part of every parameter of
+    `whole`, as the loader cuts them; the LM head is left to where it is built (split by vocabulary)."""
+    whole_parameters = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name == "lm_head.weight":
+                continue
+            part = cut(whole_parameters[name], shard_of(name, whole.config), rank, size)
+            assert part.shape == parameter.shape, name
+            parameter.copy_(part)
+    return model
 
 
 def check_gated_delta_net_split(whole: torch.nn.Module, ranks: list[torch.nn.Module]) -> None:
