@@ -44,6 +44,7 @@ from morion.ops.gated_delta_rule import (
     recurrent_gated_delta_rule_reference,
 )
 from morion.ops.log_once import log_once
+from morion.ops.skinny_tiles import linear_forward
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
         value_width = r * self.head_v_dim
         z = qkvz[..., 2 * self.head_k_dim + value_width :].unflatten(-1, (r, self.head_v_dim))
-        ba = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * r)
+        ba = linear_forward(self.in_proj_ba, x).view(tokens, self.num_k_heads, 2 * r)
         qkv = GroupedChannels(qkvz, self.head_k_dim, value_width)
         return Projections(qkv, z, ba[..., :r], ba[..., r:])
 

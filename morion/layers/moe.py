@@ -32,6 +32,7 @@ from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
 from morion.ops.nvfp4 import GROUP_SIZE
+from morion.ops.skinny_tiles import linear_forward, product
 
 # How stacked experts store their weights: the model dtype, e4m3 with per-row scales, or NVFP4.
 EXPERT_FORMATS = ("model", "fp8", "nvfp4")
@@ -265,13 +266,14 @@ class SparseMoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None).
         The gate's row E is its own narrow product (layers/narrow_linear.py) and the routed GEMM keeps
-        N = E: the shapes measured row-invariant on the H200. With one GEMM of N = E + 1 (not measured)
-        the H200's decode-invariance test failed (`results/2026-12-02-h200-gpu-check-b158263.md`).
+        N = E: cuBLAS at the shapes measured row-invariant on the H200 (with one GEMM of N = E + 1, not
+        measured, the H200's decode-invariance test failed: `results/2026-12-02-h200-gpu-check-b158263.md`),
+        or the skinny kernel where the device tuned N = E (ops/skinny_tiles.py), invariant by construction.
         """
         if self.shared_slot is None:
-            return self.gate(x), None
+            return linear_forward(self.gate, x), None
         weight = self.gate.weight  # [E + 1, H]; rows 0..E-1 a contiguous view
-        return F.linear(x, weight[: self.shared_slot]), narrow_product(x, weight[self.shared_slot :])
+        return product(x, weight[: self.shared_slot]), narrow_product(x, weight[self.shared_slot :])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:

@@ -137,10 +137,34 @@ def fp8_linear_quantized(
     """`fp8_linear` of an activation already quantized per row (q [M, K] e4m3, row_scale [M] fp32), so
     that layers reading one input quantize it once. Rows of M = 0 are not allowed (cuBLASLt).
 
-    The GEMM runs `torch._scaled_mm` (cuBLASLt) with per-tensor scales, the recipe that is fastest at
-    decode sizes (kernels-and-libraries.md §4: 1.6x over bf16 where the rowwise kernel gains nothing);
-    the row scales are applied to its output. `weight.t()` is the column-major operand cuBLASLt wants.
+    Where the device tuned this shape for the skinny kernel (ops/skinny_tiles.py: decode sizes, where it
+    measured faster), that one kernel applies both scales and the bias to its fp32 sums. Otherwise the
+    GEMM runs `torch._scaled_mm` (cuBLASLt) with per-tensor scales, the recipe that is fastest at decode
+    sizes (kernels-and-libraries.md §4: 1.6x over bf16 where the rowwise kernel gains nothing), and the
+    row scales are applied to its output. `weight.t()` is the column-major operand cuBLASLt wants.
     """
+    from morion.ops.skinny_tiles import tile_for
+
+    tile = tile_for(q, weight)
+    if tile is not None:
+        from morion.ops.skinny_linear_triton import skinny_linear
+
+        return skinny_linear(
+            q, weight, tile, x_scale=row_scale, weight_scale=weight_scale, bias=bias, out_dtype=out_dtype
+        )
+    return scaled_mm_rows(q, row_scale, weight, weight_scale, bias, out_dtype)
+
+
+def scaled_mm_rows(
+    q: torch.Tensor,
+    row_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_linear_quantized` through cuBLASLt whatever the shape (what the skinny kernel is timed
+    against: ops/skinny_tune.py)."""
     out = torch._scaled_mm(
         q, weight.t(), scale_a=_unit_scale(q.device), scale_b=weight_scale, out_dtype=out_dtype
     )

@@ -51,10 +51,13 @@ def expert_shape(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertS
 
 def config_path(device_name: str, shape: ExpertShape, directory: Path | None = None) -> Path:
     """The file of this device and shape in `directory` (default CONFIG_DIR)."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-    return (
-        directory or CONFIG_DIR
-    ) / f"{slug}_E{shape.experts}_H{shape.hidden}_I{shape.intermediate}_{shape.dtype}.json"
+    name = f"{device_slug(device_name)}_E{shape.experts}_H{shape.hidden}_I{shape.intermediate}_{shape.dtype}"
+    return (directory or CONFIG_DIR) / f"{name}.json"
+
+
+def device_slug(device_name: str) -> str:
+    """The device's name as tuned files spell it ("NVIDIA H200" -> "NVIDIA_H200")."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
 
 
 @functools.cache

@@ -1,0 +1,115 @@
+"""Linear layers at decode sizes (M <= MAX_ROWS rows) as one Triton kernel that streams the weight once.
+
+    out[m, n] = round((sum over k of x[m, k] * w[n, k]) * x_scale[m] * w_scale + bias[n])
+
+with x and w both e4m3 (x quantized per row, w with one fp32 scale: `Fp8Linear`) or both in the model
+dtype (no scales: the router, Gated DeltaNet's in_proj_ba). The FP8 path through cuBLASLt is two kernels:
+`torch._scaled_mm` with per-tensor scales (its per-row recipe is no faster than bf16 at decode sizes:
+kernels-and-libraries.md §4), then the row scales multiplied into its bf16 output: 121 of the 80B
+preset's ~1,050 kernels per decode step (`results/2026-12-02-h200-profile-80b-full.md`), rounded twice.
+Here the scales meet the fp32 sum in the epilogue and the result is rounded once, as the reference
+(`ops.fp8.fp8_linear_quantized_reference`) rounds it.
+
+A program owns BLOCK_N output columns and BLOCK_M rows and walks K in BLOCK_K steps; the grid is
+(N / BLOCK_N, M / BLOCK_M), so every weight byte is read once per call at M <= BLOCK_M and the tile
+shapes come from the device's tuned file for (N, K, dtype) (ops/skinny_tiles.py). Where no file exists
+the caller keeps cuBLAS: a shape runs here only where the H200 measured it faster.
+
+Invariants:
+- Batch invariant: a row's result does not depend on M or on the other rows: the tiles are fixed per
+  shape (never chosen by M), each row's products meet only its own accumulator (`tl.dot` keeps rows
+  apart, as does the GEMV mode), and K is summed in one fixed order with no split.
+- Capturable: no host sync; M is not specialized on (`do_not_specialize`), so every CUDA-graph bucket
+  runs the one compiled variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from morion.ops.moe_decode_triton import _mma, _mma_options, _rows_first, _zero_acc
+from morion.ops.moe_tiles import Tiles
+
+# Decode and short-chunk forwards (the same bound as the fused MoE kernels' AUTO_TRITON_MAX_TOKENS):
+# up to here a token's projections are the same bits in every batch; larger forwards take cuBLAS.
+MAX_ROWS = 64
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_linear_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < M
+    cols_ok = cols < N
+    depth = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tl.cast(rows, tl.int64)[:, None] * stride_x
+    w_cols = w_ptr + tl.cast(cols, tl.int64)[None, :] * stride_w
+    acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+    for start in range(0, K, BLOCK_K):
+        k = start + depth
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
+        acc = _mma(a, w, acc, MMA, DOT_PRECISION)
+    acc = _rows_first(acc, MMA)
+    if SCALED:
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
+        acc = acc * x_scale[:, None] * tl.load(w_scale_ptr)
+    if HAS_BIAS:
+        acc = acc + tl.cast(tl.load(bias_ptr + cols, mask=cols_ok, other=0.0), tl.float32)[None, :]
+    out = out_ptr + tl.cast(rows, tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, tl.cast(acc, out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes x [M, K] @ weight [N, K].T: at most MAX_ROWS rows, unit strides on K, the
+    same element type (e4m3 with e4m3, or one float dtype)."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.shape[1] == weight.shape[1]
+        and x.dtype == weight.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: Tiles,
+    *,
+    x_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in `out_dtype` (default x's dtype), `supports(x, weight)`.
+    With e4m3 operands `x_scale` [M] (per row) and `weight_scale` (one element) are fp32 and required, and
+    `out_dtype` is the model dtype; `bias` [N] is added in fp32 before the one rounding."""
+    fp8 = x.element_size() == 1
+    if fp8 and (x_scale is None or weight_scale is None):
+        raise ValueError("e4m3 operands need x_scale (per row) and weight_scale")
+    rows, depth = x.shape
+    outputs = weight.shape[0]
+    out = torch.empty(rows, outputs, dtype=out_dtype or x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    options = _mma_options(tiles, fp8)
+    grid = (triton.cdiv(outputs, tiles.block_n), triton.cdiv(rows, options["BLOCK_M"]))
+    _skinny_linear_kernel[grid](
+        x, x_scale if fp8 else x, weight, weight_scale if fp8 else weight, bias if bias is not None else x,
+        out, rows, outputs, depth, x.stride(0), weight.stride(0), out.stride(0),
+        SCALED=fp8, HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out

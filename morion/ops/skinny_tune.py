@@ -1,0 +1,207 @@
+"""Times a model's decode-path linear shapes on this GPU, cuBLAS against the skinny Triton kernel's tiles,
+and writes ops/skinny_tiles.py's file for each shape where the kernel is faster.
+
+    python -m morion.ops.skinny_tune --model preset:qwen3-next-80b-a3b --weight-dtype fp8
+
+The shapes are those of the model built on the meta device with `--weight-dtype` (nothing is loaded):
+every FP8 linear layer (e4m3 rows and weights; the cuBLAS side is `torch._scaled_mm` plus the row-scale
+multiply it needs), and the model-dtype products the decode path sends through `skinny_tiles.product`:
+the MoE router and Gated DeltaNet's in_proj_ba (cuBLAS side: F.linear). For each shape and token count
+of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies to exceed the L2
+cache several times over (weights come from HBM, as in a decode step); microseconds per call are the
+median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes are swept
+with 4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). A shape whose
+best tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. Prints one line
+per shape and the files written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+from triton.runtime.errors import OutOfResources
+
+from morion.config import WEIGHT_DTYPES
+from morion.layers.gated_delta_net import GatedDeltaNet
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.moe import SparseMoE
+from morion.models.presets import preset_config
+from morion.models.registry import build_model
+from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
+from morion.ops.moe_decode_triton import exact_mma
+from morion.ops.moe_tiles import Tiles
+from morion.ops.moe_tune import capture_graph, launch_variants
+from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
+from morion.ops.skinny_tiles import CONFIG_DIR, LinearShape, config_path
+
+# Block shapes swept first (4 warps): GEMV tiles (one row at a time on the CUDA cores), tl.dot tiles (16
+# rows on the MMA's M side) and, for model-dtype weights, swapped tl.dot (never with FP8: `exact_mma`).
+# GEMV tiles hold BLOCK_N x BLOCK_K fp32 products: at most 16K of them (128 registers a thread at 4 warps).
+CANDIDATES = [
+    *(Tiles(n, k, 4, 3, "gemv") for n, k in ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128))),
+    Tiles(128, 64, 4, 3, "gemv"),
+    *(Tiles(n, k, 4, 3, "dot") for n in (32, 64, 128) for k in (128, 256)),
+    *(Tiles(n, k, 4, 3, "swapped") for n in (64, 128) for k in (64, 128)),
+]
+# Weight bytes each timed graph streams: 8x the H200's 50 MB L2.
+_STREAM_BYTES = 400 << 20
+_MAX_COPIES = 64
+
+Op = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def model_shapes(model: str, weight_dtype: str) -> list[LinearShape]:
+    """The distinct decode-path linear shapes of `model` (a preset name or a config.json path)."""
+    config = preset_config(model) if model.startswith("preset:") else json.loads(Path(model).read_text())
+    built = build_model(config, torch.bfloat16, torch.device("meta"), weight_dtype)
+    return sorted(set(shapes_of(built)))
+
+
+def shapes_of(model: nn.Module) -> list[LinearShape]:
+    """Each FP8 linear with cuBLASLt shapes, each router (its routed rows), each plain in_proj_ba."""
+    shapes = []
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.kernel_shapes:
+            shapes.append(LinearShape(module.out_features, module.in_features, "fp8"))
+        elif isinstance(module, SparseMoE) and type(module.gate) is nn.Linear:
+            shapes.append(_model_dtype_shape(module.num_experts, module.gate.weight))
+        elif isinstance(module, GatedDeltaNet) and type(getattr(module, "in_proj_ba", None)) is nn.Linear:
+            shapes.append(_model_dtype_shape(module.in_proj_ba.out_features, module.in_proj_ba.weight))
+    return shapes
+
+
+def _model_dtype_shape(outputs: int, weight: torch.Tensor) -> LinearShape:
+    return LinearShape(outputs, weight.shape[1], str(weight.dtype).removeprefix("torch."))
+
+
+def random_weight(shape: LinearShape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """A weight [N, K] of the shape's dtype (fan-in scaled), an FP8 one with its scale."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(shape.outputs, shape.depth, device=device, generator=generator) * shape.depth**-0.5
+    if shape.dtype != "fp8":
+        return {"weight": weight.to(getattr(torch, shape.dtype))}
+    weight, weight_scale = quantize_fp8(weight)
+    return {"weight": weight, "weight_scale": weight_scale}
+
+
+def random_rows(shape: LinearShape, tokens: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """Rows [tokens, K] of the shape's dtype, FP8 ones quantized per row with their scales."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.randn(tokens, shape.depth, device=device, generator=generator)
+    if shape.dtype != "fp8":
+        return {"x": rows.to(getattr(torch, shape.dtype))}
+    q, row_scale = quantize_fp8(rows, per_row=True)
+    return {"x": q, "x_scale": row_scale}
+
+
+def cublas_op(operands: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "x_scale" in operands:
+        o = operands
+        return scaled_mm_rows(o["x"], o["x_scale"], o["weight"], o["weight_scale"], None, torch.bfloat16)
+    return F.linear(operands["x"], operands["weight"])
+
+
+def skinny_op(tiles: Tiles) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def run(operands: dict[str, torch.Tensor]) -> torch.Tensor:
+        o = dict(operands)
+        out_dtype = torch.bfloat16 if "x_scale" in o else None
+        return skinny_linear(o.pop("x"), o.pop("weight"), tiles, **o, out_dtype=out_dtype)
+
+    return run
+
+
+def time_in_graph(op: Callable[[dict[str, torch.Tensor]], torch.Tensor], copies: Sequence[dict]) -> float:
+    """Microseconds per call: one graph calls `op` once per weight copy; median over 10 replays."""
+    graph = capture_graph(lambda: [op(operands) for operands in copies])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(copies))
+    return statistics.median(times)
+
+
+def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) -> dict:
+    """The shape's cuBLAS times, its best tile and that tile's times (the JSON written by `main`)."""
+    weight_bytes = shape.outputs * shape.depth * (1 if shape.dtype == "fp8" else 2)
+    count = max(2, min(_MAX_COPIES, -(-_STREAM_BYTES // weight_bytes)))
+    weights = [random_weight(shape, device, seed=c) for c in range(count)]
+    copies = {t: [{**random_rows(shape, t, device, seed=t), **w} for w in weights] for t in tokens}
+    cublas_us = {t: time_in_graph(cublas_op, copies[t]) for t in tokens}
+    fp8 = shape.dtype == "fp8"
+
+    def sweep(candidates: Sequence[Tiles]) -> tuple[Tiles, dict[int, float]]:
+        best: tuple[float, Tiles, dict[int, float]] | None = None
+        for tiles in candidates:
+            try:
+                times = {t: time_in_graph(skinny_op(tiles), copies[t]) for t in tokens}
+            except OutOfResources as error:  # raised when compiling, before any capture
+                print(f"skinny tune {tuple(shape)} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
+                continue
+            listed = ", ".join(f"M={t} {us:.1f} us" for t, us in times.items())
+            print(f"skinny tune {tuple(shape)} {tuple(tiles)}: {listed}", file=sys.stderr)
+            if best is None or sum(times.values()) < best[0]:
+                best = (sum(times.values()), tiles, times)
+        assert best is not None, "no candidate tile compiled"
+        return best[1], best[2]
+
+    tiles, _ = sweep([t for t in CANDIDATES if exact_mma(t, fp8)])
+    tiles, chosen_us = sweep(launch_variants(tiles))
+    return {
+        "device": torch.cuda.get_device_name(device),
+        **shape._asdict(),
+        "tiles": list(tiles),
+        "us_per_call": {str(t): round(us, 2) for t, us in chosen_us.items()},
+        "cublas_us_per_call": {str(t): round(us, 2) for t, us in cublas_us.items()},
+        "weight_copies": count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m morion.ops.skinny_tune", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", required=True, help="preset:NAME or a config.json path")
+    parser.add_argument("--weight-dtype", default="fp8", choices=WEIGHT_DTYPES)
+    parser.add_argument("--tokens", default="1,4,8,16", help="row counts whose summed time is minimised")
+    parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="directory of the JSON files")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("tuning needs a CUDA device")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if not tokens or max(tokens) > MAX_ROWS or min(tokens) < 1:
+        parser.error(f"--tokens {args.tokens}: each from 1 to {MAX_ROWS}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    shapes = model_shapes(args.model, args.weight_dtype)
+    print(f"skinny tune: {len(shapes)} shapes of {args.model}", file=sys.stderr)
+    for number, shape in enumerate(shapes, 1):
+        config = tune_shape(shape, tokens, device)
+        path = config_path(config["device"], shape, args.out)
+        ours, theirs = sum(config["us_per_call"].values()), sum(config["cublas_us_per_call"].values())
+        verdict = f"{ours:.1f} against cuBLAS {theirs:.1f} us summed over M={args.tokens}"
+        where = f"skinny tune [{number}/{len(shapes)}] {tuple(shape)}"
+        if ours < theirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(config, indent=2) + "\n")
+            print(f"{where}: {config['tiles']} {verdict}; wrote {path}")
+        else:
+            path.unlink(missing_ok=True)
+            print(f"{where}: cuBLAS kept ({verdict})")
+
+
+if __name__ == "__main__":
+    main()

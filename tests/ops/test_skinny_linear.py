@@ -1,0 +1,153 @@
+"""The skinny linear kernel (decode-size rows, one pass over the weight, scales in the epilogue): against
+F.linear and the FP8 reference in every MMA mode, a row the same bits alone as in any batch, the tuned-tile
+files that decide where it runs, and its wiring into the FP8 linear, the router and in_proj_ba. On the CPU
+the kernel runs in Triton's interpreter (no bf16 there: fp32 and fp16)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.ops import skinny_linear_triton, skinny_tiles, skinny_tune
+from morion.ops.fp8 import fp8_linear_quantized_reference, quantize_fp8
+from morion.ops.moe_tiles import Tiles
+from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
+
+MODES = [Tiles(32, 32, 4, 2, "dot"), Tiles(16, 64, 4, 2, "gemv"), Tiles(64, 32, 4, 2, "swapped")]
+
+
+def _operands(rows: int, outputs: int, depth: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, depth, generator=generator)
+    return x, torch.randn(outputs, depth, generator=generator) * depth**-0.5
+
+
+@pytest.mark.parametrize("tiles", MODES, ids=lambda t: t.mma)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_model_dtype_rows_match_f_linear_and_do_not_depend_on_the_batch(tiles, dtype):
+    x, weight = _operands(19, 72, 100, seed=1)  # N and K not multiples of the tile
+    x, weight = x.to(dtype), weight.to(dtype)
+    out = skinny_linear(x, weight, tiles)
+    assert out.shape == (19, 72) and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    for rows in (1, 2, 3, 17):
+        assert torch.equal(skinny_linear(x[:rows], weight, tiles), out[:rows])
+
+
+@pytest.mark.parametrize("tiles", MODES[:2], ids=lambda t: t.mma)
+def test_fp8_rows_take_both_scales_and_the_bias_before_one_rounding(tiles):
+    x, weight = _operands(9, 48, 96, seed=2)
+    q, row_scale = quantize_fp8(x, per_row=True)
+    weight_q, weight_scale = quantize_fp8(weight)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    out = skinny_linear(
+        q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale, bias=bias, out_dtype=torch.float16
+    )
+    reference = fp8_linear_quantized_reference(q, row_scale, weight_q, weight_scale, bias, torch.float16)
+    assert out.dtype == torch.float16
+    # Both sum exact products in fp32 (scales after the sum here, before it there): a last-bit difference
+    # of the fp32 sum at most, then one rounding to fp16.
+    torch.testing.assert_close(out, reference, rtol=1e-3, atol=1e-3)
+    for rows in (1, 4):
+        alone = skinny_linear(
+            q[:rows], weight_q, tiles, x_scale=row_scale[:rows], weight_scale=weight_scale, bias=bias,
+            out_dtype=torch.float16,
+        )  # fmt: skip
+        assert torch.equal(alone, out[:rows])
+    with pytest.raises(ValueError, match="x_scale"):
+        skinny_linear(q, weight_q, tiles)
+
+
+def test_fp8_swapped_tiles_are_refused_and_zero_rows_give_an_empty_result():
+    x, weight = _operands(2, 32, 64, seed=4)
+    q, row_scale = quantize_fp8(x, per_row=True)
+    weight_q, weight_scale = quantize_fp8(weight)
+    with pytest.raises(ValueError, match="swapped"):
+        skinny_linear(q, weight_q, MODES[2], x_scale=row_scale, weight_scale=weight_scale)
+    assert skinny_linear(x[:0], weight, MODES[0]).shape == (0, 32)
+
+
+def test_supports_decode_rows_of_one_dtype_with_unit_strides():
+    x, weight = _operands(MAX_ROWS, 16, 64, seed=5)
+    assert skinny_linear_triton.supports(x, weight)
+    assert not skinny_linear_triton.supports(torch.cat([x, x[:1]]), weight)  # a prefill chunk: cuBLAS
+    assert not skinny_linear_triton.supports(x.half(), weight)
+    assert not skinny_linear_triton.supports(x.t().contiguous().t(), weight)
+    assert not skinny_linear_triton.supports(x[None], weight)
+
+
+@pytest.fixture
+def tuned_dir(tmp_path, monkeypatch):
+    """An empty tuned-file directory in place of the package's, its cache cleared before and after."""
+    monkeypatch.setattr(skinny_tiles, "CONFIG_DIR", tmp_path)
+    skinny_tiles.tuned_tile.cache_clear()
+    yield tmp_path
+    skinny_tiles.tuned_tile.cache_clear()
+
+
+def test_a_shape_runs_the_kernel_only_with_its_tuned_file(tuned_dir):
+    shape = skinny_tiles.LinearShape(12288, 2048, "fp8")
+    assert skinny_tiles.tuned_tile("NVIDIA H200", shape) is None
+    path = skinny_tiles.config_path("NVIDIA H200", shape)
+    assert path == tuned_dir / "NVIDIA_H200_N12288_K2048_fp8.json"
+    path.write_text(json.dumps({"tiles": [64, 128, 4, 3, "gemv"], "us_per_call": {"1": 5.0}}))
+    skinny_tiles.tuned_tile.cache_clear()
+    assert skinny_tiles.tuned_tile("NVIDIA H200", shape) == Tiles(64, 128, 4, 3, "gemv")
+    assert skinny_tiles.linear_shape(torch.empty(8, 4, dtype=torch.bfloat16)) == (8, 4, "bfloat16")
+    # Off CUDA nothing is looked up: cuBLAS's place is taken by F.linear and the references.
+    x, weight = _operands(2, 8, 16, seed=6)
+    assert skinny_tiles.tile_for(x, weight) is None
+    assert torch.equal(skinny_tiles.product(x, weight), F.linear(x, weight))
+
+
+@pytest.fixture
+def every_shape_tuned(monkeypatch):
+    """`tile_for` as if the device had a tuned file for every shape the kernel takes (CPU tensors too)."""
+    calls = []
+
+    def tile_for(x, weight):
+        calls.append(tuple(weight.shape))
+        return MODES[0] if skinny_linear_triton.supports(x, weight) else None
+
+    monkeypatch.setattr(skinny_tiles, "tile_for", tile_for)
+    return calls
+
+
+def test_fp8_linear_router_and_in_proj_ba_take_the_kernel_where_a_tile_is_tuned(every_shape_tuned):
+    layer = Fp8Linear(64, 32, bias=True, bias_dtype=torch.float32)
+    source = torch.randn(32, 64) / 8
+    q_weight, weight_scale = quantize_fp8(source)
+    layer.weight.data, layer.weight_scale = q_weight, weight_scale
+    layer.bias.data = torch.randn(32)
+    x = torch.randn(5, 64)
+    q, row_scale = quantize_fp8(x, per_row=True)
+    reference = fp8_linear_quantized_reference(q, row_scale, q_weight, weight_scale, layer.bias, x.dtype)
+    from morion.ops.fp8 import fp8_linear_quantized
+
+    out = fp8_linear_quantized(q, row_scale, q_weight, weight_scale, layer.bias, x.dtype)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert every_shape_tuned == [(32, 64)]
+
+    plain = nn.Linear(64, 24, bias=False)
+    torch.testing.assert_close(skinny_tiles.linear_forward(plain, x), plain(x), rtol=1e-5, atol=1e-5)
+    biased = nn.Linear(64, 24)
+    assert torch.equal(skinny_tiles.linear_forward(biased, x), biased(x))  # not a plain product: as is
+    assert every_shape_tuned == [(32, 64), (24, 64)]
+
+
+def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
+    shapes = skinny_tune.model_shapes("preset:qwen3-next-tiny", "fp8")
+    dtypes = {shape.dtype for shape in shapes}
+    assert dtypes == {"fp8", "bfloat16"} and len(set(shapes)) == len(shapes)
+    # The router's routed rows (4 experts, hidden 64) and in_proj_ba (2 x 4 value heads) in the model dtype.
+    assert {(4, 64, "bfloat16"), (8, 64, "bfloat16")} <= set(shapes)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            skinny_tune.main(["--model", "preset:qwen3-next-tiny"])

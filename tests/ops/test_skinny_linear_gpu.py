@@ -1,0 +1,69 @@
+"""The skinny linear kernel compiled on a GPU at the 80B preset's decode shapes: against the cuBLAS path
+(FP8 rows and weights, then the router's bf16 product), a row the same bits alone as in every batch up to
+MAX_ROWS, replayed in a CUDA graph with new rows, and the tuner's per-shape sweep end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from morion.ops import skinny_tune
+from morion.ops.fp8 import scaled_mm_rows
+from morion.ops.moe_tiles import Tiles
+from morion.ops.moe_tune import capture_graph
+from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
+from morion.ops.skinny_tiles import LinearShape
+
+pytestmark = pytest.mark.gpu
+
+TILES = [Tiles(64, 128, 4, 3, "gemv"), Tiles(64, 128, 4, 3, "dot")]
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: t.mma)
+def test_fp8_rows_match_the_cublas_path_and_do_not_depend_on_the_batch(tiles):
+    shape = LinearShape(12288, 2048, "fp8")
+    operands = skinny_tune.random_weight(shape, torch.device("cuda"), 0)
+    rows = skinny_tune.random_rows(shape, MAX_ROWS, torch.device("cuda"), 1)
+    x, x_scale = rows["x"], rows["x_scale"]
+    weight, weight_scale = operands["weight"], operands["weight_scale"]
+    scales = {"x_scale": x_scale, "weight_scale": weight_scale}
+    out = skinny_linear(x, weight, tiles, **scales, out_dtype=torch.bfloat16)
+    cublas = scaled_mm_rows(x, x_scale, weight, weight_scale, None, torch.bfloat16)
+    assert _rel_l2(out, cublas) < 5e-3  # cuBLAS rounds twice (its output, then times the row scale)
+    for count in (1, 2, 3, 4, 8, 16, 17, 33):
+        alone = skinny_linear(
+            x[:count], weight, tiles, x_scale=x_scale[:count], weight_scale=weight_scale,
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        assert torch.equal(alone, out[:count]), f"{count} rows differ from the same rows among {MAX_ROWS}"
+
+
+def test_bf16_router_rows_match_f_linear_and_replay_in_a_graph():
+    shape = LinearShape(512, 2048, "bfloat16")
+    weight = skinny_tune.random_weight(shape, torch.device("cuda"), 2)["weight"]
+    x = skinny_tune.random_rows(shape, 4, torch.device("cuda"), 3)["x"]
+    tiles = Tiles(32, 128, 4, 3, "gemv")
+    eager = skinny_linear(x, weight, tiles)
+    assert _rel_l2(eager, F.linear(x, weight)) < 5e-3
+    static, out = x.clone(), torch.empty_like(eager)
+    graph = capture_graph(lambda: out.copy_(skinny_linear(static, weight, tiles)))
+    fresh = skinny_tune.random_rows(shape, 4, torch.device("cuda"), 4)["x"]
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, skinny_linear(fresh, weight, tiles))
+
+
+def test_the_tuner_times_a_shape_against_cublas(monkeypatch):
+    monkeypatch.setattr(skinny_tune, "CANDIDATES", TILES)
+    monkeypatch.setattr(skinny_tune, "launch_variants", lambda tiles: [tiles])
+    config = skinny_tune.tune_shape(LinearShape(2048, 4096, "fp8"), [1, 4], torch.device("cuda"))
+    assert Tiles(*config["tiles"]) in TILES
+    assert set(config["us_per_call"]) == set(config["cublas_us_per_call"]) == {"1", "4"}
+    assert all(us > 0 for us in [*config["us_per_call"].values(), *config["cublas_us_per_call"].values()])
+    print(f"skinny 2048x4096 fp8: {config['us_per_call']} against cuBLAS {config['cublas_us_per_call']}")
