@@ -11,7 +11,8 @@ each one sizes itself from what is left:
    allocated, and it compiles the kernels every later forward uses.
 4. State slots, then the page pool from what is really free after weights, slots and the reserve
    (the pool takes the rest, so everything sized after it must be small or on the host). One page and
-   one slot more for CUDA graphs' padding rows.
+   one slot more for CUDA graphs' padding rows. Slots or an explicit --kv-cache-tokens that do not fit
+   what is free are a one-line error naming the flag and what fits, never CUDA's out-of-memory error.
 5. The model runner over the pool, then speculative decoding over the runner (an MTP drafter writes its
    K/V into the pool's pages).
 6. The prefix cache over the pool, the host/disk tiers behind it (host memory; a write-back policy
@@ -138,6 +139,11 @@ def assemble(
         # slot per draft position); the rest are snapshots.
         per_request = 4 + (policy.max_width if policy else 0)
         num_slots = config.state_slots or per_request * config.max_running_requests
+        if device.type == "cuda":
+            _require_room_for_state_slots(
+                config, spec.bytes_per_slot, num_slots + int(use_graphs), per_request,
+                _device_room(device, activation_reserve),
+            )  # fmt: skip
         state_slots = StateSlots(spec, num_slots + int(use_graphs), device)
     state_bytes = state_slots.num_bytes if state_slots else 0
     num_pages = _num_pages(config, spec.bytes_per_page, state_bytes, activation_reserve, weight_bytes)
@@ -267,6 +273,36 @@ def _activation_reserve_bytes(
     return reserve
 
 
+def _device_room(device: torch.device, activation_reserve: int) -> int:
+    """Bytes free on the device now, less the activation reserve (never negative)."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free - activation_reserve)
+
+
+def _require_room_for_state_slots(
+    config: EngineConfig, bytes_per_slot: int, slots: int, per_request: int, room: int
+) -> None:
+    """A MorionError naming the flag when `slots` state slots do not fit the `room` left after the weights
+    and the activation reserve (the K/V pool comes after them), rather than CUDA's out-of-memory error;
+    it says how many running requests would fit."""
+    need = slots * bytes_per_slot
+    if need <= room:
+        return
+    flag = (
+        f"--state-slots {config.state_slots}"
+        if config.state_slots
+        else f"--max-running-requests {config.max_running_requests}"
+    )
+    fits = room // bytes_per_slot // per_request
+    raise MorionError(
+        f"{flag} needs {slots} state slots of {bytes_per_slot / 2**20:.1f} MiB ({need / 2**30:.2f} GiB), "
+        f"more than the {room / 2**30:.2f} GiB free after the weights and the activation reserve; "
+        f"{fits} running requests would fill it and leave no K/V pool: try --max-running-requests "
+        f"{max(1, fits // 2)}"
+    )
+
+
 def _num_pages(
     config: EngineConfig, bytes_per_page: int, state_bytes: int, activation_reserve: int, weight_bytes: int
 ) -> int:
@@ -274,13 +310,23 @@ def _num_pages(
     (after weights, state slots and the activation reserve) times `mem_fraction`."""
     device = config.torch_device
     if config.kv_cache_tokens is not None:
-        return -(-config.kv_cache_tokens // config.page_size)
+        pages = -(-config.kv_cache_tokens // config.page_size)
+        if device.type == "cuda":
+            room = _device_room(device, activation_reserve)
+            if pages * bytes_per_page > room:
+                raise MorionError(
+                    f"--kv-cache-tokens {config.kv_cache_tokens} needs "
+                    f"{pages * bytes_per_page / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB free "
+                    f"after weights, state slots and the activation reserve "
+                    f"({activation_reserve / 2**30:.2f} GiB): at most "
+                    f"{room // bytes_per_page * config.page_size} tokens fit; leave it out to take what is "
+                    "free"
+                )
+        return pages
     if config.kv_cache_gb is not None:
         budget = config.kv_cache_gb * 2**30 - state_bytes
     elif device.type == "cuda":
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = (free - activation_reserve) * config.mem_fraction
+        budget = _device_room(device, activation_reserve) * config.mem_fraction
     else:
         budget = _CPU_DEFAULT_KV_GB * 2**30 - state_bytes
     if budget < bytes_per_page:
