@@ -11,9 +11,15 @@ copies. Around every block (the mixer and the MoE of each layer):
 
 The trunk ends with a mixer of the same form without the inject weights: its `input` is the final hidden
 state that the LM head reads (there is no final RMSNorm).
+
+On CUDA, for at most `hyper_connection_triton.MAX_TOKENS` tokens (decode), the mix runs as two Triton
+kernels (ops/hyper_connection_triton.py: the eager code's rounding points, batch-invariant) instead of
+about fifteen eager ones; elsewhere, and as the reference, the eager code below.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +27,9 @@ from torch import nn
 
 from morion.layers.grouped_norm import GroupedRMSNorm
 from morion.layers.narrow_linear import NarrowLinear
+from morion.ops.log_once import log_once
+
+logger = logging.getLogger(__name__)
 
 
 class HyperConnection(nn.Module):
@@ -37,6 +46,22 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, n * H] -> (block input [T, H], inject weights [T, n] or None for the final mixer)."""
+        if streams.is_cuda:
+            from morion.ops import hyper_connection_triton
+
+            weights = (
+                self.hc_norm.weight,
+                self.input_mix_weight_down.weight,
+                self.input_mix_weight_up.weight,
+                None if self.block_inject_weight is None else self.block_inject_weight.weight,
+            )
+            if hyper_connection_triton.supports(streams, *weights, self.hc_count):
+                log_once(logger, "hyper-connection mix: two fused Triton kernels (decode), batch-invariant")
+                return hyper_connection_triton.mix(streams, *weights, self.hc_count, self.hc_norm.eps)
+        return self.mix_reference(streams)
+
+    def mix_reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`mix` in eager torch at any size, on any device: the reference of the fused kernels."""
         normed = self.hc_norm(streams)
         gate = torch.sigmoid(
             self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc_count))

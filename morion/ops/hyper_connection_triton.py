@@ -1,0 +1,281 @@
+"""Qwen3.8-Flash-Next's hyper-connection mix (layers/hyper_connection.py) in two Triton kernels, for
+small token counts (decode, speculative verify, short chunks: T <= MAX_TOKENS).
+
+In eager torch one mix is about fifteen kernels (the grouped norm's fp32 ops, two GEMMs, silu, divides,
+sigmoid, products, a mean, the narrow inject linear); at T = 1 each is launch- or latency-bound. Here,
+with streams [T, n * H], W_down [R, n * H], W_up [n * H, R], W_inject [n, n * H]:
+
+1. `_down_kernel`, grid (row blocks of [W_down; W_inject], stream s, token block): split-K by stream.
+   A program sums its BLOCK_T tokens' squares over stream s (rstd[t, s]), then streams the H columns of
+   stream s once more, normalising them on the fly (rounded to the dtype, as the eager norm's output),
+   and multiplies them by its BLOCK_N weight rows: partial[s, t, row], fp32. The programs of row block 0
+   write rstd [T, n] for kernel 2.
+2. `_up_mix_kernel`, grid (blocks of BLOCK_C hidden columns, token block): act = silu(down / n), down
+   the sum of the n partials in stream order; then for its columns c of every stream s the rows
+   s * H + c of W_up: up, sigmoid, times normed (recomputed from streams and rstd, the same bits as in
+   kernel 1) and the mean over the streams: mixed [T, H]. The programs of column block 0 also finish
+   the inject weights 2 * sigmoid(inject / n) [T, n] from their partials.
+
+Every weight byte is read once per token block (a call at T <= BLOCK_T reads each once), spread over
+hundreds of programs that each stream a few tens of KiB, rather than one program per token row. The
+token block is small (4 rows) because masked rows still cost FMAs on the CUDA cores; the price is a
+re-read of the weights (mostly from L2) per block, which makes the eager path faster beyond MAX_TOKENS.
+
+Rounding points: those of the eager code in the weights' dtype. normed is computed in fp32 and rounded
+once; each GEMV sums in fp32 and rounds once (as F.linear does); `/ n`, silu, sigmoid, gate * normed and
+2 * sigmoid each round to the dtype; the mean sums the n products in fp32 and rounds once. Divisions by
+n and H are products with the fp32 reciprocal, as torch does for CUDA tensors divided by a number and in
+its mean (exact for n = 4). Left different: the GEMVs' summation order (cuBLAS's differs too between
+shapes) and the exp of silu and sigmoid, whose last fp32 bits may differ from torch's on the GPU (as in
+ops/fp8.py's `quantize_fp8_sigmoid_gated`): a rounding may flip, so a result is within about an ulp
+of the products it averages; fp32 runs agree to about 1e-6. Measured on the H200 in bf16 at Flash-Next's
+shape with random weights: bit-identical to eager at T = 1 to 16; at T = 64 (cuBLAS sums in another
+order there) 0.04% of the outputs differ, by at most 2^-8.
+
+Invariants:
+- Batch invariant: a token row's result does not depend on T or on the other rows. The tiles are fixed
+  (BLOCK_T rows, whatever T is), a row never meets another row in a reduction, and the split-K partials
+  are summed in a fixed order by one program, without atomics.
+- Capturable: grids and buffers depend only on T and the weights' shapes; nothing is read back on the
+  host. T is not specialized on, so every CUDA-graph bucket runs the same compiled kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Where the eager mix catches up: on the H200 at Flash-Next's shape, in CUDA graphs, one mix took 26 us
+# fused against 67 us eager at T = 1 to 4, 42 against 71 at T = 16, 71 against 73 at T = 32, but 130
+# against 79 at T = 64 (each token block re-reads the weights; see the module docstring).
+MAX_TOKENS = 32
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK_T = 4  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
+_BLOCK_N = 4  # rows of [W_down; W_inject] per kernel-1 program: (R / 4 + 1) * n = 324 programs at T <= 4
+_BLOCK_K = 512
+_BLOCK_C = 16  # hidden columns per kernel-2 program: n * 16 rows of W_up (40 KiB), 160 programs
+_BLOCK_R = 32
+
+
+@triton.jit
+def _rounded(x, dtype):
+    """x rounded to `dtype` (as torch stores an op's result), back in fp32."""
+    return tl.cast(tl.cast(x, dtype), tl.float32)
+
+
+@triton.jit
+def _normed(x, rstd, w_norm, dtype):
+    """GroupedRMSNorm of fp32 x given its stream's rstd: x * rstd * (1 + w) in fp32, rounded once. Both
+    kernels go through here, so kernel 2 recomputes the very bits that kernel 1 multiplied."""
+    return _rounded((x * rstd) * (1.0 + w_norm), dtype)
+
+
+@triton.jit
+def _sigmoid(x):
+    # 1 / (1 + e^-x) with an IEEE division, as torch's sigmoid (row_kernels_triton does the same).
+    return tl.math.div_rn(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _down_kernel(
+    streams_ptr, norm_w_ptr, down_w_ptr, inject_w_ptr, partial_ptr, rstd_ptr,
+    num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_hidden, eps,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    block = tl.program_id(0)
+    stream = tl.program_id(1)
+    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens_ok = tokens < num_tokens
+    depth = tl.arange(0, BLOCK_K)
+    row_ptrs = streams_ptr + tokens[:, None] * stride_streams + stream * hidden
+    dtype = streams_ptr.dtype.element_ty
+
+    squares = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        k = start + depth
+        mask = tokens_ok[:, None] & (k[None, :] < hidden)
+        x = tl.cast(tl.load(row_ptrs + k[None, :], mask=mask, other=0.0), tl.float32)
+        squares += x * x
+    # As torch's mean on CUDA: the fp32 sum times the fp32 reciprocal of H.
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) * inv_hidden + eps)
+    if block == 0:
+        tl.store(rstd_ptr + tokens * hc_count + stream, rstd, mask=tokens_ok)
+
+    # Row blocks of W_down first, then those of W_inject (none for the final mixer): one output space of
+    # out_rows = R (+ n) columns in the partials.
+    down_blocks = tl.cdiv(lowrank, BLOCK_N)
+    if block < down_blocks:
+        w_ptr = down_w_ptr
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ok = rows < lowrank
+        cols = rows
+    else:
+        w_ptr = inject_w_ptr
+        rows = (block - down_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ok = rows < hc_count
+        cols = lowrank + rows
+    width = hidden * hc_count
+    acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        k = start + depth
+        k_ok = k < hidden
+        x = tl.load(row_ptrs + k[None, :], mask=tokens_ok[:, None] & k_ok[None, :], other=0.0)
+        w_norm = tl.cast(tl.load(norm_w_ptr + stream * hidden + k, mask=k_ok, other=0.0), tl.float32)
+        normed = _normed(tl.cast(x, tl.float32), rstd[:, None], w_norm[None, :], dtype)
+        w = tl.load(
+            w_ptr + rows[:, None] * width + stream * hidden + k[None, :],
+            mask=rows_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc += normed[:, None, :] * tl.cast(w, tl.float32)[None, :, :]
+    partial = tl.sum(acc, axis=2)
+    offsets = (stream * num_tokens + tokens[:, None]) * out_rows + cols[None, :]
+    tl.store(partial_ptr + offsets, partial, mask=tokens_ok[:, None] & rows_ok[None, :])
+
+
+@triton.jit
+def _summed_partials(partial_ptr, tokens, cols, mask, num_tokens, hc_count, out_rows):
+    """The n streams' partial sums of output columns `cols` [1, C] for `tokens` [BLOCK_T, 1], added in
+    stream order in fp32: the GEMV's result before its rounding."""
+    total = tl.zeros(mask.shape, dtype=tl.float32)
+    for stream in range(0, hc_count):
+        offsets = (stream * num_tokens + tokens) * out_rows + cols
+        total += tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _up_mix_kernel(
+    streams_ptr, norm_w_ptr, up_w_ptr, partial_ptr, rstd_ptr, mixed_ptr, inject_ptr,
+    num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_count,
+    HAS_INJECT: tl.constexpr, HC_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    dtype = mixed_ptr.dtype.element_ty
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens_ok = tokens < num_tokens
+    # Row i of this program's up rows is column c of stream s: W_up row s * H + c.
+    lanes = tl.arange(0, HC_BLOCK * BLOCK_C)
+    stream = lanes // BLOCK_C
+    col = tl.program_id(0) * BLOCK_C + lanes % BLOCK_C
+    lanes_ok = (stream < hc_count) & (col < hidden)
+    up_rows = stream * hidden + col
+    depth = tl.arange(0, BLOCK_R)
+
+    acc = tl.zeros((BLOCK_T, HC_BLOCK * BLOCK_C, BLOCK_R), dtype=tl.float32)
+    for start in range(0, lowrank, BLOCK_R):
+        r = start + depth
+        r_ok = r < lowrank
+        down = _summed_partials(
+            partial_ptr, tokens[:, None], r[None, :], tokens_ok[:, None] & r_ok[None, :],
+            num_tokens, hc_count, out_rows,
+        )  # fmt: skip
+        scaled = _rounded(_rounded(down, dtype) * inv_count, dtype)
+        act = _rounded(tl.math.div_rn(scaled, 1.0 + tl.exp(-scaled)), dtype)  # silu, as torch's
+        w = tl.load(
+            up_w_ptr + up_rows[:, None] * lowrank + r[None, :],
+            mask=lanes_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        acc += act[:, None, :] * tl.cast(w, tl.float32)[None, :, :]
+    gate = _rounded(_sigmoid(_rounded(tl.sum(acc, axis=2), dtype)), dtype)
+
+    mask = tokens_ok[:, None] & lanes_ok[None, :]
+    x = tl.cast(
+        tl.load(streams_ptr + tokens[:, None] * stride_streams + up_rows[None, :], mask=mask, other=0.0),
+        tl.float32,
+    )
+    rstd = tl.load(rstd_ptr + tokens[:, None] * hc_count + stream[None, :], mask=mask, other=0.0)
+    w_norm = tl.cast(tl.load(norm_w_ptr + up_rows, mask=lanes_ok, other=0.0), tl.float32)
+    normed = _normed(x, rstd, w_norm[None, :], dtype)
+    products = tl.where(mask, _rounded(gate * normed, dtype), 0.0)
+    mixed = tl.sum(tl.reshape(products, (BLOCK_T, HC_BLOCK, BLOCK_C)), axis=1) * inv_count
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    out_mask = tokens_ok[:, None] & (cols[None, :] < hidden)
+    tl.store(mixed_ptr + tokens[:, None] * hidden + cols[None, :], tl.cast(mixed, dtype), mask=out_mask)
+
+    if HAS_INJECT and tl.program_id(0) == 0:  # one program per token block finishes the inject weights
+        j = tl.arange(0, HC_BLOCK)
+        inject_mask = tokens_ok[:, None] & (j[None, :] < hc_count)
+        logits = _summed_partials(
+            partial_ptr,
+            tokens[:, None],
+            lowrank + j[None, :],
+            inject_mask,
+            num_tokens,
+            hc_count,
+            out_rows,
+        )
+        scaled = _rounded(_rounded(logits, dtype) * inv_count, dtype)
+        weights = 2.0 * _rounded(_sigmoid(scaled), dtype)
+        tl.store(
+            inject_ptr + tokens[:, None] * hc_count + j[None, :],
+            tl.cast(weights, dtype),
+            mask=inject_mask,
+        )
+
+
+def supports(
+    streams: torch.Tensor,
+    norm_weight: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    inject: torch.Tensor | None,
+    hc_count: int,
+) -> bool:
+    """Whether the kernels take this mix: streams [T <= MAX_TOKENS, n * H] with unit stride on the width,
+    contiguous weights of the streams' dtype (one of DTYPES) and of the mix's shapes."""
+    lowrank, width = down.shape
+    weights = (down, up) if inject is None else (down, up, inject)
+    return (
+        width % hc_count == 0
+        and streams.dim() == 2
+        and streams.shape[0] <= MAX_TOKENS
+        and streams.shape[1] == width
+        and streams.stride(1) == 1
+        and streams.dtype in DTYPES
+        and norm_weight.shape == (width,)
+        and norm_weight.is_contiguous()
+        and up.shape == (width, lowrank)
+        and (inject is None or inject.shape == (hc_count, width))
+        and all(w.dtype == streams.dtype and w.is_contiguous() for w in weights)
+    )
+
+
+def mix(
+    streams: torch.Tensor,
+    norm_weight: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    inject: torch.Tensor | None,
+    hc_count: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`HyperConnection.mix` for shapes `supports` takes: streams [T, n * H] -> (block input [T, H],
+    inject weights [T, n], or None for the final mixer, which has no inject weights)."""
+    num_tokens, width = streams.shape
+    hidden, lowrank = width // hc_count, down.shape[0]
+    device, dtype = streams.device, streams.dtype
+    mixed = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+    weights = None if inject is None else torch.empty(num_tokens, hc_count, dtype=dtype, device=device)
+    if num_tokens == 0:
+        return mixed, weights
+    # The down GEMV's columns: R of W_down, then n of W_inject; per stream, fp32.
+    out_rows = lowrank + (0 if inject is None else hc_count)
+    partial = torch.empty(hc_count, num_tokens, out_rows, dtype=torch.float32, device=device)
+    rstd = torch.empty(num_tokens, hc_count, dtype=torch.float32, device=device)
+    token_blocks = triton.cdiv(num_tokens, _BLOCK_T)
+    row_blocks = triton.cdiv(lowrank, _BLOCK_N) + (0 if inject is None else triton.cdiv(hc_count, _BLOCK_N))
+    _down_kernel[(row_blocks, hc_count, token_blocks)](
+        streams, norm_weight, down, down if inject is None else inject, partial, rstd,
+        num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hidden, eps,
+        BLOCK_T=_BLOCK_T, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    _up_mix_kernel[(triton.cdiv(hidden, _BLOCK_C), token_blocks)](
+        streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
+        num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
+        HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
+        BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, BLOCK_R=_BLOCK_R, num_warps=4,
+    )  # fmt: skip
+    return mixed, weights
