@@ -32,9 +32,10 @@ Two paths (ops/qsa.py):
   after a verify step, spec/mtp.py; see `static_step`): static shapes and no host syncs, so the step
   can be captured in a CUDA graph. Scores over the page table's whole block capacity (-inf past each
   query's complete blocks), a top-k of fixed size, the selected tokens' slots through the page table,
-  attention masked to each row's count. On CUDA a Triton scoring kernel and the paged decode kernel
-  (one-token pages) run it; on the CPU torch. Ties among equally scored blocks go to the lower block
-  index, except on the CPU, where both paths break them exactly as transformers does there
+  attention masked to each row's count. On CUDA three kernels run it: Triton block scores, one Triton
+  kernel for the top-k and the token slots (a radix select over the row's complete blocks only), the
+  paged decode kernel (one-token pages); on the CPU torch. Ties among equally scored blocks go to the
+  lower block index, except on the CPU, where both paths break them exactly as transformers does there
   (`exact_ties_on_cpu`).
 - prefill chunks and mixed batches: on CUDA, the static path again, one sequence's rows at a time in
   tiles of `PREFILL_TILE_ROWS` queries (`static_prefill`); on the CPU the per-sequence reference (shapes
@@ -238,33 +239,32 @@ class QSAAttention(GatedAttentionProjections):
         """Rows b * n .. b * n + n - 1 are the n queries of sequence b (page_table row b) at consecutive
         positions: a decode or verify step, or a tile of one sequence's prefill chunk. No host syncs
         (but with exact CPU ties). The attention's split count follows the fixed selection width alone, so
-        a query's result is the same in a prefill tile, a decode step or a verify (any batch)."""
+        a query's result is the same in a prefill tile, a decode step or a verify (any batch). On CUDA
+        three kernels: block scores, the selection with its token slots, the paged attention."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
         page_size = backend.page_size
         num_seqs, rows = page_table.shape[0], q.shape[0]
         num_complete = torch.div(positions + 1, ratio, rounding_mode="floor")
         key_rows = self._block_rows(backend)
-        if q.is_cuda:
-            from morion.ops import qsa_triton
-
-            scores = qsa_triton.block_scores(index_q, key_rows, page_table, num_complete, page_size, ratio)
-        else:
-            # Each page holds page_size / r consecutive block rows: gather whole pages of block keys.
-            per_page = key_rows.view(-1, page_size // ratio, key_rows.shape[-1])
-            keys = per_page[page_table.long()].view(num_seqs, -1, key_rows.shape[-1])[..., :dim]
-            scores = static_block_scores(index_q, keys, num_complete)
-        exact = not q.is_cuda and self.exact_ties_on_cpu
-        blocks = select_blocks(scores, num_complete, self.block_topk, exact)
-        tokens, counts = selected_tokens(blocks, num_complete, positions, ratio)
-        sequence = torch.div(torch.arange(rows, device=q.device), rows // num_seqs, rounding_mode="floor")
-        pages = page_table.long()[sequence[:, None], tokens // page_size]
-        slots = pages * page_size + tokens % page_size
         kv_layer = backend.kv_pool(self.attention_ordinal)
         k_scale, v_scale = backend.kv_scales
         if q.is_cuda:
             from morion.ops import qsa_triton
 
+            scores = qsa_triton.block_scores(index_q, key_rows, page_table, num_complete, page_size, ratio)
+            slots, counts = qsa_triton.select_token_slots(
+                scores, num_complete, positions, page_table, self.block_topk, ratio, page_size
+            )
             return qsa_triton.sparse_attention(q, kv_layer, slots, counts, self.scale, k_scale, v_scale)
+        # Each page holds page_size / r consecutive block rows: gather whole pages of block keys.
+        per_page = key_rows.view(-1, page_size // ratio, key_rows.shape[-1])
+        keys = per_page[page_table.long()].view(num_seqs, -1, key_rows.shape[-1])[..., :dim]
+        scores = static_block_scores(index_q, keys, num_complete)
+        blocks = select_blocks(scores, num_complete, self.block_topk, self.exact_ties_on_cpu)
+        tokens, counts = selected_tokens(blocks, num_complete, positions, ratio)
+        sequence = torch.div(torch.arange(rows, device=q.device), rows // num_seqs, rounding_mode="floor")
+        pages = page_table.long()[sequence[:, None], tokens // page_size]
+        slots = pages * page_size + tokens % page_size
         k, v = gather_token_kv(kv_layer, slots, k_scale, v_scale)
         return static_sparse_attention(q, k, v, counts, self.scale)
 

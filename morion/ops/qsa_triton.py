@@ -5,6 +5,15 @@
   consecutive) and writes sum_h relu(q_h . key) / sqrt(Di), or -inf past the row's complete blocks. The
   grid covers the page table's whole block capacity (a static shape); tiles past a row's complete blocks
   load nothing (masked), so the bytes read follow the real context.
+- `select_token_slots`: one program per query row takes the row's top-k blocks (the rule of
+  `qsa.select_blocks` without exact ties: positive scores first, then zero scores by lower block index;
+  equal positive scores also by lower index) by an 8-pass radix select over the rank keys of its complete
+  blocks only, then writes the flat pool slots of their tokens (blocks in ascending order) and of the
+  unfinished block's tail, as `qsa.selected_tokens` and the page-table lookup after it do, in one kernel.
+  Its loops run over the row's complete blocks, not the table's capacity: a 1K-token context costs a
+  few hundred entries where torch.topk over the capacity (65,536 blocks at 256K tokens) took 83 us a
+  layer on the H200 (`results/2026-12-02-h200-profile-flash-next-12l.md`). A row with at most k complete
+  blocks takes all of them without a select.
 - `sparse_attention`: the selected tokens of each query row, as flat pool slots [rows, W], are a page
   table with one-token pages: the paged decode kernel (`paged_attention_triton`, split-KV, GQA packing,
   FP8 K/V) attends each row, as its own one-query sequence of counts[row] keys, to exactly those.
@@ -99,6 +108,115 @@ def block_scores(
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_B=block_b, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _rank_keys(scores_ptr, blocks, ok):
+    """Rank keys (int64 in [0, 2^32), larger ranks first) of the blocks `blocks`: a positive score's fp32
+    bits above 2^31 (positive floats order as their bits), a zero (or NaN garbage) below 2^31 and falling
+    with the block index, so zeros rank by lower block."""
+    scores = tl.load(scores_ptr + blocks, mask=ok, other=0.0)
+    bits = tl.cast(scores.to(tl.int32, bitcast=True), tl.int64)
+    return tl.where(scores > 0.0, bits + 2147483648, 2147483647 - tl.cast(blocks, tl.int64))
+
+
+@triton.jit
+def _select_token_slots_kernel(
+    scores_ptr, num_complete_ptr, positions_ptr, page_table_ptr, slots_ptr, counts_ptr,
+    stride_scores, stride_page_table, stride_slots, rows_per_seq, num_blocks,
+    TOP_K: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    seq = row // rows_per_seq
+    scores_row = scores_ptr + tl.cast(row, tl.int64) * stride_scores
+    table_row = page_table_ptr + tl.cast(seq, tl.int64) * stride_page_table
+    complete = tl.minimum(tl.load(num_complete_ptr + row).to(tl.int32), num_blocks)
+    position = tl.load(positions_ptr + row).to(tl.int32)
+    chosen = tl.minimum(complete, TOP_K)
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 16)
+    # The TOP_K-th largest key (`threshold`) and how many keys equal to it are taken (`need_equal`, the
+    # lower blocks first); with at most TOP_K complete blocks every one is taken (every key exceeds 0).
+    threshold = tl.zeros([], dtype=tl.int64)
+    need_equal = tl.zeros([], dtype=tl.int32)
+    if complete > TOP_K:
+        remaining = tl.full([], TOP_K, dtype=tl.int32)
+        for digit_index in tl.static_range(8):  # 4 bits at a time, from the top
+            shift = 28 - 4 * digit_index
+            counts = tl.zeros([16], dtype=tl.int32)
+            for start in range(0, complete, BLOCK):
+                blocks = start + offs
+                ok = blocks < complete
+                keys = _rank_keys(scores_row, blocks, ok)
+                match = ok & ((keys >> (shift + 4)) == (threshold >> (shift + 4)))
+                digit = ((keys >> shift) & 15).to(tl.int32)
+                hits = match[:, None] & (digit[:, None] == bins[None, :])
+                counts += tl.sum(hits.to(tl.int32), axis=0)
+            # The digit d whose keys hold the remaining-th largest: counts at d and above reach it.
+            at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+            d = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
+            remaining -= tl.sum(tl.where(bins > d, counts, 0), axis=0)
+            threshold = threshold | (tl.cast(d, tl.int64) << shift)
+        need_equal = remaining
+    # The chosen blocks in ascending order, each as its RATIO token slots.
+    taken = tl.zeros([], dtype=tl.int32)
+    equal_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, complete, BLOCK):
+        blocks = start + offs
+        ok = blocks < complete
+        keys = _rank_keys(scores_row, blocks, ok)
+        equal = ok & (keys == threshold)
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+        picked = (ok & (keys > threshold)) | (equal & (equal_rank < need_equal))
+        column = (taken + tl.cumsum(picked.to(tl.int32), axis=0) - 1) * RATIO
+        for j in tl.static_range(RATIO):
+            token = blocks * RATIO + j
+            page = tl.load(table_row + token // PAGE_SIZE, mask=picked, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + token % PAGE_SIZE
+            tl.store(slots_ptr + row * stride_slots + column + j, slot.to(tl.int32), mask=picked)
+        taken += tl.sum(picked.to(tl.int32), axis=0)
+        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+    # Then the unfinished block's tail, then token 0 (a valid slot, masked by the count) to WIDTH.
+    count = chosen * RATIO + position + 1 - complete * RATIO
+    for start in range(chosen * RATIO, WIDTH, BLOCK):
+        column = start + offs
+        token = tl.where(column < count, complete * RATIO + column - chosen * RATIO, 0)
+        inside = column < WIDTH
+        page = tl.load(table_row + token // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + token % PAGE_SIZE
+        tl.store(slots_ptr + row * stride_slots + column, slot.to(tl.int32), mask=inside)
+    tl.store(counts_ptr + row, count)
+
+
+def select_token_slots(
+    scores: torch.Tensor,
+    num_complete: torch.Tensor,
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    block_topk: int,
+    ratio: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B * n, NB] from `block_scores`, num_complete and positions [B * n], page_table [B, P] ->
+    (slots [B * n, W] int32, counts [B * n] int32), W = K * ratio + ratio - 1 with K = min(block_topk, NB):
+    row t attends to the pool slots slots[t, :counts[t]] (what `qsa.select_blocks` without exact ties,
+    `qsa.selected_tokens` and the page table give, the chosen blocks in ascending order)."""
+    rows, num_blocks = scores.shape
+    top_k = min(block_topk, num_blocks)
+    width = top_k * ratio + ratio - 1
+    if scores.stride(-1) != 1 or page_table.stride(-1) != 1:
+        raise ValueError("scores and page_table must be contiguous in their last dimension")
+    slots = torch.empty(rows, width, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(rows, dtype=torch.int32, device=scores.device)
+    if rows:
+        _select_token_slots_kernel[(rows,)](
+            scores, num_complete, positions, page_table, slots, counts,
+            scores.stride(0), page_table.stride(0), slots.stride(0), rows // page_table.shape[0], num_blocks,
+            TOP_K=top_k, RATIO=ratio, PAGE_SIZE=page_size, WIDTH=width, BLOCK=64 if _INTERPRET else 512,
+            num_warps=4,
+        )  # fmt: skip
+    return slots, counts
 
 
 def sparse_attention(

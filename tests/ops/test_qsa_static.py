@@ -157,3 +157,50 @@ def test_host_rows_gathered_by_the_device():
     rows = torch.tensor([0, 16, 7, 13, 6, 15, 15], device=DEVICE)
     got = gather_host_rows(rows, addresses, shard_rows, dim * 4).view(torch.float32)
     assert torch.equal(got.cpu(), torch.cat(shards)[rows.cpu()])
+
+
+def _torch_token_slots(scores, num_complete, positions, page_table, block_topk, ratio, page_size):
+    """The torch code's slots and counts (select_blocks without exact ties, selected_tokens, the table)."""
+    blocks = select_blocks(scores, num_complete, block_topk, exact_ties=False)
+    tokens, counts = selected_tokens(blocks, num_complete, positions, ratio)
+    sequence = torch.arange(scores.shape[0], device=scores.device) // (scores.shape[0] // page_table.shape[0])
+    pages = page_table.long()[sequence[:, None], tokens // page_size]
+    return pages * page_size + tokens % page_size, counts
+
+
+@pytest.mark.parametrize("rows_per_seq", [1, 3])
+def test_the_selection_kernel_takes_the_torch_code_s_tokens_as_slots(rows_per_seq):
+    """Rows with fewer complete blocks than the top-k (all taken), more (a radix select), many zero
+    scores (ties to the lower block) and the table's full capacity: the same slots as the torch code,
+    the chosen blocks in ascending order; padding to the width is token 0's slot, as there."""
+    from morion.ops.qsa_triton import select_token_slots
+
+    generator = torch.Generator().manual_seed(7)
+    ratio, page_size, block_topk, pages = 4, 16, 5, 6
+    capacity = pages * page_size // ratio  # 24 blocks
+    num_seqs = 4
+    ends = torch.tensor([3, 18, 61, capacity * ratio - 1])  # 0, 4, 15 and 24 complete blocks at the end
+    positions = torch.stack([ends - rows_per_seq + 1 + i for i in range(rows_per_seq)], dim=1).flatten()
+    positions = positions.clamp(min=0)
+    num_complete = (positions + 1) // ratio
+    page_table = torch.randperm(40, generator=generator)[: num_seqs * pages].view(num_seqs, pages).int()
+    scores = torch.rand(len(positions), capacity, generator=generator)
+    # The third sequence mostly zeros: fewer positive scores than the top-k, so zeros fill it by index.
+    zero_share = torch.tensor([0.5, 0.5, 0.9, 0.5]).repeat_interleave(rows_per_seq)[:, None]
+    scores = torch.where(torch.rand(scores.shape, generator=generator) < zero_share, 0.0, scores)
+    assert ((scores[2 * rows_per_seq] > 0).sum() < block_topk).item()
+    blocks = torch.arange(capacity)
+    scores = torch.where(blocks[None, :] < num_complete[:, None], scores, float("-inf"))
+    args = (num_complete, positions, page_table, block_topk, ratio, page_size)
+    slots, counts = select_token_slots(scores.to(DEVICE), *(a.to(DEVICE) for a in args[:3]), *args[3:])
+    want_slots, want_counts = _torch_token_slots(scores, *args)
+    assert slots.dtype == counts.dtype == torch.int32 and slots.shape == want_slots.shape
+    assert torch.equal(counts.cpu().long(), want_counts)
+    for row, count in enumerate(want_counts.tolist()):
+        assert sorted(slots[row, :count].tolist()) == sorted(want_slots[row, :count].tolist()), row
+        assert torch.equal(slots[row, count:].cpu().long(), want_slots[row, count:]), row
+        chosen = min(block_topk, int(num_complete[row])) * ratio  # blocks ascend: their first slots do
+        firsts = [int(s) for s in slots[row, :chosen:ratio].cpu()]
+        tokens = [page_table[row // rows_per_seq].tolist().index(s // page_size) * page_size + s % page_size
+                  for s in firsts]  # fmt: skip
+        assert tokens == sorted(tokens), row
