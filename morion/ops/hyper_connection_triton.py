@@ -19,7 +19,7 @@ with streams [T, n * H], W_down [R, n * H], W_up [n * H, R], W_inject [n, n * H]
 Every weight byte is read once per token block (a call at T <= BLOCK_T reads each once), spread over
 hundreds of programs that each stream a few tens of KiB, rather than one program per token row. The
 token block is small (4 rows) because masked rows still cost FMAs on the CUDA cores; the price is a
-re-read of the weights (mostly from L2) per block, which makes the eager path faster beyond MAX_TOKENS.
+re-read of the weights (mostly from L2) per block, which makes the eager path faster beyond 32 tokens.
 
 Rounding points: those of the eager code in the weights' dtype. normed is computed in fp32 and rounded
 once; each GEMV sums in fp32 and rounds once (as F.linear does); `/ n`, silu, sigmoid, gate * normed and
@@ -46,10 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Where the eager mix catches up: on the H200 at Flash-Next's shape, in CUDA graphs, one mix took 26 us
+# The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
+# up to here a token's mix is the same bits in every decode batch; past it the eager code takes over, which
+# sums in another order. Measured on the H200 at Flash-Next's shape, in CUDA graphs, one mix took 26 us
 # fused against 67 us eager at T = 1 to 4, 42 against 71 at T = 16, 71 against 73 at T = 32, but 130
-# against 79 at T = 64 (each token block re-reads the weights; see the module docstring).
-MAX_TOKENS = 32
+# against 79 at T = 64 (each token block re-reads the weights; see the module docstring): batches of 33
+# to 64 rows pay that for invariance until the kernels take larger token tiles.
+MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_T = 4  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
 _BLOCK_N = 4  # rows of [W_down; W_inject] per kernel-1 program: (R / 4 + 1) * n = 324 programs at T <= 4
