@@ -1,0 +1,129 @@
+"""Compiles Triton kernels for Hopper (sm_90) without a GPU: Triton's front end, its passes and the
+ptxas that its wheel ships, exactly as on the H200. Run as a script in a process of its own, since the
+test process runs every kernel in Triton's interpreter (TRITON_INTERPRET=1), whose kernels do not
+compile. Prints one line per kernel, `ok` or the error; exits 1 if any failed.
+
+Signatures give each argument's type; constexprs the values of an H200 decode step at the real shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from morion.ops import hyper_connection_triton, qsa_triton, skinny_linear_triton
+from morion.ops.moe_decode_triton import _MMA_MODES
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _skinny(mma: str, fp8: bool) -> tuple:
+    element = "*fp8e4nv" if fp8 else "*bf16"
+    scale = "*fp32" if fp8 else element
+    signature = {
+        "x_ptr": element, "x_scale_ptr": scale, "w_ptr": element, "w_scale_ptr": scale, "bias_ptr": "*bf16",
+        "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+        "stride_out": "i32",
+    }  # fmt: skip
+    constexprs = {
+        "SCALED": fp8, "HAS_BIAS": True, "DOT_PRECISION": "tf32", "MMA": _MMA_MODES[mma],
+        "BLOCK_M": 1 if mma == "gemv" else 16, "BLOCK_N": 64, "BLOCK_K": 128,
+    }  # fmt: skip
+    return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
+
+
+KERNELS = {
+    "qsa_triton._select_token_slots_kernel": (
+        qsa_triton._select_token_slots_kernel,
+        {
+            "scores_ptr": "*fp32",
+            "num_complete_ptr": "*i64",
+            "positions_ptr": "*i64",
+            "page_table_ptr": "*i32",
+            "slots_ptr": "*i32",
+            "counts_ptr": "*i32",
+            "stride_scores": "i32",
+            "stride_page_table": "i32",
+            "stride_slots": "i32",
+            "rows_per_seq": "i32",
+            "num_blocks": "i32",
+        },
+        {"TOP_K": 512, "RATIO": 4, "PAGE_SIZE": 16, "WIDTH": 2051, "BLOCK": 512},
+    ),
+    **{
+        f"skinny_linear_triton._skinny_linear_kernel[{mma}, {'fp8' if fp8 else 'bf16'}]": _skinny(mma, fp8)
+        for mma in ("dot", "gemv")
+        for fp8 in (True, False)
+    },
+    "hyper_connection_triton._down_kernel": (
+        hyper_connection_triton._down_kernel,
+        {
+            "streams_ptr": "*bf16",
+            "norm_w_ptr": "*bf16",
+            "down_w_ptr": "*bf16",
+            "inject_w_ptr": "*bf16",
+            "partial_ptr": "*fp32",
+            "rstd_ptr": "*fp32",
+            "num_tokens": "i32",
+            "hidden": "i32",
+            "lowrank": "i32",
+            "hc_count": "i32",
+            "out_rows": "i32",
+            "stride_streams": "i32",
+            "inv_hidden": "fp32",
+            "eps": "fp32",
+        },
+        {"BLOCK_T": 4, "BLOCK_N": 4, "BLOCK_K": 512},
+    ),
+    "hyper_connection_triton._up_mix_kernel": (
+        hyper_connection_triton._up_mix_kernel,
+        {
+            "streams_ptr": "*bf16",
+            "norm_w_ptr": "*bf16",
+            "up_w_ptr": "*bf16",
+            "partial_ptr": "*fp32",
+            "rstd_ptr": "*fp32",
+            "mixed_ptr": "*bf16",
+            "inject_ptr": "*bf16",
+            "num_tokens": "i32",
+            "hidden": "i32",
+            "lowrank": "i32",
+            "hc_count": "i32",
+            "out_rows": "i32",
+            "stride_streams": "i32",
+            "inv_count": "fp32",
+        },
+        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32},
+    ),
+}
+
+
+def compile_for_hopper(kernel: triton.runtime.jit.JITFunction, signature: dict, constexprs: dict) -> None:
+    full = {**signature, **{name: "constexpr" for name in constexprs}}
+    missing = set(kernel.arg_names) - set(full)
+    if missing:
+        raise ValueError(f"no type for {sorted(missing)}")
+    values = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
+    triton.compile(ASTSource(fn=kernel, signature=full, constexprs=values), target=HOPPER)
+
+
+def main() -> int:
+    failed = 0
+    for name, (kernel, signature, constexprs) in KERNELS.items():
+        try:
+            compile_for_hopper(kernel, signature, constexprs)
+            print(f"{name}: ok")
+        except Exception as error:  # report every kernel, then fail
+            failed += 1
+            print(f"{name}: {type(error).__name__}: {str(error)[:500]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
