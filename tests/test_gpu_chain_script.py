@@ -1,0 +1,49 @@
+"""scripts/gpu_chain.sh, the background chain of a GPU session's steps: started, waited on with progress,
+each step's output and status kept (a failing step does not stop the chain), packed into $OUT. Run here
+with plain shell steps; on the device machine the steps are GPU commands."""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def _chain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "scripts/gpu_chain.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_steps_run_in_order_in_the_background_and_come_back_packed(tmp_path):
+    steps = tmp_path / "steps"
+    steps.write_text(
+        "# a comment, then a blank line\n\n"
+        "first 10 echo from the tree copy: $(basename $(pwd)); echo made > $CHAIN_OUT/first.txt\n"
+        "failing 10 echo about to fail; exit 3\n"
+        "slow 1 sleep 5\n"
+        "last 10 echo after the others\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "CHAIN_DIR": str(tmp_path / "chain"), "OUT": str(out)}
+    started = _chain("start", str(steps), env=env)
+    assert started.returncode == 0 and "started 4 steps" in started.stdout, started.stderr
+    waited = _chain("wait", "30", env=env)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    status = [line.split()[:2] for line in waited.stdout.splitlines() if "rc=" in line]
+    assert status == [["first", "rc=0"], ["failing", "rc=3"], ["slow", "rc=124"], ["last", "rc=0"]]
+    [packed] = out.glob("chain-*.tgz")
+    with tarfile.open(packed) as archive:
+        names = set(archive.getnames())
+        assert {"logs/first.log", "logs/failing.log", "out/first.txt", "status"} <= names
+        assert archive.extractfile("logs/first.log").read().decode().strip() == "from the tree copy: tree"
+
+
+def test_waiting_without_a_chain_or_a_steps_file_says_so(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "CHAIN_DIR": str(tmp_path / "none")}
+    assert "no chain started" in _chain("wait", "1", env=env).stderr
+    missing = _chain("start", str(tmp_path / "absent"), env=env)
+    assert missing.returncode == 2 and "no steps file" in missing.stderr
