@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from morion.ops import skinny_tiles
 from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.log_once import log_once
 
@@ -51,7 +52,14 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:  # amax of nothing is undefined
             return x.new_empty(*x.shape[:-1], self.out_features)
-        out = self.forward_quantized(*quantize_fp8(rows, per_row=True), x.dtype)
+        tile = skinny_tiles.tile_for(rows, self.weight) if self.kernel_shapes else None
+        if tile is not None:  # a tuned decode shape: the skinny kernel quantizes the rows itself
+            from morion.ops.skinny_linear_triton import skinny_linear
+
+            log_once(logger, "FP8 linear: skinny Triton kernel where tuned, rows quantized in the kernel")
+            out = skinny_linear(rows, self.weight, tile, weight_scale=self.weight_scale, bias=self.bias)
+        else:
+            out = self.forward_quantized(*quantize_fp8(rows, per_row=True), x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward_quantized(
@@ -81,6 +89,9 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
     len(layers))."""
     if x.numel() == 0 or not all(isinstance(layer, Fp8Linear) for layer in layers):
         return [layer(x) for layer in layers]
+    rows = x.reshape(-1, x.shape[-1])
+    if all(skinny_tiles.tile_for(rows, layer.weight) is not None for layer in layers):
+        return [layer(x) for layer in layers]  # each skinny kernel quantizes the rows in its prologue
     q, row_scale = quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True)
     return [
         layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)

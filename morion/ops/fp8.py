@@ -164,7 +164,7 @@ def scaled_mm_rows(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """`fp8_linear_quantized` through cuBLASLt whatever the shape (what the skinny kernel is timed
-    against: ops/skinny_tune.py)."""
+    against: bench/skinny_tune.py)."""
     out = torch._scaled_mm(
         q, weight.t(), scale_a=_unit_scale(q.device), scale_b=weight_scale, out_dtype=out_dtype
     )

@@ -1,6 +1,6 @@
 """Which linear shapes run the skinny Triton kernel (ops/skinny_linear_triton.py), and with which tile.
 
-`python -m morion.ops.skinny_tune` times each linear shape of a model on the device, cuBLAS against the
+`python -m morion.bench.skinny_tune` times each linear shape of a model on the device, cuBLAS against the
 kernel's candidate tiles, and writes a JSON file into `morion/ops/skinny_configs/` only for the shapes
 where the kernel was faster (summed over decode batch sizes). A shape without a file keeps cuBLAS, so a
 device or model that was never tuned runs as before. One tile per shape for every M (batch invariance:

@@ -23,20 +23,39 @@ from morion.ops.moe_decode_triton import _MMA_MODES
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _skinny(mma: str, fp8: bool) -> tuple:
-    element = "*fp8e4nv" if fp8 else "*bf16"
-    scale = "*fp32" if fp8 else element
+def _skinny(mma: str, rows: str, weights: str) -> tuple:
+    """The skinny kernel for rows and weights of these Triton types ("fp8e4nv" or "bf16")."""
+    fp8 = weights == "fp8e4nv"
     signature = {
-        "x_ptr": element, "x_scale_ptr": scale, "w_ptr": element, "w_scale_ptr": scale, "bias_ptr": "*bf16",
-        "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+        "x_ptr": f"*{rows}",
+        "x_scale_ptr": "*fp32",
+        "w_ptr": f"*{weights}",
+        "w_scale_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_x": "i32",
+        "stride_w": "i32",
         "stride_out": "i32",
-    }  # fmt: skip
+    }
     constexprs = {
-        "SCALED": fp8, "HAS_BIAS": True, "DOT_PRECISION": "tf32", "MMA": _MMA_MODES[mma],
-        "BLOCK_M": 1 if mma == "gemv" else 16, "BLOCK_N": 64, "BLOCK_K": 128,
-    }  # fmt: skip
+        "SCALED": fp8,
+        "QUANTIZE": fp8 and rows != weights,
+        "HAS_BIAS": True,
+        "DOT_PRECISION": "tf32",
+        "MMA": _MMA_MODES[mma],
+        "FP8_MAX": 448.0,
+        "MIN_SCALE": 1e-12,
+        "BLOCK_M": 1 if mma == "gemv" else 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": 128,
+    }
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
 
+
+_SKINNY_OPERANDS = [("fp8e4nv", "fp8e4nv"), ("bf16", "fp8e4nv"), ("bf16", "bf16")]
 
 KERNELS = {
     "qsa_triton._select_token_slots_kernel": (
@@ -57,9 +76,11 @@ KERNELS = {
         {"TOP_K": 512, "RATIO": 4, "PAGE_SIZE": 16, "WIDTH": 2051, "BLOCK": 512},
     ),
     **{
-        f"skinny_linear_triton._skinny_linear_kernel[{mma}, {'fp8' if fp8 else 'bf16'}]": _skinny(mma, fp8)
+        f"skinny_linear_triton._skinny_linear_kernel[{mma}, {rows} rows, {weights} weights]": _skinny(
+            mma, rows, weights
+        )
         for mma in ("dot", "gemv")
-        for fp8 in (True, False)
+        for rows, weights in _SKINNY_OPERANDS
     },
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,

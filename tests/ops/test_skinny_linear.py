@@ -12,12 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from morion.bench import skinny_tune
 from morion.layers.linear_fp8 import Fp8Linear
-from morion.ops import skinny_linear_triton, skinny_tiles, skinny_tune
+from morion.ops import skinny_linear_triton, skinny_tiles
 from morion.ops.fp8 import fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.moe_tiles import Tiles
+from morion.ops.row_kernels_triton import quantize_fp8_rows
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [Tiles(32, 32, 4, 2, "dot"), Tiles(16, 64, 4, 2, "gemv"), Tiles(64, 32, 4, 2, "swapped")]
 
 
@@ -70,7 +73,7 @@ def test_fp8_swapped_tiles_are_refused_and_zero_rows_give_an_empty_result():
     q, row_scale = quantize_fp8(x, per_row=True)
     weight_q, weight_scale = quantize_fp8(weight)
     with pytest.raises(ValueError, match="swapped"):
-        skinny_linear(q, weight_q, MODES[2], x_scale=row_scale, weight_scale=weight_scale)
+        skinny_linear(q, weight_q, MODES[2], x_scale=row_scale, weight_scale=weight_scale, out_dtype=x.dtype)
     assert skinny_linear(x[:0], weight, MODES[0]).shape == (0, 32)
 
 
@@ -151,3 +154,42 @@ def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             skinny_tune.main(["--model", "preset:qwen3-next-tiny"])
+
+
+@pytest.mark.parametrize("tiles", MODES[:2], ids=lambda t: t.mma)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_quantized_in_the_kernel_give_the_bits_of_rows_quantized_before_it(tiles, dtype):
+    x, weight = _operands(7, 40, 200, seed=8)  # K over several BLOCK_K tiles: amax across all of them
+    x = (x * torch.linspace(0.01, 30, 7)[:, None]).to(dtype)  # rows of very different scales
+    x[3] = 0  # an all-zero row: MIN_SCALE, no NaNs
+    weight_q, weight_scale = quantize_fp8(weight)
+    # The row kernel CUDA quantizes with, whose casts are the kernels' (Triton's interpreter rounds a value
+    # that rounds up into the next binade to half of it, e.g. 126.9 to 64: in both kernels alike).
+    q, row_scale = quantize_fp8_rows(x.to(DEVICE))
+    q, row_scale = q.cpu(), row_scale.cpu()
+    before = skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale, out_dtype=dtype)
+    inside = skinny_linear(x, weight_q, tiles, weight_scale=weight_scale)
+    assert inside.dtype == dtype and torch.equal(inside, before)
+    assert not inside[3].any()
+    with pytest.raises(ValueError, match="rows to quantize"):
+        skinny_linear(x, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
+    with pytest.raises(ValueError, match="out_dtype"):
+        skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
+
+
+def test_fp8_linear_layers_quantize_in_the_kernel_where_a_tile_is_tuned(every_shape_tuned):
+    layers = [Fp8Linear(64, n) for n in (32, 16)]
+    for layer in layers:
+        layer.weight.data, layer.weight_scale = quantize_fp8(torch.randn(layer.out_features, 64) / 8)
+    x = torch.randn(2, 3, 64)
+    from morion.layers.linear_fp8 import linears_of_one_input
+
+    outs = linears_of_one_input(x, layers)
+    for layer, out in zip(layers, outs, strict=True):
+        q, row_scale = quantize_fp8_rows(x.reshape(-1, 64))  # the kernels' own casts, as above
+        reference = fp8_linear_quantized_reference(
+            q, row_scale, layer.weight, layer.weight_scale, None, x.dtype
+        )
+        assert out.shape == (2, 3, layer.out_features)
+        torch.testing.assert_close(out.reshape(-1, layer.out_features), reference, rtol=1e-5, atol=1e-5)
+    assert every_shape_tuned[:2] == [(32, 64), (16, 64)]  # both looked up before either ran

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from morion.ops import skinny_tune
+from morion.bench import skinny_tune
 from morion.ops.fp8 import scaled_mm_rows
 from morion.ops.moe_tiles import Tiles
 from morion.ops.moe_tune import capture_graph

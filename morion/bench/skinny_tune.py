@@ -1,7 +1,7 @@
 """Times a model's decode-path linear shapes on this GPU, cuBLAS against the skinny Triton kernel's tiles,
 and writes ops/skinny_tiles.py's file for each shape where the kernel is faster.
 
-    python -m morion.ops.skinny_tune --model preset:qwen3-next-80b-a3b --weight-dtype fp8
+    python -m morion.bench.skinny_tune --model preset:qwen3-next-80b-a3b --weight-dtype fp8
 
 The shapes are those of the model built on the meta device with `--weight-dtype` (nothing is loaded):
 every FP8 linear layer (e4m3 rows and weights; the cuBLAS side is `torch._scaled_mm` plus the row-scale
@@ -173,7 +173,7 @@ def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m morion.ops.skinny_tune", description=__doc__.split("\n")[0]
+        prog="python -m morion.bench.skinny_tune", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", required=True, help="preset:NAME or a config.json path")
     parser.add_argument("--weight-dtype", default="fp8", choices=WEIGHT_DTYPES)
