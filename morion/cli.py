@@ -7,12 +7,17 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from morion.bench.options import add_bench_arguments
 from morion.engine_flags import add_engine_flags, add_model_flags, bounded, engine_config, engine_options
 from morion.errors import MorionError
 from morion.logs import show_morion_logs
 from morion.validate.options import add_validate_arguments
+
+if TYPE_CHECKING:  # imported where used: torch alone takes seconds to import on a small CPU
+    from morion.engine.sampling_params import SamplingParams
+    from morion.llm import LLM
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -194,7 +199,13 @@ def _run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(model=args.model, **engine_options(args))
+    # Closed on the way out: follower ranks stopped and the process group left before the interpreter
+    # exits (left to interpreter teardown, torch.distributed's threads could abort the process).
+    with LLM(model=args.model, **engine_options(args)) as llm:
+        _generate_and_print(llm, args, params)
+
+
+def _generate_and_print(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> None:
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise MorionError(

@@ -22,6 +22,17 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finishes the cache tiers' disk writes and stops tensor-parallel follower ranks (`Engine.close`).
+        Idempotent; also on leaving a `with LLM(...) as llm:` block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

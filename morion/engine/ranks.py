@@ -111,4 +111,5 @@ class Ranks:
                 process.wait()
         self.processes = []
         self.tensor_parallel.leave()
+        self._store = None  # the rendezvous server's thread ends here, not in interpreter teardown
         torch.set_num_threads(self._threads)

@@ -71,3 +71,15 @@ def test_stream_yields_the_same_text(llm):
     pieces = list(llm.stream(prompt, params))
     assert "".join(p.new_text for p in pieces) == whole.text
     assert pieces[-1].finished and pieces[-1].final.token_ids == whole.token_ids
+
+
+def test_leaving_a_with_block_closes_the_engine(monkeypatch):
+    """`morion generate` relies on it to stop follower ranks before the interpreter exits."""
+    from morion.engine.engine import Engine
+
+    closed = []
+    monkeypatch.setattr(Engine, "close", lambda engine: closed.append(engine))
+    with LLM("preset:qwen3-next-tiny", device="cpu", kv_cache_tokens=256) as llm:
+        [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+        assert len(out.token_ids) == 2 and not closed
+    assert closed == [llm.engine]
