@@ -37,7 +37,27 @@ def store_kv(
 ) -> None:
     """Writes k, v [T, Hkv, D] into kv_layer [num_token_slots, 2, Hkv, D] at the flat token slots
     out_slots [T] (int64). FP8 pools store value / scale, clamped to the e4m3 range; other pools ignore
-    the scales. Pure tensor ops (no host sync), so it can be captured in a CUDA graph."""
+    the scales. No host sync, so it can be captured in a CUDA graph: on CUDA one Triton kernel
+    (ops/store_kv_triton.py, the same bits), elsewhere `store_kv_reference`."""
+    fp8 = kv_layer.dtype == FP8_KV_DTYPE
+    if kv_layer.is_cuda:
+        from morion.ops import store_kv_triton
+
+        if store_kv_triton.supports(kv_layer, k, v):
+            store_kv_triton.store_kv_(kv_layer, out_slots, k, v, fp8, k_scale, v_scale)
+            return
+    store_kv_reference(kv_layer, out_slots, k, v, k_scale, v_scale)
+
+
+def store_kv_reference(
+    kv_layer: torch.Tensor,
+    out_slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """`store_kv` in torch ops."""
     if kv_layer.dtype == FP8_KV_DTYPE:
         # Clamped: casting anything past the largest finite e4m3fn value gives NaN.
         k = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from morion.ops import hyper_connection_triton, qsa_triton, skinny_linear_triton
+from morion.ops import hyper_connection_triton, qsa_triton, skinny_linear_triton, store_kv_triton
 from morion.ops.moe_decode_triton import _MMA_MODES
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -81,6 +81,26 @@ KERNELS = {
         )
         for mma in ("dot", "gemv")
         for rows, weights in _SKINNY_OPERANDS
+    },
+    **{
+        f"store_kv_triton._store_kv_kernel[{pool} pool]": (
+            store_kv_triton._store_kv_kernel,
+            {
+                "k_ptr": "*bf16",
+                "v_ptr": "*bf16",
+                "slots_ptr": "*i64",
+                "kv_ptr": f"*{pool}",
+                "width": "i32",
+                "stride_k": "i32",
+                "stride_v": "i32",
+                "stride_slot": "i32",
+                "stride_kv": "i32",
+                "inv_k": "fp32",
+                "inv_v": "fp32",
+            },
+            {"FP8": pool == "fp8e4nv", "FP8_MAX": 448.0, "BLOCK": 1024},
+        )
+        for pool in ("fp8e4nv", "bf16")
     },
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,
