@@ -17,7 +17,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from morion.ops import hyper_connection_triton, qsa_triton, skinny_linear_triton, store_kv_triton
+from morion.ops import (
+    hyper_connection_triton,
+    moe_decode_triton,
+    qsa_triton,
+    skinny_linear_triton,
+    store_kv_triton,
+)
 from morion.ops.moe_decode_triton import _MMA_MODES
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -101,6 +107,38 @@ KERNELS = {
             {"FP8": pool == "fp8e4nv", "FP8_MAX": 448.0, "BLOCK": 1024},
         )
         for pool in ("fp8e4nv", "bf16")
+    },
+    **{
+        f"moe_decode_triton._gate_up_kernel[{mma}, fp8]": (
+            moe_decode_triton._gate_up_kernel,
+            {
+                "x_ptr": "*bf16",
+                "w_ptr": "*fp8e4nv",
+                "w_scale_ptr": "*fp32",
+                "ids_ptr": "*i64",
+                "act_ptr": "*fp32",
+                "num_pairs": "i32",
+                "top_k": "i32",
+                "hidden_size": "i32",
+                "inter_size": "i32",
+                "stride_x": "i32",
+                "stride_we": "i32",
+                "stride_wn": "i32",
+                "stride_se": "i32",
+            },
+            {
+                "FP8": True,
+                "DOT_PRECISION": "tf32",
+                "FP8_MAX": 448.0,
+                "MIN_SCALE": 1e-12,
+                "BLOCK_P": 16,
+                "BLOCK_M": 1 if mma == "gemv" else 16,
+                "BLOCK_N": 32,
+                "BLOCK_K": 256,
+                "MMA": _MMA_MODES[mma],
+            },
+        )
+        for mma in ("dot", "gemv")
     },
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,
