@@ -6,8 +6,9 @@ decode step (`results/2026-11-30-h200-qwen3-next-80b-a3b-fp8-profile-kernels.md`
 token does all of it:
 
 - probs = softmax(logits) in fp32: exp(x - max) / sum, the divisions IEEE-rounded (`div_rn`), as torch's;
-- k rounds of "take the largest remaining prob": the k best, best first, and among equal probs the lower
-  expert (torch.topk leaves the order of ties unspecified);
+- k rounds of "take the largest remaining prob", one max over packed (prob, expert) keys a round: the k
+  best, best first, and among equal probs the lower expert (torch.topk leaves the order of ties
+  unspecified);
 - with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype;
 - with `shared_logits` (a stacked shared expert, layers/moe.py: its gate's logit per token, [T, 1]),
   column k gets the shared slot (the routed count E) with weight sigmoid(logit) in fp32, after the
@@ -42,16 +43,21 @@ def _route_kernel(
     logits = tl.cast(logits, tl.float32)
     shifted = tl.exp(logits - tl.max(logits, axis=0))  # 0 past num_experts
     probs = tl.math.div_rn(shifted, tl.broadcast_to(tl.sum(shifted, axis=0), (BLOCK_E,)))
-    remaining = tl.where(valid, probs, -1.0)  # probs are >= 0: -1 is never taken while experts remain
+    # One reduction a round: each expert's key packs its prob's bits (a non-negative fp32 orders as its
+    # bits) above BLOCK_E - 1 - expert, so the largest key is the largest prob and, among equal probs,
+    # the lower expert. Taken experts and those past num_experts get -1, below every prob's key.
+    prob_bits = tl.cast(probs.to(tl.int32, bitcast=True), tl.int64)
+    keys = tl.where(valid, (prob_bits << 32) | (BLOCK_E - 1 - experts), -1)
     slots = tl.arange(0, BLOCK_K)
     chosen_probs = tl.zeros((BLOCK_K,), dtype=tl.float32)
     chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
     for slot in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        expert = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)
+        best_key = tl.max(keys, axis=0)
+        expert = BLOCK_E - 1 - (best_key & 0xFFFFFFFF)
+        best = tl.cast(best_key >> 32, tl.int32).to(tl.float32, bitcast=True)
         chosen_probs = tl.where(slots == slot, best, chosen_probs)
-        chosen_ids = tl.where(slots == slot, tl.cast(expert, tl.int64), chosen_ids)
-        remaining = tl.where(experts == expert, -1.0, remaining)
+        chosen_ids = tl.where(slots == slot, expert, chosen_ids)
+        keys = tl.where(experts == expert, -1, keys)
     if NORMALIZE:
         total = tl.sum(tl.where(slots < TOP_K, chosen_probs, 0.0), axis=0)
         chosen_probs = tl.math.div_rn(chosen_probs, tl.broadcast_to(total, (BLOCK_K,)))

@@ -21,6 +21,7 @@ from morion.ops import (
     hyper_connection_triton,
     moe_decode_triton,
     qsa_triton,
+    router_triton,
     skinny_linear_triton,
     store_kv_triton,
 )
@@ -140,6 +141,19 @@ KERNELS = {
         )
         for mma in ("dot", "gemv")
     },
+    "router_triton._route_kernel": (
+        router_triton._route_kernel,
+        {
+            "logits_ptr": "*bf16",
+            "shared_ptr": "*bf16",
+            "weights_ptr": "*bf16",
+            "ids_ptr": "*i64",
+            "num_experts": "i32",
+            "stride_logits": "i32",
+            "stride_shared": "i32",
+        },
+        {"TOP_K": 10, "NORMALIZE": True, "SHARED": True, "WIDTH": 11, "BLOCK_E": 512, "BLOCK_K": 16},
+    ),
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,
         {
