@@ -106,6 +106,13 @@ class QSAIndexer(nn.Module):
             .view(tokens, self.num_heads + 1, self.head_dim)
             .split([self.num_heads, 1], dim=1)
         )
+        if q.is_cuda:
+            from morion.ops import qk_norm_rope_triton as heads
+
+            if heads.supports(q, q, cos, sin):  # the norm and RoPE in one kernel, as gated attention's
+                return heads.norm_rope(q, self.q_layernorm.weight, self.q_layernorm.eps, cos, sin), raw_keys[
+                    :, 0
+                ]
         return apply_rotary(self.q_layernorm(q), cos, sin), raw_keys[:, 0]
 
     def keys_of_blocks(self, raw_blocks: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,8 +211,18 @@ class QSAAttention(GatedAttentionProjections):
     ) -> None:
         """Computes and stores the key of every block whose last token is among this step's tokens."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
-        raw_blocks = backend.token_pool(INDEX_KEYS, self.attention_ordinal).view(-1, ratio, dim)
         key_rows = self._block_rows(backend)
+        if positions.is_cuda:  # one kernel, for every row of any forward (no host sync)
+            from morion.ops import qsa_triton
+
+            norm = self.indexer.k_layernorm
+            raw_keys = backend.token_pool(INDEX_KEYS, self.attention_ordinal)
+            qsa_triton.store_block_keys_(
+                raw_keys, key_rows, backend.out_slots, positions, rotation.block_cos, rotation.block_sin,
+                norm.weight, norm.eps, ratio,
+            )  # fmt: skip
+            return
+        raw_blocks = backend.token_pool(INDEX_KEYS, self.attention_ordinal).view(-1, ratio, dim)
         rows = backend.out_slots // ratio  # a token's block slot (pages hold whole blocks)
         ends_block = (positions + 1) % ratio == 0
         if not static:

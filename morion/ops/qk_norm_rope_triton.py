@@ -126,3 +126,21 @@ def qk_norm_rope(
         enable_fp_fusion=q.dtype != torch.float32,
     )  # fmt: skip
     return q_out, k_out
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """`qk_norm_rope` for one set of heads x [T, H, D] (QSA's index queries; `supports(x, x, cos, sin)`):
+    the kernel's query heads alone, no key heads."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tokens, heads, head_dim = x.shape
+    if tokens == 0:
+        return out
+    _qk_norm_rope_kernel[(tokens, heads)](
+        x, x, weight, weight, cos, sin, out, out,
+        x.stride(0), x.stride(1), x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        heads, 0, head_dim, cos.shape[-1], eps,
+        BLOCK=triton.next_power_of_2(head_dim), enable_fp_fusion=x.dtype != torch.float32,
+    )  # fmt: skip
+    return out

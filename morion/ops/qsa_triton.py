@@ -14,6 +14,10 @@
   few hundred entries where torch.topk over the capacity (65,536 blocks at 256K tokens) took 83 us a
   layer on the H200 (`results/2026-12-02-h200-profile-flash-next-12l.md`). A row with at most k complete
   blocks takes all of them without a select.
+- `store_block_keys_`: one program per new token; where the token completes its block, the block's key
+  (the mean of its raw index keys in fp32, rounded, zero-centred RMSNorm and RoPE at the block's first
+  position: `QSAIndexer.keys_of_blocks`' rounding points, through the q/k norm + RoPE kernel's head
+  code) written into the block-key cache. About twenty torch kernels a layer and step before.
 - `sparse_attention`: the selected tokens of each query row, as flat pool slots [rows, W], are a page
   table with one-token pages: the paged decode kernel (`paged_attention_triton`, split-KV, GQA packing,
   FP8 K/V) attends each row, as its own one-query sequence of counts[row] keys, to exactly those.
@@ -32,6 +36,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.paged_attention_triton import paged_attention
+from morion.ops.qk_norm_rope_triton import _norm_rope_head
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -217,6 +222,62 @@ def select_token_slots(
             num_warps=4,
         )  # fmt: skip
     return slots, counts
+
+
+@triton.jit
+def _store_block_keys_kernel(
+    raw_ptr, key_rows_ptr, slots_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr, scratch_ptr,
+    stride_key_rows, stride_cos, stride_sin, dim, rotary_dim, eps,
+    RATIO: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token = tl.cast(tl.program_id(0), tl.int64)
+    position = tl.load(positions_ptr + token)
+    if (position + 1) % RATIO == 0:
+        block = tl.load(slots_ptr + token).to(tl.int64) // RATIO  # pages hold whole blocks
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < dim
+        total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in tl.static_range(RATIO):
+            total += tl.cast(
+                tl.load(raw_ptr + (block * RATIO + j) * dim + cols, mask=mask, other=0.0), tl.float32
+            )
+        # The mean in fp32 (torch's: the sum times 1 / n), rounded to the keys' dtype; then the head code
+        # reads it back (its partner dims by address) from this token's scratch row.
+        pooled = scratch_ptr + token * BLOCK_D
+        tl.store(pooled + cols, tl.cast(total * (1.0 / RATIO), scratch_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()
+        _norm_rope_head(
+            pooled, w_ptr, cos_ptr + token * stride_cos, sin_ptr + token * stride_sin,
+            key_rows_ptr + block * stride_key_rows, dim, rotary_dim, eps, BLOCK_D,
+        )  # fmt: skip
+
+
+def store_block_keys_(
+    raw_keys: torch.Tensor,
+    key_rows: torch.Tensor,
+    out_slots: torch.Tensor,
+    positions: torch.Tensor,
+    block_cos: torch.Tensor,
+    block_sin: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    ratio: int,
+) -> None:
+    """raw_keys [num_slots, Di] (the `INDEX_KEYS` cache, this step's keys already in it), key_rows
+    [num_slots / ratio, >= Di] (the `BLOCK_KEYS` cache, one row per block slot), out_slots and positions
+    [T] of this step's tokens, block_cos/sin [T, r] at each token's block's first position, the key norm's
+    weight [Di] (zero-centred): writes the key of every block a token of this step completes."""
+    tokens, dim = out_slots.shape[0], raw_keys.shape[1]
+    if tokens == 0:
+        return
+    block_d = triton.next_power_of_2(dim)
+    scratch = torch.empty(tokens, block_d, dtype=raw_keys.dtype, device=raw_keys.device)
+    _store_block_keys_kernel[(tokens,)](
+        raw_keys, key_rows, out_slots, positions, block_cos, block_sin, weight, scratch,
+        key_rows.stride(0), block_cos.stride(0), block_sin.stride(0), dim, block_cos.shape[-1], eps,
+        RATIO=ratio, BLOCK_D=block_d,
+        enable_fp_fusion=raw_keys.dtype != torch.float32,  # as the q/k norm + RoPE kernel
+    )  # fmt: skip
 
 
 def sparse_attention(

@@ -141,6 +141,26 @@ KERNELS = {
         )
         for mma in ("dot", "gemv")
     },
+    "qsa_triton._store_block_keys_kernel": (
+        qsa_triton._store_block_keys_kernel,
+        {
+            "raw_ptr": "*bf16",
+            "key_rows_ptr": "*bf16",
+            "slots_ptr": "*i64",
+            "positions_ptr": "*i64",
+            "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32",
+            "w_ptr": "*bf16",
+            "scratch_ptr": "*bf16",
+            "stride_key_rows": "i32",
+            "stride_cos": "i32",
+            "stride_sin": "i32",
+            "dim": "i32",
+            "rotary_dim": "i32",
+            "eps": "fp32",
+        },
+        {"RATIO": 4, "BLOCK_D": 128},
+    ),
     "router_triton._route_kernel": (
         router_triton._route_kernel,
         {

@@ -204,3 +204,49 @@ def test_the_selection_kernel_takes_the_torch_code_s_tokens_as_slots(rows_per_se
         tokens = [page_table[row // rows_per_seq].tolist().index(s // page_size) * page_size + s % page_size
                   for s in firsts]  # fmt: skip
         assert tokens == sorted(tokens), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_block_key_kernel_writes_the_indexer_s_keys_of_the_blocks_a_step_completes(dtype):
+    """Tokens of one forward, some completing their block: each completed block's row gets
+    `keys_of_blocks` of its raw keys (mean, k norm, RoPE at the block's first position); other rows stay.
+    Both index heads' paths through the same norm and RoPE code as the q/k kernel."""
+    from morion.layers.qsa_attention import QSAIndexer
+    from morion.layers.rotary import RotaryEmbedding, apply_rotary
+    from morion.ops.qk_norm_rope_triton import norm_rope
+    from morion.ops.qsa_triton import store_block_keys_
+
+    generator = torch.Generator().manual_seed(11)
+    ratio, dim, rotary_dim, slots = 4, 40, 16, 64
+    indexer = QSAIndexer(32, 2, dim, 1e-6)
+    indexer.k_layernorm.weight.data = torch.randn(dim, generator=generator) * 0.1
+    indexer.q_layernorm.weight.data = torch.randn(dim, generator=generator) * 0.1
+    indexer = indexer.to(DEVICE, dtype)
+    raw_keys = torch.randn(slots, dim, generator=generator).to(DEVICE, dtype)
+    key_rows = torch.randn(slots // ratio, ratio * 10, generator=generator).to(DEVICE, dtype)
+    before = key_rows.clone()
+    positions = torch.tensor([3, 4, 10, 11, 19, 30], device=DEVICE)  # 3, 11, 19 complete their blocks
+    out_slots = torch.tensor([7, 8, 22, 23, 35, 50], device=DEVICE)  # pages hold whole blocks
+    rotary = RotaryEmbedding(rotary_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    block_cos, block_sin = rotary(positions - positions % ratio)
+    norm = indexer.k_layernorm
+    store_block_keys_(
+        raw_keys, key_rows, out_slots, positions, block_cos, block_sin, norm.weight, norm.eps, ratio
+    )
+    tolerance = {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    completed = {int(s) // ratio: i for i, s in enumerate(out_slots) if (positions[i] + 1) % ratio == 0}
+    for block in range(slots // ratio):
+        if block not in completed:
+            assert torch.equal(key_rows[block], before[block]), block
+            continue
+        row = completed[block]
+        raw = raw_keys[block * ratio : block * ratio + ratio][None]
+        want = indexer.keys_of_blocks(raw, block_cos[row : row + 1], block_sin[row : row + 1])[0]
+        torch.testing.assert_close(key_rows[block, :dim], want, rtol=tolerance, atol=tolerance)
+        assert torch.equal(key_rows[block, dim:], before[block, dim:])
+    # The index queries' norm and RoPE through the same head code.
+    q = torch.randn(6, 2, dim, generator=generator).to(DEVICE, dtype)
+    cos, sin = rotary(positions)
+    eager = apply_rotary(indexer.q_layernorm(q), cos, sin)
+    got = norm_rope(q, indexer.q_layernorm.weight, indexer.q_layernorm.eps, cos, sin)
+    torch.testing.assert_close(got, eager, rtol=tolerance, atol=tolerance)
