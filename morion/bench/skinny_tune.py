@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,7 +38,7 @@ from morion.models.registry import build_model
 from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import Tiles
-from morion.ops.moe_tune import capture_graph, launch_variants
+from morion.ops.moe_tune import graph_microseconds, launch_variants
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 from morion.ops.skinny_tiles import CONFIG_DIR, LinearShape, config_path
 
@@ -120,17 +119,8 @@ def skinny_op(tiles: Tiles) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
 def time_in_graph(op: Callable[[dict[str, torch.Tensor]], torch.Tensor], copies: Sequence[dict]) -> float:
-    """Microseconds per call: one graph calls `op` once per weight copy; median over 10 replays."""
-    graph = capture_graph(lambda: [op(operands) for operands in copies])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(copies))
-    return statistics.median(times)
+    """Microseconds per call: one graph calls `op` once per weight copy (`moe_tune.graph_microseconds`)."""
+    return graph_microseconds(lambda: [op(operands) for operands in copies], len(copies))
 
 
 def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) -> dict:

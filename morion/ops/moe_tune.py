@@ -135,11 +135,10 @@ def capture_graph(step: Callable[[], object], warmups: int = 2) -> torch.cuda.CU
     return graph
 
 
-def time_in_graph(
-    fn: Callable[..., torch.Tensor], experts: Experts, batches: Sequence[Batch], **options
-) -> float:
-    """Microseconds per call: one graph calls `fn` once per batch; median over 10 replays (CUDA events)."""
-    graph = capture_graph(lambda: [run_experts(fn, experts, *batch, **options) for batch in batches])
+def graph_microseconds(step: Callable[[], object], calls: int) -> float:
+    """Microseconds per call of `step`, which makes `calls` calls: captured in a CUDA graph, median over
+    10 replays (CUDA events)."""
+    graph = capture_graph(step)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(10):
@@ -147,8 +146,17 @@ def time_in_graph(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(batches))
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def time_in_graph(
+    fn: Callable[..., torch.Tensor], experts: Experts, batches: Sequence[Batch], **options
+) -> float:
+    """Microseconds per call: one graph calls `fn` once per batch (`graph_microseconds`)."""
+    return graph_microseconds(
+        lambda: [run_experts(fn, experts, *batch, **options) for batch in batches], len(batches)
+    )
 
 
 def _sweep(
