@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import nn
-from triton.runtime.errors import OutOfResources
 
 from morion.config import WEIGHT_DTYPES
 from morion.layers.gated_delta_net import GatedDeltaNet
@@ -38,7 +37,7 @@ from morion.models.registry import build_model
 from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import Tiles
-from morion.ops.moe_tune import graph_microseconds, launch_variants
+from morion.ops.moe_tune import best_tiles, graph_microseconds, launch_variants
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 from morion.ops.skinny_tiles import CONFIG_DIR, LinearShape, config_path
 
@@ -132,20 +131,11 @@ def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) 
     cublas_us = {t: time_in_graph(cublas_op, copies[t]) for t in tokens}
     fp8 = shape.dtype == "fp8"
 
+    def time_of(tiles: Tiles) -> dict[int, float]:
+        return {t: time_in_graph(skinny_op(tiles), copies[t]) for t in tokens}
+
     def sweep(candidates: Sequence[Tiles]) -> tuple[Tiles, dict[int, float]]:
-        best: tuple[float, Tiles, dict[int, float]] | None = None
-        for tiles in candidates:
-            try:
-                times = {t: time_in_graph(skinny_op(tiles), copies[t]) for t in tokens}
-            except OutOfResources as error:  # raised when compiling, before any capture
-                print(f"skinny tune {tuple(shape)} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
-                continue
-            listed = ", ".join(f"M={t} {us:.1f} us" for t, us in times.items())
-            print(f"skinny tune {tuple(shape)} {tuple(tiles)}: {listed}", file=sys.stderr)
-            if best is None or sum(times.values()) < best[0]:
-                best = (sum(times.values()), tiles, times)
-        assert best is not None, "no candidate tile compiled"
-        return best[1], best[2]
+        return best_tiles(candidates, time_of, f"skinny tune {tuple(shape)}", rows="M")
 
     tiles, _ = sweep([t for t in CANDIDATES if exact_mma(t, fp8)])
     tiles, chosen_us = sweep(launch_variants(tiles))

@@ -159,6 +159,28 @@ def time_in_graph(
     )
 
 
+def best_tiles(
+    candidates: Sequence[Tiles], time_of: Callable[[Tiles], dict[int, float]], label: str, rows: str = "T"
+) -> tuple[Tiles, dict[int, float]]:
+    """The candidate with the least summed time over the row counts (`time_of`: microseconds per row
+    count), and its times; one line per candidate on stderr, prefixed by `label`. A candidate that does
+    not compile (raised in the warm-up, before any capture) is skipped."""
+    best: tuple[float, Tiles, dict[int, float]] | None = None
+    for tiles in candidates:
+        try:
+            times = time_of(tiles)
+        except OutOfResources as error:
+            print(f"{label} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
+            continue
+        listed = ", ".join(f"{rows}={t} {us:.1f} us" for t, us in times.items())
+        print(f"{label} {tuple(tiles)}: {listed}", file=sys.stderr)
+        if best is None or sum(times.values()) < best[0]:
+            best = (sum(times.values()), tiles, times)
+    if best is None:
+        raise RuntimeError(f"{label}: no candidate tile compiled")
+    return best[1], best[2]
+
+
 def _sweep(
     fn: Callable[..., torch.Tensor],
     kernel: str,
@@ -167,20 +189,13 @@ def _sweep(
     experts: Experts,
     batches: dict[int, list[Batch]],
 ) -> tuple[Tiles, dict[int, float]]:
-    """The candidate with the least summed time over the token counts, and its time per token count."""
-    best: tuple[float, Tiles, dict[int, float]] | None = None
-    for tiles in candidates:
+    """The best of `candidates` for `kernel` with the other kernel's tile `fixed` (`best_tiles`)."""
+
+    def time_of(tiles: Tiles) -> dict[int, float]:
         options = {**fixed, f"{kernel}_tiles": tiles}
-        try:
-            times = {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
-        except OutOfResources as error:  # raised when compiling, in the warm-up before any capture
-            print(f"moe tune {kernel} {tuple(tiles)}: skipped, {error}", file=sys.stderr)
-            continue
-        listed = ", ".join(f"T={t} {us:.1f} us" for t, us in times.items())
-        print(f"moe tune {kernel} {tuple(tiles)}: {listed}", file=sys.stderr)
-        if best is None or sum(times.values()) < best[0]:
-            best = (sum(times.values()), tiles, times)
-    return best[1], best[2]
+        return {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
+
+    return best_tiles(candidates, time_of, f"moe tune {kernel}")
 
 
 def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device) -> dict:
