@@ -32,6 +32,7 @@ from morion.config import WEIGHT_DTYPES
 from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
+from morion.layers.qsa_attention import QSAIndexer
 from morion.models.presets import preset_config
 from morion.models.registry import build_model
 from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
@@ -65,15 +66,22 @@ def model_shapes(model: str, weight_dtype: str) -> list[LinearShape]:
 
 
 def shapes_of(model: nn.Module) -> list[LinearShape]:
-    """Each FP8 linear with cuBLASLt shapes, each router (its routed rows), each plain in_proj_ba."""
+    """Each FP8 linear with cuBLASLt shapes and the model-dtype products of a decode step that go through
+    `skinny_tiles.product`: each router (its routed rows), QSA's indexer projection, Gated DeltaNet's
+    plain in_proj_ba (or in_proj_b and in_proj_a)."""
     shapes = []
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.kernel_shapes:
             shapes.append(LinearShape(module.out_features, module.in_features, "fp8"))
         elif isinstance(module, SparseMoE) and type(module.gate) is nn.Linear:
             shapes.append(_model_dtype_shape(module.num_experts, module.gate.weight))
-        elif isinstance(module, GatedDeltaNet) and type(getattr(module, "in_proj_ba", None)) is nn.Linear:
-            shapes.append(_model_dtype_shape(module.in_proj_ba.out_features, module.in_proj_ba.weight))
+        elif isinstance(module, QSAIndexer) and type(module.index_qk_proj) is nn.Linear:
+            shapes.append(_model_dtype_shape(module.index_qk_proj.out_features, module.index_qk_proj.weight))
+        elif isinstance(module, GatedDeltaNet):
+            for name in ("in_proj_ba", "in_proj_b", "in_proj_a"):  # Qwen3-Next's, Qwen3.5-form's
+                linear = getattr(module, name, None)
+                if type(linear) is nn.Linear:
+                    shapes.append(_model_dtype_shape(linear.out_features, linear.weight))
     return shapes
 
 

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from morion.layers.gated_delta_net import GatedDeltaNet, Projections
+from morion.layers.linear_fp8 import linears_of_one_input
 from morion.ops.causal_conv1d import GroupedChannels
+from morion.ops.skinny_tiles import linear_forward
 
 
 class GatedDeltaNet35(GatedDeltaNet):
@@ -27,7 +29,10 @@ class GatedDeltaNet35(GatedDeltaNet):
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor) -> Projections:
-        """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV]."""
-        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        qkv = GroupedChannels.of(self.in_proj_qkv(x))
-        return Projections(qkv, z, self.in_proj_b(x), self.in_proj_a(x))
+        """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV].
+        Under FP8 weights x is quantized once for in_proj_qkv and in_proj_z (`linears_of_one_input`); b
+        and a (kept in the model dtype) take the skinny kernel where the device tuned their shape."""
+        qkv, z = linears_of_one_input(x, (self.in_proj_qkv, self.in_proj_z))
+        z = z.view(x.shape[0], self.num_v_heads, self.head_v_dim)
+        b, a = linear_forward(self.in_proj_b, x), linear_forward(self.in_proj_a, x)
+        return Projections(GroupedChannels.of(qkv), z, b, a)

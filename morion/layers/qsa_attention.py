@@ -65,6 +65,7 @@ from morion.ops.qsa import (
     static_block_scores,
     static_sparse_attention,
 )
+from morion.ops.skinny_tiles import linear_forward
 
 # Prefill queries per static-path tile: bounds its scores to this many rows x the sequence's blocks.
 PREFILL_TILE_ROWS = 256
@@ -102,7 +103,7 @@ class QSAIndexer(nn.Module):
         """(index queries [T, H, Di], normed and rotated; raw keys [T, Di], as cached)."""
         tokens = x.shape[0]
         q, raw_keys = (
-            self.index_qk_proj(x)
+            linear_forward(self.index_qk_proj, x)  # the skinny kernel where the device tuned its shape
             .view(tokens, self.num_heads + 1, self.head_dim)
             .split([self.num_heads, 1], dim=1)
         )
