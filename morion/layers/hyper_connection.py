@@ -74,5 +74,16 @@ class HyperConnection(nn.Module):
 
 
 def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """streams [T, n * H] plus the block's output [T, H] scaled per stream by weights [T, n]."""
+    """streams [T, n * H] plus the block's output [T, H] scaled per stream by weights [T, n]: on CUDA one
+    kernel (the same bits), elsewhere `inject_reference`."""
+    if streams.is_cuda:
+        from morion.ops import hyper_connection_triton
+
+        if hyper_connection_triton.inject_supports(streams, block_out, weights):
+            return hyper_connection_triton.inject(streams, block_out, weights)
+    return inject_reference(streams, block_out, weights)
+
+
+def inject_reference(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`inject` in eager torch (two kernels on CUDA)."""
     return streams + (block_out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

@@ -282,3 +282,50 @@ def mix(
         BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, BLOCK_R=_BLOCK_R, num_warps=4,
     )  # fmt: skip
     return mixed, weights
+
+
+@triton.jit
+def _inject_kernel(
+    streams_ptr, block_out_ptr, weights_ptr, out_ptr, hidden, width, hc_count,
+    stride_streams, stride_block_out, stride_weights, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = out_ptr.dtype.element_ty
+    streams = tl.cast(tl.load(streams_ptr + token * stride_streams + cols, mask=mask, other=0.0), tl.float32)
+    block_out = tl.load(block_out_ptr + token * stride_block_out + cols % hidden, mask=mask, other=0.0)
+    weight = tl.load(
+        weights_ptr + token * stride_weights + cols // hidden, mask=mask & (cols // hidden < hc_count)
+    )
+    # The eager rounding points: the product rounded to the dtype, then the sum.
+    scaled = tl.cast(tl.cast(tl.cast(block_out, tl.float32) * tl.cast(weight, tl.float32), dtype), tl.float32)
+    tl.store(out_ptr + token * width + cols, tl.cast(streams + scaled, dtype), mask=mask)
+
+
+def inject_supports(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether the inject kernel takes streams [T, n * H], block_out [T, H], weights [T, n] (one dtype,
+    unit stride on the last dimension)."""
+    return (
+        streams.dim() == block_out.dim() == weights.dim() == 2
+        and streams.shape[0] == block_out.shape[0] == weights.shape[0]
+        and streams.shape[1] == block_out.shape[1] * weights.shape[1]
+        and streams.dtype == block_out.dtype == weights.dtype
+        and streams.dtype in DTYPES
+        and all(t.stride(-1) == 1 for t in (streams, block_out, weights))
+    )
+
+
+def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`layers.hyper_connection.inject` in one kernel (two eagerly), the same bits: an elementwise
+    product and sum, each row its own, for any T."""
+    tokens, width = streams.shape
+    out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
+    if tokens:
+        block = 1024
+        _inject_kernel[(tokens, triton.cdiv(width, block))](
+            streams, block_out, weights, out, block_out.shape[1], width, weights.shape[1],
+            streams.stride(0), block_out.stride(0), weights.stride(0), BLOCK=block,
+            enable_fp_fusion=False,  # no multiply-add: torch rounds the product before the sum
+        )  # fmt: skip
+    return out

@@ -174,6 +174,22 @@ KERNELS = {
         },
         {"TOP_K": 10, "NORMALIZE": True, "SHARED": True, "WIDTH": 11, "BLOCK_E": 512, "BLOCK_K": 16},
     ),
+    "hyper_connection_triton._inject_kernel": (
+        hyper_connection_triton._inject_kernel,
+        {
+            "streams_ptr": "*bf16",
+            "block_out_ptr": "*bf16",
+            "weights_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "hidden": "i32",
+            "width": "i32",
+            "hc_count": "i32",
+            "stride_streams": "i32",
+            "stride_block_out": "i32",
+            "stride_weights": "i32",
+        },
+        {"BLOCK": 1024},
+    ),
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,
         {

@@ -142,3 +142,18 @@ def test_a_cuda_graph_replays_the_mix_with_new_streams():
         torch.cuda.synchronize()
         for replayed, eager in zip(outputs[-1], fused(module, streams), strict=True):
             assert torch.equal(replayed, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_inject_kernel_gives_the_eager_bits(dtype):
+    from morion.layers.hyper_connection import inject_reference
+
+    generator = torch.Generator().manual_seed(5)
+    tokens, hidden, count = 5, 80, 4
+    streams = torch.randn(tokens, count * hidden, generator=generator).to(DEVICE, dtype)
+    block_out = (torch.randn(tokens, hidden, generator=generator) * 3).to(DEVICE, dtype)
+    weights = (torch.rand(tokens, count, generator=generator) * 2).to(DEVICE, dtype)
+    assert hyper_connection_triton.inject_supports(streams, block_out, weights)
+    got = hyper_connection_triton.inject(streams, block_out, weights)
+    assert torch.equal(got, inject_reference(streams, block_out, weights))
+    assert not hyper_connection_triton.inject_supports(streams, block_out[:, :-1], weights)
