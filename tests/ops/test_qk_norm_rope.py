@@ -48,11 +48,12 @@ def _rotation(rotary_dim: int, positions: torch.Tensor, rope: dict | None = None
 
 def _assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit for bit in the interpreter; compiled, the row kernel's sum of squares may reduce in another
-    order, so within an ulp of the dtype."""
+    order, so within an ulp of the dtype, or 4 in fp32 (measured on the H200: 4.8e-7 at a value of 2.4,
+    where the rotary's a * cos + b * sin carries the inverse RMS's last-bit difference of both terms)."""
     if got.device.type == "cpu":
         assert torch.equal(got, expected)
     else:
-        ulp = torch.finfo(got.dtype).eps
+        ulp = torch.finfo(got.dtype).eps * (4 if got.dtype == torch.float32 else 1)
         torch.testing.assert_close(got, expected, rtol=ulp, atol=ulp)
 
 
@@ -167,7 +168,9 @@ def test_kernel_on_the_gpu_at_the_80b_shapes(dtype, tokens):
     cos, sin = _rotation(ROTARY_DIM, torch.arange(100, 100 + tokens, device="cuda"), YARN)
     got = heads.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, EPS, cos, sin)
     expected = _row_kernel_sequence(q, k, q_norm, k_norm, cos, sin)
-    ulp = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-22}[dtype]
+    # fp32: a few ulps of the values' scale (H200: 7.2e-7 on elements of order 1, 6 of 4.1 M, where the
+    # rotary's sum cancels and keeps the inverse RMS's last-bit difference).
+    ulp = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}[dtype]
     for got_part, expected_part in zip(got, expected, strict=True):
         torch.testing.assert_close(got_part, expected_part, rtol=ulp, atol=ulp)
     alone = heads.qk_norm_rope(q[-1:], k[-1:], q_norm.weight, k_norm.weight, EPS, cos[-1:], sin[-1:])
