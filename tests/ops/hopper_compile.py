@@ -1,15 +1,22 @@
 """Compiles Triton kernels for Hopper (sm_90) without a GPU: Triton's front end, its passes and the
 ptxas that its wheel ships, exactly as on the H200. Run as a script in a process of its own, since the
 test process runs every kernel in Triton's interpreter (TRITON_INTERPRET=1), whose kernels do not
-compile. Prints one line per kernel, `ok` or the error; exits 1 if any failed.
+compile. Prints one line per kernel that fails and a count; exits 1 if any failed.
 
-Signatures give each argument's type; constexprs the values of an H200 decode step at the real shapes.
+    python tests/ops/hopper_compile.py [LAUNCHES.json]
+
+Always the kernels of `KERNELS` with the H200's types (bf16 and e4m3, which the interpreter has not) and
+the real shapes' constexprs; with LAUNCHES.json (tests/ops/launch_recorder.py) also every distinct launch
+the CPU tests made, with their types, constexprs and launch options.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -233,26 +240,41 @@ KERNELS = {
 }
 
 
-def compile_for_hopper(kernel: triton.runtime.jit.JITFunction, signature: dict, constexprs: dict) -> None:
+def compile_for_hopper(
+    kernel: triton.runtime.jit.JITFunction, signature: dict, constexprs: dict, options: dict | None = None
+) -> None:
     full = {**signature, **{name: "constexpr" for name in constexprs}}
     missing = set(kernel.arg_names) - set(full)
     if missing:
         raise ValueError(f"no type for {sorted(missing)}")
     values = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(ASTSource(fn=kernel, signature=full, constexprs=values), target=HOPPER)
+    triton.compile(ASTSource(fn=kernel, signature=full, constexprs=values), target=HOPPER, options=options)
 
 
-def main() -> int:
+def recorded(path: str) -> dict[str, tuple]:
+    """The launches tests/ops/launch_recorder.py wrote, as `KERNELS` entries (with launch options)."""
+    launches = {}
+    for number, launch in enumerate(json.loads(Path(path).read_text())):
+        kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+        name = f"{launch['module'].removeprefix('morion.ops.')}.{launch['name']} (launch {number})"
+        launches[name] = (kernel, launch["signature"], launch["constexprs"], launch["options"])
+    return launches
+
+
+def main(argv: list[str]) -> int:
+    kernels = {name: (*entry, None) for name, entry in KERNELS.items()}
+    if argv:
+        kernels.update(recorded(argv[0]))
     failed = 0
-    for name, (kernel, signature, constexprs) in KERNELS.items():
+    for name, (kernel, signature, constexprs, options) in kernels.items():
         try:
-            compile_for_hopper(kernel, signature, constexprs)
-            print(f"{name}: ok")
+            compile_for_hopper(kernel, signature, constexprs, options)
         except Exception as error:  # report every kernel, then fail
             failed += 1
             print(f"{name}: {type(error).__name__}: {str(error)[:500]}")
+    print(f"compiled for sm_90: {len(kernels) - failed} of {len(kernels)}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -4,6 +4,7 @@ the compiler refuses). An NVFP4 kernel once passed every CPU test and failed to 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,13 +16,40 @@ import triton
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.mark.skipif(not PTXAS.exists() and shutil.which("ptxas") is None, reason="no ptxas to compile with")
-def test_kernels_compile_for_sm90():
+NO_PTXAS = not PTXAS.exists() and shutil.which("ptxas") is None
+ROOT = Path(__file__).parents[2]
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+
+
+def _compile(*launches: str) -> subprocess.CompletedProcess[str]:
     script = Path(__file__).with_name("hopper_compile.py")
-    root = Path(__file__).parents[2]
-    run = subprocess.run(
-        [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=600,
-        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    return subprocess.run(
+        [sys.executable, str(script), *launches], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=ENV,
     )  # fmt: skip
+
+
+@pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
+def test_kernels_compile_for_sm90_with_the_h200_s_types():
+    run = _compile()
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": ok") == 16, run.stdout
+    assert "compiled for sm_90: 16 of 16" in run.stdout, run.stdout
+
+
+@pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
+def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path):
+    """The kernel tests of tests/ops, run again in the interpreter with the launch recorder; then each
+    distinct launch (kernel, argument types, constexprs, launch options) compiled for Hopper."""
+    launches = tmp_path / "launches.json"
+    recording = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.ops.launch_recorder",
+         "-m", "not gpu", "-n", "0", "tests/ops", "--ignore", "tests/ops/test_hopper_compile.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**ENV, "TRITON_INTERPRET": "1", "MORION_LAUNCHES_OUT": str(launches)},
+    )  # fmt: skip
+    assert recording.returncode == 0, recording.stdout[-3000:] + recording.stderr[-3000:]
+    recorded = json.loads(launches.read_text())
+    assert len({(launch["module"], launch["name"]) for launch in recorded}) >= 25, recorded
+    run = _compile(str(launches))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"compiled for sm_90: {16 + len(recorded)} of {16 + len(recorded)}" in run.stdout, run.stdout
