@@ -11,8 +11,10 @@ each one sizes itself from what is left:
    allocated, and it compiles the kernels every later forward uses.
 4. State slots, then the page pool from what is really free after weights, slots and the reserve
    (the pool takes the rest, so everything sized after it must be small or on the host). One page and
-   one slot more for CUDA graphs' padding rows. Slots or an explicit --kv-cache-tokens that do not fit
-   what is free are a one-line error naming the flag and what fits, never CUDA's out-of-memory error.
+   one slot more for CUDA graphs' padding rows. On CUDA, slots sized from --max-running-requests take
+   at most half of what is free: the engine lowers that count (and says so) rather than starve the
+   pool. An explicit --state-slots or --kv-cache-tokens that does not fit is a one-line error naming
+   the flag and what fits, never CUDA's out-of-memory error.
 5. The model runner over the pool, then speculative decoding over the runner (an MTP drafter writes its
    K/V into the pool's pages).
 6. The prefix cache over the pool, the host/disk tiers behind it (host memory; a write-back policy
@@ -24,6 +26,7 @@ each one sizes itself from what is left:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -63,6 +66,10 @@ from morion.spec.policy import WidthPolicy, fixed_width_policy, load_width_polic
 from morion.spec.speculative import SpeculativeDecoding
 
 _CPU_DEFAULT_KV_GB = 1.0
+# At most this share of the memory free after the weights goes to state slots when the engine sizes them
+# from --max-running-requests (a hybrid model's per-request state: 110 MiB a slot on Qwen3.8-Flash-Next);
+# it lowers that count rather than leave the K/V pool too small (SGLang caps its state cache alike).
+_STATE_SHARE = 0.5
 _GRAPH_AND_WORKSPACE_RESERVE = 512 * 2**20  # decode graphs' activations, attention split buffers, cuBLAS
 
 
@@ -81,6 +88,7 @@ class EngineParts(NamedTuple):
     pool_tokens: int  # the tokens requests can hold: the pool less the CUDA-graph scratch page
     max_model_len: int
     max_model_len_limit: str  # what limits it: "max_model_len", "context" or "kv_pool"
+    config: EngineConfig  # as given, but --max-running-requests lowered where state slots would not fit
 
 
 def assemble(
@@ -138,6 +146,19 @@ def assemble(
         # Each running request holds a working slot and a page-boundary copy (and with speculation a
         # slot per draft position); the rest are snapshots.
         per_request = 4 + (policy.max_width if policy else 0)
+        if device.type == "cuda" and not config.state_slots:
+            room = _device_room(device, activation_reserve)
+            fits = _running_requests_that_fit(spec.bytes_per_slot, per_request, int(use_graphs), room)
+            fits = tensor_parallel.min_over_ranks(fits, device)  # slot ids mean the same on every rank
+            if 0 < fits < config.max_running_requests:
+                print(
+                    f"morion: --max-running-requests {config.max_running_requests} lowered to {fits}: "
+                    f"each running request holds {per_request} state slots of "
+                    f"{spec.bytes_per_slot / 2**20:.1f} MiB, and they may take at most "
+                    f"{_STATE_SHARE:.0%} of the {room / 2**30:.2f} GiB free (the rest is the K/V pool's)",
+                    file=sys.stderr,
+                )
+                config = dataclasses.replace(config, max_running_requests=fits)
         num_slots = config.state_slots or per_request * config.max_running_requests
         if device.type == "cuda":
             _require_room_for_state_slots(
@@ -200,7 +221,7 @@ def assemble(
             speculative.capture_graphs(config.page_size)
     return EngineParts(
         loaded, kv_scales, pool, state_slots, runner, speculative, prefix_cache, cache_stats, tiers,
-        scheduler, weight_bytes, pool_tokens, longest, limit,
+        scheduler, weight_bytes, pool_tokens, longest, limit, config,
     )  # fmt: skip
 
 
@@ -278,6 +299,13 @@ def _device_room(device: torch.device, activation_reserve: int) -> int:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     return max(0, free - activation_reserve)
+
+
+def _running_requests_that_fit(bytes_per_slot: int, per_request: int, scratch_slots: int, room: int) -> int:
+    """The most running requests whose state slots (`per_request` each, plus the CUDA graphs' scratch
+    slots) take at most _STATE_SHARE of `room`, the bytes free after the weights and the activation
+    reserve; the rest stays for the K/V pool. 0 where not even one fits."""
+    return max(0, (int(room * _STATE_SHARE) // bytes_per_slot - scratch_slots) // per_request)
 
 
 def _require_room_for_state_slots(

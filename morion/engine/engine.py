@@ -85,7 +85,7 @@ class Engine:
             if self._ranks is not None:
                 self._ranks.close()
             raise
-        self.config = config
+        self.config = parts.config  # its --max-running-requests lowered where state slots would not fit
         self.device = config.torch_device
         loaded = parts.loaded
         self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path

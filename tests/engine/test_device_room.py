@@ -42,3 +42,13 @@ def test_an_explicit_kv_cache_size_that_does_not_fit_says_how_many_tokens_do(mon
     assert "at most 40960 tokens fit" in message
     fitting = EngineConfig(kv_cache_tokens=40960, device="cuda")
     assert assembly._num_pages(fitting, bytes_per_page, 0, 0, 0) == 40960 // 16
+
+
+def test_running_requests_are_lowered_until_their_state_slots_take_half_of_what_is_free():
+    # Qwen3.8-Flash-Next in FP8 on an H200: 108 MiB slots, 4 a request, one scratch slot, 15.8 GiB free.
+    room = int(15.8 * 1024) * MIB
+    fits = assembly._running_requests_that_fit(108 * MIB, 4, 1, room)
+    assert fits == 18 and (4 * fits + 1) * 108 * MIB <= room * assembly._STATE_SHARE
+    assert (4 * (fits + 1) + 1) * 108 * MIB > room * assembly._STATE_SHARE
+    assert assembly._running_requests_that_fit(108 * MIB, 4, 1, 300 * MIB) == 0  # then the error above
+    assert assembly._running_requests_that_fit(5632, 4, 1, 16 * 1024 * MIB) > 64  # the 80B's: no change
