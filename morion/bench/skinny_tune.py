@@ -40,7 +40,7 @@ from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import Tiles
 from morion.ops.moe_tune import best_tiles, graph_microseconds, launch_variants
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
-from morion.ops.skinny_tiles import CONFIG_DIR, LinearShape, config_path
+from morion.ops.skinny_tiles import CONFIG_DIR, LinearShape, config_path, linear_shape
 
 # Block shapes swept first (4 warps): GEMV tiles (one row at a time on the CUDA cores), tl.dot tiles (16
 # rows on the MMA's M side) and, for model-dtype weights, swapped tl.dot (never with FP8: `exact_mma`).
@@ -72,21 +72,17 @@ def shapes_of(model: nn.Module) -> list[LinearShape]:
     shapes = []
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.kernel_shapes:
-            shapes.append(LinearShape(module.out_features, module.in_features, "fp8"))
+            shapes.append(linear_shape(module.weight))
         elif isinstance(module, SparseMoE) and type(module.gate) is nn.Linear:
-            shapes.append(_model_dtype_shape(module.num_experts, module.gate.weight))
+            shapes.append(linear_shape(module.gate.weight[: module.num_experts]))
         elif isinstance(module, QSAIndexer) and type(module.index_qk_proj) is nn.Linear:
-            shapes.append(_model_dtype_shape(module.index_qk_proj.out_features, module.index_qk_proj.weight))
+            shapes.append(linear_shape(module.index_qk_proj.weight))
         elif isinstance(module, GatedDeltaNet):
             for name in ("in_proj_ba", "in_proj_b", "in_proj_a"):  # Qwen3-Next's, Qwen3.5-form's
                 linear = getattr(module, name, None)
                 if type(linear) is nn.Linear:
-                    shapes.append(_model_dtype_shape(linear.out_features, linear.weight))
+                    shapes.append(linear_shape(linear.weight))
     return shapes
-
-
-def _model_dtype_shape(outputs: int, weight: torch.Tensor) -> LinearShape:
-    return LinearShape(outputs, weight.shape[1], str(weight.dtype).removeprefix("torch."))
 
 
 def random_weight(shape: LinearShape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:

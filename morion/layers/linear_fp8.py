@@ -18,6 +18,7 @@ from torch import nn
 from morion.ops import skinny_tiles
 from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.log_once import log_once
+from morion.ops.moe_tiles import Tiles
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,23 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:  # amax of nothing is undefined
             return x.new_empty(*x.shape[:-1], self.out_features)
-        tile = skinny_tiles.tile_for(rows, self.weight) if self.kernel_shapes else None
-        if tile is not None:  # a tuned decode shape: the skinny kernel quantizes the rows itself
-            from morion.ops.skinny_linear_triton import skinny_linear
-
-            log_once(logger, "FP8 linear: skinny Triton kernel where tuned, rows quantized in the kernel")
-            out = skinny_linear(rows, self.weight, tile, weight_scale=self.weight_scale, bias=self.bias)
+        tile = self.skinny_tile(rows)
+        if tile is not None:
+            out = self.forward_skinny(rows, tile)
         else:
             out = self.forward_quantized(*quantize_fp8(rows, per_row=True), x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def skinny_tile(self, rows: torch.Tensor) -> Tiles | None:
+        """The device's tuned skinny-kernel tile for these rows [M, K] (a decode shape), or None."""
+        return skinny_tiles.tile_for(rows, self.weight) if self.kernel_shapes else None
+
+    def forward_skinny(self, rows: torch.Tensor, tile: Tiles) -> torch.Tensor:
+        """rows [M, K] in the model dtype through the skinny kernel, which quantizes them itself."""
+        from morion.ops.skinny_linear_triton import skinny_linear
+
+        log_once(logger, "FP8 linear: skinny Triton kernel where tuned, rows quantized in the kernel")
+        return skinny_linear(rows, self.weight, tile, weight_scale=self.weight_scale, bias=self.bias)
 
     def forward_quantized(
         self, q: torch.Tensor, row_scale: torch.Tensor, out_dtype: torch.dtype
@@ -90,10 +99,10 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
     if x.numel() == 0 or not all(isinstance(layer, Fp8Linear) for layer in layers):
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1])
-    if all(skinny_tiles.tile_for(rows, layer.weight) is not None for layer in layers):
-        return [layer(x) for layer in layers]  # each skinny kernel quantizes the rows in its prologue
-    q, row_scale = quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True)
-    return [
-        layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)
-        for layer in layers
-    ]
+    tiles = [layer.skinny_tile(rows) for layer in layers]
+    if all(tile is not None for tile in tiles):  # each skinny kernel quantizes the rows in its prologue
+        outs = [layer.forward_skinny(rows, tile) for layer, tile in zip(layers, tiles, strict=True)]
+    else:
+        q, row_scale = quantize_fp8(rows, per_row=True)
+        outs = [layer.forward_quantized(q, row_scale, x.dtype) for layer in layers]
+    return [out.view(*x.shape[:-1], layer.out_features) for layer, out in zip(layers, outs, strict=True)]

@@ -45,8 +45,12 @@ def expert_shape(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertS
     a byte: down_proj [E, H, I/2])."""
     if gate_up_proj.dtype == torch.uint8:
         return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2] * 2, "nvfp4")
-    dtype = "fp8" if gate_up_proj.element_size() == 1 else str(gate_up_proj.dtype).removeprefix("torch.")
-    return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2], dtype)
+    return ExpertShape(down_proj.shape[0], down_proj.shape[1], down_proj.shape[2], dtype_name(gate_up_proj))
+
+
+def dtype_name(weight: torch.Tensor) -> str:
+    """How tuned files name a weight's dtype: "fp8" for e4m3, else torch's name ("bfloat16", ...)."""
+    return "fp8" if weight.element_size() == 1 else str(weight.dtype).removeprefix("torch.")
 
 
 def config_path(device_name: str, shape: ExpertShape, directory: Path | None = None) -> Path:

@@ -39,11 +39,11 @@ def store_kv(
     out_slots [T] (int64). FP8 pools store value / scale, clamped to the e4m3 range; other pools ignore
     the scales. No host sync, so it can be captured in a CUDA graph: on CUDA one Triton kernel
     (ops/store_kv_triton.py, the same bits), elsewhere `store_kv_reference`."""
-    fp8 = kv_layer.dtype == FP8_KV_DTYPE
     if kv_layer.is_cuda:
         from morion.ops import store_kv_triton
 
         if store_kv_triton.supports(kv_layer, k, v):
+            fp8 = kv_layer.dtype == FP8_KV_DTYPE
             store_kv_triton.store_kv_(kv_layer, out_slots, k, v, fp8, k_scale, v_scale)
             return
     store_kv_reference(kv_layer, out_slots, k, v, k_scale, v_scale)

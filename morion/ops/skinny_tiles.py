@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.ops.log_once import log_once
-from morion.ops.moe_tiles import Tiles, device_name, device_slug
+from morion.ops.moe_tiles import Tiles, device_name, device_slug, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ class LinearShape(NamedTuple):
 
 def linear_shape(weight: torch.Tensor) -> LinearShape:
     """The shape of a weight [N, K]."""
-    dtype = "fp8" if weight.element_size() == 1 else str(weight.dtype).removeprefix("torch.")
-    return LinearShape(weight.shape[0], weight.shape[1], dtype)
+    return LinearShape(weight.shape[0], weight.shape[1], dtype_name(weight))
 
 
 def config_path(device: str, shape: LinearShape, directory: Path | None = None) -> Path:
