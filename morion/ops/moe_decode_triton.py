@@ -1,14 +1,14 @@
 """Fused Triton MoE experts for small token counts (decode, speculative verify): the contract of
-`ops.moe.moe_experts_reference` in three kernels, instead of the grouped path's two grouped GEMMs wrapped
-in about fifteen sort, gather, activation, quantization and combine kernels.
+`ops.moe.moe_experts_reference` in three kernels (four with FP8 experts, whose token rows are first
+quantized per row by `quantize_fp8`, as on the grouped path), instead of the grouped path's two grouped
+GEMMs wrapped in about fifteen sort, gather, activation, quantization and combine kernels.
 
 With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
 
 1. gate_up: act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) over the expert's [2I, H] matrix (gate rows first),
-   SiLU-mul in the epilogue; with FP8 experts x[t] is quantized per row in the prologue, the values of
-   `quantize_fp8(x, per_row=True)` (as on the grouped path; it was a kernel of its own before);
-   [P, I] in fp32 for FP8 experts (quantized by the next kernel), else in the weights' dtype (where the
-   reference rounds it too).
+   SiLU-mul in the epilogue; with FP8 experts x[t] is the e4m3 row of `quantize_fp8(x, per_row=True)`,
+   its scale applied in the epilogue; [P, I] in fp32 for FP8 experts (quantized by the next kernel), else
+   in the weights' dtype (where the reference rounds it too).
 2. down: pair_out[p] = w[t, j] * (act[p] Wd^T), [P, H] fp32; with FP8 experts act[p] is quantized per row
    in the prologue, exactly as `quantize_fp8` does: in registers when one BLOCK_K spans all I values
    (one pass, weights and rows loaded together), else in two passes over them.
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_MAX, MIN_SCALE
+from morion.ops.fp8 import FP8_MAX, MIN_SCALE, quantize_fp8
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
@@ -130,9 +130,9 @@ def _rows_first(acc, MMA: tl.constexpr):
 # the H200: a 4.1 s TTFT); one variant serves every batch. runner/warmup.py compiles the rest.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
-    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
 ):  # fmt: skip
@@ -145,16 +145,6 @@ def _gate_up_kernel(
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
-        if FP8:
-            # The token rows quantized here, per row, as `quantize_fp8(hidden, per_row=True)` does (the
-            # row kernel's `fp8_row` formulas): each row's amax over all of H first, from L2 again below.
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, hidden_size, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x_mask = rows_ok[:, None] & (ks < hidden_size)[None, :]
-                x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(tl.cast(x, tl.float32)), axis=1))
-            x_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA)
         acc_up = _zero_acc(BLOCK_M, BLOCK_N, MMA)
         for k0 in range(0, hidden_size, BLOCK_K):
@@ -164,21 +154,16 @@ def _gate_up_kernel(
             w_g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
             w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
-            if FP8:
-                x = tl.math.div_rn(tl.cast(x, tl.float32), x_scale[:, None])
-                x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-                x = tl.cast(x, w_g.dtype, fp_downcast_rounding="rtne")
-            else:
-                x = tl.cast(x, w_g.dtype)
+            x = tl.cast(x, w_g.dtype)
             acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION)
             acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION)
         acc_gate = _rows_first(acc_gate, MMA)
         acc_up = _rows_first(acc_up, MMA)
         if FP8:
+            x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
             scales = w_scale_ptr + expert * stride_se + cols
-            row_scale = x_scale[:, None]
-            acc_gate = acc_gate * row_scale * tl.load(scales, mask=cols_ok, other=0.0)[None, :]
-            acc_up = acc_up * row_scale * tl.load(scales + inter_size, mask=cols_ok, other=0.0)[None, :]
+            acc_gate = acc_gate * x_scale * tl.load(scales, mask=cols_ok, other=0.0)[None, :]
+            acc_up = acc_up * x_scale * tl.load(scales + inter_size, mask=cols_ok, other=0.0)[None, :]
         act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
         tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
@@ -303,8 +288,14 @@ def moe_experts_triton(
         tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
     gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else GATE_UP_TILES[width])
     down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
-    if not fp8:
-        gate_up_scale, down_scale = gate_up_proj, down_proj  # unread
+    if fp8:
+        # A kernel of its own, not the gate_up prologue: there every (pair, N tile) program re-quantized
+        # its rows for each K block, spilling registers; with it, the only per-token change on that path,
+        # the 80B's decode step went from 5.7 to 9.6 ms on the H200 (results/2026-12-02-h200-session-
+        # notes-e5d0a5d.md).
+        x, x_scale = quantize_fp8(hidden, per_row=True)
+    else:
+        x, x_scale, gate_up_scale, down_scale = hidden, hidden, gate_up_proj, down_proj  # scales unread
     # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).
     act_dtype = torch.float32 if fp8 else gate_up_proj.dtype
     act = torch.empty(num_pairs, inter_size, dtype=act_dtype, device=hidden.device)
@@ -319,11 +310,10 @@ def moe_experts_triton(
     )
     t = gate_up_tiles
     _gate_up_kernel[(num_pairs, triton.cdiv(inter_size, t.block_n))](
-        hidden, gate_up_proj, gate_up_scale, ids, act,
+        x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
-        hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, **_mma_options(t, fp8), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
+        **common, **_mma_options(t, fp8), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles

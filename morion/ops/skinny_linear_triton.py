@@ -16,7 +16,9 @@ Here the scales meet the fp32 sum in the epilogue and the result is rounded once
 A program owns BLOCK_N output columns and BLOCK_M rows and walks K in BLOCK_K steps; the grid is
 (N / BLOCK_N, M / BLOCK_M), so every weight byte is read once per call at M <= BLOCK_M and the tile
 shapes come from the device's tuned file for (N, K, dtype) (ops/skinny_tiles.py). Where no file exists
-the caller keeps cuBLAS: a shape runs here only where the H200 measured it faster.
+an FP8 linear keeps cuBLAS (a shape runs here only where the device measured it faster), and a
+model-dtype product runs here anyway, in the GEMV mode (`skinny_tiles.INVARIANT_GEMV`), for its
+batch invariance.
 
 Invariants:
 - Batch invariant: a row's result does not depend on M or on the other rows: the tiles are fixed per

@@ -2,9 +2,18 @@
 
 `python -m morion.bench.skinny_tune` times each linear shape of a model on the device, cuBLAS against the
 kernel's candidate tiles, and writes a JSON file into `morion/ops/skinny_configs/` only for the shapes
-where the kernel was faster (summed over decode batch sizes). A shape without a file keeps cuBLAS, so a
-device or model that was never tuned runs as before. One tile per shape for every M (batch invariance:
-see the kernel's module).
+where the kernel was faster (summed over decode batch sizes). An FP8 shape without a file keeps cuBLAS.
+One tile per shape for every M (batch invariance: see the kernel's module).
+
+The model-dtype products (`product`: the MoE router, Gated DeltaNet's in_proj_ba / in_proj_b and a,
+QSA's indexer projection) never take cuBLAS at decode sizes: untuned, they run the kernel's GEMV mode
+with `INVARIANT_GEMV`. The router's and the indexer's outputs choose discretely (experts, blocks of
+tokens), so one flipped last bit moves an answer, and the gates' feed a recurrent state. cuBLAS picks
+its GEMM by M and may sum K in another order at M = 1 than beside other rows (the 80B's shared-expert
+gate did: results/2026-12-02-h200-decode-divergence-trace.md), and the first Flash-Next qualification's
+hits parted from their cold answers after 3 to 15 identical tokens
+(results/2026-12-02-h200-session-notes-e5d0a5d.md). The GEMV sums each row's K in one fixed order at
+every M: invariant by construction, not by a measurement of one cuBLAS version.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from morion.ops.moe_tiles import Tiles, device_name, device_slug, dtype_name
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "skinny_configs"
+# The untuned model-dtype products' tile: one row per program, BLOCK_N outputs each (64 programs for a
+# 512-expert router at M = 1), fp32 products summed in a fixed order (exact for bf16 operands).
+INVARIANT_GEMV = Tiles(8, 256, 4, 3, "gemv")
 
 
 class LinearShape(NamedTuple):
@@ -67,15 +79,36 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tiles | None:
 
 
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T in x's dtype: the skinny kernel where this device tuned the shape, else
-    F.linear (cuBLAS)."""
-    tile = tile_for(x, weight)
+    """x [M, K] @ weight [N, K].T in x's dtype (model-dtype weights): on CUDA at decode sizes the skinny
+    kernel, with the device's tuned tile or else `INVARIANT_GEMV` (a row's bits never depend on M); F.linear
+    elsewhere (the CPU, long prefill chunks)."""
+    tile = product_tile(x, weight)
     if tile is None:
         return F.linear(x, weight)
     from morion.ops.skinny_linear_triton import skinny_linear
 
-    log_once(logger, f"linear {tuple(weight.shape)} ({weight.dtype}): skinny Triton kernel, tuned tile")
+    log_once(
+        logger, "model-dtype products at decode sizes: skinny Triton kernel, tuned tile or invariant GEMV"
+    )
     return skinny_linear(x, weight, tile)
+
+
+def product_tile(x: torch.Tensor, weight: torch.Tensor) -> Tiles | None:
+    """`product`'s tile for these rows: the tuned one, else (on CUDA) `untuned_product_tile`'s."""
+    tile = tile_for(x, weight)
+    if tile is not None or not x.is_cuda:
+        return tile
+    return untuned_product_tile(x, weight)
+
+
+def untuned_product_tile(x: torch.Tensor, weight: torch.Tensor) -> Tiles | None:
+    """INVARIANT_GEMV where the kernel takes the rows of a model-dtype product (at most MAX_ROWS), else
+    None: cuBLAS (FP8 weights, long prefill chunks)."""
+    from morion.ops import skinny_linear_triton
+
+    if weight.element_size() == 1 or not skinny_linear_triton.supports(x, weight):
+        return None
+    return INVARIANT_GEMV
 
 
 def linear_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,12 @@ from morion.ops import (
     store_kv_triton,
 )
 from morion.ops.moe_decode_triton import _MMA_MODES
+from morion.ops.skinny_tiles import INVARIANT_GEMV
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _skinny(mma: str, rows: str, weights: str) -> tuple:
+def _skinny(mma: str, rows: str, weights: str, block_n: int = 64, block_k: int = 128) -> tuple:
     """The skinny kernel for rows and weights of these Triton types ("fp8e4nv" or "bf16")."""
     fp8 = weights == "fp8e4nv"
     signature = {
@@ -63,8 +64,8 @@ def _skinny(mma: str, rows: str, weights: str) -> tuple:
         "FP8_MAX": 448.0,
         "MIN_SCALE": 1e-12,
         "BLOCK_M": 1 if mma == "gemv" else 16,
-        "BLOCK_N": 64,
-        "BLOCK_K": 128,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
     }
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
 
@@ -96,6 +97,10 @@ KERNELS = {
         for mma in ("dot", "gemv")
         for rows, weights in _SKINNY_OPERANDS
     },
+    # The untuned model-dtype products' tile (router, gates, QSA indexer on every CUDA decode step).
+    "skinny_linear_triton._skinny_linear_kernel[INVARIANT_GEMV, bf16]": _skinny(
+        INVARIANT_GEMV.mma, "bf16", "bf16", INVARIANT_GEMV.block_n, INVARIANT_GEMV.block_k
+    ),
     **{
         f"store_kv_triton._store_kv_kernel[{pool} pool]": (
             store_kv_triton._store_kv_kernel,
@@ -120,7 +125,8 @@ KERNELS = {
         f"moe_decode_triton._gate_up_kernel[{mma}, fp8]": (
             moe_decode_triton._gate_up_kernel,
             {
-                "x_ptr": "*bf16",
+                "x_ptr": "*fp8e4nv",
+                "x_scale_ptr": "*fp32",
                 "w_ptr": "*fp8e4nv",
                 "w_scale_ptr": "*fp32",
                 "ids_ptr": "*i64",
@@ -137,8 +143,6 @@ KERNELS = {
             {
                 "FP8": True,
                 "DOT_PRECISION": "tf32",
-                "FP8_MAX": 448.0,
-                "MIN_SCALE": 1e-12,
                 "BLOCK_P": 16,
                 "BLOCK_M": 1 if mma == "gemv" else 16,
                 "BLOCK_N": 32,

@@ -22,6 +22,8 @@ from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [Tiles(32, 32, 4, 2, "dot"), Tiles(16, 64, 4, 2, "gemv"), Tiles(64, 32, 4, 2, "swapped")]
+# What the untuned model-dtype products (router, gates, QSA indexer) run on CUDA at decode sizes.
+MODEL_DTYPE_TILES = [*MODES, skinny_tiles.INVARIANT_GEMV]
 
 
 def _operands(rows: int, outputs: int, depth: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +32,7 @@ def _operands(rows: int, outputs: int, depth: int, seed: int) -> tuple[torch.Ten
     return x, torch.randn(outputs, depth, generator=generator) * depth**-0.5
 
 
-@pytest.mark.parametrize("tiles", MODES, ids=lambda t: t.mma)
+@pytest.mark.parametrize("tiles", MODEL_DTYPE_TILES, ids=lambda t: "-".join(map(str, t)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_model_dtype_rows_match_f_linear_and_do_not_depend_on_the_batch(tiles, dtype):
     x, weight = _operands(19, 72, 100, seed=1)  # N and K not multiples of the tile
@@ -108,6 +110,19 @@ def test_a_shape_runs_the_kernel_only_with_its_tuned_file(tuned_dir):
     x, weight = _operands(2, 8, 16, seed=6)
     assert skinny_tiles.tile_for(x, weight) is None
     assert torch.equal(skinny_tiles.product(x, weight), F.linear(x, weight))
+
+
+def test_untuned_model_dtype_products_take_the_invariant_gemv_at_decode_sizes():
+    """Without a tuned tile a model-dtype product runs INVARIANT_GEMV where the kernel takes its rows (on
+    CUDA: `product_tile`), never cuBLAS, whose row sums depend on M; FP8 weights and long chunks do not."""
+    weight = torch.randn(40, 64, dtype=torch.bfloat16)
+    rows = torch.randn(MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert skinny_tiles.untuned_product_tile(rows[:1], weight) == skinny_tiles.INVARIANT_GEMV
+    assert skinny_tiles.untuned_product_tile(rows[:MAX_ROWS], weight) == skinny_tiles.INVARIANT_GEMV
+    assert skinny_tiles.untuned_product_tile(rows, weight) is None  # a long chunk: cuBLAS
+    fp8_weight, _ = quantize_fp8(weight.float())
+    assert skinny_tiles.untuned_product_tile(rows[:1], fp8_weight) is None  # Fp8Linear keeps cuBLAS
+    assert skinny_tiles.product_tile(rows[:1], weight) is None  # off CUDA: F.linear
 
 
 @pytest.fixture

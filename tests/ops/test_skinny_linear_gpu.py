@@ -1,6 +1,8 @@
 """The skinny linear kernel compiled on a GPU at the 80B preset's decode shapes: against the cuBLAS path
 (FP8 rows and weights, then the router's bf16 product), a row the same bits alone as in every batch up to
-MAX_ROWS, replayed in a CUDA graph with new rows, and the tuner's per-shape sweep end to end."""
+MAX_ROWS, replayed in a CUDA graph with new rows, the untuned model-dtype products of both presets (router,
+Gated DeltaNet gates, QSA indexer) batch invariant through `product`, and the tuner's per-shape sweep end
+to end."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from morion.ops.fp8 import scaled_mm_rows
 from morion.ops.moe_tiles import Tiles
 from morion.ops.moe_tune import capture_graph
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
-from morion.ops.skinny_tiles import LinearShape
+from morion.ops.skinny_tiles import INVARIANT_GEMV, LinearShape, product, product_tile
 
 pytestmark = pytest.mark.gpu
 
@@ -57,6 +59,23 @@ def test_bf16_router_rows_match_f_linear_and_replay_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, skinny_linear(fresh, weight, tiles))
+
+
+# (N, K) of the model-dtype products: 80B router and in_proj_ba; Flash-Next router, in_proj_b / a, indexer.
+PRODUCT_SHAPES = [(512, 2048), (64, 2048), (512, 2560), (48, 2560), (640, 2560)]
+
+
+@pytest.mark.parametrize("outputs, depth", PRODUCT_SHAPES)
+def test_untuned_products_are_batch_invariant_and_match_f_linear(outputs, depth):
+    shape = LinearShape(outputs, depth, "bfloat16")
+    weight = skinny_tune.random_weight(shape, torch.device("cuda"), 5)["weight"]
+    x = skinny_tune.random_rows(shape, MAX_ROWS, torch.device("cuda"), 6)["x"]
+    if product_tile(x, weight) != INVARIANT_GEMV:
+        pytest.skip(f"this device has a tuned tile for {shape}")
+    out = product(x, weight)
+    assert _rel_l2(out, F.linear(x, weight)) < 5e-3
+    for count in (1, 2, 3, 4, 5, 8, 16, 17, 33):
+        assert torch.equal(product(x[:count], weight), out[:count]), f"{count} rows differ from {MAX_ROWS}"
 
 
 def test_the_tuner_times_a_shape_against_cublas(monkeypatch):
