@@ -5,13 +5,13 @@ and writes ops/skinny_tiles.py's file for each shape where the kernel is faster.
 
 The shapes are those of the model built on the meta device with `--weight-dtype` (nothing is loaded):
 every FP8 linear layer (e4m3 rows and weights; the cuBLAS side is `torch._scaled_mm` plus the row-scale
-multiply it needs), and the model-dtype products the decode path sends through `skinny_tiles.product`:
-the MoE router and Gated DeltaNet's in_proj_ba (cuBLAS side: F.linear). For each shape and token count
-of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies to exceed the L2
-cache several times over (weights come from HBM, as in a decode step); microseconds per call are the
-median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes are swept
-with 4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). An FP8 shape
-whose best tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. A
+multiply it needs), and the model-dtype products the decode path sends through `skinny_tiles.product`: the
+MoE router, Gated DeltaNet's gates, QSA's indexer and PLE's projections (cuBLAS side: F.linear). For each
+shape and token count of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies
+to exceed the L2 cache several times over (weights come from HBM, as in a decode step); microseconds per
+call are the median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes
+are swept with 4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). An
+FP8 shape whose best tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. A
 model-dtype product always gets its best tile (`skinny_tiles.INVARIANT_GEMV` among the candidates): it
 never runs cuBLAS at decode sizes, for batch invariance, so the file can only make it faster. Prints one
 line per shape and the files written.
@@ -34,6 +34,7 @@ from morion.config import WEIGHT_DTYPES
 from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
+from morion.layers.ple import PLELayer
 from morion.layers.qsa_attention import QSAIndexer
 from morion.models.presets import preset_config
 from morion.models.registry import build_model
@@ -70,7 +71,7 @@ def model_shapes(model: str, weight_dtype: str) -> list[LinearShape]:
 def shapes_of(model: nn.Module) -> list[LinearShape]:
     """Each FP8 linear with cuBLASLt shapes and the model-dtype products of a decode step that go through
     `skinny_tiles.product`: each router (its routed rows), QSA's indexer projection, Gated DeltaNet's
-    plain in_proj_ba (or in_proj_b and in_proj_a)."""
+    plain in_proj_ba (or in_proj_b and in_proj_a), PLE's key and value projections."""
     shapes = []
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.kernel_shapes:
@@ -79,8 +80,9 @@ def shapes_of(model: nn.Module) -> list[LinearShape]:
             shapes.append(linear_shape(module.gate.weight[: module.num_experts]))
         elif isinstance(module, QSAIndexer) and type(module.index_qk_proj) is nn.Linear:
             shapes.append(linear_shape(module.index_qk_proj.weight))
-        elif isinstance(module, GatedDeltaNet):
-            for name in ("in_proj_ba", "in_proj_b", "in_proj_a"):  # Qwen3-Next's, Qwen3.5-form's
+        elif isinstance(module, (GatedDeltaNet, PLELayer)):
+            # Qwen3-Next's in_proj_ba, the Qwen3.5 form's in_proj_b and a; PLE's projections.
+            for name in ("in_proj_ba", "in_proj_b", "in_proj_a", "key_proj", "value_proj"):
                 linear = getattr(module, name, None)
                 if type(linear) is nn.Linear:
                     shapes.append(linear_shape(linear.weight))

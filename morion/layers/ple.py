@@ -34,6 +34,7 @@ from morion.layers.grouped_norm import GroupedRMSNorm
 from morion.layers.host_table import FetchedRows, HostRowTable, shard_name
 from morion.layers.hybrid_backend import HybridBackend
 from morion.layers.ngram_hash import NGramHash
+from morion.ops.skinny_tiles import linear_forward
 
 PLE_CONV = "ple_conv"
 NGRAM_HISTORY = "ple_ngram"
@@ -113,8 +114,9 @@ class PLELayer(nn.Module):
         tokens = streams.shape[0]
         per_stream = (tokens, self.hc_count, self.hidden_size)
         embedded = rows.wait(streams.dtype).view(tokens, -1)
-        key = self.norm_key(self.key_proj(embedded)).view(per_stream)
-        value = self.value_proj(embedded)
+        # Through `linear_forward`: a decode step's rows the same bits in every batch (ops/skinny_tiles.py).
+        key = self.norm_key(linear_forward(self.key_proj, embedded)).view(per_stream)
+        value = linear_forward(self.value_proj, embedded)
         query = self.norm_query(streams).view(per_stream)
         gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()

@@ -5,15 +5,15 @@ kernel's candidate tiles, and writes a JSON file into `morion/ops/skinny_configs
 where the kernel was faster (summed over decode batch sizes). An FP8 shape without a file keeps cuBLAS.
 One tile per shape for every M (batch invariance: see the kernel's module).
 
-The model-dtype products (`product`: the MoE router, Gated DeltaNet's in_proj_ba / in_proj_b and a,
-QSA's indexer projection) never take cuBLAS at decode sizes: untuned, they run the kernel's GEMV mode
-with `INVARIANT_GEMV`. The router's and the indexer's outputs choose discretely (experts, blocks of
-tokens), so one flipped last bit moves an answer, and the gates' feed a recurrent state. cuBLAS picks
-its GEMM by M and may sum K in another order at M = 1 than beside other rows (the 80B's shared-expert
-gate did: results/2026-12-02-h200-decode-divergence-trace.md), and the first Flash-Next qualification's
-hits parted from their cold answers after 3 to 15 identical tokens
-(results/2026-12-02-h200-session-notes-e5d0a5d.md). The GEMV sums each row's K in one fixed order at
-every M: invariant by construction, not by a measurement of one cuBLAS version.
+The model-dtype products (`product`: the MoE router, Gated DeltaNet's in_proj_ba / in_proj_b and a, QSA's
+indexer projection, PLE's key and value projections) never take cuBLAS at decode sizes: untuned, they run the
+kernel's GEMV mode with `INVARIANT_GEMV`. The router's and the indexer's outputs choose discretely (experts,
+blocks of tokens), so one flipped last bit moves an answer, and the gates' feed a recurrent state. cuBLAS
+picks its GEMM by M and may sum K in another order at M = 1 than beside other rows (the 80B's shared-expert
+gate did: results/2026-12-02-h200-decode-divergence-trace.md), and the first Flash-Next qualification's hits
+parted from their cold answers after 3 to 15 identical tokens
+(results/2026-12-02-h200-session-notes-e5d0a5d.md). The GEMV sums each row's K in one fixed order at every M:
+invariant by construction, not by a measurement of one cuBLAS version.
 """
 
 from __future__ import annotations
