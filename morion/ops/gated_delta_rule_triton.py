@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from morion.ops.fla_varlen import FLA_CHUNK_SIZE, fla_varlen
+
 # Same epsilon as `l2_normalize` in ops/gated_delta_rule.py and fla's `l2norm_fwd`.
 L2_NORM_EPS = 1e-6
 
@@ -412,9 +414,10 @@ def gdn_prefill_(
 
     q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] or [T, H, HV / H]; A_log, dt_bias: [HV]; state_pool:
     [S, HV, K, V]; state_indices: [N] (distinct, non-negative); cu_seqlens: [N+1] on the device (0,
-    end_0, ..., T); cu_seqlens_cpu: the same on the host if the caller has it (saves fla a device-to-host
-    copy). Each sequence continues from its slot's state, which then holds the state after its tokens; a
-    sequence with no tokens keeps its slot exactly as it was. Returns out [T, HV, V] in q's dtype.
+    end_0, ..., T); cu_seqlens_cpu: the same on the host if the caller has it (saves a device-to-host
+    copy, a host sync, per call). Each sequence continues from its slot's state, which then holds the
+    state after its tokens; a sequence with no tokens keeps its slot exactly as it was. Returns out
+    [T, HV, V] in q's dtype.
     """
     # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -428,18 +431,17 @@ def gdn_prefill_(
     beta = b.sigmoid().reshape(-1, num_v_heads)
     rows = state_indices.long()
     initial = state_pool[rows].float()
-    # A fresh int64 tensor on every call: fla memoises its varlen metadata (`tensor_cache`) by tensor
-    # identity, so a caller's cu_seqlens buffer reused with new contents would get stale chunk offsets.
-    cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
-    if cu_seqlens_cpu is not None:
-        cu_seqlens_cpu = cu_seqlens_cpu.to(torch.int64, copy=True)
+    # The forward's varlen metadata, the same tensors for every layer (ops/fla_varlen.py): keyed by the
+    # bounds' values, never by a caller's buffer, whose contents may change while fla memoises by identity.
+    varlen = fla_varlen(cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu, cu_seqlens.device)
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None],
         scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
+        chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
     )  # fmt: skip
     # Empty sequences keep their initial state bit for bit (a device-side select: no host sync).
-    has_tokens = (cu_seqlens[1:] > cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
+    has_tokens = (varlen.cu_seqlens[1:] > varlen.cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
     final = torch.where(has_tokens, final, initial)
     state_pool[rows] = final.to(state_pool.dtype)
     return out[0]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from morion.ops.causal_conv1d_triton import causal_conv1d_update_, causal_conv1d_varlen_
+from morion.ops.fla_varlen import FLA_CHUNK_SIZE, fla_varlen
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -153,6 +154,15 @@ def test_conv_at_qwen3_next_shape():
         start += length
     assert others_untouched(pool, before, SLOTS)
     report("conv", update_max=update_err, varlen_max=varlen_err)
+
+
+def test_varlen_metadata_equals_fla_s_own_on_the_device():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu_seqlens = cu_seqlens_of([*LENGTHS, 64, 1]).long()
+    varlen = fla_varlen(cu_seqlens.cpu(), cu_seqlens.device)
+    assert varlen.chunk_indices.is_cuda and torch.equal(varlen.cu_seqlens, cu_seqlens)
+    assert torch.equal(varlen.chunk_indices, prepare_chunk_indices(cu_seqlens.clone(), FLA_CHUNK_SIZE))
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, BF16])

@@ -8,6 +8,7 @@ new states and every other row of the pool is bit-for-bit unchanged.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -22,6 +23,7 @@ from morion.ops.causal_conv1d_triton import (
     causal_conv1d_update_,
     causal_conv1d_varlen_,
 )
+from morion.ops.fla_varlen import fla_varlen
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -358,6 +360,25 @@ def test_conv_chunks_and_decode_continue_one_another():
 # -- the prefill wrapper and the layer's fast path -----------------------------------------------------
 
 
+def chunk_pairs(bounds: list[int], chunk_size: int) -> list[list[int]]:
+    """(sequence, chunk) for every chunk of every sequence, in order: what fla's `chunk_indices` holds."""
+    spans = itertools.pairwise(bounds)
+    return [[n, c] for n, (start, end) in enumerate(spans) for c in range(-(-(end - start) // chunk_size))]
+
+
+def test_varlen_metadata_is_fla_s_built_once_per_bounds():
+    """fla_varlen: fla's chunk indices (empty sequences, partial and whole chunks; fla's own function is
+    compared on the GPU, test_gdn_gpu.py), the same tensors for the same bounds whatever tensor holds
+    them, new ones for new bounds."""
+    bounds = torch.tensor([0, 5, 5, 200, 328, 329], dtype=torch.int32)
+    first = fla_varlen(bounds, torch.device("cpu"))
+    assert first.cu_seqlens.dtype == torch.int64 and torch.equal(first.cu_seqlens, bounds.long())
+    assert first.chunk_indices.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2], [2, 3], [3, 0], [3, 1], [4, 0]]
+    assert fla_varlen(bounds.clone(), torch.device("cpu")) is first
+    other = fla_varlen(torch.tensor([0, 64, 65]), torch.device("cpu"))
+    assert other is not first and other.chunk_indices.tolist() == [[0, 0], [1, 0]]
+
+
 @pytest.fixture
 def reference_fla(monkeypatch):
     """Stands fla's `chunk_gated_delta_rule` (it does not run in the interpreter as shipped) in with the
@@ -366,10 +387,12 @@ def reference_fla(monkeypatch):
     calls = []
 
     def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                               use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu=None):  # fmt: skip
+                               use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+                               chunk_size):  # fmt: skip
         assert cu_seqlens.dtype == torch.int64 and g.dtype == torch.float32
-        assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-        calls.append(cu_seqlens_cpu is not None)
+        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+        assert chunk_indices.tolist() == chunk_pairs(cu_seqlens_cpu.tolist(), chunk_size)
+        calls.append(cu_seqlens)
         return chunk_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -404,7 +427,7 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
     torch.testing.assert_close(pool[[2, 3]], ref_state[[0, 2]].to(state_dtype), atol=1e-5, rtol=0)
     assert torch.equal(pool[0], before[0])  # the empty sequence's slot
     assert untouched(pool, before, slots)
-    assert reference_fla == [False]
+    assert len(reference_fla) == 1
 
 
 @pytest.mark.skipif(
@@ -438,4 +461,9 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
             torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
             for component, pool in fast_pools.items():
                 torch.testing.assert_close(pool, reference_pools[component], atol=1e-5, rtol=0)
-    assert reference_fla == [True]  # the prefill only; the layer hands fla the host copy of cu_seqlens
+    assert len(reference_fla) == 1  # the prefill only
+    # A second forward of the same bounds hands fla the very same metadata (its memo hits; no rebuild).
+    with torch.no_grad():
+        lengths = [20, 0, 2, 1]
+        layer._forward_cuda(torch.randn(23, 32, generator=gen), pool_backend(fast_pools, slots, lengths))
+    assert len(reference_fla) == 2 and reference_fla[1] is reference_fla[0]
