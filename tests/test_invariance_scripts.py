@@ -57,3 +57,22 @@ def test_the_divergence_trace_names_the_modules_whose_row_differs(tmp_path):
     first = result["steps"][0]
     assert first["step"] == 0 and first["row"] == 1 and first["differing"] > 0
     assert first["first"][0][0].startswith("model.layers.0.") and first["first"][0][1] > 0
+
+
+def test_the_prefill_sync_probe_names_our_innermost_frame_and_needs_a_gpu():
+    import traceback
+
+    import pytest
+    import torch
+
+    module = _script("prefill_syncs")
+    stack = [
+        traceback.FrameSummary("/x/site-packages/morion/engine/engine.py", 10, "step"),
+        traceback.FrameSummary("/x/site-packages/fla/ops/utils/index.py", 164, "prepare_chunk_indices"),
+        traceback.FrameSummary("/x/site-packages/torch/_tensor.py", 5, "to"),
+    ]
+    assert module._site(stack) == "fla/ops/utils/index.py:164 prepare_chunk_indices"
+    assert module._site(stack[2:]) == "(outside morion and fla)"
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            module.main(["--model", "preset:qwen3-next-tiny", "--device", "cpu"])
