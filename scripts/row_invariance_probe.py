@@ -1,9 +1,10 @@
 """Which op computes a row differently at batch 1 than beside other rows? Many rows per op, bit for bit.
 
 The decode path's ops of one layer of each kind (every linear, BF16 or FP8; the whole sparse-MoE block:
-the router's GEMM (with a stacked shared expert's gate as its last row) and its products as the block runs
-them (`router_logits`: that row apart), fused experts (a stacked shared expert among them), a separate
-shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
+the router's GEMM as cuBLAS runs it (with a stacked shared expert's gate as its last row) and its product
+as the block runs it (`router_logits`: the skinny kernel at decode sizes), fused experts (a stacked shared
+expert among them), a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's
+scale.
 For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
 for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
 against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at
@@ -46,8 +47,8 @@ def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], tor
             full = f"{layer_name}.{name}"
             if isinstance(module, SparseMoE):
                 ops[full] = (module, module.gate.in_features)
-                # The router's products as the block runs them (a stacked gate row apart); the whole
-                # [E + 1]-row gate as one GEMM is measured too, as the shape the block avoids.
+                # The router's product as the block runs it; the gate as a cuBLAS GEMM (the nn.Linear
+                # below) is measured too, as what the block no longer runs at decode sizes.
                 ops[f"{full}.router_logits"] = (_joined_router_logits(module), module.gate.in_features)
             elif isinstance(module, (torch.nn.Linear, Fp8Linear)):
                 ops[full] = (module, module.in_features)

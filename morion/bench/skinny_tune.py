@@ -70,14 +70,15 @@ def model_shapes(model: str, weight_dtype: str) -> list[LinearShape]:
 
 def shapes_of(model: nn.Module) -> list[LinearShape]:
     """Each FP8 linear with cuBLASLt shapes and the model-dtype products of a decode step that go through
-    `skinny_tiles.product`: each router (its routed rows), QSA's indexer projection, Gated DeltaNet's
-    plain in_proj_ba (or in_proj_b and in_proj_a), PLE's key and value projections."""
+    `skinny_tiles.product`: each router (a stacked shared expert's gate row included), QSA's indexer
+    projection, Gated DeltaNet's plain in_proj_ba (or in_proj_b and in_proj_a), PLE's key and value
+    projections."""
     shapes = []
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.kernel_shapes:
             shapes.append(linear_shape(module.weight))
         elif isinstance(module, SparseMoE) and type(module.gate) is nn.Linear:
-            shapes.append(linear_shape(module.gate.weight[: module.num_experts]))
+            shapes.append(linear_shape(module.gate.weight))  # with a stacked shared gate's row
         elif isinstance(module, QSAIndexer) and type(module.index_qk_proj) is nn.Linear:
             shapes.append(linear_shape(module.index_qk_proj.weight))
         elif isinstance(module, (GatedDeltaNet, PLELayer)):

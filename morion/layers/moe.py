@@ -27,12 +27,12 @@ from torch import nn
 
 from morion.config import MOE_KERNELS
 from morion.layers.mlp import SwiGLU
-from morion.layers.narrow_linear import NarrowLinear, narrow_product
+from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.fp8 import FP8_DTYPE
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
 from morion.ops.nvfp4 import GROUP_SIZE
-from morion.ops.skinny_tiles import linear_forward, product
+from morion.ops.skinny_tiles import linear_forward
 
 # How stacked experts store their weights: the model dtype, e4m3 with per-row scales, or NVFP4.
 EXPERT_FORMATS = ("model", "fp8", "nvfp4")
@@ -264,16 +264,16 @@ class SparseMoE(nn.Module):
         return route_reference(logits, self.top_k, self.norm_topk_prob, shared_logits)
 
     def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None).
-        The gate's row E is its own narrow product (layers/narrow_linear.py) and the routed GEMM keeps
-        N = E: cuBLAS at the shapes measured row-invariant on the H200 (with one GEMM of N = E + 1, not
-        measured, the H200's decode-invariance test failed: `results/2026-12-02-h200-gpu-check-b158263.md`),
-        or the skinny kernel where the device tuned N = E (ops/skinny_tiles.py), invariant by construction.
-        """
+        """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None): one
+        product over the gate's E (+ 1) rows, its column E the shared gate's logit. At decode sizes on CUDA
+        it is the skinny kernel (`skinny_tiles.product`), each column summed in one fixed order whatever N
+        and M, so a token routes the same in every batch. cuBLAS with N = E + 1 did not (the H200's
+        decode-invariance test failed: `results/2026-12-02-h200-gpu-check-b158263.md`); it now runs only
+        long prefill chunks, which a cache hit never recomputes."""
+        logits = linear_forward(self.gate, x)
         if self.shared_slot is None:
-            return linear_forward(self.gate, x), None
-        weight = self.gate.weight  # [E + 1, H]; rows 0..E-1 a contiguous view
-        return product(x, weight[: self.shared_slot]), narrow_product(x, weight[self.shared_slot :])
+            return logits, None
+        return logits[:, : self.shared_slot], logits[:, self.shared_slot :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:

@@ -128,9 +128,9 @@ def test_the_stacked_block_launches_the_shared_expert_s_kernels_no_more(blocks_8
 
 @pytest.mark.gpu
 def test_a_token_s_route_does_not_depend_on_its_batch_on_cuda(blocks_80b):
-    """The router's GEMM over the routed rows (N = E) and the shared gate's narrow product give a token
-    the same logits, so the same route, alone and beside 1 to 15 others (a decode or short forward's
-    sizes, engine/forward_groups.py), which one GEMM of N = E + 1 was not shown to (layers/moe.py)."""
+    """The router's one product over the E + 1 rows (the skinny kernel at these sizes) gives a token the
+    same logits, so the same route, alone and beside 1 to 15 others (a decode or short forward's sizes,
+    engine/forward_groups.py), which cuBLAS's GEMM of N = E + 1 did not (layers/moe.py)."""
     _, stacked = blocks_80b
     x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
     with torch.no_grad():

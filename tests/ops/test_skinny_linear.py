@@ -164,8 +164,9 @@ def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
     shapes = skinny_tune.model_shapes("preset:qwen3-next-tiny", "fp8")
     dtypes = {shape.dtype for shape in shapes}
     assert dtypes == {"fp8", "bfloat16"} and len(set(shapes)) == len(shapes)
-    # The router's routed rows (4 experts, hidden 64) and in_proj_ba (2 x 4 value heads) in the model dtype.
-    assert {(4, 64, "bfloat16"), (8, 64, "bfloat16")} <= set(shapes)
+    # The router (4 experts and the stacked shared gate's row, hidden 64) and in_proj_ba (2 x 4 value
+    # heads) in the model dtype.
+    assert {(5, 64, "bfloat16"), (8, 64, "bfloat16")} <= set(shapes)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             skinny_tune.main(["--model", "preset:qwen3-next-tiny"])

@@ -61,9 +61,9 @@ def test_bf16_router_rows_match_f_linear_and_replay_in_a_graph():
     assert torch.equal(out, skinny_linear(fresh, weight, tiles))
 
 
-# (N, K) of the model-dtype products: 80B router and in_proj_ba; Flash-Next router, in_proj_b / a, indexer,
-# PLE key and value.
-PRODUCT_SHAPES = [(512, 2048), (64, 2048), (512, 2560), (48, 2560), (640, 2560), (10240, 2560), (2560, 2560)]
+# (N, K) of the model-dtype products: 80B router (its shared gate's row stacked) and in_proj_ba; Flash-Next
+# router, in_proj_b / a, indexer, PLE key and value.
+PRODUCT_SHAPES = [(513, 2048), (64, 2048), (513, 2560), (48, 2560), (640, 2560), (10240, 2560), (2560, 2560)]
 
 
 @pytest.mark.parametrize("outputs, depth", PRODUCT_SHAPES)
