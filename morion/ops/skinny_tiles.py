@@ -34,9 +34,11 @@ from morion.ops.moe_tiles import Tiles, device_name, device_slug, dtype_name
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "skinny_configs"
-# The untuned model-dtype products' tile: one row per program, BLOCK_N outputs each (64 programs for a
-# 512-expert router at M = 1), fp32 products summed in a fixed order (exact for bf16 operands).
-INVARIANT_GEMV = Tiles(8, 256, 4, 3, "gemv")
+# The untuned model-dtype products' tile: one row per program, BLOCK_N outputs each (65 programs for a
+# router of 512 experts and a stacked gate at M = 1), fp32 products summed in a fixed order (exact for
+# bf16 operands); K in blocks of 512, so that a narrow product (Gated DeltaNet's gates, N = 48 to 64 over
+# K = 2,048 to 2,560: 6 to 8 programs) waits on 4 to 5 loads in a row rather than 8 to 10.
+INVARIANT_GEMV = Tiles(8, 512, 4, 3, "gemv")
 
 
 class LinearShape(NamedTuple):
