@@ -58,16 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     def record(*_: object, **__: object) -> None:  # warnings.showwarning's place: count, never print
         sites[_site(traceback.extract_stack()[:-1])] += 1
 
-    previous = warnings.showwarning
-    warnings.showwarning = record
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # which puts warnings.showwarning back on exit
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             _prefill(engine, fresh)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = previous
     total = sum(sites.values())
     print(f"prefill_syncs: {total} synchronizing calls in one {args.prompt_tokens}-token prefill")
     for site, count in sites.most_common():
