@@ -2,7 +2,8 @@
 # A session's GPU work as one chain of steps that runs in the background on the device machine, so that
 # it outlasts a device call (10 minutes at most) and the machine never idles between calls:
 #
-#   bash scripts/gpu_chain.sh start STEPS_FILE      # first call: copies the tree, starts the steps, returns
+#   MORION_SOURCE_COMMIT=SHA bash scripts/gpu_chain.sh start STEPS_FILE
+#                                                   # first call: copies the tree, starts the steps, returns
 #   bash scripts/gpu_chain.sh wait SECONDS [WORD]   # each later call, issued at once (the machine goes back
 #                                                   # after 30 s idle): progress until a status line holds
 #                                                   # WORD (default: done) or SECONDS pass, then packs
@@ -11,7 +12,9 @@
 # runs in a copy of the tree (/tmp/morion-chain/tree: the device tool's next call re-sends the working
 # tree, which must not change under a running step) with scripts/gpu_env.sh's environment and
 # $CHAIN_OUT (/tmp/morion-chain/out) for its files, under `timeout SECONDS`, its output in
-# /tmp/morion-chain/logs/NAME.log; a failed step does not stop the chain. /tmp/morion-chain/status gets
+# /tmp/morion-chain/logs/NAME.log; a failed step does not stop the chain. Every step sees
+# MORION_SOURCE_COMMIT (results' provenance): the device's copy of the tree has no git, so `start` takes
+# the commit from that variable, else from git where it runs, and refuses to start without one. /tmp/morion-chain/status gets
 # `NAME rc=N SECONDSs` per step and `done` at the end. `wait` prints the status, the running step's last
 # lines, and packs logs/ and out/ into $OUT/chain-<time>.tgz (the folder the device tool brings back).
 set -uo pipefail
@@ -20,6 +23,8 @@ chain=${CHAIN_DIR:-/tmp/morion-chain}
 
 run_steps() {  # STEPS_FILE: the background runner
     local name limit command start
+    MORION_SOURCE_COMMIT=$(cat "$chain/commit")
+    export MORION_SOURCE_COMMIT
     while read -r name limit command; do
         [[ -z "$name" || "$name" == \#* ]] && continue
         echo "$name started $(date +%T)" >> "$chain/status"
@@ -35,10 +40,16 @@ case "${1:-}" in
 start)
     steps=${2:?usage: gpu_chain.sh start STEPS_FILE}
     [ -f "$steps" ] || { echo "gpu_chain.sh: no steps file $steps" >&2; exit 2; }
+    commit=${MORION_SOURCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
+    [ -n "$commit" ] || {
+        echo "gpu_chain.sh: no commit for the results' provenance: set MORION_SOURCE_COMMIT (no git here)" >&2
+        exit 2
+    }
     rm -rf "$chain" && mkdir -p "$chain/tree" "$chain/logs" "$chain/out"
     # The tree with its carried wheels (.whl), without history or a local virtual environment.
     tar cf - --exclude=./.git --exclude=./.venv . | tar xf - -C "$chain/tree"
     cp "$steps" "$chain/steps"
+    echo "$commit" > "$chain/commit"
     : > "$chain/status"
     setsid nohup bash "$chain/tree/scripts/gpu_chain.sh" run "$chain/steps" > "$chain/runner.log" 2>&1 < /dev/null &
     echo "gpu_chain: started $(grep -cvE '^\s*(#|$)' "$steps") steps in $chain"

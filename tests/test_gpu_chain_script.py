@@ -21,7 +21,8 @@ def test_steps_run_in_order_in_the_background_and_come_back_packed(tmp_path):
     steps = tmp_path / "steps"
     steps.write_text(
         "# a comment, then a blank line\n\n"
-        "first 10 echo from the tree copy: $(basename $(pwd)); echo made > $CHAIN_OUT/first.txt\n"
+        "first 10 echo from the tree copy: $(basename $(pwd)) at $MORION_SOURCE_COMMIT;"
+        " echo made > $CHAIN_OUT/first.txt\n"
         "failing 10 echo about to fail; exit 3\n"
         "slow 1 sleep 5\n"
         "last 10 echo after the others\n"
@@ -29,6 +30,7 @@ def test_steps_run_in_order_in_the_background_and_come_back_packed(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {"PATH": "/usr/bin:/bin", "CHAIN_DIR": str(tmp_path / "chain"), "OUT": str(out)}
+    env["MORION_SOURCE_COMMIT"] = "c0ffee"
     started = _chain("start", str(steps), env=env)
     assert started.returncode == 0 and "started 4 steps" in started.stdout, started.stderr
     waited = _chain("wait", "30", env=env)
@@ -39,7 +41,10 @@ def test_steps_run_in_order_in_the_background_and_come_back_packed(tmp_path):
     with tarfile.open(packed) as archive:
         names = set(archive.getnames())
         assert {"logs/first.log", "logs/failing.log", "out/first.txt", "status"} <= names
-        assert archive.extractfile("logs/first.log").read().decode().strip() == "from the tree copy: tree"
+        assert (
+            archive.extractfile("logs/first.log").read().decode().strip()
+            == "from the tree copy: tree at c0ffee"
+        )
 
 
 def test_waiting_without_a_chain_or_a_steps_file_says_so(tmp_path):
@@ -47,3 +52,27 @@ def test_waiting_without_a_chain_or_a_steps_file_says_so(tmp_path):
     assert "no chain started" in _chain("wait", "1", env=env).stderr
     missing = _chain("start", str(tmp_path / "absent"), env=env)
     assert missing.returncode == 2 and "no steps file" in missing.stderr
+
+
+def test_a_chain_without_a_commit_for_provenance_does_not_start(tmp_path):
+    # A copy of the script outside any git work tree, as on the device machine.
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "gpu_chain.sh"
+    script.write_text((ROOT / "scripts" / "gpu_chain.sh").read_text())
+    steps = tmp_path / "steps"
+    steps.write_text("only 10 true\n")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CHAIN_DIR": str(tmp_path / "chain"),
+        "GIT_CEILING_DIRECTORIES": str(tmp_path),
+    }
+    started = subprocess.run(
+        ["bash", str(script), "start", str(steps)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 2 and "MORION_SOURCE_COMMIT" in started.stderr
+    assert not (tmp_path / "chain" / "status").exists()
