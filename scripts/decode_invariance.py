@@ -13,14 +13,21 @@ This probe asks the question directly, for many steps (a rare flip per step need
 prefill path (a hit recomputes just its tail). Reported per comparison: the prompts that part and the first
 token where each does. Engine flags (`--no-cuda-graph`, `--moe-kernel grouped`, ...) bisect by kernel.
 
+The result keeps the cold answers' log probabilities; `--compare-cold FILE` (an earlier run's result, same
+prompts) adds `cold_vs_other_process`: does another process, same flags, compute the same answers? (A
+restart, as the disk tier's hits see it.)
+
     python scripts/decode_invariance.py --model preset:qwen3-next-80b-a3b-12l --weight-dtype fp8 \\
         --kv-cache-dtype fp8 --prompts 64 --tokens 64 --batch 8 --out results
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
 from morion.engine.engine import Engine
@@ -48,6 +55,29 @@ def _parting(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, ob
     return {"prompts_differing": len(first), "first_differing_token": first}
 
 
+# What must match for two runs' cold answers to be comparable.
+_SAME_PROMPTS = ("model", "prompts", "prompt_tokens", "tokens", "probe_seed")
+
+
+def _earlier_cold(args: argparse.Namespace) -> list[list[float]]:
+    """The cold answers of the result file --compare-cold names; exits with one line if it does not fit."""
+    try:
+        earlier = json.loads(Path(args.compare_cold).read_text())
+        answers = earlier["cold_logprobs"]
+        settings = earlier["settings"]
+    except (OSError, ValueError, KeyError) as error:
+        sys.exit(
+            f"decode_invariance: --compare-cold {args.compare_cold}: not a result with cold answers ({error})"
+        )
+    differing = [name for name in _SAME_PROMPTS if settings.get(name) != getattr(args, name)]
+    if differing:
+        sys.exit(
+            f"decode_invariance: --compare-cold {args.compare_cold} ran other prompts"
+            f" ({', '.join(differing)} differ)"
+        )
+    return answers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser(__doc__.splitlines()[0], "decode-invariance")
     parser.add_argument("--prompts", type=int, default=64)
@@ -55,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--probe-seed", type=int, default=0, help="draws the prompts")
+    parser.add_argument(
+        "--compare-cold", metavar="FILE", help="an earlier run's result: compare cold answers"
+    )
     args = parser.parse_args(argv)
+    earlier = _earlier_cold(args) if args.compare_cold else None
     engine = Engine(probe_config(args, batch=args.batch))
     prompts = probe_prompts(engine.model.config.vocab_size, args.prompts, args.prompt_tokens, args.probe_seed)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -74,9 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         "steps_compared": args.prompts * args.tokens,
         "alone_vs_together": _parting(answers["alone"], answers["together"]),
         "cold_vs_alone": _parting(answers["cold"], answers["alone"]),
+        "cold_logprobs": answers["cold"],
     }
-    for name in ("alone_vs_together", "cold_vs_alone"):
-        figures = result[name]
+    if earlier is not None:
+        result["cold_vs_other_process"] = _parting(answers["cold"], earlier)
+    for name in ("alone_vs_together", "cold_vs_alone", "cold_vs_other_process"):
+        figures = result.get(name)
+        if figures is None:
+            continue
         print(f"decode_invariance: {name}: {figures['prompts_differing']} of {args.prompts} prompts part")
     write_probe_result(args.out, "decode-invariance", result)
     return 0

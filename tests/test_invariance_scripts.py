@@ -10,6 +10,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 
@@ -30,6 +32,38 @@ def test_cold_and_alone_agree_and_every_comparison_is_reported(tmp_path):
     assert result["steps_compared"] == 12
     assert result["cold_vs_alone"] == {"prompts_differing": 0, "first_differing_token": {}}
     assert set(result["alone_vs_together"]) == {"prompts_differing", "first_differing_token"}
+    assert len(result["cold_logprobs"]) == 3 and all(len(answer) == 4 for answer in result["cold_logprobs"])
+
+    # Another process's cold answers (here: the same ones, then one altered at its third token).
+    again = tmp_path / "again"
+    assert module.main([*argv[:-1], str(again), "--compare-cold", str(path)]) == 0
+    [again_path] = again.glob("*-decode-invariance.json")
+    assert json.loads(again_path.read_text())["cold_vs_other_process"]["prompts_differing"] == 0
+    result["cold_logprobs"][1][2] += 0.5
+    path.write_text(json.dumps(result))
+    assert module.main([*argv[:-1], str(again), "--compare-cold", str(path)]) == 0
+    parted = json.loads(again_path.read_text())["cold_vs_other_process"]
+    assert parted == {"prompts_differing": 1, "first_differing_token": {"1": 2}}
+
+
+def test_cold_answers_of_other_prompts_are_refused(tmp_path):
+    module = _script("decode_invariance")
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(
+        json.dumps({"settings": {"model": "preset:qwen3-next-tiny", "prompts": 5}, "cold_logprobs": []})
+    )
+    argv = [
+        "--model",
+        "preset:qwen3-next-tiny",
+        "--device",
+        "cpu",
+        "--prompts",
+        "3",
+        "--compare-cold",
+        str(earlier),
+    ]
+    with pytest.raises(SystemExit, match="ran other prompts"):
+        module.main(argv)
 
 
 def test_the_row_probe_covers_both_layer_kinds_the_moe_block_and_the_head(tmp_path):
@@ -62,7 +96,6 @@ def test_the_divergence_trace_names_the_modules_whose_row_differs(tmp_path):
 def test_the_prefill_sync_probe_names_our_innermost_frame_and_needs_a_gpu():
     import traceback
 
-    import pytest
     import torch
 
     module = _script("prefill_syncs")
