@@ -1,10 +1,10 @@
 """Which op computes a row differently at batch 1 than beside other rows? Many rows per op, bit for bit.
 
-The decode path's ops of one layer of each kind (every linear, BF16 or FP8; the whole sparse-MoE block:
-the router's GEMM as cuBLAS runs it (with a stacked shared expert's gate as its last row) and its product
-as the block runs it (`router_logits`: the skinny kernel at decode sizes), fused experts (a stacked shared
-expert among them), a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's
-scale.
+The decode path's ops of one layer of each kind (every linear, BF16 or FP8; Qwen3.8-Flash-Next's
+hyper-connection mixes and grouped norms; the whole sparse-MoE block: the router's GEMM as cuBLAS runs it
+(with a stacked shared expert's gate as its last row) and its product as the block runs it
+(`router_logits`: the skinny kernel at decode sizes), fused experts (a stacked shared expert among them),
+a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
 For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
 for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
 against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at
@@ -19,6 +19,7 @@ several identical tokens; one row per batch size, as the first probe compared
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from collections.abc import Callable
 import torch
 
 from morion.bench.invariance_probe import probe_config, probe_parser, write_probe_result
+from morion.layers.grouped_norm import GroupedRMSNorm
+from morion.layers.hyper_connection import HyperConnection
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
 from morion.loader import load_model
@@ -34,18 +37,27 @@ BUCKETS = (2, 4, 8, 16)
 
 
 def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-    """name -> (op on [M, in] rows, in features): one layer of each kind's linears and MoE blocks, and
-    the LM head."""
+    """name -> (op on [M, in] rows, in features): one decoder layer of each kind (the draft head's aside):
+    its linears, MoE blocks, hyper-connection mixes (as the layer runs them: its linears inside are the
+    fused kernels' weights, not ops) and grouped norms; and the LM head."""
     ops: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {}
     seen_kinds: set[str] = set()
     for layer_name, layer in model.named_modules():
         kind = ",".join(type(child).__name__ for child in layer.children())  # its mixer and MLP kinds
-        if layer_name.count(".") != 2 or not layer_name.split(".")[-1].isdigit() or kind in seen_kinds:
+        if not re.fullmatch(r"model\.layers\.\d+", layer_name) or kind in seen_kinds:
             continue  # model.layers.<i>: the first of each kind of decoder layer
         seen_kinds.add(kind)
+        inside_a_mix: list[str] = []
         for name, module in layer.named_modules():
             full = f"{layer_name}.{name}"
-            if isinstance(module, SparseMoE):
+            if any(full.startswith(f"{mix}.") for mix in inside_a_mix):
+                continue
+            if isinstance(module, HyperConnection):
+                inside_a_mix.append(full)
+                ops[full] = (_block_input(module), module.hc_count * module.hidden_size)
+            elif isinstance(module, GroupedRMSNorm):
+                ops[full] = (module, module.weight.shape[0])
+            elif isinstance(module, SparseMoE):
                 ops[full] = (module, module.gate.in_features)
                 # The router's product as the block runs it; the gate as a cuBLAS GEMM (the nn.Linear
                 # below) is measured too, as what the block no longer runs at decode sizes.
@@ -56,6 +68,13 @@ def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], tor
     if isinstance(head, (torch.nn.Linear, Fp8Linear)):
         ops["lm_head"] = (head, head.in_features)
     return ops
+
+
+def _block_input(mix: HyperConnection) -> Callable[[torch.Tensor], torch.Tensor]:
+    def block_input(rows: torch.Tensor) -> torch.Tensor:
+        return mix.mix(rows)[0]
+
+    return block_input
 
 
 def _joined_router_logits(block: SparseMoE) -> Callable[[torch.Tensor], torch.Tensor]:

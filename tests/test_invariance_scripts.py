@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
@@ -78,6 +79,23 @@ def test_the_row_probe_covers_both_layer_kinds_the_moe_block_and_the_head(tmp_pa
     assert all(0 <= figures["m1_vs_batched_rows"] <= figures["trials"] == 2 for figures in ops.values())
 
 
+def test_the_row_probe_takes_flash_next_mixes_as_the_layer_runs_them(tmp_path):
+    from morion.loader import load_model
+    from tests.models.conftest import QWEN4_EXP_TINY_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN4_EXP_TINY_CONFIG))
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "dummy").model
+    ops = _script("row_invariance_probe")._ops(model)
+    mix = "model.layers.0.attn_hyper_connection"
+    assert {mix, f"{mix}.hc_norm", "model.layers.0.mlp", "lm_head"} - set(ops) == {f"{mix}.hc_norm"}
+    assert not any(name.startswith(f"{mix}.") for name in ops)  # its weights are the fused kernels'
+    assert any(".self_attn.indexer.index_qk_proj" in name for name in ops)  # the QSA layer's too
+    assert not any(name.startswith("mtp.") for name in ops)
+    op, features = ops[mix]
+    hc_count = model.model.layers[0].attn_hyper_connection.hc_count
+    assert op(torch.randn(3, features)).shape == (3, features // hc_count)
+
+
 def test_the_divergence_trace_names_the_modules_whose_row_differs(tmp_path):
     module = _script("decode_divergence_trace")
     argv = ["--model", "preset:qwen3-next-tiny", "--device", "cpu", "--prompt-tokens", "37", "--tokens", "4",
@@ -95,8 +113,6 @@ def test_the_divergence_trace_names_the_modules_whose_row_differs(tmp_path):
 
 def test_the_prefill_sync_probe_names_our_innermost_frame_and_needs_a_gpu():
     import traceback
-
-    import torch
 
     module = _script("prefill_syncs")
     stack = [
