@@ -11,6 +11,9 @@ Pages and slots move between them only through these calls:
 - `evict` / `evict_snapshots` move unlocked pages and snapshot slots from the cache to the free lists.
 
 A node is an opaque handle: pass it back to `lock`/`unlock`, and never read its pages after an unlock.
+
+Sequences live in key chains (`chain_root`, page_keys.py): the zero root, or a cache salt's. A match
+finds only what was inserted in the same chain, so requests with different salts share no page.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+
+from morion.cache.page_keys import ROOT_KEY
 
 
 class CacheIntegrityError(RuntimeError):
@@ -68,8 +73,10 @@ class PrefixCache(ABC):
     """A page-aligned prefix cache over token ids. Only whole pages are ever matched or inserted."""
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
-        """The deepest prefix of `token_ids` that every cache component covers.
+    def match_prefix(
+        self, token_ids: Sequence[int] | torch.Tensor, chain_root: bytes = ROOT_KEY
+    ) -> PrefixMatch:
+        """The deepest prefix of `token_ids`, in the chain `chain_root`, that every cache component covers.
 
         For a spec with state components that is the deepest matched node carrying a state snapshot:
         cached pages past it are not usable because the state after them is unknown. Otherwise it is the
@@ -96,8 +103,10 @@ class PrefixCache(ABC):
         token_ids: Sequence[int] | torch.Tensor,
         pages: Sequence[int],
         snapshot_slot: int | None = None,
+        chain_root: bytes = ROOT_KEY,
     ) -> InsertResult:
-        """Cache the whole-page prefix of `token_ids`, whose page table is `pages`.
+        """Cache the whole-page prefix of `token_ids`, whose page table is `pages`, in the chain
+        `chain_root`.
 
         `snapshot_slot`, if given, holds the state after exactly `len(token_ids)` tokens, which must then
         be a positive multiple of the page size; it is attached to the node ending there unless that node

@@ -4,6 +4,9 @@ Tree invariants (checked by `check_integrity`):
 
 - A non-root node holds a run of whole pages: `num_tokens == len(pages) * page_size`, at least one
   page. A parent keys its children by their first page of token ids, so siblings differ in it.
+- Every node belongs to one key chain, `chain_root` (page_keys.py: the zero root, or a cache salt's),
+  as its parent does; the root keys its children by chain root and first page. Sequences of different
+  chains (salts) therefore never share a node, and the chain root is what write-back hashes from.
 - Token ids are stored packed, 8 bytes each (uint64, `bytes`): a node costs 8 bytes a token, where a
   tuple of Python ints cost about 40 (a pointer and an int object per token, ids above 256 not being
   shared). Bytes compare with memcmp, so matching is faster too, and stays exact. 8, not 4: an image's
@@ -29,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from morion.cache.page_keys import ROOT_KEY
 from morion.cache.page_pool import PagePool
 from morion.cache.prefix_cache import CacheIntegrityError, InsertResult, PrefixCache, PrefixMatch
 from morion.cache.state_slots import StateSlots
@@ -39,6 +43,7 @@ class RadixNode:
     state snapshot (valid after its last token)."""
 
     __slots__ = (
+        "chain_root",
         "children",
         "last_access",
         "node_id",
@@ -50,7 +55,9 @@ class RadixNode:
         "token_ids",
     )
 
-    def __init__(self, token_ids: bytes, pages: list[int], parent: RadixNode | None, node_id: int):
+    def __init__(
+        self, token_ids: bytes, pages: list[int], parent: RadixNode | None, node_id: int, chain_root: bytes
+    ):
         self.token_ids = token_ids  # packed uint64, TOKEN_BYTES a token
         self.pages = pages
         self.parent = parent  # None for the root, and for a node after it was evicted
@@ -60,6 +67,7 @@ class RadixNode:
         self.snapshot_slot: int | None = None
         self.last_access = 0
         self.node_id = node_id  # tie-break for equal access times: deterministic eviction order
+        self.chain_root = chain_root  # the key chain its tokens belong to (page_keys.chain_root)
 
     @property
     def num_pages(self) -> int:
@@ -98,17 +106,18 @@ def pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     ).tobytes()  # 3x faster than numpy from a list; OverflowError below 0
 
 
-EvictListener = Callable[[Sequence[int], list[int], "int | None"], None]
+EvictListener = Callable[[Sequence[int], list[int], "int | None", bytes], None]
 
 
 class RadixCache(PrefixCache):
     """The radix tree over `page_pool`'s pages; snapshots live in `state_slots` (required exactly when the
     spec has state components). Eviction frees pages and slots straight into those pools.
 
-    `evict_listener(prefix_tokens, pages, snapshot_slot)`, if set, is called just before a node's pages
-    and snapshot (or its snapshot alone, with no pages) go back to the free lists: `prefix_tokens` are the
-    tokens from the root to the node's end, `pages` the node's own (the last ones of that prefix). The
-    host tier's write-back policy copies them out there; the pages are free as soon as it returns.
+    `evict_listener(prefix_tokens, pages, snapshot_slot, chain_root)`, if set, is called just before a
+    node's pages and snapshot (or its snapshot alone, with no pages) go back to the free lists:
+    `prefix_tokens` are the tokens from the root to the node's end, `pages` the node's own (the last ones
+    of that prefix), `chain_root` its chain's. The host tier's write-back policy copies them out there;
+    the pages are free as soon as it returns.
     """
 
     def __init__(self, page_pool: PagePool, state_slots: StateSlots | None = None) -> None:
@@ -123,7 +132,7 @@ class RadixCache(PrefixCache):
         self.page_size = spec.page_size
         self._node_ids = itertools.count()
         self._clock = 0  # logical time for LRU: bumped once per match/insert
-        self.root = RadixNode(b"", [], None, next(self._node_ids))
+        self.root = RadixNode(b"", [], None, next(self._node_ids), ROOT_KEY)  # the root of every chain
         self._cached_pages = 0
         self._evictable_pages = 0
         self._cached_snapshots = 0
@@ -143,9 +152,11 @@ class RadixCache(PrefixCache):
     def cached_snapshots(self) -> int:
         return self._cached_snapshots
 
-    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int] | torch.Tensor, chain_root: bytes = ROOT_KEY
+    ) -> PrefixMatch:
         tokens = pack_tokens(token_ids)
-        node, partial_child, partial_pages = self._walk(tokens)
+        node, partial_child, partial_pages = self._walk(tokens, chain_root)
         if self.spec.has_state:
             # Only a node with a snapshot is a valid end; a snapshot is always at a node's end, so no split.
             while node is not self.root and node.snapshot_slot is None:
@@ -189,6 +200,7 @@ class RadixCache(PrefixCache):
         token_ids: Sequence[int] | torch.Tensor,
         pages: Sequence[int],
         snapshot_slot: int | None = None,
+        chain_root: bytes = ROOT_KEY,
     ) -> InsertResult:
         ps = self.page_size
         tokens = pack_tokens(token_ids)
@@ -210,7 +222,7 @@ class RadixCache(PrefixCache):
         self._clock += 1
         node, pos, page, duplicate_pages = self.root, 0, 0, []  # pos in bytes, page = pos // page_bytes
         while pos < end:
-            child = node.children.get(tokens[pos : pos + page_bytes])
+            child = node.children.get(self._child_key(node, tokens[pos : pos + page_bytes], chain_root))
             if child is None:
                 break
             num_matched = self._matched_pages(child, tokens, pos, end)
@@ -224,7 +236,7 @@ class RadixCache(PrefixCache):
             node, pos, page = child, pos + num_matched * page_bytes, page + num_matched
         num_cached_tokens = page * ps
         if pos < end:
-            node = self._add_leaf(node, tokens[pos:end], list(pages[page : n // ps]))
+            node = self._add_leaf(node, tokens[pos:end], list(pages[page : n // ps]), chain_root)
         unused_snapshot_slot = snapshot_slot
         if snapshot_slot is not None and node.snapshot_slot is None:
             node.snapshot_slot = snapshot_slot
@@ -261,7 +273,7 @@ class RadixCache(PrefixCache):
         victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.node_id))
         for node in victims:
             if self.evict_listener is not None:
-                self.evict_listener(self._prefix_tokens(node), [], node.snapshot_slot)
+                self.evict_listener(self._prefix_tokens(node), [], node.snapshot_slot, node.chain_root)
             self.state_slots.free(node.snapshot_slot)
             node.snapshot_slot = None
         self._cached_snapshots -= len(victims)
@@ -290,8 +302,10 @@ class RadixCache(PrefixCache):
         evictable = 0
         for node in self._nodes():
             for key, child in node.children.items():
-                if child.parent is not node or child.token_ids[:page_bytes] != key:
+                if child.parent is not node or self._key_in_parent(child) != key:
                     raise CacheIntegrityError(f"{child!r} is linked wrongly under {node!r}")
+                if node is not self.root and child.chain_root != node.chain_root:
+                    raise CacheIntegrityError(f"{child!r} is in another key chain than its parent {node!r}")
             if node is self.root:
                 continue
             if node.num_pages == 0 or len(node.token_ids) != node.num_pages * page_bytes:
@@ -332,14 +346,15 @@ class RadixCache(PrefixCache):
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _walk(self, tokens: bytes) -> tuple[RadixNode, RadixNode | None, int]:
-        """Follow whole pages of `tokens` (packed) down the tree. Returns the deepest fully matched node,
-        and the child where the match goes on for some but not all pages (with how many), or (None, 0)."""
+    def _walk(self, tokens: bytes, chain_root: bytes) -> tuple[RadixNode, RadixNode | None, int]:
+        """Follow whole pages of `tokens` (packed) down the tree, in the chain `chain_root`. Returns the
+        deepest fully matched node, and the child where the match goes on for some but not all pages (with
+        how many), or (None, 0)."""
         page_bytes = self.page_size * TOKEN_BYTES
         end = len(tokens) // page_bytes * page_bytes
         node, pos = self.root, 0
         while pos < end:
-            child = node.children.get(tokens[pos : pos + page_bytes])
+            child = node.children.get(self._child_key(node, tokens[pos : pos + page_bytes], chain_root))
             if child is None:
                 break
             num_matched = self._matched_pages(child, tokens, pos, end)
@@ -370,29 +385,31 @@ class RadixCache(PrefixCache):
         page_bytes = self.page_size * TOKEN_BYTES
         cut = num_pages * page_bytes
         parent = node.parent
-        upper = RadixNode(node.token_ids[:cut], node.pages[:num_pages], parent, next(self._node_ids))
+        upper = RadixNode(
+            node.token_ids[:cut], node.pages[:num_pages], parent, next(self._node_ids), node.chain_root
+        )
         upper.ref_count = node.ref_count
         upper.last_access = node.last_access
-        parent.children[upper.token_ids[:page_bytes]] = upper
+        parent.children[self._key_in_parent(upper)] = upper  # in node's place: the same key
         node.token_ids, node.pages, node.parent = node.token_ids[cut:], node.pages[num_pages:], upper
         upper.children[node.token_ids[:page_bytes]] = node
         return upper
 
-    def _add_leaf(self, parent: RadixNode, tokens: bytes, pages: list[int]) -> RadixNode:
+    def _add_leaf(self, parent: RadixNode, tokens: bytes, pages: list[int], chain_root: bytes) -> RadixNode:
         for page in pages:
             if self.page_pool.is_free(page):
                 raise RuntimeError(f"insert of page {page}, which is free: the caller does not own it")
-        leaf = RadixNode(tokens, pages, parent, next(self._node_ids))
+        leaf = RadixNode(tokens, pages, parent, next(self._node_ids), chain_root)
         leaf.last_access = self._clock
-        parent.children[tokens[: self.page_size * TOKEN_BYTES]] = leaf
+        parent.children[self._key_in_parent(leaf)] = leaf
         self._cached_pages += len(pages)
         self._evictable_pages += len(pages)
         return leaf
 
     def _remove_leaf(self, leaf: RadixNode) -> int:
         if self.evict_listener is not None:
-            self.evict_listener(self._prefix_tokens(leaf), leaf.pages, leaf.snapshot_slot)
-        del leaf.parent.children[leaf.token_ids[: self.page_size * TOKEN_BYTES]]
+            self.evict_listener(self._prefix_tokens(leaf), leaf.pages, leaf.snapshot_slot, leaf.chain_root)
+        del leaf.parent.children[self._key_in_parent(leaf)]
         leaf.parent = None  # marks the handle dead: lock/unlock on it raise
         self.page_pool.free(leaf.pages)
         if leaf.snapshot_slot is not None:
@@ -402,6 +419,13 @@ class RadixCache(PrefixCache):
         self._cached_pages -= leaf.num_pages
         self._evictable_pages -= leaf.num_pages
         return leaf.num_pages
+
+    def _child_key(self, parent: RadixNode, first_page: bytes, chain_root: bytes) -> bytes:
+        """How `parent` keys a child whose first page is `first_page` (packed): the root by chain too."""
+        return chain_root + first_page if parent is self.root else first_page
+
+    def _key_in_parent(self, node: RadixNode) -> bytes:
+        return self._child_key(node.parent, node.token_ids[: self.page_size * TOKEN_BYTES], node.chain_root)
 
     def _eviction_key(self, leaf: RadixNode) -> tuple[bool, int, int, RadixNode]:
         # In a state spec a leaf without a snapshot can never end a match and leads to none: dead weight,

@@ -360,11 +360,17 @@ class CacheTiers:
                 self.mirror.send("disk_write", kind, key, entry.row)
 
     def on_device_evict(
-        self, prefix_tokens: Sequence[int], node_pages: Sequence[int], snapshot_slot: int | None
+        self,
+        prefix_tokens: Sequence[int],
+        node_pages: Sequence[int],
+        snapshot_slot: int | None,
+        chain_root: bytes,
     ) -> None:
         """The radix cache's eviction listener (write-back): `prefix_tokens` end where the evicted node
-        ends; `node_pages` are its last pages; `snapshot_slot` its snapshot (evicted with it, or alone)."""
-        keys = extend_page_keys([], prefix_tokens, self.page_size, len(prefix_tokens) // self.page_size)
+        ends; `node_pages` are its last pages; `snapshot_slot` its snapshot (evicted with it, or alone);
+        `chain_root` the root of its key chain (a cache salt's, or the zero root)."""
+        num_pages = len(prefix_tokens) // self.page_size
+        keys = extend_page_keys([], prefix_tokens, self.page_size, num_pages, chain_root)
         node_keys = keys[len(keys) - len(node_pages) :]
         self.backup(node_keys, node_pages, snapshot_slot, keys[-1] if keys else None)
         self._touch_on_disk(keys)  # the node is its chain's tail: the head stays more recent on disk

@@ -20,6 +20,7 @@ import torch
 
 from morion.cache.cache_memory import storage_resident_bytes
 from morion.cache.copy_engine import Transfer
+from morion.cache.page_keys import chain_root
 from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
 from morion.engine.assembly import assemble
@@ -189,6 +190,7 @@ class Engine:
             arrival=arrival,
             detokenizer=IncrementalDetokenizer(tokenizer, prompt) if tokenizer else None,
             stop_matcher=StopStringMatcher(params.stop) if tokenizer else None,
+            chain_root=chain_root(params.cache_salt),
         )
         if params.stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")

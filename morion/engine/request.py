@@ -6,6 +6,7 @@ from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
+from morion.cache.page_keys import ROOT_KEY
 from morion.cache.radix_cache import TOKEN_TYPECODE
 from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
@@ -56,6 +57,9 @@ class Request:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
+    # The root of its key chain: page_keys.chain_root(params.cache_salt). Its page keys start there, and
+    # the radix tree matches it only against requests of the same chain.
+    chain_root: bytes = ROOT_KEY
     page_keys: list[bytes] = field(default_factory=list)  # content keys of its first full pages (tiers)
     # Its first cache ids (`cache_token_ids`) packed as uint64, what the radix cache matches on
     # (`packed_token_ids`).

@@ -10,6 +10,7 @@ from morion.engine.grammar import CompiledGrammar
 from morion.errors import InvalidRequestError
 
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
+MAX_CACHE_SALT_CHARS = 256  # a tenant's or a test's label; anything longer is a client bug
 # Temperatures below this sample greedily (vLLM's bound too): dividing logits by 1e-300 underflows the fp32
 # temperature to 0, and 0 / 0 makes the whole distribution NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -27,6 +28,8 @@ class SamplingParams:
     pairs to the logits before sampling (OpenAI's, biases in [-100, 100]). `prompt_logprobs` returns, for
     every prompt token after the first, its logprob and that many top alternatives (0: its own only); such
     a request computes its whole prompt (no prefix-cache hit: a cached prefix has no logits).
+    `cache_salt` (vLLM's) picks nothing: it keys the prefix cache, so a request shares cached pages (on
+    every tier) only with requests of the same salt; None shares with every unsalted request.
     """
 
     max_tokens: int = 256
@@ -45,6 +48,7 @@ class SamplingParams:
     grammar: CompiledGrammar | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -78,12 +82,24 @@ class SamplingParams:
             _check_float("logit_bias value", entry[1], "in [-100, 100]", lambda v: -100 <= v <= 100)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                f"got {_short(self.cache_salt)}"
+            )
         if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
             raise InvalidRequestError(f"grammar must be a CompiledGrammar, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _as_tuple(name: str, value: object) -> tuple:

@@ -24,6 +24,9 @@ into the pages and state slot just allocated, all or nothing, and inserted into 
 that disk would extend is prefetched into host memory first; the request waits for it (a step or more)
 without holding device memory, like a request waiting for a shared prefix. Pages handed to the radix
 tree are backed up to the host as they go in (write-through), or when the device evicts them.
+
+All of it happens in the request's key chain (`Request.chain_root`): a request with a cache salt matches,
+waits for and restores only what requests with the same salt left.
 """
 
 from __future__ import annotations
@@ -198,7 +201,9 @@ class Scheduler:
         # A request that wants its prompt's logprobs computes every prompt token: a hit has no logits.
         if self.enable_prefix_cache and request.params.prompt_logprobs is None:
             # At least one token must run: its logits give the next token.
-            match = self.cache.match_prefix(request.packed_token_ids(request.num_tokens - 1))
+            match = self.cache.match_prefix(
+                request.packed_token_ids(request.num_tokens - 1), request.chain_root
+            )
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
             snapshot = match.snapshot_slot
             if self._shares_prefix_in_prefill(request, matched_tokens):
@@ -292,15 +297,16 @@ class Scheduler:
     def _page_keys(self, request: Request, num_pages: int) -> list[bytes]:
         """Keys of the request's first `num_pages` pages (computed once per request, then extended)."""
         tokens = request.cache_token_ids
-        return extend_page_keys(request.page_keys, tokens, self.page_size, num_pages)[:num_pages]
+        keys = extend_page_keys(request.page_keys, tokens, self.page_size, num_pages, request.chain_root)
+        return keys[:num_pages]
 
     def _shares_prefix_in_prefill(self, request: Request, matched_tokens: int) -> bool:
         """True while a running request's prefill is computing full pages this one could reuse: admitting
         now would compute them twice, one step later they are in the prefix cache."""
         tokens = request.cache_token_ids
         for other in self.running:
-            if other.num_computed >= len(other.prompt_token_ids):
-                continue  # its prompt pages are cached already
+            if other.num_computed >= len(other.prompt_token_ids) or other.chain_root != request.chain_root:
+                continue  # its prompt pages are cached already, or never shared with this request
             prompt = other.cache_token_ids[: len(other.prompt_token_ids)]
             reach = min(len(tokens) - 1, len(prompt))
             common = next((i for i in range(reach) if tokens[i] != prompt[i]), reach)
@@ -397,7 +403,7 @@ class Scheduler:
         """Inserts the request's first `num_tokens` tokens (page aligned) with `snapshot` at their end, and
         moves the request's lock to the node ending there."""
         pages = request.pages[: num_tokens // self.page_size]
-        result = self.cache.insert(request.packed_token_ids(num_tokens), pages, snapshot)
+        result = self.cache.insert(request.packed_token_ids(num_tokens), pages, snapshot, request.chain_root)
         if snapshot is not None and snapshot == request.state_slot:
             request.state_slot = None  # donated: the cache owns it now (or frees it just below)
         if result.unused_snapshot_slot is not None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from morion.server.chat_stream import REASONING, TEXT, TOOL_CALL, BlockEvent, Finished, answer_blocks
 from morion.server.errors import APIError
-from morion.server.protocol import MAX_INT32, ChatCompletionRequest, parse_body
+from morion.server.protocol import MAX_INT32, CacheSalt, ChatCompletionRequest, parse_body
 from morion.server.request_log import note_generation
 from morion.server.sse import respond
 
@@ -74,6 +74,7 @@ class MessagesRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's extension, as on chat completions
 
 
 class CountTokensRequest(_Body):
@@ -141,6 +142,7 @@ def _chat_request(
             ("top_p", body.top_p),
             ("top_k", body.top_k),
             ("stop", body.stop_sequences),
+            ("cache_salt", body.cache_salt),
         ):
             if value is not None:
                 chat[name] = value

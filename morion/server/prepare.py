@@ -270,6 +270,7 @@ def sampling_params(
                 grammar=grammar,
                 logit_bias=fields.token_bias,
                 prompt_logprobs=prompt_logprobs,
+                cache_salt=fields.cache_salt,
                 **options,
             )
             for seed in seeds

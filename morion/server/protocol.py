@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from morion.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from morion.server.errors import APIError
 from morion.server.image_parts import (
     ImageURL,
@@ -42,6 +43,9 @@ _MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1  # top_k and token ids: anything larger is a client bug, never a meaning
 
 _Model = TypeVar("_Model", bound=BaseModel)
+# vLLM's `cache_salt`: a request shares cached prefixes only with requests of the same salt
+# (SamplingParams.cache_salt). Chat, completions, responses and messages take it alike.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class _Body(BaseModel):
@@ -229,6 +233,7 @@ class SamplingFields(_Body):
     # the prompt tokens.
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    cache_salt: CacheSalt | None = None
     # Structured output as other servers take it (server/structured.py): SGLang's `regex` and `ebnf`,
     # vLLM's `structured_outputs` and its older `guided_*` fields.
     regex: str | None = Field(None, min_length=1)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from morion.server.chat_stream import REASONING, TEXT, TOOL_CALL, BlockEvent, Finished, answer_blocks
 from morion.server.errors import APIError
-from morion.server.protocol import ChatCompletionRequest, parse_body
+from morion.server.protocol import CacheSalt, ChatCompletionRequest, parse_body
 from morion.server.request_log import note_generation
 from morion.server.sse import respond
 
@@ -81,6 +81,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's extension, as on chat completions
 
     def check(self) -> None:
         extras = self.model_extra or {}
@@ -140,6 +141,7 @@ def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Cha
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
         ("top_p", body.top_p),
+        ("cache_salt", body.cache_salt),
     ):
         if value is not None:
             chat[name] = value

@@ -3,7 +3,8 @@ tokenizer (a random-weight preset) or whose answers are compared token for token
 
 Greedy, `logprobs: 0` (each generated token's own log probability, the evidence a restored answer is
 compared on: two answers with equal text can still differ in what produced it), `ignore_eos` (an
-extension morion, vLLM and SGLang accept: every answer has its full length), usage in the last chunk.
+extension morion, vLLM and SGLang accept: every answer has its full length), usage in the last chunk;
+a `cache_salt` where one is given (vLLM's and morion's: a prompt computed apart from every cached one).
 Token ids come back where the server sends them (`token_ids` on a choice, as morion without a tokenizer
 and vLLM's `return_token_ids` do). A rejection or an error event is a `RequestFailed`; nothing retries.
 """
@@ -36,7 +37,11 @@ class CompletionReply(StreamedReply):
 
 
 async def complete(
-    client: httpx.AsyncClient, model: str, prompt: Sequence[int], max_tokens: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    cache_salt: str | None = None,
 ) -> CompletionReply:
     body = {
         "model": model,
@@ -48,6 +53,8 @@ async def complete(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     text: list[str] = []
     logprobs: list[float | None] = []
     token_ids: list[int] | None = None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from morion.bench.report import output_paths, write_json
+from morion.validate.restore_cause import by_cause
 from morion.validate.restore_tokens import regrade
 
 SCHEMA = "morion-qualify/1"
@@ -38,8 +39,10 @@ def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits
     if not restore or "hits" not in figures:
         problems.append("no generated-conversation restore suite")
     else:
-        if wrong:
-            problems.append(f"{wrong} wrong answers")
+        if wrong:  # whatever their causes: a wrong answer is wrong
+            counts = figures.get("wrong_by_cause") or {}
+            causes = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+            problems.append(f"{wrong} wrong answers" + (f" ({causes})" if causes else ""))
         short = [f"{tier} {hits.get(tier, 0)}" for tier in TIERS if hits.get(tier, 0) < min_hits]
         if short:
             problems.append(f"fewer than {min_hits} hits: {', '.join(short)}")
@@ -61,11 +64,17 @@ def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits
             "hits_total": figures.get("hits_total"),
             "wrong_answers": wrong,
             "wrong_by_step": figures.get("wrong_by_step"),
+            "wrong_by_cause": figures.get("wrong_by_cause"),
             "recomputed_differently_by_step": figures.get("recomputed_differently_by_step"),
             "median_ttft_s": figures.get("median_ttft_s"),
             "lengths": {k: v for k, v in (restore.get("lengths") or {}).items() if k != "drawn"},
             "wrong_cases": [
-                {"id": c["id"], "prompt_tokens": c["prompt_tokens"], "reason": c["reason"]}
+                {
+                    "id": c["id"],
+                    "prompt_tokens": c["prompt_tokens"],
+                    "causes": c.get("causes"),
+                    "reason": c["reason"],
+                }
                 for c in restore.get("cases") or []
                 if c.get("wrong")
             ],
@@ -163,9 +172,10 @@ def markdown(result: dict[str, Any]) -> str:
         other = "—" if step == "cold" else (restore.get("recomputed_differently_by_step") or {}).get(step, 0)
         lines.append(f"| {step} | {hits} | {wrong} | {other} | {_ms(ttft.get(step))} |")
     if restore.get("wrong_cases"):
-        lines += ["", "Wrong answers:", ""]
+        lines += ["", f"Wrong answers. {by_cause(restore.get('wrong_by_cause'))}", ""]
     for case in restore.get("wrong_cases") or []:
-        lines.append(f"- {case['id']} ({case['prompt_tokens']:,} tokens): {case['reason']}")
+        causes = ", ".join(f"{step} {found}" for step, found in (case.get("causes") or {}).items()) or "—"
+        lines.append(f"- {case['id']} ({case['prompt_tokens']:,} tokens; cause {causes}): {case['reason']}")
     if soak:
         lines += [
             "",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from morion.validate.restore_cause import by_cause
+
 
 def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     """`images`: suite -> PNG file name beside the report."""
@@ -127,7 +129,8 @@ def _restore_conversations(suite: dict[str, Any]) -> list[str]:
         f"{_eviction(evictions[0]) if evictions else 'none'} ({len(evictions)} rounds).",
         "",
         f"**{figures['hits_total']} hits, {figures['wrong_answers']} wrong answers** (an answer is wrong "
-        "when its text, any token's log probability or its token ids differ from cold).",
+        "when its text, any token's log probability or its token ids differ from cold)."
+        + (f" {by_cause(figures.get('wrong_by_cause'))}" if figures["wrong_answers"] else ""),
         "",
         *_table(("step", "hits", "wrong answers", "median TTFT ms"), rows),
         f"Cold median TTFT: {_ms(figures['median_ttft_s']['cold'])} ms. Server cache counters over the "
@@ -137,11 +140,15 @@ def _restore_conversations(suite: dict[str, Any]) -> list[str]:
     if failed:
         lines += [
             *_table(
-                ("conversation", "tokens", "why"),
-                [(c["id"], c["prompt_tokens"], c["reason"]) for c in failed],
+                ("conversation", "tokens", "cause", "why"),
+                [(c["id"], c["prompt_tokens"], _causes(c), c["reason"]) for c in failed],
             )
         ]
     return lines
+
+
+def _causes(case: dict[str, Any]) -> str:
+    return ", ".join(f"{step}: {found}" for step, found in (case.get("causes") or {}).items()) or "—"
 
 
 def _soak(suite: dict[str, Any]) -> list[str]:

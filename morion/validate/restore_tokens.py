@@ -20,8 +20,10 @@ one, and a near-tie can hide a wrong restore behind an equal token. A hit is a r
 (where the server's page size is known, morion's /v1/server_info, exactly every full page before the
 prompt's last token); a wrong answer is a hit that differs. A miss that differs, computed again, is
 counted apart: no cache was involved (prefill in another batch or process is not bitwise reproducible).
-Other traffic is whatever runs beside the suite (the qualification runs
-`soak` at the same time).
+A wrong answer's conversation is sent again, as a hit and once cold with a fresh `cache_salt`, in the
+process that served it: whether that process computes the prompt as the first cold run did tells a wrong
+restore from a process that computes otherwise (restore_cause.py). Other traffic is whatever runs beside
+the suite (the qualification runs `soak` at the same time).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import httpx
 from morion.bench.prompts import PromptFactory
 from morion.errors import MorionError
 from morion.validate.completions import CompletionReply, complete
+from morion.validate.restore_cause import CAUSES, ColdHere, cause, differs, explain, recorded
 from morion.validate.session import Session
 from morion.validate.streaming import RequestFailed
 
@@ -91,6 +94,7 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
     )
     replies: dict[str, dict[str, dict[str, Any]]] = {c["id"]: {} for c in conversations}
     events: dict[str, Any] = {"evictions": [], "counters": {}}
+    cold_here = ColdHere(lambda tokens, salt: _send(session, tokens, salt), session.say)
     if previous:
         _resume(previous, conversations, replies, events, options.restore_resume)
     group = options.restore_group
@@ -101,13 +105,15 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
                 replies[conversation["id"]][step] = _send(session, conversation["tokens"])
         events["evictions"].append(evict(session))
         _counting(session, events, "host", lambda chunk=chunk: _send_all(session, chunk, replies, "host"))
-        _send_again(session, chunk, replies, ("device", "host"))
+        _send_again(session, chunk, replies, ("device", "host"), cold_here)
         session.say(f"restore: conversations {start + 1}-{start + len(chunk)} cold, device and host sent")
     if options.restart_cmd:
         events["restart"] = restart(session)
     if options.restart_cmd or previous:
         _counting(session, events, "disk", lambda: _send_all(session, conversations, replies, "disk"))
-        _send_again(session, conversations, replies, ("disk",))
+        _send_again(session, conversations, replies, ("disk",), cold_here)
+    if cold_here.refused:
+        events["cold_here_unavailable"] = cold_here.refused
     results = [
         _grade(c, replies[c["id"]], tiers, _expected_cached(len(c["tokens"]), page_size))
         for c in conversations
@@ -120,6 +126,7 @@ def run(session: Session, tiers: dict[str, bool], evict, restart) -> dict[str, A
         "restore: hits "
         + ", ".join(f"{step} {figures['hits'][step]}" for step in STEPS[1:])
         + f"; wrong answers {figures['wrong_answers']}"
+        + "".join(f", {name} {count}" for name, count in figures["wrong_by_cause"].items() if count)
     )
     return {
         "verdict": "pass" if results and all(r["verdict"] == "pass" for r in results) else "fail",
@@ -156,21 +163,25 @@ def _resume(previous, conversations, replies, events, path: str) -> None:
                 f"--restore-resume {path}: {conversation['id']} is not the prompt it was "
                 "(another vocabulary?)"
             )
+        # The disk step and the evidence sent after it ("again-disk", "cold-here-disk") are this run's.
         replies[conversation["id"]].update(
-            {step: reply for step, reply in case["steps"].items() if step not in ("disk", "again-disk")}
+            {step: reply for step, reply in case["steps"].items() if not step.endswith("disk")}
         )
     events.update(previous["events"])
     events["resumed_from"] = Path(path).name
 
 
-def _send(session: Session, tokens: list[int]) -> dict[str, Any]:
+def _send(session: Session, tokens: list[int], cache_salt: str | None = None) -> dict[str, Any]:
     async def one() -> CompletionReply:
         async with session.endpoint.client() as client:
-            return await complete(client, session.model, tokens, session.options.restore_max_tokens)
+            max_tokens = session.options.restore_max_tokens
+            return await complete(client, session.model, tokens, max_tokens, cache_salt)
 
     try:
         reply = asyncio.run(one())
-    except (httpx.HTTPError, RequestFailed) as error:
+    except RequestFailed as error:
+        return {"error": str(error), "status": error.status}
+    except httpx.HTTPError as error:
         return {"error": str(error) or type(error).__name__}
     return {
         **reply.answer(),
@@ -187,22 +198,29 @@ def _send_all(session: Session, conversations, replies, step: str) -> None:
 
 
 def _send_again(
-    session: Session, conversations: list[dict[str, Any]], replies: dict[str, dict[str, Any]], steps: tuple
+    session: Session,
+    conversations: list[dict[str, Any]],
+    replies: dict[str, dict[str, Any]],
+    steps: tuple,
+    cold_here: ColdHere,
 ) -> None:
     """A conversation whose hit at one of `steps` answered otherwise than its cold run is sent AGAIN more
     times at once, in the same process and under the same traffic (by then a device hit), and kept as
     `again-<last of steps>`: whether the repeats answer as the hit or as cold tells which run was the odd
-    one. The verdict is the hit's; the repeats are evidence for finding why."""
+    one. Then once with a fresh cache salt, kept as `cold-here-<last of steps>`: computed cold in this
+    process, it tells a wrong restore from a process that computes otherwise (restore_cause.py). The
+    verdict is the hit's; the rest is evidence for finding why."""
     for conversation in conversations:
         sent = replies[conversation["id"]]
         if any(_wrong_hit(sent.get(step), sent.get("cold")) for step in steps):
             sent[f"again-{steps[-1]}"] = [_send(session, conversation["tokens"]) for _ in range(AGAIN)]
+            sent[f"cold-here-{steps[-1]}"] = cold_here.send(conversation["tokens"])
 
 
 def _wrong_hit(reply: dict[str, Any] | None, cold: dict[str, Any] | None) -> bool:
     if reply is None or cold is None or "error" in reply or "error" in cold:
         return False
-    return bool(reply.get("cached_tokens")) and _differs(reply, cold)
+    return bool(reply.get("cached_tokens")) and differs(reply, cold)
 
 
 def _counting(session: Session, events: dict[str, Any], step: str, send) -> None:
@@ -238,6 +256,8 @@ def _grade(
 ) -> dict[str, Any]:
     problems, hits, wrong, recomputed = [], [], [], []
     again: dict[str, dict[str, int]] = {}
+    causes: dict[str, str] = {}
+    cold_here: dict[str, Any] = {}
     cold = steps["cold"]
     if "error" in cold:
         problems.append(f"cold: {cold['error']}")
@@ -251,7 +271,7 @@ def _grade(
         cached = reply.get("cached_tokens")
         if cached:
             hits.append(step)
-        if "error" not in cold and _differs(reply, cold):
+        if "error" not in cold and differs(reply, cold):
             difference = _first_difference(reply, cold)
             if cached:
                 wrong.append(step)  # a hit that answers otherwise: what this suite exists to catch
@@ -262,6 +282,9 @@ def _grade(
                         f"; sent again {evidence['sent']}: {evidence['as_hit']} as this hit, "
                         f"{evidence['as_cold']} as cold"
                     )
+                here = steps.get(_evidence_key("cold-here", step))
+                causes[step], cold_here[step] = cause(here, reply, cold), recorded(here)
+                difference += f"; {explain(causes[step], here)}"
                 problems.append(f"{step}: answer differs from cold ({difference})")
             else:
                 # A miss computed again, in another batch or process: prefill is not bitwise reproducible
@@ -285,26 +308,29 @@ def _grade(
         "wrong": wrong,
         "recomputed_differently": recomputed,
         "sent_again": again,
+        "causes": causes,  # of each wrong answer: restore_cause.py
+        "cold_here": cold_here,
         "steps": steps,
     }
 
 
 def _again(steps: dict[str, Any], step: str) -> dict[str, int] | None:
     """How the repeats sent after a wrong hit at `step` answered (`_send_again`): as the hit, as cold."""
-    repeats = steps.get("again-disk" if step == "disk" else "again-host")
+    repeats = steps.get(_evidence_key("again", step))
     if not repeats:
         return None
     answered = [r for r in repeats if "error" not in r]
     return {
         "sent": len(repeats),
-        "as_hit": sum(not _differs(r, steps[step]) for r in answered),
-        "as_cold": sum(not _differs(r, steps["cold"]) for r in answered),
+        "as_hit": sum(not differs(r, steps[step]) for r in answered),
+        "as_cold": sum(not differs(r, steps["cold"]) for r in answered),
     }
 
 
-def _differs(reply: dict[str, Any], cold: dict[str, Any]) -> bool:
-    keys = ("text", "token_logprobs", "token_ids", "completion_tokens")
-    return any(reply.get(key) != cold.get(key) for key in keys)
+def _evidence_key(kind: str, step: str) -> str:
+    """Where `_send_again` kept `kind` ("again", "cold-here") of a wrong answer at `step`: one per round
+    (its device and host hits) and one after the restart."""
+    return f"{kind}-{'disk' if step == 'disk' else 'host'}"
 
 
 def _first_difference(reply: dict[str, Any], cold: dict[str, Any]) -> str:
@@ -319,6 +345,7 @@ def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     hits = {step: sum(step in r["hits"] for r in results) for step in STEPS[1:]}
     wrong = {step: sum(step in r["wrong"] for r in results) for step in STEPS[1:]}
     recomputed = {step: sum(step in r["recomputed_differently"] for r in results) for step in STEPS[1:]}
+    causes = [found for r in results for found in r["causes"].values()]
     ttft: dict[str, float | None] = {}
     for step in STEPS:
         values = sorted(
@@ -333,6 +360,7 @@ def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
         "hits_total": sum(hits.values()),
         "wrong_by_step": wrong,
         "wrong_answers": sum(wrong.values()),
+        "wrong_by_cause": {name: causes.count(name) for name in CAUSES},
         "recomputed_differently_by_step": recomputed,
         "median_ttft_s": ttft,
     }

@@ -18,6 +18,7 @@ from morion.cache import (
     StateSlots,
     TokenComponent,
 )
+from morion.cache.page_keys import chain_root
 
 PS = 4
 KV = TokenComponent("kv", 2, (2, 1, 4), torch.float32)
@@ -184,6 +185,30 @@ def test_evict_is_lru_and_cascades_to_parents() -> None:
     assert cache.evict(1) == 1
     assert cache.cached_pages == 0 and pool.num_free == pool.num_pages
     assert cache.evict(1) == 0 and cache.evict(0) == 0
+    cache.check_integrity()
+
+
+def test_chains_share_no_node() -> None:
+    """A cache salt's chain (page_keys.chain_root) matches only what was inserted in it."""
+    cache, pool, slots = make_cache(state=True)
+    salted = chain_root("tenant-a")
+    unsalted, _ = insert_fresh(cache, pool, seq(8), snapshot=slots.alloc())
+    assert cache.match_prefix(seq(12), salted).num_tokens == 0
+    assert cache.match_prefix(seq(12), chain_root("tenant-b")).num_tokens == 0
+    pages = pool.alloc(2)
+    mine = cache.insert(seq(8), pages, slots.alloc(), chain_root=salted)
+    assert (mine.num_cached_tokens, mine.duplicate_pages) == (0, [])  # nothing shared with the unsalted run
+    assert cache.match_prefix(seq(12), salted).pages == pages
+    assert cache.match_prefix(seq(12)).node is unsalted.node
+    # A split keeps the upper half in its chain; eviction tells the listener which chain it hashes from.
+    cache.insert(seq(4), pages[:1], slots.alloc(), chain_root=salted)
+    assert cache.match_prefix(seq(7), salted).pages == pages[:1]
+    evicted = []
+    cache.evict_listener = lambda tokens, node_pages, slot, root: evicted.append((list(tokens), root))
+    cache.match_prefix(seq(8))  # the unsalted chain is the most recently used
+    cache.evict(2)
+    assert evicted == [(seq(8), salted), (seq(4), salted)]
+    assert cache.match_prefix(seq(8)).num_tokens == 8 and cache.match_prefix(seq(8), salted).num_tokens == 0
     cache.check_integrity()
 
 

@@ -7,6 +7,7 @@ in the radix tree and (write-through) in host memory and on disk. A repeat of th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import torch
 
 from morion.cache.disk_format import BLOCK, KIND_PAGE, object_path, verify_object_file
 from morion.cache.host_store import HostObjectStore
-from morion.cache.page_keys import page_keys
+from morion.cache.page_keys import chain_root, page_keys
 from morion.cache.testing import InFlightCopyEngine, flood
 from morion.engine.sampling_params import SamplingParams
 from morion.loader import load_model
@@ -178,6 +179,38 @@ def test_host_eviction_during_an_in_flight_load_back(tiered, engine_runner, cold
     monkeypatch.setattr(HostObjectStore, "unpin", lambda self, key: None)
     _run(broken, engine_runner, prompt)
     assert not torch.equal(_device_pages(broken, prompt), original)
+
+
+def _salted(salt: str | None) -> SamplingParams:
+    return dataclasses.replace(GREEDY, cache_salt=salt)
+
+
+def test_cache_salts_separate_every_tier(tiered, engine_runner, cold):
+    """A salted request shares pages only with its own salt: on the device, in host memory (write-back
+    keys an evicted node by its salt's chain too) and on disk after a restart."""
+    prompt, salt = _prompt(7), "tenant-a"
+    expected = cold(prompt)
+    engine = tiered(host_cache_write_policy="write_back")
+
+    def cached(salt_of_run: str | None) -> int:
+        output = engine_runner(engine, [prompt], _salted(salt_of_run))[0]
+        assert output.token_ids == expected
+        return output.usage.cached_tokens
+
+    assert [cached(None), cached(salt), cached("tenant-b"), cached(salt), cached(None)] == [0, 0, 0, 40, 40]
+    _evict_device(engine)  # write-back: each chain goes to the host under its own keys
+    assert [cached(salt), cached("tenant-c")] == [40, 0]
+    assert engine.cache_stats.host_hit_tokens == 40
+    engine.close()
+    salted_key = page_keys(prompt, PAGE, chain_root(salt))[0]
+    assert object_path(engine.tiers.disk.dir, KIND_PAGE, salted_key).exists()
+
+    restarted = tiered()
+    output = engine_runner(restarted, [prompt], _salted(salt))[0]
+    assert output.usage.cached_tokens == 40 and output.token_ids == expected
+    assert restarted.cache_stats.disk_hit_tokens == 40
+    assert engine_runner(restarted, [prompt], _salted("tenant-d"))[0].usage.cached_tokens == 0
+    restarted.check_integrity()
 
 
 def test_write_back_copies_to_host_only_on_device_eviction(tiered, engine_runner, cold):

@@ -80,6 +80,26 @@ def test_shared_prefix_batch_reuses_pages(tiny, engine_factory, engine_runner):
     engine.check_integrity()
 
 
+def test_a_batch_shares_prefixes_within_a_cache_salt_only(tiny, engine_factory):
+    """Requests of another salt neither reuse a prefix nor wait for its prefill: the first of each salt
+    computes its prompt in the first step, the second of each reuses its pages."""
+    engine = engine_factory(tiny, page_size=8)
+    shared = _prompts(1, seed=3, lengths=(64, 64))[0]
+    prompts = [shared + tail for tail in _prompts(4, seed=4, lengths=(5, 5))]
+    salts = [None, "tenant-a", "tenant-a", None]
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt))
+        for prompt, salt in zip(prompts, salts, strict=True)
+    ]
+    finals = {step.request_id: step.final for step in engine.step() if step.final is not None}
+    assert [request.request_id for request in engine.scheduler.running] == ids[:2]
+    while engine.has_unfinished():
+        finals |= {step.request_id: step.final for step in engine.step() if step.final is not None}
+    assert [finals[i].usage.cached_tokens for i in ids] == [0, 0, 64, 64]
+    assert engine.prefix_cache.cached_pages == 2 * 8
+    engine.check_integrity()
+
+
 def test_pool_pressure_finishes_everything_and_leaks_nothing(
     tiny, engine_factory, engine_runner, outputs_agree
 ):

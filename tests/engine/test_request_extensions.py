@@ -70,3 +70,9 @@ def test_stop_reason_names_the_stop(small_llama, engine_factory, engine_runner) 
     stopping = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))
     [by_token] = engine_runner(engine, [PROMPT], stopping)
     assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_id
+
+
+@pytest.mark.parametrize("salt", ["", 7, "x" * 257])
+def test_a_bad_cache_salt_is_rejected(salt) -> None:
+    with pytest.raises(InvalidRequestError, match="cache_salt must be a non-empty string of at most 256"):
+        SamplingParams(cache_salt=salt)

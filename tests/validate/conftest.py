@@ -1,7 +1,8 @@
 """Servers for the validate tests: one real `morion serve` on the default model shared by the module that
 needs it, and a tiny fake OpenAI server of the tests' own (stdlib `http.server` in a thread) whose
-behaviour each test chooses: answers that change on a repeated request, no render or tokenize routes,
-perfect or rejected tool calls. Only 127.0.0.1 is contacted; every wait is bounded."""
+behaviour each test chooses: answers that change on a repeated request or after a restart, a cache salt
+honoured, rejected or ignored, no render or tokenize routes, perfect or rejected tool calls. Only
+127.0.0.1 is contacted; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +46,12 @@ class FakeBehaviour:
     def __init__(self) -> None:
         self.change_repeats = False  # a repeated identical request gets a different answer
         self.odd_repeat: int | None = None  # only this repeat of a completion prompt (1: the second) does
+        # Once this file exists (--restart-cmd touches it) the fake is a "restarted process" that computes
+        # every completion otherwise: its answers change, cache hits (what it saw before) or not.
+        self.restart_marker: Path | None = None
+        # A completion's `cache_salt`: "honour" (a cache of its own: a salted prompt is new), "reject" (400)
+        # or "ignore" (as an older server: the prompt hits what it saw unsalted).
+        self.salts = "honour"
         # "perfect": the expected calls of tools-v1; "reject": 400 on tools; "never": takes tools, never calls
         self.tools = "perfect"
         self.seen: dict[str, int] = {}
@@ -141,18 +149,24 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if self.path == "/v1/completions":  # the flood, bench's probe, generated restores: one token each
+            behaviour = self.behaviour
+            salt = body.get("cache_salt")
+            if salt is not None and behaviour.salts == "reject":
+                self._json(400, {"error": {"message": "cache_salt: unknown field", "param": "cache_salt"}})
+                return
             self._keep_memory()
-            key = json.dumps(body["prompt"])
-            with self.behaviour.lock:
-                repeat = self.behaviour.seen.get(key, 0)
-                self.behaviour.seen[key] = repeat + 1
+            key = json.dumps(body["prompt"]) + (f" {salt}" if salt and behaviour.salts == "honour" else "")
+            with behaviour.lock:
+                repeat = behaviour.seen.get(key, 0)
+                behaviour.seen[key] = repeat + 1
             usage = {
                 "prompt_tokens": len(body["prompt"]),
                 "completion_tokens": 1,
                 "total_tokens": 0,
                 "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1 if repeat else 0},
             }
-            changed = (self.behaviour.change_repeats and repeat) or repeat == self.behaviour.odd_repeat
+            restarted = behaviour.restart_marker is not None and behaviour.restart_marker.exists()
+            changed = (behaviour.change_repeats and repeat) or repeat == behaviour.odd_repeat or restarted
             logprobs = {"tokens": ["x"], "token_logprobs": [-0.5 if changed else -0.25]}
             self._sse(
                 [

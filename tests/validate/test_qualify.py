@@ -88,7 +88,7 @@ def test_a_clean_run_passes_with_the_ratios_against_offline(tmp_path):
 def test_a_wrong_answer_or_too_few_hits_fails(tmp_path):
     status, result, report = _run(tmp_path, _validate(wrong=1))
     assert status == 1 and "1 wrong answers" in result["summary"]["problems"]
-    assert "- conversation-0 (4,732 tokens): host: differs" in report  # each wrong answer, listed
+    assert "- conversation-0 (4,732 tokens; cause —): host: differs" in report  # each wrong answer, listed
     status, result, _ = _run(tmp_path / "b", _validate(host_hits=99))
     assert status == 1 and result["summary"]["problems"] == ["fewer than 100 hits: host 99"]
 
@@ -139,3 +139,32 @@ def test_a_miss_computed_again_is_counted_apart_from_wrong_hits(tmp_path):
     assert result["provenance"]["git_commit"] == "abc123"
     assert result["provenance"]["git_commit_recorded_by_the_runs"] == "abc"
     assert "| disk | 0 | 0 | 1 |" in report
+
+
+def test_a_wrong_answer_fails_whatever_its_cause_and_the_report_names_it(tmp_path):
+    """Graded again from its replies: a disk hit differs from cold, and the prompt computed cold in the
+    restarted process (salted) answers as the hit: cause "process", and still a failure."""
+    cold = {"text": "", "token_logprobs": [-1.0], "token_ids": None, "completion_tokens": 1}
+    cold["cached_tokens"] = 0
+    hit = {**cold, "cached_tokens": 48}
+    other = {**hit, "token_logprobs": [-2.0]}
+    steps = {
+        "cold": cold, "device": hit, "host": hit, "disk": other, "again-disk": [other, other],
+        "cold-here-disk": {**other, "cached_tokens": 0, "cache_salt": "f00d"},
+    }  # fmt: skip
+    suite = {
+        "seed": 1,
+        "verdict": "pass",
+        "lengths": {"min": 50, "max": 60, "drawn": [50]},
+        "page_size": 16,
+        "tiers_declared": {"host": True, "disk": True},
+        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
+    }
+    validate = {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
+    status, result, report = _run(tmp_path, validate, "--min-hits", "1")
+    restore = result["summary"]["restore"]
+    assert status == 1 and result["summary"]["problems"][0] == "1 wrong answers (process 1)"
+    assert restore["wrong_by_cause"] == {"restore": 0, "process": 1, "neither": 0, "unknown": 0}
+    assert restore["wrong_cases"][0]["causes"] == {"disk": "process"}
+    assert "restore 0, process 1, neither 0, unknown 0" in report
+    assert "- conversation-0 (50 tokens; cause disk process): disk: answer differs from cold" in report

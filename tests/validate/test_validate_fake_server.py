@@ -64,11 +64,24 @@ def test_generated_conversations_count_a_hit_that_changes_a_logprob_as_wrong(fak
     assert figures["wrong_answers"] == 6  # device and host, three conversations each
     assert "token 0: logprob -0.5 vs -0.25" in suite["cases"][0]["reason"]
     # Sent twice more after its group: both repeats answer as the hits did (every hit is the odd one here).
+    # Sent once with a fresh cache salt, it is computed cold again and answers as cold: the cause of both
+    # wrong answers is the restore.
     for case in suite["cases"]:
         assert len(case["steps"]["again-host"]) == 2
         assert case["sent_again"]["host"] == {"sent": 2, "as_hit": 2, "as_cold": 0}
-    assert "sent again 2: 2 as this hit, 0 as cold" in suite["cases"][0]["reason"]
-    assert "**6 hits, 6 wrong answers**" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+        assert case["causes"] == {"device": "restore", "host": "restore"}
+        salted = case["steps"]["cold-here-host"]
+        assert case["cold_here"]["host"] == {
+            "text": "x", "token_logprobs": [-0.25], "token_ids": None, "completion_tokens": 1,
+            "cache_salt": salted["cache_salt"],
+        }  # fmt: skip
+        assert salted["cached_tokens"] == 0 and len(salted["cache_salt"]) == 32
+    assert figures["wrong_by_cause"] == {"restore": 6, "process": 0, "neither": 0, "unknown": 0}
+    reason = suite["cases"][0]["reason"]
+    assert "sent again 2: 2 as this hit, 0 as cold; cold here answers as cold: restore" in reason
+    report = (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+    assert "**6 hits, 6 wrong answers**" in report and "restore 6, process 0, neither 0, unknown 0" in report
+    assert "| device: restore, host: restore |" in report
 
 
 def test_a_one_off_wrong_hit_is_sent_again_and_the_repeats_answer_as_cold(fake_server, tmp_path, capsys):
@@ -84,6 +97,54 @@ def test_a_one_off_wrong_hit_is_sent_again_and_the_repeats_answer_as_cold(fake_s
     for case in suite["cases"]:
         assert case["sent_again"] == {"host": {"sent": 2, "as_hit": 0, "as_cold": 2}}
         assert "sent again 2: 0 as this hit, 2 as cold" in case["reason"]
+
+
+def test_a_wrong_disk_hit_that_the_restarted_process_computes_alike_cold_is_a_process_cause(
+    fake_server, tmp_path, capsys
+):
+    """The restarted fake computes every prompt otherwise: its disk hits differ from cold, and so does the
+    prompt computed cold there (salted). The restore was exact; the wrong answers still fail."""
+    url, behaviour = fake_server
+    marker = tmp_path / "restarted"
+    behaviour.restart_marker = marker
+    argv = ("restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "2",
+            "--restore-lengths", "20:60", "--restore-group", "2",
+            "--restart-cmd", f"touch {marker}")  # fmt: skip
+    status, result = _run(capsys, tmp_path, *argv)
+    suite = result["suites"]["restore"]
+    assert status == 1 and suite["verdict"] == "fail"
+    figures = suite["figures"]
+    assert figures["wrong_by_step"] == {"device": 0, "host": 0, "disk": 2}
+    assert figures["wrong_by_cause"] == {"restore": 0, "process": 2, "neither": 0, "unknown": 0}
+    for case in suite["cases"]:
+        assert case["causes"] == {"disk": "process"} and "cold-here-host" not in case["steps"]
+        assert case["cold_here"]["disk"]["token_logprobs"] == [-0.5]
+        assert case["steps"]["disk"]["token_logprobs"] == [-0.5]
+        assert "cold here answers as this hit: process (the restore is exact" in case["reason"]
+    report = (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+    assert "restore 0, process 2, neither 0, unknown 0" in report and "| disk: process |" in report
+
+
+@pytest.mark.parametrize("salts", ["reject", "ignore"])
+def test_a_server_without_cache_salt_leaves_wrong_answers_without_a_cause(
+    fake_server, tmp_path, capsys, salts
+):
+    """An older server refuses the field (400) or ignores it (the salted prompt is a hit): said once, and
+    every wrong answer's cold_here is "unavailable"; the run goes on and fails on the wrong answers."""
+    url, behaviour = fake_server
+    behaviour.change_repeats, behaviour.salts = True, salts
+    argv = ["validate", "restore", "--url", url, "--flood-tokens", "16", "--restore-conversations", "3",
+            "--restore-lengths", "20:60", "--restore-group", "3", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("wrong answers get no cause") == 1, err
+    [path] = tmp_path.glob("*-validate-*.json")
+    suite = json.loads(path.read_text())["suites"]["restore"]
+    assert suite["figures"]["wrong_by_cause"] == {"restore": 0, "process": 0, "neither": 0, "unknown": 6}
+    assert ("rejected" if salts == "reject" else "ignored") in suite["events"]["cold_here_unavailable"]
+    for case in suite["cases"]:
+        assert case["cold_here"] == {"device": "unavailable", "host": "unavailable"}
+        assert "cold here unavailable (the server takes no cache_salt): unknown" in case["reason"]
 
 
 def test_needle_sizes_through_usage_without_render_or_tokenize(fake_server, tmp_path, capsys):
