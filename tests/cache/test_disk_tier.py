@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,26 @@ def test_cleanup_unlinks_its_victims_in_a_worker_and_spares_one_written_again(tm
     out, results = _read(restarted, 0)
     assert results[0].error is None and np.array_equal(out, _payload(0))
     restarted.close()
+
+
+def test_a_poll_looks_only_at_finished_jobs(tmp_path, monkeypatch) -> None:
+    """The engine polls once a step, and a long prompt's write-through queues thousands of pages: looking at
+    every pending job cost 0.4 us each a step (2 ms a step for a 64K-token prompt's 4,096 pages)."""
+    store = _store(tmp_path)
+    gate = threading.Event()
+    for i in range(50):
+        assert store.submit_write(KIND_PAGE, _key(i), _payload(i), gate.wait)
+    looked_at = []
+    done = Future.done
+    monkeypatch.setattr(Future, "done", lambda future: looked_at.append(future) or done(future))
+    assert [store.poll() for _ in range(10)] == [[]] * 10 and not looked_at
+    gate.set()
+    results = []
+    while len(results) < 50:
+        results += store.poll(timeout=1.0)
+    assert sorted(r.key for r in results) == sorted(_key(i) for i in range(50))
+    assert not any(r.error for r in results) and not store.busy()
+    store.close()
 
 
 def _small_filesystem(monkeypatch, root: Path, capacity: int) -> None:
