@@ -115,7 +115,7 @@ class EngineStats(NamedTuple):
     pages_cached: int
     pages_held: int
     retractions: int
-    integrity: str  # "ok", or the failed check's message; checked whenever the engine goes idle
+    integrity: str  # "ok", or the failed check's message; checked once the engine is idle for 0.1 s
     # Host memory the caches hold by design (morion/cache/cache_memory.py), measured when last idle.
     cache_memory_bytes: int
     cache: CacheStats  # hits, restores and traffic by tier (a copy)

@@ -46,6 +46,7 @@ from morion.spec.speculative import SpeculativeDecoding
 
 _CUDA_ALLOCATED_PERIOD_S = 1.0
 STATS_PERIOD_S = 0.05  # while busy, outputs carry the engine stats at most this often (serve)
+IDLE_CHECK_DELAY_S = 0.1  # the idle integrity check runs once nothing has come for this long (serve)
 
 
 class EngineLoop:
@@ -240,11 +241,23 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
     times = loop.engine.step_times
     stats_due = 0.0  # time.monotonic() from which the next outputs carry stats
     worked = False  # since the heap was last trimmed
+    unchecked = False  # gone idle since the last integrity check
     while not loop.stopped:
         if not loop.engine.has_unfinished():
-            # Idle. Once nothing has come for HEAP_TRIM_IDLE_S, the heap memory the work freed goes back to
-            # the OS (heap_trim.py: resident memory is then what is in use). Not at once: back-to-back
-            # requests would pay the trim (up to 14 ms measured on the CPU) and fault the pages in again.
+            # Idle. The pool's integrity check walks every page and host object (30 ms on the CPU at the
+            # 80B preset's 263K pages and a full host tier of 98K objects) and so waits until nothing has
+            # come for IDLE_CHECK_DELAY_S: a client's next request, sent a few ms after its last answer,
+            # must not wait for it. Its result follows in a message of its own, with what the caches hold
+            # (cache_memory.py).
+            if unchecked and not inbox.poll(IDLE_CHECK_DELAY_S):
+                loop.check_integrity()
+                loop.measure_cache_memory()
+                outbox.send(EngineOutputs([], loop.stats()))
+                unchecked = False
+            # Once nothing has come for HEAP_TRIM_IDLE_S, the heap memory the work freed goes back to the OS
+            # (heap_trim.py: resident memory is then what is in use). Not at once, for the same reason:
+            # back-to-back requests would pay the trim (up to 14 ms measured on the CPU) and fault the
+            # pages in again.
             if worked and not inbox.poll(HEAP_TRIM_IDLE_S):
                 release_free_heap()
                 worked = False
@@ -273,12 +286,10 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
             outbox.send(EngineOutputs(deltas, stats))
             times.busy_seconds += time.perf_counter() - busy_since  # the next stats carry it
             if not loop.engine.has_unfinished():
-                # Gone idle: the pool's integrity check runs after the last answers went out (it must never
-                # delay them), and its result follows in a message of its own with what the caches hold
-                # (cache_memory.py).
-                loop.check_integrity()
-                loop.measure_cache_memory()
+                # Gone idle: the stats with the loop's busy time follow at once, the integrity check later
+                # (above).
                 outbox.send(EngineOutputs([], loop.stats()))
+                unchecked = True
 
 
 def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:

@@ -43,8 +43,9 @@ _ENGINE_RSS = "morion_engine_process_resident_memory_bytes"
 # What the caches hold by design (morion/cache/cache_memory.py), measured by the engine when idle.
 _CACHE_MEMORY = "morion_engine_cache_memory_bytes"
 _IDLE_WAIT_S = 10.0  # for the server to settle (finish aborted work) before the idle checks
-# Once idle, before the memory is read: a server may give freed memory back after a moment of idleness
-# (morion's engine after 1 s: morion/server/heap_trim.py).
+# Once idle, before the memory and the pool's state are read: a server may give freed memory back after a
+# moment of idleness (morion's engine after 1 s: morion/server/heap_trim.py), and morion checks its pool's
+# integrity once idle for 0.1 s (morion/server/engine_process.py).
 _SETTLE_S = 2.0
 
 
@@ -71,8 +72,9 @@ def run(
     records = asyncio.run(_soak(session, conversations, max_tokens, started))
     elapsed = time.perf_counter() - started
     before_end()
-    idle = _idle_state(session, idle_wait_s)
+    _idle_state(session, idle_wait_s)
     time.sleep(_SETTLE_S)
+    idle = _idle_state(session, idle_wait_s)
     after = session.metrics() or {}
     problems = []
     counts = {

@@ -196,6 +196,24 @@ def test_decodes_progress_every_step_while_a_long_prompt_prefills(tiny, engine_f
         assert decoding in {s.request_id for s in engine.step()}
 
 
+def test_requests_submitted_together_are_prefilled_together(tiny, engine_factory):
+    """Waiting prompts share a step's token budget: eight 200-token prompts under a budget of 2,048 run
+    their first 192 tokens in one forward and their tails (a chunk of their own) in the next, so all eight
+    have their first token after two steps, as one would alone. Under a smaller budget the step count
+    follows the tokens, not the requests."""
+    prompts = _prompts(8, seed=12, lengths=(200, 200))
+    for chunk_size, steps_to_first_tokens in ((2048, 2), (512, 5)):
+        engine = engine_factory(tiny, chunk_size=chunk_size, page_size=16)
+        for prompt in prompts:
+            engine.add_request(prompt, GREEDY)
+        started: set[str] = set()
+        steps = 0
+        while len(started) < len(prompts):
+            started |= {s.request_id for s in engine.step() if s.new_token_ids}
+            steps += 1
+        assert steps == steps_to_first_tokens
+
+
 def test_a_request_packs_its_tokens_once_as_they_grow() -> None:
     """What the radix cache matches on: the first n token ids (prompt, then output) as uint64, packed
     incrementally (a 62K-token prompt is not packed again at each of its prefill chunks)."""

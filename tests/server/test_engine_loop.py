@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -132,31 +133,74 @@ def test_stats_after_idle_integrity_check(loop):
     )
 
 
-def test_the_last_answer_goes_out_before_the_idle_integrity_check():
-    """The check walks the whole pool (264K pages on the 80B preset): a request that ends the engine's work
-    must not wait for it, and the check's result follows in a message of its own."""
-    from morion.server.engine_process import serve
+class ScriptedInbox:
+    """An inbox whose next message arrives during a wait of the loop's (a poll with a timeout, None: until
+    one comes) for which `comes(timeout)` is true; other waits time out."""
 
+    def __init__(self, ready: list, arrivals: list, comes: Callable[[float | None], bool]) -> None:
+        self.ready, self.arrivals, self.comes = ready, arrivals, comes
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        if not self.ready and self.arrivals and timeout != 0.0 and self.comes(timeout):
+            self.ready.append(self.arrivals.pop(0))
+        return bool(self.ready)
+
+    def recv(self) -> object:
+        return self.ready.pop(0)
+
+
+def _serve_recording_checks(monkeypatch, inbox: ScriptedInbox) -> list[tuple[str, object]]:
+    """Runs `serve` on a stub engine; the outbox's messages and the integrity checks, in order."""
+    from morion.server import engine_process as process
+
+    monkeypatch.setattr(process, "release_free_heap", lambda: True)
     engine = StubEngine()
-    sent: list[tuple[str, object]] = []
-
-    def check() -> None:
-        sent.append(("check", None))
-
-    engine.check_integrity = check
-    loop = EngineLoop(engine)
-    inbox = SimpleNamespace(
-        messages=[AddRequest("r", [1, 2], SamplingParams(max_tokens=1)), Shutdown()],
+    events: list[tuple[str, object]] = []
+    engine.check_integrity = lambda: events.append(("check", None))
+    process.serve(
+        EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: events.append(("send", message)))
     )
-    inbox.poll = lambda timeout=0: bool(inbox.messages) and (len(inbox.messages) > 1 or not engine.requests)
-    inbox.recv = lambda: inbox.messages.pop(0)
-    outbox = SimpleNamespace(send=lambda message: sent.append(("send", message)))
-    serve(loop, inbox, outbox)
-    kinds = [kind for kind, _ in sent]
-    assert kinds == ["send", "check", "send"]
-    assert [d.finish_reason for d in sent[0][1].deltas] == ["length"] and sent[2][1].deltas == []
-    # The loop's busy time, counted once the answer went out, reaches the front end with the idle stats.
-    assert sent[0][1].stats.step_times.busy_seconds == 0 < sent[2][1].stats.step_times.busy_seconds
+    return events
+
+
+def test_every_queued_request_is_added_before_the_next_step(monkeypatch):
+    """Requests that came while the engine was idle or in a step all join the next step (and so its
+    prefill forward), not one per step."""
+    from morion.server import engine_process as process
+
+    monkeypatch.setattr(process, "release_free_heap", lambda: True)
+    engine = StubEngine()
+    seen_by_steps: list[int] = []
+    step = engine.step
+    engine.step = lambda: seen_by_steps.append(len(engine.requests)) or step()
+    burst = [AddRequest(r, [1, 2], SamplingParams(max_tokens=2)) for r in "abc"]  # in the pipe together
+    inbox = ScriptedInbox(burst, [Shutdown()], comes=lambda timeout: timeout is None)
+    process.serve(EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: None))
+    assert seen_by_steps == [3, 3]
+
+
+def test_the_idle_integrity_check_waits_for_quiet_after_the_last_answer(monkeypatch):
+    """The check walks the whole pool and host tier (30 ms on the CPU at the 80B preset's sizes): the
+    request that ends the engine's work must not wait for it, and its result follows in a message of its
+    own once nothing has come for IDLE_CHECK_DELAY_S."""
+    request = AddRequest("r", [1, 2], SamplingParams(max_tokens=1))
+    inbox = ScriptedInbox([request], [Shutdown()], comes=lambda timeout: timeout is None)
+    events = _serve_recording_checks(monkeypatch, inbox)
+    assert [kind for kind, _ in events] == ["send", "send", "check", "send"]
+    answer, idle, _, checked = (message for _, message in events)
+    assert [d.finish_reason for d in answer.deltas] == ["length"] and idle.deltas == checked.deltas == []
+    # The loop's busy time, counted once the answer went out, reaches the front end at once.
+    assert answer.stats.step_times.busy_seconds == 0 < idle.stats.step_times.busy_seconds
+
+
+def test_a_request_that_comes_right_after_the_last_answer_does_not_wait_for_the_idle_check(monkeypatch):
+    """A closed-loop client sends its next request a few ms after its last answer (here: during whatever the
+    idle loop waits for first): it runs before any integrity check."""
+    first, second = (AddRequest(r, [1, 2], SamplingParams(max_tokens=1)) for r in ("r", "s"))
+    inbox = ScriptedInbox([first], [second, Shutdown()], comes=lambda timeout: True)
+    events = _serve_recording_checks(monkeypatch, inbox)
+    answers = [m.deltas[0].request_id if kind == "send" and m.deltas else kind for kind, m in events]
+    assert [a for a in answers if a != "send"][:2] == ["r", "s"]
 
 
 def test_busy_outputs_carry_stats_at_most_every_period_and_always_when_idle(monkeypatch):
