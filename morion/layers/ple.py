@@ -118,7 +118,7 @@ class PLELayer(nn.Module):
         key = self.norm_key(linear_forward(self.key_proj, embedded)).view(per_stream)
         value = linear_forward(self.value_proj, embedded)
         query = self.norm_query(streams).view(per_stream)
-        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
+        gate = stream_dots(key, query) / math.sqrt(self.hidden_size)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
         return gated + F.silu(self._conv(self.norm_conv(gated), backend))
@@ -138,3 +138,15 @@ class PLELayer(nn.Module):
             state[n] = window[-self.window :]
         backend.write_state(PLE_CONV, self.ple_ordinal, state)
         return out
+
+
+def stream_dots(key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """(key * query).sum(-1, keepdim=True) of [T, n, H] streams: on CUDA one Triton program per stream row
+    (ops/row_kernels_triton.dot_rows, this torch code its reference), whose bits never depend on T."""
+    if key.is_cuda:
+        from morion.ops import row_kernels_triton as rows
+
+        pairs = key.reshape(-1, key.shape[-1]), query.reshape(-1, query.shape[-1])
+        if all(rows.supports(part) for part in pairs):
+            return rows.dot_rows(*pairs).view(*key.shape[:-1], 1)
+    return (key * query).sum(dim=-1, keepdim=True)

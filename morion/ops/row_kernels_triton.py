@@ -1,11 +1,16 @@
-"""Row-wise elementwise chains fused into one Triton kernel each: RMSNorm (four variants) and per-row FP8
-quantization, optionally of x * sigmoid(gate) (gated attention's output, quantized for o_proj).
+"""Row-wise elementwise chains fused into one Triton kernel each: RMSNorm (four variants, one weight or one
+per group of a row's width), per-row FP8 quantization, optionally of x * sigmoid(gate) (gated attention's
+output, quantized for o_proj), and the dot product of two rows.
 
 In eager torch each is a chain of 6-10 tiny kernels (upcast, square, mean, rsqrt, scale, cast, ...). A
 decode step runs them for every layer, so even inside a CUDA graph their launch gaps added up to most of
 the step (measured on an H200: ~2,000 kernels per step of a 12-layer Qwen3-Next, 60% of them elementwise).
 Each kernel here is one program per row and reproduces the torch code's rounding points exactly, so the
-pure-torch versions (layers/norm*.py, ops/fp8.py) remain the references.
+pure-torch versions (layers/norm*.py, ops/fp8.py) remain the references. One program per row also makes
+them batch invariant: a row's bits never depend on how many rows run beside it, where torch's reductions
+split a row's sum by the number of rows (on an H200, Flash-Next's grouped norms in torch gave another
+last bit at one row than beside others:
+results/2026-12-02-h200-row-invariance-flash-next-12l-tuned-77ea040.json).
 
 Rows: x is [R, K], [T, H, K] or [T, G, R, K] with a unit stride on K, read in place through its strides (a
 [T, H, K] view of a wider projection, such as the query half of Qwen3-Next's gated q_proj; a [T, G, R, K]
@@ -66,7 +71,7 @@ def rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr,
-    K, groups, per_group, stride_xt, stride_xg, stride_xr, stride_zt, stride_zg, stride_zr,
+    K, groups, per_group, stride_xt, stride_xg, stride_xr, stride_zt, stride_zg, stride_zr, stride_wg,
     eps,
     MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -77,7 +82,9 @@ def _rms_norm_kernel(
     z = x
     if MODE >= 2:
         z = _load_row(z_ptr, row, groups, per_group, stride_zt, stride_zg, stride_zr, cols, mask)
-    out = rms_norm_row(x, w_ptr, z, out_ptr, K, cols, mask, eps, MODE)
+    # The weight of the row's group (stride_wg = K: one weight row per group; 0: one for all rows).
+    group = (tl.cast(row, tl.int64) // per_group) % groups
+    out = rms_norm_row(x, w_ptr + group * stride_wg, z, out_ptr, K, cols, mask, eps, MODE)
     tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, tl.cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -142,10 +149,17 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def rms_norm_rows(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int, gate: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mode: int,
+    gate: torch.Tensor | None = None,
+    weight_per_group: bool = False,
 ) -> torch.Tensor:
     """RMSNorm of every row of x (variant `mode`; GATED multiplies by silu(gate), SIGMOID_GATED by
-    sigmoid(gate), gate shaped like x, strides of its own).
+    sigmoid(gate), gate shaped like x, strides of its own). One weight [K] for every row, or with
+    `weight_per_group` and x [T, G, K] one per group: weight [G * K], row g of it for x[:, g]
+    (Qwen3.8-Flash-Next's per-stream norms, layers/grouped_norm.py).
     Returns a contiguous tensor of x's shape and dtype."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = _rows(x)
@@ -153,10 +167,40 @@ def rms_norm_rows(
         return out
     z = gate if gate is not None else x
     key = x.shape[-1]
+    if weight_per_group and (x.dim() != 3 or weight.numel() != x.shape[1] * key):
+        raise ValueError(f"a weight per group needs x [T, G, K] and weight [G * K], got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")  # fmt: skip
     _rms_norm_kernel[(rows.count,)](
-        x, weight, z, out, key, rows.groups, rows.per_group, *rows.strides, *_rows(z).strides, eps,
-        MODE=mode, BLOCK=triton.next_power_of_2(key),
+        x, weight, z, out, key, rows.groups, rows.per_group, *rows.strides, *_rows(z).strides,
+        key if weight_per_group else 0, eps, MODE=mode, BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _dot_rows_kernel(a_ptr, b_ptr, out_ptr, K, stride_a, stride_b, BLOCK: tl.constexpr):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+    # torch's (a * b).sum(-1): the products rounded to the inputs' dtype, summed in fp32, rounded once.
+    products = tl.cast(tl.cast(tl.cast(a, tl.float32) * tl.cast(b, tl.float32), a.dtype), tl.float32)
+    tl.store(out_ptr + row, tl.cast(tl.sum(products, axis=0), out_ptr.dtype.element_ty))
+
+
+def dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(a * b).sum(-1) of rows a, b [R, K] (unit stride on K, one dtype), [R] in their dtype: one program
+    per row summing its K in one fixed order, so a row's bits never depend on R (torch's reduction picks
+    its split of K by the number of rows)."""
+    if a.shape != b.shape or a.dim() != 2 or a.dtype != b.dtype:
+        raise ValueError(f"dot_rows takes two [R, K] tensors of one dtype, got {tuple(a.shape)} {a.dtype} "
+                         f"and {tuple(b.shape)} {b.dtype}")  # fmt: skip
+    out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
+    if a.shape[0]:
+        _dot_rows_kernel[(a.shape[0],)](
+            a, b, out, a.shape[1], a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(a.shape[1])
+        )
     return out
 
 

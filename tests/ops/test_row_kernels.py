@@ -1,13 +1,16 @@
-"""The fused row kernels (RMSNorm variants, per-row FP8 quantization) against the torch code they replace
-on CUDA. On the CPU they run in Triton's interpreter (fp32 and fp16: the interpreter has no bf16)."""
+"""The fused row kernels (RMSNorm variants, per-group weights, per-row FP8 quantization, row dot products)
+against the torch code they replace on CUDA. On the CPU they run in Triton's interpreter (fp32 and fp16:
+the interpreter has no bf16)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from morion.layers.grouped_norm import GroupedRMSNorm
 from morion.layers.norm import RMSNorm
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm, ZeroCentredRMSNorm
+from morion.layers.ple import stream_dots
 from morion.ops import row_kernels_triton as rows
 from morion.ops.fp8 import _cast, fp8_scale, quantize_fp8
 
@@ -138,3 +141,60 @@ def test_sigmoid_gated_quantization_equals_the_torch_code(dtype):
         rtol=0.13,
         atol=float(expected_scale.max()) * 2**-9,
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_norm_takes_each_groups_weight(dtype):
+    """Flash-Next's per-stream norm: x [T, G * S] normalised per S-wide group, each group scaled by its own
+    slice of the [G * S] weight (a kernel that used group 0's weight for all would fail here)."""
+    module = _norm(GroupedRMSNorm(3 * 16, 16, 1e-6), dtype)
+    x = torch.randn(5, 3 * 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    expected = _torch_reference(module, x)
+    got = rows.rms_norm_rows(
+        x.view(5, 3, 16).to(DEVICE), module.weight.to(DEVICE), 1e-6, rows.ZERO_CENTRED, weight_per_group=True
+    )
+    assert got.shape == (5, 3, 16)
+    torch.testing.assert_close(
+        got.view(5, -1).cpu(), expected, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=1e-6
+    )
+
+
+def test_a_weight_per_group_must_cover_the_groups():
+    with pytest.raises(ValueError, match="weight per group"):
+        rows.rms_norm_rows(
+            torch.zeros(2, 3, 8), torch.zeros(16), 1e-6, rows.ZERO_CENTRED, weight_per_group=True
+        )
+    with pytest.raises(ValueError, match="weight per group"):
+        rows.rms_norm_rows(
+            torch.zeros(2, 24), torch.zeros(24), 1e-6, rows.ZERO_CENTRED, weight_per_group=True
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dot_rows_equals_the_torch_sum_of_products(dtype):
+    generator = torch.Generator().manual_seed(8)
+    a, b = (torch.randn(6, 40, generator=generator).to(dtype) for _ in range(2))
+    expected = (a * b).sum(-1)
+    got = rows.dot_rows(a.to(DEVICE), b.to(DEVICE))
+    assert got.dtype == dtype and got.shape == (6,)
+    # The same rounding points (products in the dtype, an fp32 sum, one rounding); the sum's order differs.
+    torch.testing.assert_close(got.cpu(), expected, rtol=2e-3 if dtype != torch.float32 else 1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dot_rows"):
+        rows.dot_rows(a, b[:, :8])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [2, 4, 8, 16, 1024])
+def test_flash_next_stream_reductions_are_batch_invariant_on_cuda(tokens):
+    """Qwen3.8-Flash-Next's per-stream norm and PLE gate dots (4 streams of 2,560, bf16) through the layers'
+    own code: row 0 computed alone has the bits it has beside other rows, over many random draws (torch's
+    reductions differed in about one draw in 30 on an H200: results/2026-12-02-h200-row-invariance-*)."""
+    norm = _norm(GroupedRMSNorm(4 * 2560, 2560, 1e-6), torch.bfloat16).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    for _ in range(200):
+        x, key, query = (torch.randn(tokens, 4 * 2560, device="cuda", generator=generator) for _ in range(3))
+        x = x.to(torch.bfloat16)
+        assert torch.equal(norm(x[:1]), norm(x)[:1])
+        key, query = (t.to(torch.bfloat16).view(tokens, 4, 2560) for t in (key, query))
+        assert torch.equal(stream_dots(key[:1], query[:1]), stream_dots(key, query)[:1])
