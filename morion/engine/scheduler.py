@@ -4,10 +4,15 @@ Policy, per step, under a token budget (`chunk_size`):
 1. Running requests that decode (one uncomputed token) go first, oldest first, so a long prefill never
    stalls generation. A decode that needs a page and finds none evicts from the prefix cache, then
    retracts the newest running request (its pages go back; it re-queues and recomputes later).
-2. Running requests still in prefill continue with what budget is left (chunked prefill).
+2. Running requests still in prefill continue with what budget is left (chunked prefill), each with its
+   next piece (`_chunk`): pieces are cut where the request alone says, never where the step's budget ran
+   out, and a piece runs whole or waits for a later step. The step's first prefill piece always runs,
+   even past what the decodes left of the budget (a step may hold `chunk_size` plus its decodes; its
+   forward of prefill chunks never holds more than `chunk_size`: see `schedule`).
 3. Waiting requests are admitted first-come first-served while budget, `max_running_requests` and pages
    allow. Admission matches the prefix cache and reserves pages for the whole remaining prompt, so a
-   chunked prefill never stalls half-way. A head that finds no pages blocks the ones behind it (no
+   chunked prefill never stalls half-way; an admitted request whose first piece does not fit the step
+   is computed from the next step on. A head that finds no pages blocks the ones behind it (no
    starvation). A request whose prefix another request is computing right now waits until those pages
    are cached (one step per prefill chunk) instead of computing them a second time.
 
@@ -113,16 +118,25 @@ class Scheduler:
             if self._grow(request, 1):
                 scheduled.append(ScheduledChunk(request, 1))
                 budget -= 1
+        # A piece runs whole or not at all (its cut points are the request's own, `_chunk`). The step's
+        # first one runs even past what the decodes left of the budget: else a piece of a whole unit
+        # could never run while anything decodes. So the step's prefill pieces add up to at most
+        # `chunk_size` (the first is at most one unit, the others fit in what is left), and the step
+        # to at most `chunk_size` plus its decodes; decodes run in forwards of their own
+        # (forward_groups.py), so the forward of prefill chunks, the one the warm-up's full chunk
+        # sizes activation memory for, never holds more than `chunk_size` tokens.
+        prefilling = False
         for request in self.running:
-            if budget == 0:
-                break
             if request.num_uncomputed > 1:
-                chunk = self._chunk(request, budget)
-                if chunk:
+                chunk = self._chunk(request)
+                if chunk <= budget or not prefilling:
                     scheduled.append(ScheduledChunk(request, chunk))
                     budget -= chunk
+                    prefilling = True
         deferred: list[Request] = []
-        while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+        while (
+            (budget > 0 or not prefilling) and self.waiting and len(self.running) < self.max_running_requests
+        ):
             request = self.waiting.popleft()
             admission = self._admit(request)
             if admission in (_Admission.WAITS_FOR_SHARED_PREFIX, _Admission.WAITS_FOR_TIERS):
@@ -131,33 +145,42 @@ class Scheduler:
             if admission is _Admission.NO_MEMORY:
                 self.waiting.appendleft(request)
                 break
-            chunk = self._chunk(request, budget)
-            if not chunk:
+            chunk = self._chunk(request)
+            if chunk > budget and prefilling:
                 break  # admitted (its prefix and pages held), computed from the next step on
             scheduled.append(ScheduledChunk(request, chunk))
             budget -= chunk
+            prefilling = True
         self.waiting.extendleft(reversed(deferred))
         return scheduled
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        """How many of the request's uncomputed tokens run this step, within `budget` (0: none this step).
+    def _chunk(self, request: Request) -> int:
+        """How many of the request's uncomputed tokens its next prefill piece runs: a function of the
+        request alone (its tokens and how many of them are computed), never of the step's budget or of
+        what else runs.
 
-        Chunks end on page boundaries, but for the one that completes the request's tokens; and the last
-        page boundary before its final token always ends one, so its *tail* (the 1 to page_size tokens
-        after it) is a chunk of its own. There a state model leaves a snapshot, every model leaves whole
-        pages, and the same prompt sent again (from the device, host or disk tier) restores exactly up
-        to there and recomputes exactly the tail, in a forward of the tail's own kind
-        (forward_groups.py): as the cold run did, so it answers as the cold run did, whatever else runs.
+        Pieces end at the multiples of the alignment unit (`chunk_size` floored to whole pages, at least
+        one page) counted from the prompt's token 0, so a request that starts mid-unit (a prefix hit)
+        first runs up to the next multiple. The chunked kernels (chunked Gated DeltaNet, extend
+        attention) compute a prefix's state differently when it is cut elsewhere, and the cache tiers
+        hand that state to later requests and other processes: cut where the step's budget ran out, a
+        prompt computed beside other traffic left other bits than the same prompt computed alone.
+
+        And the last page boundary before the final token always ends a piece, so the prompt's *tail*
+        (the 1 to page_size tokens after it) is a piece of its own. There a state model leaves a
+        snapshot, every model leaves whole pages, and the same prompt sent again (from the device, host
+        or disk tier) restores exactly up to there and recomputes exactly the tail, in a forward of the
+        tail's own kind (forward_groups.py): as the cold run did, so it answers as the cold run did,
+        whatever else runs.
         """
         start, end = request.num_computed, request.num_tokens
         page = self.page_size
+        unit = max(page, self.chunk_size // page * page)
         tail = (end - 1) // page * page
-        cut = min(end, start + budget)
+        cut = min(end, (start // unit + 1) * unit)
         if start < tail < cut:
             cut = tail
-        elif cut < end:
-            cut = cut // page * page  # out of budget mid-prompt: whole pages only
-        return max(0, cut - start)
+        return cut - start
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -8,7 +8,9 @@ from cold: the step after a restore ran eagerly with another split-KV count than
 decode beside a prefill ran every row through the prefill kernels). On the CPU the requests run alone: the
 CPU BLAS computes a row differently at other batch sizes (a one-row product takes a GEMV), so there the
 test checks the scheduling (tails as chunks of their own, snapshots, tiers), and the kernels' batch
-invariance is a CUDA property (cuBLAS GEMMs measured row-invariant on the H200)."""
+invariance is a CUDA property (cuBLAS GEMMs measured row-invariant on the H200). The last test runs on the
+CPU beside other requests too, comparing a prompt's prefill beside decodes with the same prompt alone:
+decodes run in forwards of their own, so there only the prompt's cut points could change its bits."""
 
 from __future__ import annotations
 
@@ -110,3 +112,37 @@ def test_every_tier_answers_as_cold_under_traffic(
     assert restarted.cache_stats.disk_hit_tokens > 0
     restarted.check_integrity()
     restarted.close()
+
+
+def _final(engine, request_id: str):
+    while True:
+        for step in engine.step():
+            if step.request_id == request_id and step.final is not None:
+                return step.final
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prompt_computes_the_same_alone_and_beside_decodes(model, device, engine_factory):
+    """A prompt longer than the step's budget, arriving while three requests decode, is cut where it is cut
+    alone (the budget the decodes leave would have cut it at 24 tokens instead of 32), so its prefill
+    computes the same bits: every prompt logprob, and the first token's, which reads the state its whole
+    prompt left (what the cache tiers keep and hand to later requests and other processes). Only that
+    token is compared: the decodes after it share a forward with the others' (on the CPU, a batch of
+    another size computes a row differently)."""
+    loaded = _on(model, device)
+    options = {"page_size": PAGE, "device": device, "chunk_size": 32}
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    prompt = _tokens(5, 75)
+    alone = engine_factory(loaded, **options)
+    expected = _final(alone, alone.add_request(prompt, params))
+    alone.close()
+
+    beside = engine_factory(loaded, **options)
+    traffic = [beside.add_request(_tokens(seed, 5), TRAFFIC) for seed in (6, 7, 8)]  # one piece each
+    beside.step()
+    request_id = beside.add_request(prompt, params)
+    assert {s.request_id for s in beside.step()} == {*traffic}  # they decode beside its first piece
+    output = _final(beside, request_id)
+    assert (output.token_ids, output.logprobs) == (expected.token_ids, expected.logprobs)
+    assert output.prompt_logprobs == expected.prompt_logprobs
+    beside.close()
