@@ -3,10 +3,13 @@
     out[m, n] = round((sum over k of x[m, k] * w[n, k]) * x_scale[m] * w_scale + bias[n])
 
 with x and w both e4m3 (x quantized per row, w with one fp32 scale: `Fp8Linear`) or both in the model
-dtype (no scales: the router, Gated DeltaNet's in_proj_ba). Rows in the model dtype with e4m3 weights
-are quantized per row in the kernel itself (each program takes its rows' amax over K, then quantizes
-each tile as it loads it: `quantize_fp8`'s values), which saves `Fp8Linear.forward` its separate
-quantization kernel. The FP8 path through cuBLASLt is two kernels:
+dtype (no scales: the router, Gated DeltaNet's in_proj_ba). FP8 rows come quantized, once per input, by
+the row kernels (`ops.fp8.quantize_fp8`, or a norm or gate fused with the quantization:
+`gated_norm_fp8_triton`, `quantize_fp8_sigmoid_gated`), never here. This kernel once quantized
+model-dtype rows itself: each of its N / BLOCK_N programs read its rows over all of K for their amax
+before its first product, and with the tuned tiles installed the served decode step got slower (80B
+4.89 -> 7.96 ms, Flash-Next 10.2 -> 16.8 ms on the H200), where the tuner, timing e4m3 rows, had found
+every FP8 shape faster than cuBLAS. The FP8 path through cuBLASLt is two kernels:
 `torch._scaled_mm` with per-tensor scales (its per-row recipe is no faster than bf16 at decode sizes:
 kernels-and-libraries.md §4), then the row scales multiplied into its bf16 output: 121 of the 80B
 preset's ~1,050 kernels per decode step (`results/2026-12-02-h200-profile-80b-full.md`), rounded twice.
@@ -34,21 +37,18 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from morion.ops.moe_decode_triton import _mma, _mma_options, _rows_first, _zero_acc
 from morion.ops.moe_tiles import Tiles
 
 # Decode and short-chunk forwards (the same bound as the fused MoE kernels' AUTO_TRITON_MAX_TOKENS):
 # up to here a token's projections are the same bits in every batch; larger forwards take cuBLAS.
 MAX_ROWS = 64
-_QUANTIZABLE = (torch.bfloat16, torch.float16, torch.float32)  # row dtypes quantized in the kernel
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-    SCALED: tl.constexpr, QUANTIZE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MMA: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,29 +58,16 @@ def _skinny_linear_kernel(
     depth = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tl.cast(rows, tl.int64)[:, None] * stride_x
     w_cols = w_ptr + tl.cast(cols, tl.int64)[None, :] * stride_w
-    if QUANTIZE:
-        # Rows in the model dtype, quantized here per row as `quantize_fp8_rows` does (`fp8_row`'s
-        # formulas): the row's amax over all of K first (its few KiB come from L2 again in the loop).
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + depth
-            a = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & (k < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(tl.cast(a, tl.float32)), axis=1))
-        x_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
     acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
     for start in range(0, K, BLOCK_K):
         k = start + depth
         k_ok = k < K
         a = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
-        if QUANTIZE:
-            a = tl.math.div_rn(tl.cast(a, tl.float32), x_scale[:, None])
-            a = tl.cast(tl.minimum(tl.maximum(a, -FP8_MAX), FP8_MAX), w.dtype, fp_downcast_rounding="rtne")
         acc = _mma(a, w, acc, MMA, DOT_PRECISION)
     acc = _rows_first(acc, MMA)
     if SCALED:
-        if not QUANTIZE:
-            x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
         acc = acc * x_scale[:, None] * tl.load(w_scale_ptr)
     if HAS_BIAS:
         acc = acc + tl.cast(tl.load(bias_ptr + cols, mask=cols_ok, other=0.0), tl.float32)[None, :]
@@ -90,14 +77,13 @@ def _skinny_linear_kernel(
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes x [M, K] @ weight [N, K].T: at most MAX_ROWS rows, unit strides on K, and
-    the same element type (e4m3 with e4m3, or one float dtype) or model-dtype rows with e4m3 weights
-    (quantized in the kernel)."""
+    one element type (e4m3 rows with e4m3 weights, or one float dtype: FP8 rows come quantized)."""
     return (
         x.dim() == 2
         and weight.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and x.shape[1] == weight.shape[1]
-        and (x.dtype == weight.dtype or (weight.dtype == FP8_DTYPE and x.dtype in _QUANTIZABLE))
+        and x.dtype == weight.dtype
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
@@ -114,14 +100,16 @@ def skinny_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in `out_dtype` (default x's dtype), `supports(x, weight)`.
-    With e4m3 weights `weight_scale` (one fp32 element) is required and `out_dtype` is the model dtype;
-    e4m3 rows come with `x_scale` [M] (fp32, per row), model-dtype rows are quantized per row in the
-    kernel (the values of `ops.fp8.quantize_fp8(x, per_row=True)`, so both give the same bits). `bias`
-    [N] is added in fp32 before the one rounding."""
+    With e4m3 weights the rows are e4m3 too, quantized per row before the call (`ops.fp8.quantize_fp8(x,
+    per_row=True)`: once per input, not in each of this kernel's programs, see above), with `x_scale` [M]
+    (fp32), `weight_scale` (one fp32 element) and `out_dtype` the model dtype. `bias` [N] is added in fp32
+    before the one rounding."""
     fp8 = weight.element_size() == 1
-    quantize = fp8 and x.element_size() != 1
-    if fp8 and (weight_scale is None or (x_scale is None) != quantize):
-        raise ValueError("e4m3 weights need weight_scale; e4m3 rows need x_scale, rows to quantize none")
+    if fp8 and (x.dtype != weight.dtype or x_scale is None or weight_scale is None):
+        raise ValueError(
+            f"e4m3 weights need e4m3 rows with their x_scale (quantized before the call) and weight_scale; "
+            f"got {x.dtype} rows, x_scale {'given' if x_scale is not None else 'missing'}"
+        )
     if x.element_size() == 1 and out_dtype is None:
         raise ValueError("e4m3 rows need an out_dtype (the model dtype)")
     rows, depth = x.shape
@@ -135,9 +123,9 @@ def skinny_linear(
         x, x_scale if x_scale is not None else x, weight, weight_scale if fp8 else weight,
         bias if bias is not None else x, out, rows, outputs, depth,
         x.stride(0), weight.stride(0), out.stride(0),
-        SCALED=fp8, QUANTIZE=quantize, HAS_BIAS=bias is not None,
+        SCALED=fp8, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 and not fp8 else "tf32",
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -38,13 +38,14 @@ from morion.ops.skinny_tiles import INVARIANT_GEMV
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _skinny(mma: str, rows: str, weights: str, block_n: int = 64, block_k: int = 128) -> tuple:
-    """The skinny kernel for rows and weights of these Triton types ("fp8e4nv" or "bf16")."""
-    fp8 = weights == "fp8e4nv"
+def _skinny(mma: str, element: str, block_n: int = 64, block_k: int = 128) -> tuple:
+    """The skinny kernel for rows and weights of this Triton type ("fp8e4nv" or "bf16"): one type for
+    both, FP8 rows coming quantized."""
+    fp8 = element == "fp8e4nv"
     signature = {
-        "x_ptr": f"*{rows}",
+        "x_ptr": f"*{element}",
         "x_scale_ptr": "*fp32",
-        "w_ptr": f"*{weights}",
+        "w_ptr": f"*{element}",
         "w_scale_ptr": "*fp32",
         "bias_ptr": "*bf16",
         "out_ptr": "*bf16",
@@ -57,20 +58,15 @@ def _skinny(mma: str, rows: str, weights: str, block_n: int = 64, block_k: int =
     }
     constexprs = {
         "SCALED": fp8,
-        "QUANTIZE": fp8 and rows != weights,
         "HAS_BIAS": True,
         "DOT_PRECISION": "tf32",
         "MMA": _MMA_MODES[mma],
-        "FP8_MAX": 448.0,
-        "MIN_SCALE": 1e-12,
         "BLOCK_M": 1 if mma == "gemv" else 16,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
     }
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
 
-
-_SKINNY_OPERANDS = [("fp8e4nv", "fp8e4nv"), ("bf16", "fp8e4nv"), ("bf16", "bf16")]
 
 KERNELS = {
     "qsa_triton._select_token_slots_kernel": (
@@ -91,15 +87,13 @@ KERNELS = {
         {"TOP_K": 512, "RATIO": 4, "PAGE_SIZE": 16, "WIDTH": 2051, "BLOCK": 512},
     ),
     **{
-        f"skinny_linear_triton._skinny_linear_kernel[{mma}, {rows} rows, {weights} weights]": _skinny(
-            mma, rows, weights
-        )
+        f"skinny_linear_triton._skinny_linear_kernel[{mma}, {element}]": _skinny(mma, element)
         for mma in ("dot", "gemv")
-        for rows, weights in _SKINNY_OPERANDS
+        for element in ("fp8e4nv", "bf16")
     },
     # The untuned model-dtype products' tile (router, gates, QSA indexer on every CUDA decode step).
     "skinny_linear_triton._skinny_linear_kernel[INVARIANT_GEMV, bf16]": _skinny(
-        INVARIANT_GEMV.mma, "bf16", "bf16", INVARIANT_GEMV.block_n, INVARIANT_GEMV.block_k
+        INVARIANT_GEMV.mma, "bf16", INVARIANT_GEMV.block_n, INVARIANT_GEMV.block_k
     ),
     **{
         f"store_kv_triton._store_kv_kernel[{pool} pool]": (

@@ -33,7 +33,7 @@ def _compile(*launches: str) -> subprocess.CompletedProcess[str]:
 def test_kernels_compile_for_sm90_with_the_h200_s_types():
     run = _compile()
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "compiled for sm_90: 17 of 17" in run.stdout, run.stdout
+    assert "compiled for sm_90: 15 of 15" in run.stdout, run.stdout
 
 
 @pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
@@ -52,4 +52,4 @@ def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path)
     assert len({(launch["module"], launch["name"]) for launch in recorded}) >= 25, recorded
     run = _compile(str(launches))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"compiled for sm_90: {17 + len(recorded)} of {17 + len(recorded)}" in run.stdout, run.stdout
+    assert f"compiled for sm_90: {15 + len(recorded)} of {15 + len(recorded)}" in run.stdout, run.stdout

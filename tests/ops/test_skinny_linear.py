@@ -1,7 +1,8 @@
 """The skinny linear kernel (decode-size rows, one pass over the weight, scales in the epilogue): against
 F.linear and the FP8 reference in every MMA mode, a row the same bits alone as in any batch, the tuned-tile
-files that decide where it runs, and its wiring into the FP8 linear, the router and in_proj_ba. On the CPU
-the kernel runs in Triton's interpreter (no bf16 there: fp32 and fp16)."""
+files that decide where it runs, and its wiring into the FP8 linear (rows quantized before it, once per
+input: the operands the tuner times; model-dtype rows with FP8 weights are refused), the router and
+in_proj_ba. On the CPU the kernel runs in Triton's interpreter (no bf16 there: fp32 and fp16)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.bench import skinny_tune
+from morion.layers import linear_fp8
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.ops import skinny_linear_triton, skinny_tiles
-from morion.ops.fp8 import fp8_linear_quantized_reference, quantize_fp8
+from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.moe_tiles import Tiles
-from morion.ops.row_kernels_triton import quantize_fp8_rows
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [Tiles(32, 32, 4, 2, "dot"), Tiles(16, 64, 4, 2, "gemv"), Tiles(64, 32, 4, 2, "swapped")]
 # What the untuned model-dtype products (router, gates, QSA indexer) run on CUDA at decode sizes.
 MODEL_DTYPE_TILES = [*MODES, skinny_tiles.INVARIANT_GEMV]
@@ -68,6 +68,23 @@ def test_fp8_rows_take_both_scales_and_the_bias_before_one_rounding(tiles):
         assert torch.equal(alone, out[:rows])
     with pytest.raises(ValueError, match="x_scale"):
         skinny_linear(q, weight_q, tiles)
+    with pytest.raises(ValueError, match="out_dtype"):
+        skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_model_dtype_rows_with_fp8_weights_are_refused(dtype):
+    """FP8 rows come quantized, once per input: the kernel has no quantization of its own (done in each of
+    its column programs, it made the H200's decode step slower)."""
+    x, weight = _operands(3, 32, 64, seed=8)
+    x = x.to(dtype)
+    q, row_scale = quantize_fp8(x, per_row=True)
+    weight_q, weight_scale = quantize_fp8(weight)
+    assert not skinny_linear_triton.supports(x, weight_q)
+    assert skinny_linear_triton.supports(q, weight_q)
+    for x_scale in (None, row_scale):
+        with pytest.raises(ValueError, match="e4m3 rows"):
+            skinny_linear(x, weight_q, MODES[0], x_scale=x_scale, weight_scale=weight_scale, out_dtype=dtype)
 
 
 def test_fp8_swapped_tiles_are_refused_and_zero_rows_give_an_empty_result():
@@ -147,8 +164,6 @@ def test_fp8_linear_router_and_in_proj_ba_take_the_kernel_where_a_tile_is_tuned(
     x = torch.randn(5, 64)
     q, row_scale = quantize_fp8(x, per_row=True)
     reference = fp8_linear_quantized_reference(q, row_scale, q_weight, weight_scale, layer.bias, x.dtype)
-    from morion.ops.fp8 import fp8_linear_quantized
-
     out = fp8_linear_quantized(q, row_scale, q_weight, weight_scale, layer.bias, x.dtype)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert every_shape_tuned == [(32, 64)]
@@ -172,40 +187,73 @@ def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
             skinny_tune.main(["--model", "preset:qwen3-next-tiny"])
 
 
-@pytest.mark.parametrize("tiles", MODES[:2], ids=lambda t: t.mma)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rows_quantized_in_the_kernel_give_the_bits_of_rows_quantized_before_it(tiles, dtype):
-    x, weight = _operands(7, 40, 200, seed=8)  # K over several BLOCK_K tiles: amax across all of them
-    x = (x * torch.linspace(0.01, 30, 7)[:, None]).to(dtype)  # rows of very different scales
-    x[3] = 0  # an all-zero row: MIN_SCALE, no NaNs
-    weight_q, weight_scale = quantize_fp8(weight)
-    # The row kernel CUDA quantizes with, whose casts are the kernels' (Triton's interpreter rounds a value
-    # that rounds up into the next binade to half of it, e.g. 126.9 to 64: in both kernels alike).
-    q, row_scale = quantize_fp8_rows(x.to(DEVICE))
-    q, row_scale = q.cpu(), row_scale.cpu()
-    before = skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale, out_dtype=dtype)
-    inside = skinny_linear(x, weight_q, tiles, weight_scale=weight_scale)
-    assert inside.dtype == dtype and torch.equal(inside, before)
-    assert not inside[3].any()
-    with pytest.raises(ValueError, match="rows to quantize"):
-        skinny_linear(x, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
-    with pytest.raises(ValueError, match="out_dtype"):
-        skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
+@pytest.fixture
+def skinny_calls(monkeypatch, every_shape_tuned):
+    """Each skinny kernel call's operands, with every shape tuned. Off CUDA `Fp8Linear.forward_quantized`
+    takes the reference; here its CPU branch runs the CUDA branch's op, `fp8_linear_quantized`, which
+    sends a tuned shape to the kernel (in Triton's interpreter)."""
+    calls = []
+
+    def spy(x, weight, tiles, **kwargs):
+        calls.append({"x": x, "weight": weight, "tiles": tiles, **kwargs})
+        return skinny_linear(x, weight, tiles, **kwargs)
+
+    monkeypatch.setattr(skinny_linear_triton, "skinny_linear", spy)
+    monkeypatch.setattr(linear_fp8, "fp8_linear_quantized_reference", fp8_linear_quantized)
+    return calls
 
 
-def test_fp8_linear_layers_quantize_in_the_kernel_where_a_tile_is_tuned(every_shape_tuned):
-    layers = [Fp8Linear(64, n) for n in (32, 16)]
-    for layer in layers:
-        layer.weight.data, layer.weight_scale = quantize_fp8(torch.randn(layer.out_features, 64) / 8)
-    x = torch.randn(2, 3, 64)
-    from morion.layers.linear_fp8 import linears_of_one_input
+def _fp8_layer(inputs: int, outputs: int, seed: int, bias: bool = False) -> Fp8Linear:
+    generator = torch.Generator().manual_seed(seed)
+    layer = Fp8Linear(inputs, outputs, bias=bias, bias_dtype=torch.float32)
+    layer.weight.data, layer.weight_scale = quantize_fp8(
+        torch.randn(outputs, inputs, generator=generator) / 8
+    )
+    if bias:
+        layer.bias.data = torch.randn(outputs, generator=generator)
+    return layer
 
-    outs = linears_of_one_input(x, layers)
-    for layer, out in zip(layers, outs, strict=True):
-        q, row_scale = quantize_fp8_rows(x.reshape(-1, 64))  # the kernels' own casts, as above
+
+def test_fp8_linear_runs_the_tuned_kernel_on_rows_quantized_before_it(skinny_calls, every_shape_tuned):
+    """The op the tuner times (bench/skinny_tune.py: e4m3 rows, their x_scale, the weight's scale) is the
+    op the layer runs at a tuned shape, with the reference's values."""
+    layer = _fp8_layer(64, 32, seed=9, bias=True)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(10))
+    out = layer(x)
+    q, row_scale = quantize_fp8(x.reshape(-1, 64), per_row=True)  # the tuner's `random_rows`
+    assert every_shape_tuned == [(32, 64)] and len(skinny_calls) == 1
+    call = skinny_calls[0]
+    assert call["x"].dtype == FP8_DTYPE and torch.equal(call["x"].float(), q.float())
+    assert torch.equal(call["x_scale"], row_scale) and call["weight_scale"] is layer.weight_scale
+    assert call["tiles"] == MODES[0] and call["out_dtype"] == x.dtype
+    reference = fp8_linear_quantized_reference(
+        q, row_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype
+    )
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out.reshape(-1, 32), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_one_input_quantize_it_once_for_their_tuned_kernels(
+    skinny_calls, every_shape_tuned, monkeypatch
+):
+    layers = [_fp8_layer(64, n, seed=n) for n in (32, 16)]
+    quantized = []
+
+    def quantize(x, per_row=False):
+        quantized.append(x.shape)
+        return quantize_fp8(x, per_row)
+
+    monkeypatch.setattr(linear_fp8, "quantize_fp8", quantize)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(11))
+    outs = linear_fp8.linears_of_one_input(x, layers)
+    assert quantized == [(6, 64)]  # one quantization for both layers
+    assert every_shape_tuned == [(32, 64), (16, 64)] and len(skinny_calls) == 2
+    q, row_scale = quantize_fp8(x.reshape(-1, 64), per_row=True)
+    assert skinny_calls[0]["x"] is skinny_calls[1]["x"] and skinny_calls[0]["x"].dtype == FP8_DTYPE
+    for layer, out, call in zip(layers, outs, skinny_calls, strict=True):
+        assert torch.equal(call["x_scale"], row_scale)
         reference = fp8_linear_quantized_reference(
             q, row_scale, layer.weight, layer.weight_scale, None, x.dtype
         )
         assert out.shape == (2, 3, layer.out_features)
         torch.testing.assert_close(out.reshape(-1, layer.out_features), reference, rtol=1e-5, atol=1e-5)
-    assert every_shape_tuned[:2] == [(32, 64), (16, 64)]  # both looked up before either ran

@@ -1,18 +1,22 @@
 """The skinny linear kernel compiled on a GPU at the 80B preset's decode shapes: against the cuBLAS path
 (FP8 rows and weights, then the router's bf16 product), a row the same bits alone as in every batch up to
-MAX_ROWS, replayed in a CUDA graph with new rows, the untuned model-dtype products of both presets (router,
-Gated DeltaNet gates, QSA indexer) batch invariant through `product`, and the tuner's per-shape sweep end
-to end."""
+MAX_ROWS, replayed in a CUDA graph with new rows, `Fp8Linear` at a tuned shape running the op the tuner
+times (rows quantized first), the untuned model-dtype products of both presets (router, Gated DeltaNet
+gates, QSA indexer) batch invariant through `product`, and the tuner's per-shape sweep end to end."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from morion.bench import skinny_tune
-from morion.ops.fp8 import scaled_mm_rows
-from morion.ops.moe_tiles import Tiles
+from morion.layers.linear_fp8 import Fp8Linear
+from morion.ops import skinny_tiles
+from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
+from morion.ops.moe_tiles import Tiles, device_name
 from morion.ops.moe_tune import capture_graph
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 from morion.ops.skinny_tiles import INVARIANT_GEMV, LinearShape, product, product_tile
@@ -43,6 +47,31 @@ def test_fp8_rows_match_the_cublas_path_and_do_not_depend_on_the_batch(tiles):
             out_dtype=torch.bfloat16,
         )  # fmt: skip
         assert torch.equal(alone, out[:count]), f"{count} rows differ from the same rows among {MAX_ROWS}"
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: t.mma)
+def test_fp8_linear_at_a_tuned_shape_runs_the_op_the_tuner_times(tiles, tmp_path, monkeypatch):
+    """With a tuned file for its shape, `Fp8Linear.forward` quantizes its bf16 rows once (the row kernel)
+    and runs the skinny kernel on the e4m3 rows and their scales: the bits of the tuner's op."""
+    shape = LinearShape(12288, 2048, "fp8")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(skinny_tiles, "CONFIG_DIR", tmp_path)
+    skinny_tiles.tuned_tile.cache_clear()
+    skinny_tiles.config_path(device_name(cuda.index), shape).write_text(json.dumps({"tiles": list(tiles)}))
+    try:
+        operands = skinny_tune.random_weight(shape, cuda, 7)
+        layer = Fp8Linear(shape.depth, shape.outputs).to(cuda)
+        layer.weight.data, layer.weight_scale = operands["weight"], operands["weight_scale"]
+        x = torch.randn(2, 4, shape.depth, device=cuda, generator=torch.Generator(cuda).manual_seed(8))
+        x = x.to(torch.bfloat16)
+        out = layer(x)
+        q, x_scale = quantize_fp8(x.view(-1, shape.depth), per_row=True)
+        tuned = skinny_tune.skinny_op(tiles)({"x": q, "x_scale": x_scale, **operands})
+        assert out.shape == (2, 4, shape.outputs) and torch.equal(out.view(-1, shape.outputs), tuned)
+        cublas = skinny_tune.cublas_op({"x": q, "x_scale": x_scale, **operands})
+        assert _rel_l2(tuned, cublas) < 5e-3  # cuBLAS rounds twice
+    finally:
+        skinny_tiles.tuned_tile.cache_clear()
 
 
 def test_bf16_router_rows_match_f_linear_and_replay_in_a_graph():
