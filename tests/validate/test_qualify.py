@@ -122,15 +122,7 @@ def test_a_miss_computed_again_is_counted_apart_from_wrong_hits(tmp_path):
     }
     hit = {**cold, "cached_tokens": 48}
     steps = {"cold": cold, "device": hit, "host": hit, "disk": {**cold, "token_logprobs": [-2.0]}}
-    suite = {
-        "seed": 1,
-        "verdict": "pass",
-        "lengths": {"min": 50, "max": 60, "drawn": [50]},
-        "page_size": 16,
-        "tiers_declared": {"host": True, "disk": True},
-        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
-    }
-    validate = {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
+    validate = _validate_with_one_conversation(steps)
     status, result, report = _run(tmp_path, validate, "--min-hits", "1", "--source-commit", "abc123")
     restore = result["summary"]["restore"]
     assert status == 1 and restore["wrong_answers"] == 0 and restore["hits"]["disk"] == 0
@@ -139,6 +131,19 @@ def test_a_miss_computed_again_is_counted_apart_from_wrong_hits(tmp_path):
     assert result["provenance"]["git_commit"] == "abc123"
     assert result["provenance"]["git_commit_recorded_by_the_runs"] == "abc"
     assert "| disk | 0 | 0 | 1 |" in report
+
+
+def _validate_with_one_conversation(steps: dict) -> dict:
+    """A validate run whose restore suite holds one 50-token conversation with these steps' replies."""
+    suite = {
+        "seed": 1,
+        "verdict": "pass",
+        "lengths": {"min": 50, "max": 60, "drawn": [50]},
+        "page_size": 16,
+        "tiers_declared": {"host": True, "disk": True},
+        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
+    }
+    return {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
 
 
 def test_a_wrong_answer_fails_whatever_its_cause_and_the_report_names_it(tmp_path):
@@ -152,15 +157,7 @@ def test_a_wrong_answer_fails_whatever_its_cause_and_the_report_names_it(tmp_pat
         "cold": cold, "device": hit, "host": hit, "disk": other, "again-disk": [other, other],
         "cold-here-disk": {**other, "cached_tokens": 0, "cache_salt": "f00d"},
     }  # fmt: skip
-    suite = {
-        "seed": 1,
-        "verdict": "pass",
-        "lengths": {"min": 50, "max": 60, "drawn": [50]},
-        "page_size": 16,
-        "tiers_declared": {"host": True, "disk": True},
-        "cases": [{"id": "conversation-0", "prompt_tokens": 50, "prompt_sha256": "x", "steps": steps}],
-    }
-    validate = {**_validate(), "suites": {**_validate()["suites"], "restore": suite}}
+    validate = _validate_with_one_conversation(steps)
     status, result, report = _run(tmp_path, validate, "--min-hits", "1")
     restore = result["summary"]["restore"]
     assert status == 1 and result["summary"]["problems"][0] == "1 wrong answers (process 1)"
