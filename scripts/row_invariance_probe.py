@@ -5,10 +5,12 @@ hyper-connection mixes and grouped norms; the whole sparse-MoE block: the router
 (with a stacked shared expert's gate as its last row) and its product as the block runs it
 (`router_logits`: the skinny kernel at decode sizes), fused experts (a stacked shared expert among them),
 a separate shared expert and its gate) and the LM head, on random inputs of RMSNorm's scale.
-For each trial, a block of `--rows` random rows: row 0 alone (M = 1), then row 0 inside the first M rows
-for every M of the decode graphs' buckets. Reported per op: how many trials' row 0 differs at M = 1
-against M > 1, how many among the M > 1 themselves, and the elements that differ (per trial the most at
-any M, summed). A rare last-bit flip
+For each trial, a block of random rows: row 0 alone (M = 1), then the first M rows for every M of
+`--buckets` (default the decode graphs' buckets; prefill sizes such as `--buckets 1024,2048,4096` ask
+whether a prompt's prefill rows depend on the other prompts of a long forward). Reported per op: how many
+trials' row 0 differs at M = 1 against any bucket, how many trials' first rows (as many as the smallest
+bucket) differ among the buckets themselves, and the elements that differ at M = 1 (per trial the most
+at any bucket, summed). A rare last-bit flip
 (once in thousands of elements) is what `scripts/decode_invariance.py` would see as an answer parting after
 several identical tokens; one row per batch size, as the first probe compared
 (`results/2026-12-01-h200-batch-invariance.md`), cannot show it.
@@ -19,6 +21,7 @@ several identical tokens; one row per batch size, as the first probe compared
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import time
@@ -33,7 +36,7 @@ from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE
 from morion.loader import load_model
 
-BUCKETS = (2, 4, 8, 16)
+DECODE_BUCKETS = "2,4,8,16"
 
 
 def _ops(model: torch.nn.Module) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
@@ -86,25 +89,43 @@ def _joined_router_logits(block: SparseMoE) -> Callable[[torch.Tensor], torch.Te
 
 
 @torch.inference_mode()
-def probe(op: Callable[[torch.Tensor], torch.Tensor], features: int, trials: int, rows: int, device, dtype):
+def probe(
+    op: Callable[[torch.Tensor], torch.Tensor], features: int, trials: int, buckets: list[int], device, dtype
+):
     counts = {"trials": trials, "m1_vs_batched_rows": 0, "m1_vs_batched_elements": 0, "batched_rows": 0}
     generator = torch.Generator(device=device).manual_seed(0)
+    shared = min(buckets)  # the rows every bucket computes
     for _ in range(trials):
-        x = torch.randn(rows, features, device=device, dtype=dtype, generator=generator)
+        x = torch.randn(max(buckets), features, device=device, dtype=dtype, generator=generator)
         alone = op(x[:1])[0]
-        outs = [op(x[:m])[0] for m in BUCKETS if m <= rows]
-        first_batched = outs[0]
-        differing = max(int((out != alone).sum()) for out in outs)
+        outs = [op(x[:m])[:shared] for m in buckets]
+        differing = max(int((out[0] != alone).sum()) for out in outs)
         counts["m1_vs_batched_rows"] += differing > 0
         counts["m1_vs_batched_elements"] += differing
-        counts["batched_rows"] += any(bool((out != first_batched).any()) for out in outs[1:])
+        counts["batched_rows"] += any(not torch.equal(out, outs[0]) for out in outs[1:])
     return counts
+
+
+def _buckets(text: str) -> list[int]:
+    """--buckets: row counts above 1, ascending."""
+    try:
+        buckets = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        buckets = []
+    if not buckets or buckets[0] < 2:
+        raise argparse.ArgumentTypeError(f"--buckets {text}: row counts of at least 2, comma-separated")
+    return buckets
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser(__doc__.splitlines()[0], "row-invariance")
     parser.add_argument("--trials", type=int, default=500)
-    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument(
+        "--buckets",
+        type=_buckets,
+        default=DECODE_BUCKETS,
+        help="row counts to compare (default: the decode graphs')",
+    )
     args = parser.parse_args(argv)
     config = probe_config(args)
     loaded = load_model(config.model, config.torch_dtype, config.torch_device, config.load_format,
@@ -112,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, (op, features) in _ops(loaded.model).items():
         started = time.perf_counter()
-        results[name] = probe(op, features, args.trials, args.rows, config.torch_device, config.torch_dtype)
+        results[name] = probe(
+            op, features, args.trials, args.buckets, config.torch_device, config.torch_dtype
+        )
         figures = results[name]
         print(
             f"row_invariance: {name}: {figures['m1_vs_batched_rows']} of {args.trials} trials differ at M=1 "
@@ -121,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     write_probe_result(
-        args.out, "row-invariance", {"settings": vars(args), "buckets": BUCKETS, "ops": results}
+        args.out, "row-invariance", {"settings": vars(args), "buckets": args.buckets, "ops": results}
     )
     return 0
 

@@ -79,6 +79,21 @@ def test_the_row_probe_covers_both_layer_kinds_the_moe_block_and_the_head(tmp_pa
     assert all(0 <= figures["m1_vs_batched_rows"] <= figures["trials"] == 2 for figures in ops.values())
 
 
+def test_the_row_probe_compares_the_buckets_it_is_given(tmp_path, capsys):
+    """Prefill-sized buckets (here 3 and 40 rows): every trial computes them; a bad list is one error line."""
+    module = _script("row_invariance_probe")
+    argv = ["--model", "preset:qwen3-next-tiny", "--device", "cpu", "--trials", "1", "--buckets", "40,3",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert module.main(argv) == 0
+    [path] = tmp_path.glob("*-row-invariance.json")
+    result = json.loads(path.read_text())
+    assert result["buckets"] == [3, 40]
+    assert all(figures["batched_rows"] in (0, 1) for figures in result["ops"].values())
+    with pytest.raises(SystemExit):
+        module.main(["--model", "preset:qwen3-next-tiny", "--device", "cpu", "--buckets", "1,8"])
+    assert "--buckets 1,8: row counts of at least 2" in capsys.readouterr().err
+
+
 def test_the_row_probe_takes_flash_next_mixes_as_the_layer_runs_them(tmp_path):
     from morion.loader import load_model
     from tests.models.conftest import QWEN4_EXP_TINY_CONFIG
