@@ -6,7 +6,9 @@ head, and the attention output is multiplied by sigmoid(gate) before o_proj.
 
 The eager code is the reference and the CPU path. On CUDA the q/k norms and RoPE run as one kernel
 (ops/qk_norm_rope_triton.py), and with FP8 projections x is quantized once for q/k/v and the output gate
-is applied in o_proj's activation quantization (ops/fp8.py), all with the same rounding points.
+is applied in o_proj's activation quantization (ops/fp8.py), all with the same rounding points. x may
+come quantized already (`GatedAttention.reads_fp8_rows`: the decoder layer's norm quantizes it in its
+kernel).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import torch
 from torch import nn
 
 from morion.layers.attention import AttentionBackend
-from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
+from morion.layers.linear_fp8 import Fp8Linear, all_fp8, linears_of_one_input
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
-from morion.ops.fp8 import quantize_fp8_sigmoid_gated
+from morion.ops.fp8 import QuantizedRows, quantize_fp8_sigmoid_gated
 
 
 class GatedAttentionProjections(nn.Module):
@@ -49,13 +51,14 @@ class GatedAttentionProjections(nn.Module):
         self.k_norm = ZeroCentredRMSNorm(head_dim, rms_norm_eps)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, quantized: QuantizedRows | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns q [T, H, D] and k [T, Hkv, D], normed and
-        rotated, v [T, Hkv, D] and the output gate [T, H, D]."""
+        """x: [T, hidden]; cos, sin: [T, rotary_dim]; `quantized`: x's rows quantized per row, for FP8
+        projections (`linears_of_one_input`). Returns q [T, H, D] and k [T, Hkv, D], normed and rotated,
+        v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
-        # Under FP8 weights x is quantized once for the three projections.
-        q_gate, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj))
+        # Under FP8 weights x is quantized once for the three projections (or was, by whoever made x).
+        q_gate, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj), quantized)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -94,9 +97,20 @@ def norm_and_rotate(
 
 
 class GatedAttention(GatedAttentionProjections):
+    @property
+    def reads_fp8_rows(self) -> bool:
+        """Whether `forward` reads x quantized per row (FP8 q/k/v projections, set by `--weight-dtype fp8`'s
+        conversion): then a caller that has the rows quantized passes them (`quantized`)."""
+        return all_fp8((self.q_proj, self.k_proj, self.v_proj))
+
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        quantized: QuantizedRows | None = None,
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, rotary_dim]. Returns [T, hidden]."""
-        q, k, v, gate = self.project(x, cos, sin)
+        """x: [T, hidden]; cos, sin: [T, rotary_dim]; `quantized` as `project`'s. Returns [T, hidden]."""
+        q, k, v, gate = self.project(x, cos, sin, quantized)
         return self.gate_output(backend.attend(self.attention_ordinal, q, k, v, self.scale), gate)

@@ -16,9 +16,10 @@ prefill. Elsewhere it runs the pure-torch references through `read_state` / `wri
 The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
 layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
 `GroupedChannels`, the step kernels a and b as [T, H, r], the output norm z as [T, H, r, Dv]). A decode
-step of the 80B model with FP8 weights is 9 kernels: in_proj_qkvz (3: quantize, GEMM, row scales),
-in_proj_ba, the conv step, the gated-delta-rule step (its gates inside), the gated norm with out_proj's
-activation quantization (one kernel), out_proj's GEMM and row scales.
+step of the 80B model with FP8 weights is 8 kernels: in_proj_qkvz (2: GEMM, row scales; its input comes
+quantized by the decoder layer's add + norm kernel: `reads_fp8_rows`), in_proj_ba, the conv step, the
+gated-delta-rule step (its gates inside), the gated norm with out_proj's activation quantization (one
+kernel), out_proj's GEMM and row scales.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
-from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.linear_fp8 import Fp8Linear, all_fp8, linears_of_one_input
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
 from morion.ops.causal_conv1d import (
     GroupedChannels,
     causal_conv1d_reference,
     causal_conv1d_update_reference,
 )
+from morion.ops.fp8 import QuantizedRows
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -118,8 +120,20 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
-    def project(self, x: torch.Tensor) -> Projections:
-        """The group-first projections as views: qkv [T, H, X] grouped, z [T, H, r, Dv], b and a [T, H, r].
+    @property
+    def reads_fp8_rows(self) -> bool:
+        """Whether `forward` reads x quantized per row (FP8 input projections other than b and a, set by
+        `--weight-dtype fp8`'s conversion): then a caller that has the rows quantized passes them."""
+        return all_fp8(self._quantized_projections())
+
+    def _quantized_projections(self) -> tuple[nn.Module, ...]:
+        """The projections `project` gives x's quantized rows to under FP8 (b and a stay in the model
+        dtype: models' `fp8_keep`)."""
+        return (self.in_proj_qkvz,)
+
+    def project(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> Projections:
+        """The group-first projections as views: qkv [T, H, X] grouped, z [T, H, r, Dv], b and a [T, H, r];
+        `quantized`: x's rows quantized per row, for an FP8 in_proj_qkvz (`linears_of_one_input`).
 
         The checkpoint orders in_proj_qkvz by key-head group: for group h, [q_h | k_h | v for its r
         value heads | z for its r value heads]; in_proj_ba likewise [b for its r heads | a for its r heads].
@@ -127,26 +141,30 @@ class GatedDeltaNet(nn.Module):
         """
         tokens = x.shape[0]
         r = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
+        (qkvz,) = linears_of_one_input(x, self._quantized_projections(), quantized)
+        qkvz = qkvz.view(tokens, self.num_k_heads, -1)
         value_width = r * self.head_v_dim
         z = qkvz[..., 2 * self.head_k_dim + value_width :].unflatten(-1, (r, self.head_v_dim))
         ba = linear_forward(self.in_proj_ba, x).view(tokens, self.num_k_heads, 2 * r)
         qkv = GroupedChannels(qkvz, self.head_k_dim, value_width)
         return Projections(qkv, z, ba[..., :r], ba[..., r:])
 
-    def forward(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
-        """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`. Returns [T, hidden]."""
+    def forward(
+        self, x: torch.Tensor, backend: HybridBackend, quantized: QuantizedRows | None = None
+    ) -> torch.Tensor:
+        """x: [T, hidden], the new tokens of every sequence in `backend.query_ranges`; `quantized` as
+        `project`'s. Returns [T, hidden]."""
         verify_slots = backend.verify_slots
         if verify_slots is not None:
-            return self._forward_verify(x, backend, verify_slots)
+            return self._forward_verify(x, backend, verify_slots, quantized)
         if x.is_cuda:
-            return self._forward_cuda(x, backend)
+            return self._forward_cuda(x, backend, quantized)
         log_once(logger, f"Gated DeltaNet on {x.device.type}: pure-torch references (no in-place kernels)")
         tokens = x.shape[0]
         ranges = list(backend.query_ranges)
         cu_seqlens = _cu_seqlens(ranges, tokens)
         decode_only = all(length == 1 for _, length in ranges)
-        mixed_qkv, z, b, a = self.project(x).head_major()
+        mixed_qkv, z, b, a = self.project(x, quantized).head_major()
 
         mixed_qkv = self._conv(mixed_qkv, ranges, decode_only, backend)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -176,7 +194,9 @@ class GatedDeltaNet(nn.Module):
 
         return self._gate_and_project(out, z)
 
-    def _forward_cuda(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
+    def _forward_cuda(
+        self, x: torch.Tensor, backend: HybridBackend, quantized: QuantizedRows | None = None
+    ) -> torch.Tensor:
         """The in-place path: every state is read from and written back to its pool slot by the kernels.
 
         A decode step (`backend.decode_only`) is CUDA-graph capturable: it reads only the backend's
@@ -198,7 +218,7 @@ class GatedDeltaNet(nn.Module):
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
         weight = self.conv1d.weight[:, 0, :]
         scale = self.head_k_dim**-0.5
-        qkv, z, b, a = self.project(x)
+        qkv, z, b, a = self.project(x, quantized)
 
         if decode_only:
             log_once(
@@ -230,7 +250,13 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         return self._gate_and_project(out, z)
 
-    def _forward_verify(self, x: torch.Tensor, backend: HybridBackend, slots: torch.Tensor) -> torch.Tensor:
+    def _forward_verify(
+        self,
+        x: torch.Tensor,
+        backend: HybridBackend,
+        slots: torch.Tensor,
+        quantized: QuantizedRows | None = None,
+    ) -> torch.Tensor:
         """A speculative verify forward: every sequence has the same number n of new tokens (its last
         sampled token, then n - 1 drafts), and the state after each of them is kept: after token t it
         is in slot `slots[b, t]` (column 0 is the working slot). Whatever number of drafts is accepted,
@@ -245,7 +271,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         conv_pool = backend.state_pool("conv", self.linear_ordinal)
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
-        projections = self.project(x)
+        projections = self.project(x, quantized)
         verify = self._verify_kernels if x.is_cuda else self._verify_reference
         out = verify(projections, conv_pool, recurrent_pool, weight, slots)
         return self._gate_and_project(out, projections.z)

@@ -18,6 +18,7 @@ from torch import nn
 from morion.layers.gated_delta_net import GatedDeltaNet, Projections
 from morion.layers.linear_fp8 import linears_of_one_input
 from morion.ops.causal_conv1d import GroupedChannels
+from morion.ops.fp8 import QuantizedRows
 from morion.ops.skinny_tiles import linear_forward
 
 
@@ -28,11 +29,15 @@ class GatedDeltaNet35(GatedDeltaNet):
         self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
 
-    def project(self, x: torch.Tensor) -> Projections:
+    def _quantized_projections(self) -> tuple[nn.Module, ...]:
+        return (self.in_proj_qkv, self.in_proj_z)
+
+    def project(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> Projections:
         """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV].
-        Under FP8 weights x is quantized once for in_proj_qkv and in_proj_z (`linears_of_one_input`); b
-        and a (kept in the model dtype) take the skinny kernel where the device tuned their shape."""
-        qkv, z = linears_of_one_input(x, (self.in_proj_qkv, self.in_proj_z))
+        Under FP8 weights x is quantized once for in_proj_qkv and in_proj_z (`linears_of_one_input`), or
+        read as `quantized`; b and a (kept in the model dtype) take the skinny kernel where the device
+        tuned their shape."""
+        qkv, z = linears_of_one_input(x, self._quantized_projections(), quantized)
         z = z.view(x.shape[0], self.num_v_heads, self.head_v_dim)
         b, a = linear_forward(self.in_proj_b, x), linear_forward(self.in_proj_a, x)
         return Projections(GroupedChannels.of(qkv), z, b, a)

@@ -2,8 +2,10 @@
 
 The activation is quantized per row on every call (dynamic amax, on the device: one row kernel on
 CUDA), or once for several layers that read it (`linears_of_one_input`, `Fp8Linear.forward_quantized`),
-and the product of the e4m3 rows runs on CUDA in `ops.fp8.fp8_linear_quantized`: the skinny Triton
-kernel where the device tuned the shape (the very op bench/skinny_tune.py timed), else
+or by the op that made the rows (`QuantizedRows` of a fused residual add + norm: Qwen3-Next's decoder
+layer hands them to its FP8 mixer projections and experts), and the product of the e4m3 rows runs on
+CUDA in `ops.fp8.fp8_linear_quantized`: the skinny Triton kernel where the device tuned the shape (the
+very op bench/skinny_tune.py timed), else
 `torch._scaled_mm`; elsewhere, or when K or N is not a multiple of 16 (cuBLASLt's FP8 rule), the
 pure-torch reference computes the same math in fp32. Rows are never handed to a kernel unquantized:
 the skinny kernel's own quantization, re-done in each of its column programs, made the H200's decode
@@ -19,7 +21,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
+from morion.ops.fp8 import (
+    FP8_DTYPE,
+    QuantizedRows,
+    fp8_linear_quantized,
+    fp8_linear_quantized_reference,
+    quantize_fp8,
+)
 from morion.ops.log_once import log_once
 
 logger = logging.getLogger(__name__)
@@ -79,13 +87,27 @@ class Fp8Linear(nn.Module):
         )
 
 
-def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+def all_fp8(layers: Sequence[nn.Module]) -> bool:
+    """Whether every layer is an `Fp8Linear`: `linears_of_one_input` then reads x quantized per row."""
+    return all(isinstance(layer, Fp8Linear) for layer in layers)
+
+
+def linears_of_one_input(
+    x: torch.Tensor, layers: Sequence[nn.Module], quantized: QuantizedRows | None = None
+) -> list[torch.Tensor]:
     """`[layer(x) for layer in layers]`, x [..., K]; where every layer is an `Fp8Linear`, x is quantized
     once for all of them (the same values each would quantize on its own: one kernel instead of
-    len(layers)), whichever product each layer then runs."""
-    if x.numel() == 0 or not all(isinstance(layer, Fp8Linear) for layer in layers):
+    len(layers)), whichever product each layer then runs. `quantized`, x's rows already quantized per row
+    (`quantize_fp8(x.reshape(-1, K), per_row=True)`'s values, e.g. by the norm that made x), is read
+    instead of quantizing x again; only FP8 layers take it."""
+    fp8 = all_fp8(layers)
+    if quantized is not None and not fp8:
+        raise ValueError("pre-quantized rows were given to layers that are not all FP8")
+    if x.numel() == 0 or not fp8:
         return [layer(x) for layer in layers]
-    q, row_scale = quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True)
+    if quantized is None:
+        quantized = QuantizedRows(*quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True))
+    q, row_scale = quantized
     return [
         layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)
         for layer in layers

@@ -28,7 +28,7 @@ from torch import nn
 from morion.config import MOE_KERNELS
 from morion.layers.mlp import SwiGLU
 from morion.layers.narrow_linear import NarrowLinear
-from morion.ops.fp8 import FP8_DTYPE
+from morion.ops.fp8 import FP8_DTYPE, QuantizedRows
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
 from morion.ops.nvfp4 import GROUP_SIZE
@@ -116,7 +116,20 @@ class StackedExperts(nn.Module):
             scales.update(gate_up_scale_2=self.gate_up_proj_scale_2, down_scale_2=self.down_proj_scale_2)
         return scales
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        quantized: QuantizedRows | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] through the routed experts; `quantized`: FP8 experts only, x's rows already quantized
+        per row (`quantize_fp8(x, per_row=True)`'s values), which every FP8 path reads instead of
+        quantizing x again."""
+        if quantized is not None and not self.fp8:
+            raise ValueError(
+                f"pre-quantized rows were given to {self.weights} experts, which do not read them"
+            )
         path = self._path(x, topk_ids.numel())
         if path == "dense":
             return moe_experts_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
@@ -130,7 +143,10 @@ class StackedExperts(nn.Module):
             experts = fused.moe_experts_triton
         else:
             experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
-        return experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, **self._scales())
+        options: dict[str, torch.Tensor | QuantizedRows | None] = {**self._scales()}
+        if self.fp8:  # the kernels of other formats read x as it is
+            options["quantized"] = quantized
+        return experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, **options)
 
     def _path(self, x: torch.Tensor, num_pairs: int) -> str:
         """ "triton" on CUDA for at most AUTO_TRITON_MAX_TOKENS tokens under `kernel == "auto"` (any number
@@ -275,13 +291,21 @@ class SparseMoE(nn.Module):
             return logits, None
         return logits[:, : self.shared_slot], logits[:, self.shared_slot :]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def reads_fp8_rows(self) -> bool:
+        """Whether `forward` reads x quantized per row (FP8 routed experts, set by `--weight-dtype fp8`'s
+        conversion): then a caller that has the rows quantized passes them (`quantized`). The router reads
+        x itself, in the model dtype."""
+        return self.experts.fp8
+
+    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+        """x [T, H]; `quantized`: x's rows quantized per row, for FP8 routed experts (`reads_fp8_rows`)."""
         if self.shared_expert is None or self.shared_expert_gate is None:
             topk_weights, topk_ids = self.route(x)
-            return self.experts(x, topk_weights, topk_ids)  # the shared expert is one of them
+            return self.experts(x, topk_weights, topk_ids, quantized)  # the shared expert is one of them
         shared = self.shared_expert(x)
         topk_weights, topk_ids = self.route(x)
-        routed = self.experts(x, topk_weights, topk_ids)
+        routed = self.experts(x, topk_weights, topk_ids, quantized)
         return routed + F.sigmoid(self.shared_expert_gate(x)) * shared
 
 

@@ -8,7 +8,8 @@
 On CUDA each runs as one fused Triton kernel (ops/row_kernels_triton.py) with the same rounding
 points; the torch code here is its reference.
 `ZeroCentredRMSNorm.add_and_norm` is a pre-norm layer's residual add and norm, one kernel on CUDA
-(ops/add_rms_norm_triton.py).
+(ops/add_rms_norm_triton.py), with `quantize` also the normed rows' per-row FP8 quantization (in the same
+kernel) for FP8 layers that read them.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ class ZeroCentredRMSNorm(nn.Module):
         # Unlike Llama's RMSNorm, the product with the weight is taken in fp32 and rounded once.
         return (_rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> AddNormResult:
-        """(norm(residual + x), residual + x), the sum rounded to the model dtype before the norm."""
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False) -> AddNormResult:
+        """(norm(residual + x), residual + x), the sum rounded to the model dtype before the norm; with
+        `quantize` (x [M, K]) also `quantize_fp8(normed, per_row=True)`, for FP8 layers reading normed."""
         if x.is_cuda:
             from morion.ops import add_rms_norm_triton as fused
             from morion.ops.row_kernels_triton import ZERO_CENTRED
 
             if fused.supports(x, residual):
-                return fused.add_rms_norm_rows(x, residual, self.weight, self.eps, ZERO_CENTRED)
-        return add_rms_norm_reference(x, residual, self)
+                return fused.add_rms_norm_rows(x, residual, self.weight, self.eps, ZERO_CENTRED, quantize)
+        return add_rms_norm_reference(x, residual, self, quantize)
 
 
 class GatedRMSNorm(nn.Module):

@@ -26,6 +26,7 @@ from morion.cache.spec import CacheSpec, TokenComponent
 from morion.layers.gated_attention import GatedAttention
 from morion.layers.hybrid_backend import HybridBackend
 from morion.layers.mlp import SwiGLU
+from morion.layers.moe import SparseMoE
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding
 from morion.models.checkpoint import carries_nothing, require_complete
@@ -86,6 +87,12 @@ class Qwen3NextDecoderLayer(nn.Module):
     layer's MLP output `x` and the stream before it (`residual`; None for the first layer, whose `x` is
     the stream itself) and returns its own MLP output and stream. The stream after the layer is
     `residual + x` of its outputs; the values are those of the plain `x = x + block(norm(x))` sequence.
+
+    Where a block reads its input quantized per row (FP8 weights: the mixer's input projections, the
+    routed experts; `reads_fp8_rows`, fixed once `--weight-dtype fp8` has converted the model), the norm
+    before it quantizes the normed rows in the same kernel (`add_and_norm(quantize=True)`) and the layer
+    hands them to the block, instead of the block quantizing them in a kernel of its own. BF16 blocks
+    get no quantization. The router and in_proj_ba still read the normed rows in the model dtype.
     """
 
     def __init__(self, config: Qwen3NextConfig, layer_type: str, ordinal: int, sparse_mlp: bool) -> None:
@@ -111,15 +118,19 @@ class Qwen3NextDecoderLayer(nn.Module):
         sin: torch.Tensor,
         backend: HybridBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
+        mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+        if residual is None:  # the first layer: no add to fuse; an FP8 mixer quantizes h itself
+            h, residual, quantized = self.input_layernorm(x), x, None
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+            h, residual, quantized = self.input_layernorm.add_and_norm(x, residual, mixer.reads_fp8_rows)
         if self.layer_type == FULL_ATTENTION:
-            h = self.self_attn(h, cos, sin, backend)
+            h = mixer(h, cos, sin, backend, quantized=quantized)
         else:
-            h = self.linear_attn(h, backend)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+            h = mixer(h, backend, quantized=quantized)
+        if isinstance(self.mlp, SparseMoE) and self.mlp.reads_fp8_rows:
+            h, residual, quantized = self.post_attention_layernorm.add_and_norm(h, residual, quantize=True)
+            return self.mlp(h, quantized=quantized), residual
+        h, residual, _ = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
 

@@ -7,6 +7,12 @@ returns both results, with the eager sequence's rounding points: the sum rounded
 (as `residual + x` stores it), then normalised exactly as `row_kernels_triton.rms_norm_rows` normalises
 a row (the same `rms_norm_row`), so the fused and the unfused CUDA paths give the same bits.
 
+With `quantize` the same program also quantizes the normed row per row for the FP8 layers that read it
+(Qwen3-Next's mixer input projections and MoE experts), where `quantize_fp8_rows` would be a kernel of
+its own after this one: from the normed values rounded to the model dtype, as that kernel loads them,
+through the same `fp8_row`, so the codes and scales are its bits. (One less kernel after each of the two
+norms of an FP8 layer: ~96 of a decode step's ~1,045 on the 80B preset.)
+
 The pure-torch reference is ops/add_rms_norm.py's `add_rms_norm_reference`.
 """
 
@@ -17,14 +23,16 @@ import triton
 import triton.language as tl
 
 from morion.ops.add_rms_norm import AddNormResult
-from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, rms_norm_row
+from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
+from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, fp8_row, rms_norm_row
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, w_ptr, out_ptr, new_residual_ptr,
+    x_ptr, residual_ptr, w_ptr, out_ptr, new_residual_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_residual, eps,
-    MODE: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -35,8 +43,17 @@ def _add_rms_norm_kernel(
     summed = tl.cast(residual + x, new_residual_ptr.dtype.element_ty)
     tl.store(new_residual_ptr + row * K + cols, summed, mask=mask)
     summed = tl.cast(summed, tl.float32)
-    out = rms_norm_row(summed, w_ptr, summed, out_ptr, K, cols, mask, eps, MODE)
-    tl.store(out_ptr + row * K + cols, tl.cast(out, out_ptr.dtype.element_ty), mask=mask)
+    out = tl.cast(
+        rms_norm_row(summed, w_ptr, summed, out_ptr, K, cols, mask, eps, MODE), out_ptr.dtype.element_ty
+    )
+    tl.store(out_ptr + row * K + cols, out, mask=mask)
+    if QUANTIZE:
+        # The stored (rounded) values, as quantize_fp8_rows would load them; masked columns are 0 (a zero
+        # row and weight), as that kernel's `other`, so they leave the amax alone.
+        out = tl.cast(out, tl.float32)
+        q, scale = fp8_row(out, tl.max(tl.abs(out), axis=0), q_ptr, FP8_MAX, MIN_SCALE)
+        tl.store(q_ptr + row * K + cols, q, mask=mask)
+        tl.store(scale_ptr + row, scale)
 
 
 def supports(x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -52,19 +69,34 @@ def supports(x: torch.Tensor, residual: torch.Tensor) -> bool:
 
 
 def add_rms_norm_rows(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: int
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mode: int,
+    quantize: bool = False,
 ) -> AddNormResult:
     """residual + x and its RMSNorm (variant `mode` of row_kernels_triton: LLAMA or ZERO_CENTRED) for
-    [R, K] rows (`supports`). Both results are new contiguous tensors; the inputs are left as they are."""
+    [R, K] rows (`supports`), with `quantize` also the normed rows quantized per row (e4m3 [R, K], fp32
+    scales [R]: `quantize_fp8_rows`' values). The results are new contiguous tensors; the inputs are left
+    as they are."""
     if mode in GATED_MODES:
         raise ValueError("the gated RMSNorm has no residual form")
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    quantized = None
+    if quantize:
+        quantized = QuantizedRows(
+            torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], dtype=torch.float32, device=x.device),
+        )
     if x.shape[0] == 0:
-        return AddNormResult(normed, summed)
+        return AddNormResult(normed, summed, quantized)
     key = x.shape[-1]
+    # Without `quantize` the code and scale pointers are never read or written (the branch compiles out).
+    q, scale = quantized if quantized is not None else (normed, normed)
     _add_rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, normed, summed, key, x.stride(0), residual.stride(0), eps,
-        MODE=mode, BLOCK=triton.next_power_of_2(key),
+        x, residual, weight, normed, summed, q, scale, key, x.stride(0), residual.stride(0), eps,
+        MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(key),
     )  # fmt: skip
-    return AddNormResult(normed, summed)
+    return AddNormResult(normed, summed, quantized)

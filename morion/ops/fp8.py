@@ -7,6 +7,8 @@ device from amax: no host sync, so a captured CUDA graph recomputes them on ever
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,14 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1e-12
 # quantize_fp8_ converts at most this many elements at a time, bounding its fp32 temporaries (64 MiB).
 _CHUNK_ELEMENTS = 1 << 24
+
+
+class QuantizedRows(NamedTuple):
+    """Rows [M, K] quantized per row, `quantize_fp8(rows, per_row=True)`'s values: handed to the FP8
+    layers that read them where they were quantized before (with the norm that made the rows)."""
+
+    q: torch.Tensor  # e4m3 [M, K]
+    scale: torch.Tensor  # fp32 [M]
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:

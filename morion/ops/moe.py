@@ -6,7 +6,8 @@ Expert e is SwiGLU: down_e(silu(gate_e(x)) * up_e(x)), with gate_e and up_e stac
 kernels consume, and the one transformers keeps in memory.
 
 FP8 experts are e4m3 with one fp32 scale per (expert, output channel): `gate_up_scale` [E, 2I] and
-`down_scale` [E, H]. The activations feeding each GEMM are quantized per row (dynamically).
+`down_scale` [E, H]. The activations feeding each GEMM are quantized per row (dynamically); the token
+rows may come quantized already (`quantized`: by the norm that made them, Qwen3-Next's decoder layer).
 
 NVFP4 experts (uint8 codes: layers/moe.py's StackedExperts) are weight-only: `gate_up_scale` and
 `down_scale` are their e4m3 block scales, `gate_up_scale_2` [E, 2] and `down_scale_2` [E, 1] their global
@@ -20,7 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from morion.ops.fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
+from morion.ops.fp8 import QuantizedRows, dequantize_fp8, fake_quantize_fp8, quantize_fp8
 from morion.ops.log_once import log_once
 from morion.ops.nvfp4 import dequantize_parts
 
@@ -38,17 +39,21 @@ def moe_experts_reference(
     down_scale: torch.Tensor | None = None,
     gate_up_scale_2: torch.Tensor | None = None,
     down_scale_2: torch.Tensor | None = None,
+    quantized: QuantizedRows | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights, topk_ids [T, k].
 
     Returns sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) as [T, H] in hidden's dtype.
     With FP8 weights (scales given) it computes in fp32 what the FP8 kernels compute: each used expert's
-    weights dequantized, the GEMM inputs quantized per row and dequantized. NVFP4 weights (uint8 codes
+    weights dequantized, the GEMM inputs quantized per row (hidden's rows read from `quantized` where
+    given: `quantize_fp8(hidden, per_row=True)`'s values) and dequantized. NVFP4 weights (uint8 codes
     [E, 2I, H/2] and [E, H, I/2], all four scales given) are dequantized to hidden's dtype.
     """
     nvfp4 = gate_up_proj.dtype == torch.uint8
     fp8 = not nvfp4 and gate_up_scale is not None and down_scale is not None
-    x = fake_quantize_fp8(hidden, per_row=True) if fp8 else hidden
+    x = hidden
+    if fp8:
+        x = dequantize_fp8(*quantized) if quantized is not None else fake_quantize_fp8(hidden, per_row=True)
     out = torch.zeros_like(hidden)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slot = torch.where(topk_ids == expert)
@@ -98,10 +103,11 @@ def moe_experts_grouped(
     *,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    quantized: QuantizedRows | None = None,
 ) -> torch.Tensor:
-    """The same contract as `moe_experts_reference`, as two grouped GEMMs over the (token, slot) pairs
-    sorted by expert: `torch._grouped_mm` for bf16/fp32 weights, `torch._scaled_grouped_mm` (sm90) for FP8
-    ones (emulated in fp32 off CUDA).
+    """The same contract as `moe_experts_reference` (`quantized` too), as two grouped GEMMs over the
+    (token, slot) pairs sorted by expert: `torch._grouped_mm` for bf16/fp32 weights,
+    `torch._scaled_grouped_mm` (sm90) for FP8 ones (emulated in fp32 off CUDA).
 
     Every shape depends only on T, k and the weights, and nothing reads device values on the host, so
     with a fixed T the whole function can be captured in a CUDA graph and replayed with new routing.
@@ -125,7 +131,7 @@ def moe_experts_grouped(
 
     if fp8:
         # One scale per token row, shared by its k copies: quantize the T rows, then gather.
-        q, scale = quantize_fp8(hidden, per_row=True)
+        q, scale = quantized if quantized is not None else quantize_fp8(hidden, per_row=True)
         gate_up = _scaled_grouped_mm(q[token_of], scale[token_of], gate_up_proj, gate_up_scale, offsets)
     else:
         gate_up = torch._grouped_mm(hidden[token_of], gate_up_proj.transpose(-2, -1), offs=offsets)

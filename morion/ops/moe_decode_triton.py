@@ -1,6 +1,7 @@
 """Fused Triton MoE experts for small token counts (decode, speculative verify): the contract of
 `ops.moe.moe_experts_reference` in three kernels (four with FP8 experts, whose token rows are first
-quantized per row by `quantize_fp8`, as on the grouped path), instead of the grouped path's two grouped
+quantized per row by `quantize_fp8`, as on the grouped path, unless they come quantized: Qwen3-Next's
+post-attention norm quantizes them in its own kernel), instead of the grouped path's two grouped
 GEMMs wrapped in about fifteen sort, gather, activation, quantization and combine kernels.
 
 With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_MAX, MIN_SCALE, quantize_fp8
+from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, quantize_fp8
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
@@ -267,12 +268,15 @@ def moe_experts_triton(
     down_scale: torch.Tensor | None = None,
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
+    quantized: QuantizedRows | None = None,
 ) -> torch.Tensor:
     """The contract of `moe_experts_reference`: hidden [T, H] (unit stride on H); gate_up_proj [E, 2I, H]
     and down_proj [E, H, I] with unit stride on their last dim, e4m3 with `gate_up_scale` [E, 2I] and
     `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights, topk_ids [T, k] with T * k <=
     MAX_PAIRS. Returns [T, H] in hidden's dtype. Tiles: the device's tuned file for this shape
-    (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep)."""
+    (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep). FP8 experts read
+    hidden's rows from `quantized` where given (`quantize_fp8(hidden, per_row=True)`'s values, made by the
+    norm before: its kernel does it), else quantize them here."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     if num_pairs > MAX_PAIRS:
@@ -289,11 +293,11 @@ def moe_experts_triton(
     gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else GATE_UP_TILES[width])
     down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
     if fp8:
-        # A kernel of its own, not the gate_up prologue: there every (pair, N tile) program re-quantized
-        # its rows for each K block, spilling registers; with it, the only per-token change on that path,
-        # the 80B's decode step went from 5.7 to 9.6 ms on the H200 (results/2026-12-02-h200-session-
-        # notes-e5d0a5d.md).
-        x, x_scale = quantize_fp8(hidden, per_row=True)
+        # A kernel of its own (or the norm's before: `quantized`), not the gate_up prologue: there every
+        # (pair, N tile) program re-quantized its rows for each K block, spilling registers; with it, the
+        # only per-token change on that path, the 80B's decode step went from 5.7 to 9.6 ms on the H200
+        # (results/2026-12-02-h200-session-notes-e5d0a5d.md).
+        x, x_scale = quantized if quantized is not None else quantize_fp8(hidden, per_row=True)
     else:
         x, x_scale, gate_up_scale, down_scale = hidden, hidden, gate_up_proj, down_proj  # scales unread
     # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).

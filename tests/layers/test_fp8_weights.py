@@ -15,8 +15,11 @@ from torch import nn
 import morion.ops.fp8 as fp8_ops
 from morion.engine.sampling_params import SamplingParams
 from morion.layers.fp8_convert import convert_to_fp8
+from morion.layers.gated_attention import GatedAttention
+from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
-from morion.layers.moe import StackedExperts
+from morion.layers.moe import SparseMoE, StackedExperts
+from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.loader import load_model
 from morion.models.checkpoint import fp8_scales
 from morion.models.presets import preset_config
@@ -120,6 +123,12 @@ def test_layers_of_one_input_quantize_it_once_with_the_same_result():
     for got, layer in zip(linears_of_one_input(x, mixed), mixed, strict=True):
         assert torch.equal(got, layer(x))
     assert [out.shape for out in linears_of_one_input(x[:0], layers)] == [(0, 5, 48), (0, 5, 16), (0, 5, 32)]
+    # Rows quantized by whoever made x are read as they are: the same bits.
+    quantized = fp8_ops.QuantizedRows(*quantize_fp8(x.reshape(-1, 64), per_row=True))
+    for got, layer in zip(linears_of_one_input(x, layers, quantized), layers, strict=True):
+        assert torch.equal(got, layer(x))
+    with pytest.raises(ValueError, match="not all FP8"):
+        linears_of_one_input(x, mixed, quantized)
 
 
 # -- models loaded with FP8 weights --------------------------------------------------------------------
@@ -189,6 +198,42 @@ def test_fp8_logits_and_greedy_tokens_match_full_precision(model_pair, prefill_l
         assert torch.equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
         checked += int(clear.sum())
     assert checked >= 10, f"only {checked} positions had a clear top-1: the greedy check says little"
+
+
+def test_qwen3_next_norms_quantize_for_fp8_blocks_with_the_same_logits(
+    checkpoints, prefill_logits, monkeypatch
+):
+    """The tiny Qwen3-Next with FP8 weights: its norms quantize the rows for the FP8 mixers and experts
+    (`add_and_norm(quantize=True)`, handed to them) and the logits are bit for bit those of each block
+    quantizing its own input (the blocks told they read no FP8 rows); the full-precision model's norms
+    quantize nothing."""
+    directory = str(checkpoints["qwen3_next"])
+    fp8 = load_model(directory, torch.float32, CPU, weight_dtype="fp8").model
+    asked = []
+    add_and_norm = ZeroCentredRMSNorm.add_and_norm
+
+    def spy(self, x, residual, quantize=False):
+        asked.append(quantize)
+        return add_and_norm(self, x, residual, quantize)
+
+    monkeypatch.setattr(ZeroCentredRMSNorm, "add_and_norm", spy)
+    prompt = torch.randint(
+        0, fp8.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
+    fused = prefill_logits(fp8, prompt)
+    layers = len(fp8.model.layers)
+    # Every add + norm quantizes (the first layer's input norm has no add), the final norm does not.
+    assert asked == [True] * (2 * layers - 1) + [False]
+    asked.clear()
+    for block in (GatedAttention, GatedDeltaNet, SparseMoE):
+        monkeypatch.setattr(block, "reads_fp8_rows", property(lambda self: False))
+    assert torch.equal(prefill_logits(fp8, prompt), fused)
+    assert not any(asked)
+    monkeypatch.undo()
+    full = load_model(directory, torch.float32, CPU).model
+    assert not any(
+        m.reads_fp8_rows for m in full.modules() if isinstance(m, GatedAttention | GatedDeltaNet | SparseMoE)
+    )
 
 
 def test_block_fp8_checkpoint_is_requantized(tiny_llama, tmp_path):

@@ -1,7 +1,10 @@
 """The fused residual add + RMSNorm kernel against the eager sequence it replaces: bit for bit against
 the add followed by the row norm kernel (the CUDA path before the fusion), and against the pure-torch
-reference (the add and the norm module's torch code) to the norm's rounding. On the CPU the kernel runs in
-Triton's interpreter (fp32 and fp16: the interpreter has no bf16); bf16 and the 80B shapes run on CUDA."""
+reference (the add and the norm module's torch code) to the norm's rounding. With `quantize`, its FP8
+codes and scales bit for bit against `quantize_fp8_rows` of its normed rows (the CUDA path before that
+fusion) and the scales against torch's. On the CPU the kernel runs in Triton's interpreter (fp32 and
+fp16: the interpreter has no bf16, and its e4m3 rounding is not the GPU's, so codes are compared with
+torch's only on CUDA); bf16 and the 80B shapes run on CUDA."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.ops import row_kernels_triton as rows
 from morion.ops.add_rms_norm import add_rms_norm_reference
 from morion.ops.add_rms_norm_triton import add_rms_norm_rows, supports
+from morion.ops.fp8 import FP8_DTYPE, _cast, fp8_scale, quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -69,11 +73,45 @@ def test_strided_rows_are_read_in_place_and_inputs_left_alone():
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
+def _check_quantized_against_unfused(module, mode, x, residual) -> None:
+    """`quantize=True` against the unfused kernels: the add + norm kernel, then `quantize_fp8_rows` of its
+    normed rows (both in this process: the interpreter's e4m3 rounding on the CPU, the GPU's on CUDA);
+    the scales against torch's, and on CUDA the codes too."""
+    weight = module.weight.to(x.device)
+    got = add_rms_norm_rows(x, residual, weight, module.eps, mode, quantize=True)
+    unfused = add_rms_norm_rows(x, residual, weight, module.eps, mode)
+    assert torch.equal(got.normed, unfused.normed) and torch.equal(got.residual, unfused.residual)
+    assert unfused.quantized is None and got.quantized is not None
+    q, scale = got.quantized
+    expected_q, expected_scale = rows.quantize_fp8_rows(unfused.normed)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and scale.dtype == torch.float32
+    assert torch.equal(scale, expected_scale) and torch.equal(
+        q.view(torch.uint8), expected_q.view(torch.uint8)
+    )
+    torch_scale = fp8_scale(unfused.normed.float().abs().amax(dim=-1))
+    assert torch.equal(scale, torch_scale)
+    if x.is_cuda:
+        assert torch.equal(q.view(torch.uint8), _cast(unfused.normed, torch_scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("module_type", "mode"), MODES, ids=["llama", "zero_centred"])
+def test_fused_quantization_equals_the_unfused_kernels(module_type, mode, dtype):
+    """K = 48: a block wider than the row, whose masked columns must leave the amax alone; row 2 adds up
+    to zero (the minimum scale, zero codes)."""
+    module = _module(module_type, 48, dtype)
+    x, residual = _pair(5, 48, dtype, DEVICE)
+    x[2] = -residual[2]
+    _check_quantized_against_unfused(module, mode, x, residual)
+
+
 def test_no_rows_and_gated_mode():
     x, residual = _pair(0, 32, torch.float32, DEVICE)
     weight = torch.zeros(32, device=DEVICE)
     got = add_rms_norm_rows(x, residual, weight, 1e-6, rows.ZERO_CENTRED)
     assert got.normed.shape == (0, 32) and got.residual.shape == (0, 32)
+    q, scale = add_rms_norm_rows(x, residual, weight, 1e-6, rows.ZERO_CENTRED, quantize=True).quantized
+    assert q.shape == (0, 32) and q.dtype == FP8_DTYPE and scale.shape == (0,)
     with pytest.raises(ValueError, match="gated"):
         add_rms_norm_rows(x, residual, weight, 1e-6, rows.GATED)
 
@@ -92,6 +130,20 @@ def test_module_add_and_norm_off_cuda_is_the_reference():
     got = module.add_and_norm(x, residual)
     assert torch.equal(got.residual, residual + x)
     assert torch.equal(got.normed, module(residual + x))
+    assert got.quantized is None  # nothing quantized unless asked
+
+
+def test_module_quantized_add_and_norm_off_cuda_is_the_unfused_sequence():
+    """`add_and_norm(quantize=True)` on the CPU: the reference add and norm, then `quantize_fp8` of the
+    normed rows, bit for bit (what an FP8 layer reading them computed on its own before)."""
+    module = _module(ZeroCentredRMSNorm, 24, torch.float32)
+    x, residual = _pair(4, 24, torch.float32, "cpu")
+    got = module.add_and_norm(x, residual, quantize=True)
+    normed = module(residual + x)
+    assert torch.equal(got.residual, residual + x) and torch.equal(got.normed, normed)
+    expected_q, expected_scale = quantize_fp8(normed, per_row=True)
+    assert torch.equal(got.quantized.q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(got.quantized.scale, expected_scale)
 
 
 @pytest.mark.gpu
@@ -107,3 +159,24 @@ def test_80b_shapes_bit_exact_on_cuda(num_rows):
     # Batch-invariant: a row's result is the same alone as in the batch.
     alone = module.add_and_norm(x[:1], residual[:1])
     assert torch.equal(alone.normed, got.normed[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 4, 16, 512])
+def test_80b_shapes_quantized_bit_exact_on_cuda(num_rows):
+    """hidden 2048, bf16: `add_and_norm(quantize=True)` equals the add + norm kernel followed by
+    `quantize_fp8_rows` (normed, residual, codes, scales) and torch's quantization, and a row's codes and
+    scale are the same alone as in the batch."""
+    module = _module(ZeroCentredRMSNorm, 2048, torch.bfloat16).cuda()
+    x, residual = _pair(num_rows, 2048, torch.bfloat16, "cuda")
+    _check_quantized_against_unfused(module, rows.ZERO_CENTRED, x, residual)
+    got = module.add_and_norm(x, residual, quantize=True)
+    unfused = module.add_and_norm(x, residual)
+    expected_q, expected_scale = quantize_fp8(unfused.normed, per_row=True)
+    assert torch.equal(got.normed, unfused.normed) and torch.equal(got.residual, unfused.residual)
+    assert torch.equal(got.quantized.q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(got.quantized.scale, expected_scale)
+    alone = module.add_and_norm(x[-1:], residual[-1:], quantize=True)
+    assert torch.equal(alone.quantized.q.view(torch.uint8), got.quantized.q[-1:].view(torch.uint8))
+    assert torch.equal(alone.quantized.scale, got.quantized.scale[-1:])

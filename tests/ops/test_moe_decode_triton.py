@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from morion.ops.fp8 import quantize_fp8
+from morion.ops.fp8 import QuantizedRows, quantize_fp8
 from morion.ops.moe import moe_experts_reference
 from morion.ops.moe_decode_triton import MAX_PAIRS, moe_experts_triton
 from morion.ops.moe_tiles import Tiles
@@ -130,6 +130,18 @@ def test_fp8_equals_fp8_reference(tokens, gate_up_tiles, down_tiles):
     # Against the unquantized experts: four e4m3-rounded operands (measured 5.5% to 9.4% at these few
     # values; 4-6% on larger cases).
     assert rel_l2(out, moe_experts_reference(hidden, gate_up, down, weights, ids)) < 0.15
+
+
+def test_fp8_token_rows_given_quantized_are_read_as_they_are():
+    """`quantized` (the token rows quantized by the norm before, Qwen3-Next's decoder layer) replaces the
+    kernels' own quantization of them: the same bits."""
+    hidden, gate_up, down, weights, ids = make_case(3, torch.float32, seed=13)
+    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
+    args = on_device(hidden, gate_up_q, down_q, weights, ids)
+    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    quantized = QuantizedRows(*quantize_fp8(args[0], per_row=True))
+    expected = moe_experts_triton(*args, **device_scales)
+    assert torch.equal(moe_experts_triton(*args, **device_scales, quantized=quantized), expected)
 
 
 def test_swapped_operands_are_refused_with_fp8_weights():

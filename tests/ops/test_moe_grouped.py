@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from morion.ops.fp8 import quantize_fp8
+from morion.ops.fp8 import QuantizedRows, quantize_fp8
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 3
@@ -97,3 +97,20 @@ def test_fp8_grouped_emulation_equals_fp8_reference(tokens):
     # operands are rounded on the way (measured 4-6%).
     full = moe_experts_reference(hidden, gate_up, down, weights, ids)
     assert rel_l2(out, full) < 0.1
+
+
+@pytest.mark.parametrize(
+    "experts", (moe_experts_grouped, moe_experts_reference), ids=("grouped", "reference")
+)
+def test_fp8_token_rows_given_quantized_are_read_as_they_are(experts):
+    """`quantized` (the token rows quantized by the norm before, Qwen3-Next's decoder layer) gives the bits
+    of quantizing them here."""
+    hidden, gate_up, down, weights, ids = make_case(5, torch.float32)
+    gate_up_q, gate_up_scale = quantize_fp8(gate_up, per_row=True)
+    down_q, down_scale = quantize_fp8(down, per_row=True)
+    scales = dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
+    quantized = QuantizedRows(*quantize_fp8(hidden, per_row=True))
+    expected = experts(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert torch.equal(
+        experts(hidden, gate_up_q, down_q, weights, ids, **scales, quantized=quantized), expected
+    )
