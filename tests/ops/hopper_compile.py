@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from morion.ops import (
+    add_rms_norm_triton,
     hyper_connection_triton,
     moe_decode_triton,
     qsa_triton,
@@ -165,6 +166,24 @@ KERNELS = {
             "eps": "fp32",
         },
         {"RATIO": 4, "BLOCK_D": 128},
+    ),
+    # The 80B's residual add + norm with its FP8 rows (bf16 in, e4m3 codes out: the interpreter has neither).
+    "add_rms_norm_triton._add_rms_norm_kernel[bf16, quantize]": (
+        add_rms_norm_triton._add_rms_norm_kernel,
+        {
+            "x_ptr": "*bf16",
+            "residual_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "new_residual_ptr": "*bf16",
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "K": "i32",
+            "stride_x": "i32",
+            "stride_residual": "i32",
+            "eps": "fp32",
+        },
+        {"MODE": 1, "QUANTIZE": True, "FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 2048},
     ),
     "router_triton._route_kernel": (
         router_triton._route_kernel,
