@@ -27,6 +27,7 @@ from morion.ops.fp8 import (
     fp8_linear_quantized,
     fp8_linear_quantized_reference,
     quantize_fp8,
+    rows_quantized,
 )
 from morion.ops.log_once import log_once
 
@@ -105,9 +106,7 @@ def linears_of_one_input(
         raise ValueError("pre-quantized rows were given to layers that are not all FP8")
     if x.numel() == 0 or not fp8:
         return [layer(x) for layer in layers]
-    if quantized is None:
-        quantized = QuantizedRows(*quantize_fp8(x.reshape(-1, x.shape[-1]), per_row=True))
-    q, row_scale = quantized
+    q, row_scale = rows_quantized(x.reshape(-1, x.shape[-1]), quantized)
     return [
         layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)
         for layer in layers

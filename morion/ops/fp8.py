@@ -28,6 +28,12 @@ class QuantizedRows(NamedTuple):
     scale: torch.Tensor  # fp32 [M]
 
 
+def rows_quantized(rows: torch.Tensor, quantized: QuantizedRows | None) -> QuantizedRows:
+    """rows [M, K] quantized per row: `quantized` where the op that made them did it already, else
+    `quantize_fp8(rows, per_row=True)` now."""
+    return quantized if quantized is not None else QuantizedRows(*quantize_fp8(rows, per_row=True))
+
+
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """The fp32 scale that maps `amax` onto the largest e4m3 value."""
     return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)

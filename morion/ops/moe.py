@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from morion.ops.fp8 import QuantizedRows, dequantize_fp8, fake_quantize_fp8, quantize_fp8
+from morion.ops.fp8 import QuantizedRows, dequantize_fp8, fake_quantize_fp8, quantize_fp8, rows_quantized
 from morion.ops.log_once import log_once
 from morion.ops.nvfp4 import dequantize_parts
 
@@ -131,7 +131,7 @@ def moe_experts_grouped(
 
     if fp8:
         # One scale per token row, shared by its k copies: quantize the T rows, then gather.
-        q, scale = quantized if quantized is not None else quantize_fp8(hidden, per_row=True)
+        q, scale = rows_quantized(hidden, quantized)
         gate_up = _scaled_grouped_mm(q[token_of], scale[token_of], gate_up_proj, gate_up_scale, offsets)
     else:
         gate_up = torch._grouped_mm(hidden[token_of], gate_up_proj.transpose(-2, -1), offs=offsets)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, quantize_fp8
+from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, rows_quantized
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
@@ -297,7 +297,7 @@ def moe_experts_triton(
         # (pair, N tile) program re-quantized its rows for each K block, spilling registers; with it, the
         # only per-token change on that path, the 80B's decode step went from 5.7 to 9.6 ms on the H200
         # (results/2026-12-02-h200-session-notes-e5d0a5d.md).
-        x, x_scale = quantized if quantized is not None else quantize_fp8(hidden, per_row=True)
+        x, x_scale = rows_quantized(hidden, quantized)
     else:
         x, x_scale, gate_up_scale, down_scale = hidden, hidden, gate_up_proj, down_proj  # scales unread
     # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).

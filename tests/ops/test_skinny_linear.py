@@ -16,7 +16,7 @@ from torch import nn
 from morion.bench import skinny_tune
 from morion.layers import linear_fp8
 from morion.layers.linear_fp8 import Fp8Linear
-from morion.ops import skinny_linear_triton, skinny_tiles
+from morion.ops import fp8, skinny_linear_triton, skinny_tiles
 from morion.ops.fp8 import FP8_DTYPE, fp8_linear_quantized, fp8_linear_quantized_reference, quantize_fp8
 from morion.ops.moe_tiles import Tiles
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
@@ -243,7 +243,7 @@ def test_layers_of_one_input_quantize_it_once_for_their_tuned_kernels(
         quantized.append(x.shape)
         return quantize_fp8(x, per_row)
 
-    monkeypatch.setattr(linear_fp8, "quantize_fp8", quantize)
+    monkeypatch.setattr(fp8, "quantize_fp8", quantize)  # where `rows_quantized` quantizes
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(11))
     outs = linear_fp8.linears_of_one_input(x, layers)
     assert quantized == [(6, 64)]  # one quantization for both layers
