@@ -86,6 +86,18 @@ cpu-smoke)
     exit 2
     ;;
 esac
+# A shorter run of the same checks, to confirm a change within one device call: QUALIFY_CONVERSATIONS=N
+# sets restore's conversations and the hits each tier needs, QUALIFY_SOAK_MINUTES soak's length (each
+# appended after the model's own flag: the later one wins). The label ends in -short, so that a short run's
+# results never stand in for the full one's.
+if [ -n "${QUALIFY_CONVERSATIONS:-}${QUALIFY_SOAK_MINUTES:-}" ]; then
+    label=$label-short
+    if [ -n "${QUALIFY_CONVERSATIONS:-}" ]; then
+        restore+=(--restore-conversations "$QUALIFY_CONVERSATIONS")
+        min_hits=$QUALIFY_CONVERSATIONS
+    fi
+    [ -n "${QUALIFY_SOAK_MINUTES:-}" ] && soak+=(--soak-minutes "$QUALIFY_SOAK_MINUTES")
+fi
 # The disk tier holds every conversation until the disk step: most of the filesystem's free space, measured
 # once and kept (measured again at the restart, the tier's own objects would shrink it, and the start-up
 # trim would evict what the disk step needs: the first 80b qualification lost its disk step so).

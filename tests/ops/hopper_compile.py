@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -183,7 +184,7 @@ KERNELS = {
             "stride_residual": "i32",
             "eps": "fp32",
         },
-        {"MODE": 1, "QUANTIZE": True, "FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 2048},
+        {"MODE": 1, "QUANTIZE": True, "FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 2048, "PIECE": 16},
     ),
     "router_triton._route_kernel": (
         router_triton._route_kernel,
@@ -258,14 +259,36 @@ KERNELS = {
 
 
 def compile_for_hopper(
-    kernel: triton.runtime.jit.JITFunction, signature: dict, constexprs: dict, options: dict | None = None
-) -> None:
+    kernel: triton.runtime.jit.JITFunction,
+    signature: dict,
+    constexprs: dict,
+    options: dict | None = None,
+    aligned: tuple[str, ...] = (),
+) -> triton.compiler.CompiledKernel:
+    """The kernel compiled for sm_90; `aligned` names the arguments a launch specializes as divisible by
+    16 (aligned pointers, sizes and strides: the real model's), which decides the vector layouts."""
     full = {**signature, **{name: "constexpr" for name in constexprs}}
     missing = set(kernel.arg_names) - set(full)
     if missing:
         raise ValueError(f"no type for {sorted(missing)}")
     values = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(ASTSource(fn=kernel, signature=full, constexprs=values), target=HOPPER, options=options)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(
+        ASTSource(fn=kernel, signature=full, constexprs=values, attrs=attrs), target=HOPPER, options=options
+    )
+
+
+def first_reduction_layout(name: str, aligned: tuple[str, ...], **constexprs: object) -> str:
+    """The layout of the first `tt.reduce`'s operand in the sm_90 TTGIR of `KERNELS[name]` (constexprs
+    overridden): a reduction's order follows its layout (values a thread, threads a warp), so two kernels
+    whose sums must agree bit for bit must reduce in the same one."""
+    kernel, signature, fixed = KERNELS[name]
+    ttgir = compile_for_hopper(kernel, signature, {**fixed, **constexprs}, aligned=aligned).asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.MULTILINE))
+    operand = re.search(r'"tt\.reduce".*?\}\) : \(tensor<[^,]+, (#\w+)>', ttgir, re.DOTALL)
+    if operand is None:
+        raise ValueError(f"{name}: no tt.reduce in its TTGIR")
+    return aliases.get(operand.group(1), operand.group(1))
 
 
 def recorded(path: str) -> dict[str, tuple]:

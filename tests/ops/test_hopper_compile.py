@@ -56,3 +56,25 @@ def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     total = FIXED_KERNELS + len(recorded)
     assert f"compiled for sm_90: {total} of {total}" in run.stdout, run.stdout
+
+
+@pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
+def test_fused_quantization_sums_the_norm_s_squares_in_the_unfused_kernel_s_layout():
+    """The add + norm kernel with QUANTIZE reduces the squares in the layout it has without (sm_90, the
+    80B's K = 2048, aligned as in the model). Its e4m3 store once pulled the whole row into 16 values a
+    thread against 8, and on the H200 the fused normed rows differed from the unfused ones by a bit."""
+    code = (
+        "from tests.ops.hopper_compile import first_reduction_layout\n"
+        "aligned = ('x_ptr', 'residual_ptr', 'w_ptr', 'out_ptr', 'new_residual_ptr', 'q_ptr', 'scale_ptr',"
+        " 'K', 'stride_x', 'stride_residual')\n"
+        "for quantize in (False, True):\n"
+        "    print(first_reduction_layout("
+        "'add_rms_norm_triton._add_rms_norm_kernel[bf16, quantize]', aligned, QUANTIZE=quantize))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    plain, fused = run.stdout.split("\n")[:2]
+    assert "sizePerThread = [8]" in plain, plain
+    assert fused == plain
