@@ -32,10 +32,14 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, w_ptr, out_ptr, new_residual_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_residual, eps,
     MODE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr, PIECE: tl.constexpr,
+    BLOCK: tl.constexpr, VECTOR: tl.constexpr,
 ):  # fmt: skip
     row = tl.cast(tl.program_id(0), tl.int64)
-    cols = tl.arange(0, BLOCK)
+    # Declared contiguous in runs of VECTOR (16 bytes of the rows' dtype), the widest access of the row's
+    # loads and stores anyway: a cap on the e4m3 store's, which would take 16 values a thread and pull the
+    # whole row into that layout on sm_90. The norm's sum of squares would then run in another order, and
+    # the normed bits would differ from the kernel's without QUANTIZE (tests/ops/test_hopper_compile.py).
+    cols = tl.max_contiguous(tl.arange(0, BLOCK), VECTOR)
     mask = cols < K
     x = tl.cast(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0), tl.float32)
     residual = tl.cast(tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0), tl.float32)
@@ -48,19 +52,11 @@ def _add_rms_norm_kernel(
     )
     tl.store(out_ptr + row * K + cols, out, mask=mask)
     if QUANTIZE:
-        # The stored (rounded) values, loaded back as quantize_fp8_rows loads them; masked columns are 0,
-        # as that kernel's `other`, so they leave the amax alone. Loaded as a [BLOCK / PIECE, PIECE] tile,
-        # a tensor of another shape than the row's: taken from the row's registers, the e4m3 store would
-        # pull the whole row into its own layout (16 values a thread on sm_90, against 8 for the bf16
-        # loads and stores), which reorders the norm's sum of squares, and the normed bits would no longer
-        # be the unfused kernel's. The barrier makes the row's stores visible to every thread.
-        tl.debug_barrier()
-        piece_cols = tl.arange(0, BLOCK // PIECE)[:, None] * PIECE + tl.arange(0, PIECE)[None, :]
-        piece_mask = piece_cols < K
-        normed = tl.cast(tl.load(out_ptr + row * K + piece_cols, mask=piece_mask, other=0.0), tl.float32)
-        amax = tl.max(tl.max(tl.abs(normed), axis=1), axis=0)
-        q, scale = fp8_row(normed, amax, q_ptr, FP8_MAX, MIN_SCALE)
-        tl.store(q_ptr + row * K + piece_cols, q, mask=piece_mask)
+        # The stored (rounded) values, as quantize_fp8_rows would load them; masked columns are 0 (a zero
+        # row and weight), as that kernel's `other`, so they leave the amax alone.
+        out = tl.cast(out, tl.float32)
+        q, scale = fp8_row(out, tl.max(tl.abs(out), axis=0), q_ptr, FP8_MAX, MIN_SCALE)
+        tl.store(q_ptr + row * K + cols, q, mask=mask)
         tl.store(scale_ptr + row, scale)
 
 
@@ -104,8 +100,9 @@ def add_rms_norm_rows(
     block = triton.next_power_of_2(key)
     # Without `quantize` the code and scale pointers are never read or written (the branch compiles out).
     q, scale = quantized if quantized is not None else (normed, normed)
+    vector = min(16 // x.element_size(), block)
     _add_rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, normed, summed, q, scale, key, x.stride(0), residual.stride(0), eps,
-        MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, PIECE=min(16, block),
+        MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, VECTOR=vector,
     )  # fmt: skip
     return AddNormResult(normed, summed, quantized)

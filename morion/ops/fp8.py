@@ -35,7 +35,9 @@ def rows_quantized(rows: torch.Tensor, quantized: QuantizedRows | None) -> Quant
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale that maps `amax` onto the largest e4m3 value."""
+    """The fp32 scale that maps `amax` onto the largest e4m3 value. On CUDA torch divides by a Python
+    scalar as a product with its reciprocal, which can be one ulp off the IEEE quotient that the Triton
+    kernels (`row_kernels_triton.fp8_row`) and the CPU compute: compare their scales with this on the CPU."""
     return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
 
 

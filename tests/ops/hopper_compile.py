@@ -184,7 +184,7 @@ KERNELS = {
             "stride_residual": "i32",
             "eps": "fp32",
         },
-        {"MODE": 1, "QUANTIZE": True, "FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 2048, "PIECE": 16},
+        {"MODE": 1, "QUANTIZE": True, "FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 2048, "VECTOR": 8},
     ),
     "router_triton._route_kernel": (
         router_triton._route_kernel,
