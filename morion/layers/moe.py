@@ -33,6 +33,7 @@ from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.skinny_tiles import linear_forward
+from morion.ops.slot_partials import SlotPartials
 
 # How stacked experts store their weights: the model dtype, e4m3 with per-row scales, or NVFP4.
 EXPERT_FORMATS = ("model", "fp8", "nvfp4")
@@ -122,10 +123,13 @@ class StackedExperts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         quantized: QuantizedRows | None = None,
-    ) -> torch.Tensor:
+        unsummed: bool = False,
+    ) -> torch.Tensor | SlotPartials:
         """x [T, H] through the routed experts; `quantized`: FP8 experts only, x's rows already quantized
         per row (`quantize_fp8(x, per_row=True)`'s values), which every FP8 path reads instead of
-        quantizing x again."""
+        quantizing x again. With `unsummed`, the fused decode kernels (the "triton" path) return each
+        token's slots before their sum (`SlotPartials`) for a caller that adds them in its next kernel;
+        the other paths return [T, H] as always."""
         if quantized is not None and not self.fp8:
             raise ValueError(
                 f"pre-quantized rows were given to {self.weights} experts, which do not read them"
@@ -140,7 +144,7 @@ class StackedExperts(nn.Module):
         elif path == "triton":
             from morion.ops import moe_decode_triton as fused
 
-            experts = fused.moe_experts_triton
+            experts = fused.moe_expert_partials if unsummed else fused.moe_experts_triton
         else:
             experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
         options: dict[str, torch.Tensor | QuantizedRows | None] = {**self._scales()}
@@ -298,11 +302,17 @@ class SparseMoE(nn.Module):
         x itself, in the model dtype."""
         return self.experts.fp8
 
-    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
-        """x [T, H]; `quantized`: x's rows quantized per row, for FP8 routed experts (`reads_fp8_rows`)."""
+    def forward(
+        self, x: torch.Tensor, quantized: QuantizedRows | None = None, unsummed: bool = False
+    ) -> torch.Tensor | SlotPartials:
+        """x [T, H]; `quantized`: x's rows quantized per row, for FP8 routed experts (`reads_fp8_rows`).
+        `unsummed`: the caller adds the output to its residual stream in a kernel that takes the experts'
+        unsummed slots (`SlotPartials`, from the fused decode kernels of a stacked block; any other path
+        returns [T, H])."""
         if self.shared_expert is None or self.shared_expert_gate is None:
             topk_weights, topk_ids = self.route(x)
-            return self.experts(x, topk_weights, topk_ids, quantized)  # the shared expert is one of them
+            # The shared expert is one of them.
+            return self.experts(x, topk_weights, topk_ids, quantized, unsummed=unsummed)
         shared = self.shared_expert(x)
         topk_weights, topk_ids = self.route(x)
         routed = self.experts(x, topk_weights, topk_ids, quantized)

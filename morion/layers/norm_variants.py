@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.ops.add_rms_norm import AddNormResult, add_rms_norm_reference
+from morion.ops.slot_partials import SlotPartials
 
 
 def _rms_normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,15 +41,21 @@ class ZeroCentredRMSNorm(nn.Module):
         # Unlike Llama's RMSNorm, the product with the weight is taken in fp32 and rounded once.
         return (_rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False) -> AddNormResult:
+    def add_and_norm(
+        self, x: torch.Tensor | SlotPartials, residual: torch.Tensor, quantize: bool = False
+    ) -> AddNormResult:
         """(norm(residual + x), residual + x), the sum rounded to the model dtype before the norm; with
-        `quantize` (x [M, K]) also `quantize_fp8(normed, per_row=True)`, for FP8 layers reading normed."""
-        if x.is_cuda:
+        `quantize` (x [M, K]) also `quantize_fp8(normed, per_row=True)`, for FP8 layers reading normed.
+        x may be a MoE block's unsummed output (`SlotPartials`): on CUDA the kernel adds its slots, else
+        they are summed first (the same values)."""
+        if residual.is_cuda:
             from morion.ops import add_rms_norm_triton as fused
             from morion.ops.row_kernels_triton import ZERO_CENTRED
 
             if fused.supports(x, residual):
                 return fused.add_rms_norm_rows(x, residual, self.weight, self.eps, ZERO_CENTRED, quantize)
+        if isinstance(x, SlotPartials):
+            x = x.summed()
         return add_rms_norm_reference(x, residual, self, quantize)
 
 

@@ -39,6 +39,7 @@ from morion.models.hybrid_model import (
     sparse_moe,
 )
 from morion.models.moe_checkpoint import MoECheckpointLoader
+from morion.ops.slot_partials import SlotPartials
 
 FULL_ATTENTION = "full_attention"
 
@@ -112,12 +113,12 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | SlotPartials,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: HybridBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SlotPartials, torch.Tensor]:
         mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
         if residual is None:  # the first layer: no add to fuse; an FP8 mixer quantizes h itself
             h, residual, quantized = self.input_layernorm(x), x, None
@@ -127,9 +128,12 @@ class Qwen3NextDecoderLayer(nn.Module):
             h = mixer(h, cos, sin, backend, quantized=quantized)
         else:
             h = mixer(h, backend, quantized=quantized)
-        if isinstance(self.mlp, SparseMoE) and self.mlp.reads_fp8_rows:
-            h, residual, quantized = self.post_attention_layernorm.add_and_norm(h, residual, quantize=True)
-            return self.mlp(h, quantized=quantized), residual
+        if isinstance(self.mlp, SparseMoE):
+            # The block's output goes only to the next add + norm (the next layer's, or the final norm's),
+            # whose kernel adds the experts' slots itself where the fused decode kernels ran (`unsummed`).
+            quantize = self.mlp.reads_fp8_rows
+            h, residual, quantized = self.post_attention_layernorm.add_and_norm(h, residual, quantize)
+            return self.mlp(h, quantized=quantized, unsummed=True), residual
         h, residual, _ = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 

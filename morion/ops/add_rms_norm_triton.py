@@ -25,6 +25,7 @@ import triton.language as tl
 from morion.ops.add_rms_norm import AddNormResult
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
 from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, fp8_row, rms_norm_row
+from morion.ops.slot_partials import SlotPartials
 
 
 @triton.jit
@@ -32,7 +33,7 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, w_ptr, out_ptr, new_residual_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_residual, eps,
     MODE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr, VECTOR: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK: tl.constexpr, VECTOR: tl.constexpr,
 ):  # fmt: skip
     row = tl.cast(tl.program_id(0), tl.int64)
     # Declared contiguous in runs of VECTOR (16 bytes of the rows' dtype), the widest access of the row's
@@ -41,7 +42,15 @@ def _add_rms_norm_kernel(
     # the normed bits would differ from the kernel's without QUANTIZE (tests/ops/test_hopper_compile.py).
     cols = tl.max_contiguous(tl.arange(0, BLOCK), VECTOR)
     mask = cols < K
-    x = tl.cast(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0), tl.float32)
+    if SLOTS == 0:
+        x = tl.cast(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0), tl.float32)
+    else:
+        # x_ptr holds the row's SLOTS fp32 partials ([R, SLOTS, K], `SlotPartials`): added in slot order
+        # and rounded once to the stream's dtype, the values moe_decode_triton's sum kernel would store.
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for slot in tl.static_range(SLOTS):
+            acc += tl.load(x_ptr + (row * SLOTS + slot) * K + cols, mask=mask, other=0.0)
+        x = tl.cast(tl.cast(acc, new_residual_ptr.dtype.element_ty), tl.float32)
     residual = tl.cast(tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0), tl.float32)
     # Rounded once to the stream's dtype, as torch's `residual + x` stores it, before it is normalised.
     summed = tl.cast(residual + x, new_residual_ptr.dtype.element_ty)
@@ -60,20 +69,26 @@ def _add_rms_norm_kernel(
         tl.store(scale_ptr + row, scale)
 
 
-def supports(x: torch.Tensor, residual: torch.Tensor) -> bool:
-    """Whether the kernel takes the pair: [R, K] rows of one dtype and shape, unit stride on K."""
-    return (
-        x.dim() == 2
-        and x.shape == residual.shape
-        and x.dtype == residual.dtype
-        and x.stride(-1) == 1
-        and residual.stride(-1) == 1
-        and 0 < x.shape[-1] <= MAX_ROW
-    )
+def supports(x: torch.Tensor | SlotPartials, residual: torch.Tensor) -> bool:
+    """Whether the kernel takes the pair: [R, K] rows of one dtype and shape, unit stride on K; or x as
+    the [R, S, K] fp32 partials of a MoE block (contiguous) summing to residual's dtype."""
+    rows_ok = residual.dim() == 2 and residual.stride(-1) == 1 and 0 < residual.shape[-1] <= MAX_ROW
+    if isinstance(x, SlotPartials):
+        values = x.values
+        return (
+            rows_ok
+            and values.dim() == 3
+            and values.dtype == torch.float32
+            and values.is_contiguous()
+            and values.shape[1] > 0
+            and x.shape == residual.shape
+            and x.dtype == residual.dtype
+        )
+    return rows_ok and x.shape == residual.shape and x.dtype == residual.dtype and x.stride(-1) == 1
 
 
 def add_rms_norm_rows(
-    x: torch.Tensor,
+    x: torch.Tensor | SlotPartials,
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -82,27 +97,34 @@ def add_rms_norm_rows(
 ) -> AddNormResult:
     """residual + x and its RMSNorm (variant `mode` of row_kernels_triton: LLAMA or ZERO_CENTRED) for
     [R, K] rows (`supports`), with `quantize` also the normed rows quantized per row (e4m3 [R, K], fp32
-    scales [R]: `quantize_fp8_rows`' values). The results are new contiguous tensors; the inputs are left
-    as they are."""
+    scales [R]: `quantize_fp8_rows`' values). x may be a MoE block's `SlotPartials`, added up here as
+    `SlotPartials.summed` would. The results are new contiguous tensors; the inputs are left as they
+    are."""
     if mode in GATED_MODES:
         raise ValueError("the gated RMSNorm has no residual form")
-    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    shape, device = residual.shape, residual.device
+    normed = torch.empty(shape, dtype=residual.dtype, device=device)
+    summed = torch.empty(shape, dtype=residual.dtype, device=device)
     quantized = None
     if quantize:
         quantized = QuantizedRows(
-            torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty(x.shape[0], dtype=torch.float32, device=x.device),
+            torch.empty(shape, dtype=FP8_DTYPE, device=device),
+            torch.empty(shape[0], dtype=torch.float32, device=device),
         )
-    if x.shape[0] == 0:
+    if shape[0] == 0:
         return AddNormResult(normed, summed, quantized)
-    key = x.shape[-1]
+    key = shape[-1]
     block = triton.next_power_of_2(key)
+    if isinstance(x, SlotPartials):
+        rows, stride_x, slots = x.values, 0, x.values.shape[1]  # the kernel walks [R, S, K] itself
+    else:
+        rows, stride_x, slots = x, x.stride(0), 0
     # Without `quantize` the code and scale pointers are never read or written (the branch compiles out).
     q, scale = quantized if quantized is not None else (normed, normed)
-    vector = min(16 // x.element_size(), block)
-    _add_rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, normed, summed, q, scale, key, x.stride(0), residual.stride(0), eps,
-        MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, VECTOR=vector,
+    vector = min(16 // residual.element_size(), block)
+    _add_rms_norm_kernel[(shape[0],)](
+        rows, residual, weight, normed, summed, q, scale, key, stride_x, residual.stride(0), eps,
+        MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SLOTS=slots, BLOCK=block,
+        VECTOR=vector,
     )  # fmt: skip
     return AddNormResult(normed, summed, quantized)

@@ -13,7 +13,9 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
 2. down: pair_out[p] = w[t, j] * (act[p] Wd^T), [P, H] fp32; with FP8 experts act[p] is quantized per row
    in the prologue, exactly as `quantize_fp8` does: in registers when one BLOCK_K spans all I values
    (one pass, weights and rows loaded together), else in two passes over them.
-3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype.
+3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype
+   (`moe_experts_triton`). `moe_expert_partials` stops before it and returns pair_out as `SlotPartials`,
+   for a Qwen3-Next layer, whose next residual add + norm kernel adds the slots itself.
 
 Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
 P expert ids and goes on only if p is the first pair routed to its expert (the expert's leader); the
@@ -33,12 +35,15 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, rows_quantized
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
+from morion.ops.slot_partials import SlotPartials
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
 MAX_PAIRS = 1024
@@ -257,7 +262,7 @@ def _mma_options(tiles: Tiles, fp8: bool) -> dict[str, int]:
     return {"MMA": _MMA_MODES[tiles.mma], "BLOCK_M": 1 if tiles.mma == "gemv" else _BLOCK_M}
 
 
-def moe_experts_triton(
+def moe_expert_partials(
     hidden: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -269,11 +274,13 @@ def moe_experts_triton(
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
     quantized: QuantizedRows | None = None,
-) -> torch.Tensor:
-    """The contract of `moe_experts_reference`: hidden [T, H] (unit stride on H); gate_up_proj [E, 2I, H]
-    and down_proj [E, H, I] with unit stride on their last dim, e4m3 with `gate_up_scale` [E, 2I] and
-    `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights, topk_ids [T, k] with T * k <=
-    MAX_PAIRS. Returns [T, H] in hidden's dtype. Tiles: the device's tuned file for this shape
+) -> SlotPartials:
+    """The contract of `moe_experts_reference` up to its last step, each token's sum over its slots: the
+    weighted output of every (token, slot) pair, [T, k, H] fp32 (`SlotPartials`; `moe_experts_triton`
+    adds them up, a Qwen3-Next layer's next norm kernel does it itself). hidden [T, H] (unit stride on
+    H); gate_up_proj [E, 2I, H] and down_proj [E, H, I] with unit stride on their last dim, e4m3 with
+    `gate_up_scale` [E, 2I] and `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights,
+    topk_ids [T, k] with T * k <= MAX_PAIRS. Tiles: the device's tuned file for this shape
     (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep). FP8 experts read
     hidden's rows from `quantized` where given (`quantize_fp8(hidden, per_row=True)`'s values, made by the
     norm before: its kernel does it), else quantize them here."""
@@ -281,9 +288,9 @@ def moe_experts_triton(
     num_pairs = tokens * top_k
     if num_pairs > MAX_PAIRS:
         raise ValueError(f"{tokens} tokens x top-{top_k} = {num_pairs} pairs, more than {MAX_PAIRS}")
-    if tokens == 0:
-        return torch.zeros_like(hidden)
     hidden_size, inter_size = down_proj.shape[1], down_proj.shape[2]
+    if tokens == 0:
+        return SlotPartials(hidden.new_zeros(0, top_k, hidden_size, dtype=torch.float32), hidden.dtype)
     fp8 = gate_up_scale is not None and down_scale is not None
     width = gate_up_proj.element_size()
     tuned = None
@@ -304,7 +311,6 @@ def moe_experts_triton(
     act_dtype = torch.float32 if fp8 else gate_up_proj.dtype
     act = torch.empty(num_pairs, inter_size, dtype=act_dtype, device=hidden.device)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
     common = dict(
@@ -328,7 +334,22 @@ def moe_experts_triton(
         SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )  # fmt: skip
-    _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
-        pair_out, out, top_k, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
-    )
+    return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
+
+
+def moe_experts_triton(*args: Any, **options: Any) -> torch.Tensor:
+    """`moe_expert_partials` (the same arguments) with each token's slots summed: the contract of
+    `moe_experts_reference`, [T, H] in hidden's dtype."""
+    return moe_expert_partials(*args, **options).summed()
+
+
+def sum_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values [T, S, H] fp32 (contiguous) -> [T, H] in `dtype`: each token's S slots added in slot order
+    in fp32, rounded once (`SlotPartials.summed`)."""
+    tokens, slots, hidden_size = values.shape
+    out = torch.empty(tokens, hidden_size, dtype=dtype, device=values.device)
+    if tokens:
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
+            values, out, slots, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
+        )
     return out

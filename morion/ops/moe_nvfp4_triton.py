@@ -26,7 +26,7 @@ Two ways to find a program's rows, the kernels otherwise shared:
   min(E, P) tiles: each expert leaves at most one partial tile), so it is capturable too.
 
 Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
-token's k pairs in slot order (`_sum_slots_kernel`): deterministic, no atomics.
+token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from morion.ops.moe_decode_triton import (
     _group_rows,
     _mma,
     _rows_first,
-    _sum_slots_kernel,
     _zero_acc,
+    sum_slots,
 )
 from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
@@ -54,7 +54,6 @@ GLOBAL_FACTOR = tl.constexpr(2.0**14)
 _SCALE_BYTES = tl.constexpr(GROUP_SIZE // 2)  # code bytes per block scale
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
-_SUM_BLOCK = 512
 
 # Default tiles (ops/moe_tiles.py: a tuned file of this device and shape wins). BLOCK_K counts weight
 # columns: 128 is 64 bytes of codes and 8 block scales per row of the tile.
@@ -285,7 +284,6 @@ def _run(
     num_experts, hidden_size, inter_size = down_proj.shape[0], down_proj.shape[1], down_proj.shape[2] * 2
     act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
     grouped = grouped_block_m is not None
@@ -316,10 +314,7 @@ def _run(
         **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
-        pair_out, out, top_k, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
-    )
-    return out
+    return sum_slots(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 
 
 def moe_experts_nvfp4(

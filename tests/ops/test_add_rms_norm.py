@@ -19,6 +19,7 @@ from morion.ops import row_kernels_triton as rows
 from morion.ops.add_rms_norm import add_rms_norm_reference
 from morion.ops.add_rms_norm_triton import add_rms_norm_rows, supports
 from morion.ops.fp8 import FP8_DTYPE, _cast, fp8_scale, quantize_fp8
+from morion.ops.slot_partials import SlotPartials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -107,6 +108,49 @@ def test_fused_quantization_equals_the_unfused_kernels(module_type, mode, dtype)
     _check_quantized_against_unfused(module, mode, x, residual)
 
 
+def _partials(rows_: int, slots: int, hidden: int, dtype: torch.dtype, device: str) -> SlotPartials:
+    generator = torch.Generator().manual_seed(rows_ * 13 + slots)
+    return SlotPartials(torch.randn(rows_, slots, hidden, generator=generator).to(device), dtype)
+
+
+def _check_partials_against_summed(module, mode, partials: SlotPartials, residual) -> None:
+    """x as a MoE block's slots against x summed by their own kernel first: every output bit for bit,
+    with and without quantization."""
+    weight = module.weight.to(residual.device)
+    summed_first = partials.summed()
+    for quantize in (False, True):
+        got = add_rms_norm_rows(partials, residual, weight, module.eps, mode, quantize)
+        expected = add_rms_norm_rows(summed_first, residual, weight, module.eps, mode, quantize)
+        assert torch.equal(got.residual, expected.residual) and torch.equal(got.normed, expected.normed)
+        if quantize:
+            assert torch.equal(got.quantized.scale, expected.quantized.scale)
+            assert torch.equal(got.quantized.q.view(torch.uint8), expected.quantized.q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slot_partials_are_added_as_their_sum_kernel_adds_them(dtype):
+    """K = 48 (a masked block), 11 slots (the 80B's top-10 and its shared expert), rows of both signs."""
+    module = _module(ZeroCentredRMSNorm, 48, dtype)
+    partials = _partials(5, 11, 48, dtype, DEVICE)
+    residual = _pair(5, 48, dtype, DEVICE)[1]
+    assert supports(partials, residual)
+    _check_partials_against_summed(module, rows.ZERO_CENTRED, partials, residual)
+    # The module takes them too, on the CPU by summing them first.
+    got = module.to(DEVICE).add_and_norm(partials, residual)
+    assert torch.equal(got.residual, residual + partials.summed())
+
+
+def test_supports_slot_partials_only_of_the_rows_shape_and_dtype():
+    partials = _partials(2, 3, 16, torch.float32, "cpu")
+    residual = torch.zeros(2, 16)
+    assert supports(partials, residual)
+    assert not supports(partials, residual.half())  # the sum's dtype is the stream's
+    assert not supports(partials, torch.zeros(3, 16))
+    assert not supports(SlotPartials(partials.values.transpose(0, 1), torch.float32), torch.zeros(3, 16))
+    assert not supports(SlotPartials(partials.values.half(), torch.float32), residual)
+    assert not supports(SlotPartials(torch.zeros(2, 0, 16), torch.float32), residual)
+
+
 def test_no_rows_and_gated_mode():
     x, residual = _pair(0, 32, torch.float32, DEVICE)
     weight = torch.zeros(32, device=DEVICE)
@@ -182,3 +226,20 @@ def test_80b_shapes_quantized_bit_exact_on_cuda(num_rows):
     alone = module.add_and_norm(x[-1:], residual[-1:], quantize=True)
     assert torch.equal(alone.quantized.q.view(torch.uint8), got.quantized.q[-1:].view(torch.uint8))
     assert torch.equal(alone.quantized.scale, got.quantized.scale[-1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 4, 16])
+def test_80b_shapes_slot_partials_bit_exact_on_cuda(num_rows):
+    """hidden 2048, bf16, 11 slots: the kernel adding a MoE block's slots itself equals the sum kernel
+    followed by the add + norm kernel (normed, residual, codes, scales), and a row's result is the same
+    alone as in the batch."""
+    module = _module(ZeroCentredRMSNorm, 2048, torch.bfloat16).cuda()
+    partials = _partials(num_rows, 11, 2048, torch.bfloat16, "cuda")
+    residual = _pair(num_rows, 2048, torch.bfloat16, "cuda")[1]
+    _check_partials_against_summed(module, rows.ZERO_CENTRED, partials, residual)
+    got = module.add_and_norm(partials, residual, quantize=True)
+    alone = module.add_and_norm(SlotPartials(partials.values[-1:], torch.bfloat16), residual[-1:], True)
+    assert torch.equal(alone.normed, got.normed[-1:])
+    assert torch.equal(alone.quantized.q.view(torch.uint8), got.quantized.q[-1:].view(torch.uint8))
