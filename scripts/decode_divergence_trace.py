@@ -22,6 +22,7 @@ import torch
 from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
 from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
+from morion.ops.slot_partials import SlotPartials
 
 # Per decode step: "module#call" -> its output, [tokens, ...] on the CPU.
 Trace = list[dict[str, torch.Tensor]]
@@ -39,6 +40,8 @@ class OutputRecorder:
     def _hook(self, name: str):
         def record(module, inputs, output) -> None:
             tensor = output[0] if isinstance(output, tuple) and output else output
+            if isinstance(tensor, SlotPartials):  # a MoE block's unsummed slots: record their sum
+                tensor = tensor.summed()
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1:
                 key = f"{name}#{self.calls[name]}"
                 self.calls[name] += 1

@@ -28,6 +28,7 @@ from torch import nn
 from morion.layers.grouped_norm import GroupedRMSNorm
 from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.log_once import log_once
+from morion.ops.slot_partials import SlotPartials
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +74,19 @@ class HyperConnection(nn.Module):
         return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
 
 
-def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def inject(
+    streams: torch.Tensor, block_out: torch.Tensor | SlotPartials, weights: torch.Tensor
+) -> torch.Tensor:
     """streams [T, n * H] plus the block's output [T, H] scaled per stream by weights [T, n]: on CUDA one
-    kernel (the same bits), elsewhere `inject_reference`."""
+    kernel (the same bits), elsewhere `inject_reference`. block_out may be a MoE block's unsummed slots
+    (`SlotPartials`): the kernel adds them itself, elsewhere they are summed first (the same values)."""
     if streams.is_cuda:
         from morion.ops import hyper_connection_triton
 
         if hyper_connection_triton.inject_supports(streams, block_out, weights):
             return hyper_connection_triton.inject(streams, block_out, weights)
+    if isinstance(block_out, SlotPartials):
+        block_out = block_out.summed()
     return inject_reference(streams, block_out, weights)
 
 

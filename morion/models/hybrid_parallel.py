@@ -15,10 +15,12 @@ import dataclasses
 import re
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 from morion.errors import ModelLoadError
 from morion.models.hybrid_config import HybridConfig
+from morion.ops.slot_partials import SlotPartials
 from morion.parallel.group import TensorParallel
 from morion.parallel.shards import REPLICATED, FirstRank, ReplicatedHeads, Shard, Split, split_evenly
 
@@ -73,7 +75,16 @@ def wire(model: nn.Module, tensor_parallel: TensorParallel) -> None:
     model.lm_head.register_forward_hook(lambda module, inputs, out: tensor_parallel.gather_last_dim(out))
     for name, module in model.named_modules():
         if re.fullmatch(_PARTIAL_SUMS, name):
-            module.register_forward_hook(lambda module, inputs, out: tensor_parallel.all_reduce_(out))
+            module.register_forward_hook(lambda module, inputs, out: _added_across(tensor_parallel, out))
+
+
+def _added_across(tensor_parallel: TensorParallel, out: torch.Tensor | SlotPartials) -> torch.Tensor:
+    """A module's partial sum added across ranks, in place. A MoE block's unsummed slots (`SlotPartials`,
+    which its next kernel would add) are summed on the rank first: the hook's output replaces them, so
+    the collective adds what one rank would have returned."""
+    if isinstance(out, SlotPartials):
+        out = out.summed()
+    return tensor_parallel.all_reduce_(out)
 
 
 def shard_by_rules(name: str, rules: Rules) -> Shard:

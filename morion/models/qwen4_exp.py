@@ -145,7 +145,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
             out = self.linear_attn(mixed, backend)
         streams = inject(streams, out, weights)
         mixed, weights = self.mlp_hyper_connection.mix(streams)
-        return inject(streams, self.mlp(mixed), weights)
+        # The experts' slots go unsummed to the inject kernel, which adds them itself (fused decode path).
+        return inject(streams, self.mlp(mixed, unsummed=True), weights)
 
 
 class Qwen4ExpModel(nn.Module):

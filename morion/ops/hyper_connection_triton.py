@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.slot_partials import SlotPartials
+
 # The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
 # up to here a token's mix is the same bits in every decode batch; past it the eager code takes over, which
 # sums in another order. Measured on the H200 at Flash-Next's shape, in CUDA graphs, one mix took 26 us
@@ -287,14 +289,24 @@ def mix(
 @triton.jit
 def _inject_kernel(
     streams_ptr, block_out_ptr, weights_ptr, out_ptr, hidden, width, hc_count,
-    stride_streams, stride_block_out, stride_weights, BLOCK: tl.constexpr,
+    stride_streams, stride_block_out, stride_weights, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
     streams = tl.cast(tl.load(streams_ptr + token * stride_streams + cols, mask=mask, other=0.0), tl.float32)
-    block_out = tl.load(block_out_ptr + token * stride_block_out + cols % hidden, mask=mask, other=0.0)
+    if SLOTS == 0:
+        block_out = tl.load(block_out_ptr + token * stride_block_out + cols % hidden, mask=mask, other=0.0)
+    else:
+        # block_out_ptr holds a MoE block's fp32 slot rows ([T, SLOTS, H], `SlotPartials`): added in slot
+        # order and rounded once to the dtype, the values moe_decode_triton's sum kernel would store.
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for slot in tl.static_range(SLOTS):
+            acc += tl.load(
+                block_out_ptr + (token * SLOTS + slot) * hidden + cols % hidden, mask=mask, other=0.0
+            )
+        block_out = tl.cast(acc, dtype)
     weight = tl.load(
         weights_ptr + token * stride_weights + cols // hidden, mask=mask & (cols // hidden < hc_count)
     )
@@ -303,29 +315,45 @@ def _inject_kernel(
     tl.store(out_ptr + token * width + cols, tl.cast(streams + scaled, dtype), mask=mask)
 
 
-def inject_supports(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> bool:
-    """Whether the inject kernel takes streams [T, n * H], block_out [T, H], weights [T, n] (one dtype,
-    unit stride on the last dimension)."""
+def inject_supports(
+    streams: torch.Tensor, block_out: torch.Tensor | SlotPartials, weights: torch.Tensor
+) -> bool:
+    """Whether the inject kernel takes streams [T, n * H], block_out [T, H] (or a MoE block's fp32 slot
+    rows summing to that, contiguous), weights [T, n] (one dtype, unit stride on the last dimension)."""
+    if isinstance(block_out, SlotPartials):
+        values = block_out.values
+        block_ok = values.dtype == torch.float32 and values.is_contiguous() and values.shape[1] > 0
+    else:
+        block_ok = block_out.dim() == 2 and block_out.stride(-1) == 1
     return (
-        streams.dim() == block_out.dim() == weights.dim() == 2
+        block_ok
+        and streams.dim() == weights.dim() == 2
         and streams.shape[0] == block_out.shape[0] == weights.shape[0]
         and streams.shape[1] == block_out.shape[1] * weights.shape[1]
         and streams.dtype == block_out.dtype == weights.dtype
         and streams.dtype in DTYPES
-        and all(t.stride(-1) == 1 for t in (streams, block_out, weights))
+        and streams.stride(-1) == 1
+        and weights.stride(-1) == 1
     )
 
 
-def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def inject(
+    streams: torch.Tensor, block_out: torch.Tensor | SlotPartials, weights: torch.Tensor
+) -> torch.Tensor:
     """`layers.hyper_connection.inject` in one kernel (two eagerly), the same bits: an elementwise
-    product and sum, each row its own, for any T."""
+    product and sum, each row its own, for any T. block_out may be a MoE block's `SlotPartials`, added
+    up here as `SlotPartials.summed` would (the sum kernel it saves)."""
     tokens, width = streams.shape
     out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
     if tokens:
+        if isinstance(block_out, SlotPartials):
+            rows, stride, slots = block_out.values, 0, block_out.values.shape[1]  # walked in the kernel
+        else:
+            rows, stride, slots = block_out, block_out.stride(0), 0
         block = 1024
         _inject_kernel[(tokens, triton.cdiv(width, block))](
-            streams, block_out, weights, out, block_out.shape[1], width, weights.shape[1],
-            streams.stride(0), block_out.stride(0), weights.stride(0), BLOCK=block,
+            streams, rows, weights, out, block_out.shape[1], width, weights.shape[1],
+            streams.stride(0), stride, weights.stride(0), SLOTS=slots, BLOCK=block,
             enable_fp_fusion=False,  # no multiply-add: torch rounds the product before the sum
         )  # fmt: skip
     return out

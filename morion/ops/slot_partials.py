@@ -2,10 +2,11 @@
 
 The fused MoE decode kernels (ops/moe_decode_triton.py) leave each (token, slot) pair's weighted output
 in fp32; a third kernel adds each token's slots in slot order and rounds the sum once to the model dtype.
-In a Qwen3-Next layer that sum is only ever read by the residual add + norm after the block (the next
-layer's input norm, or the final norm), so that kernel can add the slots itself, in the same order and
-with the same rounding (ops/add_rms_norm_triton.py): one launch fewer per MoE layer of a decode step.
-Any other reader calls `summed()`, which runs the sum kernel: the values are the same either way.
+That sum has one reader, the kernel after the block: in Qwen3-Next the residual add + norm (the next
+layer's input norm, or the final norm; ops/add_rms_norm_triton.py), in Qwen3.8-Flash-Next the
+hyper-connection inject (ops/hyper_connection_triton.py). Each adds the slots itself, in the same order
+and with the same rounding: one launch fewer per MoE layer of a decode step. Any other reader calls
+`summed()`, which runs the sum kernel: the values are the same either way.
 """
 
 from __future__ import annotations

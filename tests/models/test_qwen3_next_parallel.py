@@ -5,12 +5,18 @@ partial outputs of the row-parallel projections and of the MoE block add up to t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from morion.errors import MorionError
+from morion.layers.moe import StackedExperts
+from morion.models.hybrid_parallel import wire
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.models.qwen3_next_parallel import local_config, shard_of
+from morion.ops.slot_partials import SlotPartials
+from morion.parallel.group import TensorParallel
 from morion.parallel.shards import ReplicatedHeads, Split, cut
 from tests.models.split_checks import TOLERANCE, check_gated_delta_net_split, fill_rank, same
 
@@ -120,3 +126,21 @@ def test_sizes_that_do_not_divide_are_one_clear_error(whole_and_ranks):
     with pytest.raises(MorionError, match="--tensor-parallel-size 3 does not divide the 4 attention heads"):
         local_config(whole.config, 3)
     assert local_config(whole.config, 1) is whole.config
+
+
+def test_wired_moe_blocks_hand_on_their_slots_summed(whole_and_ranks, monkeypatch):
+    """Under tensor parallelism a MoE block's output is a partial sum that a forward hook adds across
+    ranks (`hybrid_parallel.wire`): the fused decode kernels' unsummed slots (`SlotPartials`) are summed
+    on the rank first, so the hook hands on the block's [T, H] partial, as it would without them."""
+    whole, _ = whole_and_ranks
+    model = copy.deepcopy(whole)
+    monkeypatch.setattr(StackedExperts, "_path", lambda self, x, num_pairs: "triton")  # the interpreter
+    block = model.model.layers[0].mlp
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        expected = block(x)
+        # A stacked block hands its slots on; a separate shared expert is added to their sum in torch.
+        assert isinstance(block(x, unsummed=True), SlotPartials) == (block.shared_slot is not None)
+        wire(model, TensorParallel())  # one rank: the collective adds nothing
+        got = block(x, unsummed=True)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, expected)

@@ -247,7 +247,24 @@ KERNELS = {
             "stride_block_out": "i32",
             "stride_weights": "i32",
         },
-        {"BLOCK": 1024},
+        {"SLOTS": 0, "BLOCK": 1024},
+    ),
+    # The same with block_out a MoE block's fp32 slot rows (`SlotPartials`: Flash-Next's top-10 + shared).
+    "hyper_connection_triton._inject_kernel[fp32 partials]": (
+        hyper_connection_triton._inject_kernel,
+        {
+            "streams_ptr": "*bf16",
+            "block_out_ptr": "*fp32",
+            "weights_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "hidden": "i32",
+            "width": "i32",
+            "hc_count": "i32",
+            "stride_streams": "i32",
+            "stride_block_out": "i32",
+            "stride_weights": "i32",
+        },
+        {"SLOTS": 11, "BLOCK": 1024},
     ),
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,

@@ -157,3 +157,29 @@ def test_the_inject_kernel_gives_the_eager_bits(dtype):
     got = hyper_connection_triton.inject(streams, block_out, weights)
     assert torch.equal(got, inject_reference(streams, block_out, weights))
     assert not hyper_connection_triton.inject_supports(streams, block_out[:, :-1], weights)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [80, REAL_SHAPE[0]], ids=["small", "flash_next"])
+def test_the_inject_kernel_adds_moe_slot_partials_as_their_sum_kernel(dtype, hidden):
+    """block_out as a MoE block's 11 unsummed fp32 slots (`SlotPartials`): bit for bit the inject of their
+    sum by the fused MoE's own sum kernel (the launch this saves), on CPU and GPU."""
+    from morion.ops.slot_partials import SlotPartials
+
+    if hidden == REAL_SHAPE[0] and DEVICE == "cpu":
+        pytest.skip("the real shape is slow in the interpreter")
+    generator = torch.Generator().manual_seed(6)
+    tokens, count = 3, 4
+    streams = torch.randn(tokens, count * hidden, generator=generator).to(DEVICE, dtype)
+    slots = SlotPartials(torch.randn(tokens, 11, hidden, generator=generator).to(DEVICE), dtype)
+    weights = (torch.rand(tokens, count, generator=generator) * 2).to(DEVICE, dtype)
+    assert hyper_connection_triton.inject_supports(streams, slots, weights)
+    got = hyper_connection_triton.inject(streams, slots, weights)
+    assert torch.equal(got, hyper_connection_triton.inject(streams, slots.summed(), weights))
+    other_dtype = torch.float16 if dtype != torch.float16 else torch.float32
+    assert not hyper_connection_triton.inject_supports(
+        streams, SlotPartials(slots.values, other_dtype), weights
+    )
+    assert not hyper_connection_triton.inject_supports(
+        streams, SlotPartials(slots.values[:, :, :-1], dtype), weights
+    )
