@@ -194,32 +194,6 @@ KERNELS = {
             "VECTOR": 8,
         },
     ),
-    # The same with x a MoE block's fp32 partials (`SlotPartials`: the 80B's top-10 and its shared expert).
-    "add_rms_norm_triton._add_rms_norm_kernel[fp32 partials, quantize]": (
-        add_rms_norm_triton._add_rms_norm_kernel,
-        {
-            "x_ptr": "*fp32",
-            "residual_ptr": "*bf16",
-            "w_ptr": "*bf16",
-            "out_ptr": "*bf16",
-            "new_residual_ptr": "*bf16",
-            "q_ptr": "*fp8e4nv",
-            "scale_ptr": "*fp32",
-            "K": "i32",
-            "stride_x": "i32",
-            "stride_residual": "i32",
-            "eps": "fp32",
-        },
-        {
-            "MODE": 1,
-            "QUANTIZE": True,
-            "FP8_MAX": 448.0,
-            "MIN_SCALE": 1e-12,
-            "SLOTS": 11,
-            "BLOCK": 2048,
-            "VECTOR": 8,
-        },
-    ),
     "router_triton._route_kernel": (
         router_triton._route_kernel,
         {
@@ -248,23 +222,6 @@ KERNELS = {
             "stride_weights": "i32",
         },
         {"SLOTS": 0, "BLOCK": 1024},
-    ),
-    # The same with block_out a MoE block's fp32 slot rows (`SlotPartials`: Flash-Next's top-10 + shared).
-    "hyper_connection_triton._inject_kernel[fp32 partials]": (
-        hyper_connection_triton._inject_kernel,
-        {
-            "streams_ptr": "*bf16",
-            "block_out_ptr": "*fp32",
-            "weights_ptr": "*bf16",
-            "out_ptr": "*bf16",
-            "hidden": "i32",
-            "width": "i32",
-            "hc_count": "i32",
-            "stride_streams": "i32",
-            "stride_block_out": "i32",
-            "stride_weights": "i32",
-        },
-        {"SLOTS": 11, "BLOCK": 1024},
     ),
     "hyper_connection_triton._down_kernel": (
         hyper_connection_triton._down_kernel,
@@ -307,6 +264,21 @@ KERNELS = {
         {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32},
     ),
 }
+
+
+def _variant(name: str, types: dict[str, str], constexprs: dict[str, object]) -> tuple:
+    """The `KERNELS` entry `name` with some argument types and constexprs replaced."""
+    kernel, signature, fixed = KERNELS[name]
+    return kernel, {**signature, **types}, {**fixed, **constexprs}
+
+
+# The kernels that take a MoE block's fp32 slot rows (`SlotPartials`: top-10 and the shared expert).
+KERNELS["add_rms_norm_triton._add_rms_norm_kernel[fp32 partials, quantize]"] = _variant(
+    "add_rms_norm_triton._add_rms_norm_kernel[bf16, quantize]", {"x_ptr": "*fp32"}, {"SLOTS": 11}
+)
+KERNELS["hyper_connection_triton._inject_kernel[fp32 partials]"] = _variant(
+    "hyper_connection_triton._inject_kernel", {"block_out_ptr": "*fp32"}, {"SLOTS": 11}
+)
 
 
 def compile_for_hopper(
