@@ -57,6 +57,9 @@ case "$model" in
     # the offline engine does the same work (a log-softmax per step), so the ratio compares like with like.
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
         --logprobs 0)
+    # Issue #24's agent turn through the server: 1K new tokens on a cached 32K conversation (target 100 ms).
+    turn=(--turn-prefix 32768 --turn-new 1024 --repeats 2)
+    turn_target_ms=100
     ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
@@ -69,6 +72,8 @@ flash-next)
         --perf-prefill-lengths 1024)
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
         --logprobs 0)  # as for 80b
+    turn=(--turn-prefix 32768 --turn-new 1024 --repeats 2)
+    turn_target_ms=200
     ;;
 cpu-smoke)
     label=cpu-qualify-smoke
@@ -80,6 +85,8 @@ cpu-smoke)
     perf=(--perf-concurrency 1,2 --perf-contexts 64 --perf-output-tokens 8 --perf-repeats 1
         --perf-prefill-lengths 64)
     offline=(--concurrency 1,2 --contexts 64 --output-tokens 8 --repeats 1 --prefill-lengths 64)
+    turn=(--turn-prefix 64 --turn-new 16 --repeats 1)
+    turn_target_ms=
     ;;
 *)
     echo "gpu_qualify.sh: unknown model $model (80b, flash-next, cpu-smoke)" >&2
@@ -173,7 +180,11 @@ perf_part() {
     [ -n "${QUALIFY_PROFILE_S:-}" ] && profile_server "$QUALIFY_PROFILE_S" &
     python3 -m morion validate perf --url "$url" "${perf[@]}" --label "$label-perf" --out "$out" 2>&1 |
         tee "$out/validate-perf.log"
-    return "${PIPESTATUS[0]}"
+    local status=${PIPESTATUS[0]}
+    # Issue #24's agent turn, through the same server: reported beside the verdict, not part of it.
+    python3 -m morion bench --url "$url" --workloads turn "${turn[@]}" --label "$label-turn" --out "$out" 2>&1 |
+        tee "$out/turn.log"
+    return "$status"
 }
 
 offline_part() {
@@ -185,13 +196,15 @@ offline_part() {
 
 report_part() {
     # restore + soak, then the disk step's run (its restore suite, the whole one, replaces the first), perf.
-    local restored disk perf offline
+    local restored disk perf offline turned
     restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
     disk=$(ls -t "$out"/*-validate-"$label"-disk.json 2> /dev/null | head -1)
     perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)
+    turned=$(ls -t "$out"/*-"$label"-turn.json 2> /dev/null | head -1)
     python3 -m morion.validate.qualify --validate "$restored" ${disk:+--validate "$disk"} ${perf:+--validate "$perf"} \
-        ${offline:+--offline "$offline"} --label "$label" --serve-command "$serve_command" \
+        ${offline:+--offline "$offline"} ${turned:+--turn "$turned"} \
+        ${turn_target_ms:+--turn-target-ms "$turn_target_ms"} --label "$label" --serve-command "$serve_command" \
         --min-hits "${QUALIFY_MIN_HITS:-$min_hits}" --out "$out"
 }
 

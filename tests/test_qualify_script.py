@@ -54,3 +54,7 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
     assert restore["hits"] == {"device": 3, "host": 3, "disk": 3}
     assert restore["wrong_answers"] == 0
     assert summary["soak"]["errors"] == 0
+    # Issue #24's agent turn through the same server: measured and reported, no target on a CPU.
+    turn = summary["turn"]
+    assert turn["prefix_tokens"] == 64 and turn["new_tokens"] == 16 and turn["failures"] == []
+    assert turn["turn_ttft_s"] > 0 and turn["target_ttft_s"] is None

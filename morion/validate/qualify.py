@@ -28,7 +28,13 @@ TIERS = ("device", "host", "disk")
 RATIO_TARGETS = {"per_request_tok_s": 0.97, "aggregate_tok_s": 0.9}
 
 
-def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits: int) -> dict[str, Any]:
+def summarize(
+    validate: dict[str, Any],
+    offline: dict[str, Any] | None,
+    min_hits: int,
+    turn: dict[str, Any] | None = None,
+    turn_target_s: float | None = None,
+) -> dict[str, Any]:
     suites = validate["suites"]
     problems = []
     restore = suites.get("restore") or {}
@@ -81,6 +87,28 @@ def summarize(validate: dict[str, Any], offline: dict[str, Any] | None, min_hits
         },
         "soak": _soak(suites.get("soak")),
         "perf": _perf(suites.get("perf"), offline),
+        "turn": _turn(turn, turn_target_s),
+    }
+
+
+def _turn(bench: dict[str, Any] | None, target_s: float | None) -> dict[str, Any] | None:
+    """An agent turn's TTFT through the server (`morion bench --url ... --workloads turn`, issue #24):
+    reported beside its target, not part of the verdict (the restore suite gates cached answers)."""
+    turn = (bench or {}).get("turn")
+    if not turn:
+        return None
+    median = turn.get("median") or {}
+    ttft = median.get("turn_ttft_s")
+    return {
+        "prefix_tokens": turn["prefix_tokens"],
+        "new_tokens": turn["new_tokens"],
+        "repeats": len(turn.get("runs") or []),
+        "prime_ttft_s": median.get("prime_ttft_s"),
+        "turn_ttft_s": ttft,
+        "ratio_to_cold": turn.get("ratio_to_cold"),
+        "failures": turn.get("failures") or [],
+        "target_ttft_s": target_s,
+        "met": None if target_s is None or ttft is None else ttft <= target_s,
     }
 
 
@@ -226,7 +254,29 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fixed(server.get('engine_decode_step_ms'))} | {_ms(offline.get('step_s'), 2)} | "
                 f"{_fixed(offline.get('engine_decode_step_ms'))} |"
             )
+    lines += _turn_lines(summary.get("turn"))
     return "\n".join(lines) + "\n"
+
+
+def _turn_lines(turn: dict[str, Any] | None) -> list[str]:
+    if not turn:
+        return []
+    target = ""
+    if turn["target_ttft_s"] is not None:
+        target = f" (target <= {_ms(turn['target_ttft_s'])} ms {'✓' if turn['met'] else '✗'})"
+    ratio = turn["ratio_to_cold"]
+    lines = [
+        "",
+        "## An agent turn through the server (issue #24)",
+        "",
+        f"{turn['new_tokens']:,} new tokens on a cached {turn['prefix_tokens']:,}-token conversation, "
+        f"max_tokens 1, median of {turn['repeats']}: turn TTFT **{_ms(turn['turn_ttft_s'])} ms**{target}; "
+        f"the conversation cold {_ms(turn['prime_ttft_s'])} ms"
+        + ("" if ratio is None else f" (ratio {ratio:.3f})")
+        + ". Reported, not part of the verdict.",
+    ]
+    lines += [f"- {failure}" for failure in turn["failures"]]
+    return lines
 
 
 def _ratio(ratios: dict[str, float], key: str, row: dict[str, Any]) -> str:
@@ -273,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a results JSON of morion validate (repeat: their suites are merged, e.g. restore+soak, perf)",
     )
     parser.add_argument("--offline", help="the results JSON of morion bench offline (same flags)")
+    parser.add_argument("--turn", help="the results JSON of morion bench --url ... --workloads turn")
+    parser.add_argument(
+        "--turn-target-ms", type=float, help="the agent turn's TTFT target (issue #24), marked in the report"
+    )
     parser.add_argument("--label", required=True, help="file label, e.g. h200-qualify-qwen3-next-80b-a3b")
     parser.add_argument("--serve-command", default="", help="the morion serve command, as run")
     parser.add_argument("--min-hits", type=int, default=100, help="hits each tier must reach (100)")
@@ -286,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [json.loads(Path(path).read_text()) for path in args.validate]
     validate = {**runs[0], "suites": {name: suite for run in runs for name, suite in run["suites"].items()}}
     offline = json.loads(Path(args.offline).read_text()) if args.offline else None
+    turn = json.loads(Path(args.turn).read_text()) if args.turn else None
+    turn_target_s = None if args.turn_target_ms is None else args.turn_target_ms / 1000
     result = {
         "schema": SCHEMA,
         "label": args.label,
@@ -296,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "sources": {
             "validate": ", ".join(Path(path).name for path in args.validate),
             "offline": Path(args.offline).name if args.offline else None,
+            "turn": Path(args.turn).name if args.turn else None,
         },
         "server": validate["server"],
-        "summary": summarize(validate, offline, args.min_hits),
+        "summary": summarize(validate, offline, args.min_hits, turn, turn_target_s),
     }
     path = output_paths(Path(args.out), validate["date"], args.label)
     write_json(path, result)

@@ -165,3 +165,34 @@ def test_a_wrong_answer_fails_whatever_its_cause_and_the_report_names_it(tmp_pat
     assert restore["wrong_cases"][0]["causes"] == {"disk": "process"}
     assert "restore 0, process 1, neither 0, unknown 0" in report
     assert "- conversation-0 (50 tokens; cause disk process): disk: answer differs from cold" in report
+
+
+def _turn_bench(turn_ttft_s: float) -> dict:
+    """What `morion bench --url ... --workloads turn` writes (its `turn` section)."""
+    return {
+        "turn": {
+            "prefix_tokens": 32768,
+            "new_tokens": 1024,
+            "runs": [{"repeat": 0}, {"repeat": 1}],
+            "median": {"prime_ttft_s": 2.0, "turn_ttft_s": turn_ttft_s},
+            "ratio_to_cold": turn_ttft_s / 2.0,
+            "failures": [],
+        }
+    }
+
+
+def test_an_agent_turn_is_reported_beside_its_target_without_deciding_the_verdict(tmp_path):
+    """Issue #24's turn through the server: its TTFT against the target, ✓ or ✗, the verdict unchanged."""
+    for ttft, mark, met in ((0.08, "✓", True), (0.25, "✗", False)):
+        case = tmp_path / mark
+        case.mkdir()
+        (case / "t.json").write_text(json.dumps(_turn_bench(ttft)))
+        extra = ("--turn", str(case / "t.json"), "--turn-target-ms", "100")
+        status, result, report = _run(case, _validate(), *extra)
+        turn = result["summary"]["turn"]
+        assert status == 0 and result["summary"]["verdict"] == "pass"
+        assert turn["met"] is met and turn["repeats"] == 2 and turn["target_ttft_s"] == 0.1
+        assert f"turn TTFT **{ttft * 1000:.0f} ms** (target <= 100 ms {mark})" in report
+        assert result["sources"]["turn"] == "t.json"
+    status, result, report = _run(tmp_path / "none", _validate())
+    assert result["summary"]["turn"] is None and "agent turn" not in report
