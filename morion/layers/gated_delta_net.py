@@ -16,10 +16,11 @@ prefill. Elsewhere it runs the pure-torch references through `read_state` / `wri
 The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
 layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
 `GroupedChannels`, the step kernels a and b as [T, H, r], the output norm z as [T, H, r, Dv]). A decode
-step of the 80B model with FP8 weights is 8 kernels: in_proj_qkvz (2: GEMM, row scales; its input comes
-quantized by the decoder layer's add + norm kernel: `reads_fp8_rows`), in_proj_ba, the conv step, the
-gated-delta-rule step (its gates inside), the gated norm with out_proj's activation quantization (one
-kernel), out_proj's GEMM and row scales.
+step of the 80B model with FP8 weights and the H200's tuned tiles is 6 kernels: in_proj_qkvz (its input
+comes quantized by the decoder layer's add + norm kernel: `reads_fp8_rows`), in_proj_ba, the conv step,
+the gated-delta-rule step (its gates inside), the gated norm with out_proj's activation quantization (one
+kernel), out_proj. The FP8 projections are the skinny kernel each; a shape without a tuned tile takes
+cuBLAS's GEMM and a row-scale kernel, two.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ its own after this one: from the normed values rounded to the model dtype, as th
 through the same `fp8_row`, so the codes and scales are its bits. (One less kernel after each of the two
 norms of an FP8 layer: ~96 of a decode step's ~1,045 on the 80B preset.)
 
+x may also be a MoE block's unsummed slot rows (`SlotPartials`): the program adds them first, as the
+fused MoE's sum kernel would (`moe_decode_triton.slot_sum`), one kernel fewer after each MoE block.
+
 The pure-torch reference is ops/add_rms_norm.py's `add_rms_norm_reference`.
 """
 
@@ -24,6 +27,7 @@ import triton.language as tl
 
 from morion.ops.add_rms_norm import AddNormResult
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
+from morion.ops.moe_decode_triton import slot_sum
 from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, fp8_row, rms_norm_row
 from morion.ops.slot_partials import SlotPartials
 
@@ -47,9 +51,7 @@ def _add_rms_norm_kernel(
     else:
         # x_ptr holds the row's SLOTS fp32 partials ([R, SLOTS, K], `SlotPartials`): added in slot order
         # and rounded once to the stream's dtype, the values moe_decode_triton's sum kernel would store.
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for slot in tl.static_range(SLOTS):
-            acc += tl.load(x_ptr + (row * SLOTS + slot) * K + cols, mask=mask, other=0.0)
+        acc = slot_sum(x_ptr, row, K, cols, mask, SLOTS, BLOCK)
         x = tl.cast(tl.cast(acc, new_residual_ptr.dtype.element_ty), tl.float32)
     residual = tl.cast(tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0), tl.float32)
     # Rounded once to the stream's dtype, as torch's `residual + x` stores it, before it is normalised.

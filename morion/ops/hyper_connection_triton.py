@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.moe_decode_triton import slot_sum
 from morion.ops.slot_partials import SlotPartials
 
 # The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
@@ -301,12 +302,7 @@ def _inject_kernel(
     else:
         # block_out_ptr holds a MoE block's fp32 slot rows ([T, SLOTS, H], `SlotPartials`): added in slot
         # order and rounded once to the dtype, the values moe_decode_triton's sum kernel would store.
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for slot in tl.static_range(SLOTS):
-            acc += tl.load(
-                block_out_ptr + (token * SLOTS + slot) * hidden + cols % hidden, mask=mask, other=0.0
-            )
-        block_out = tl.cast(acc, dtype)
+        block_out = tl.cast(slot_sum(block_out_ptr, token, hidden, cols % hidden, mask, SLOTS, BLOCK), dtype)
     weight = tl.load(
         weights_ptr + token * stride_weights + cols // hidden, mask=mask & (cols // hidden < hc_count)
     )

@@ -15,7 +15,8 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
    (one pass, weights and rows loaded together), else in two passes over them.
 3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype
    (`moe_experts_triton`). `moe_expert_partials` stops before it and returns pair_out as `SlotPartials`,
-   for a Qwen3-Next layer, whose next residual add + norm kernel adds the slots itself.
+   for the kernel after the block to add (`slot_sum`: Qwen3-Next's residual add + norm, Flash-Next's
+   hyper-connection inject).
 
 Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
 P expert ids and goes on only if p is the first pair routed to its expert (the expert's leader); the
@@ -235,13 +236,25 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(pair_out_ptr, out_ptr, top_k, hidden_size, stride_out, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+def slot_sum(values_ptr, token, hidden, cols, mask, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The fp32 sum of `token`'s SLOTS rows of values [T, SLOTS, hidden] (a MoE block's weighted pair
+    outputs, `SlotPartials`) at `cols` [BLOCK], in slot order: the one order of every kernel that adds
+    them (the sum kernel here, the residual add + norm and the hyper-connection inject), so each gives
+    the others' bits."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
+        acc += tl.load(values_ptr + (token * SLOTS + slot) * hidden + cols, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _sum_slots_kernel(
+    pair_out_ptr, out_ptr, hidden_size, stride_out, SLOTS: tl.constexpr, BLOCK: tl.constexpr
+):
+    token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols_ok = cols < hidden_size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        acc += tl.load(pair_out_ptr + (token * top_k + slot) * hidden_size + cols, mask=cols_ok, other=0.0)
+    acc = slot_sum(pair_out_ptr, token, hidden_size, cols, cols_ok, SLOTS, BLOCK)
     tl.store(out_ptr + token * stride_out + cols, tl.cast(acc, out_ptr.dtype.element_ty), mask=cols_ok)
 
 
@@ -277,10 +290,10 @@ def moe_expert_partials(
 ) -> SlotPartials:
     """The contract of `moe_experts_reference` up to its last step, each token's sum over its slots: the
     weighted output of every (token, slot) pair, [T, k, H] fp32 (`SlotPartials`; `moe_experts_triton`
-    adds them up, a Qwen3-Next layer's next norm kernel does it itself). hidden [T, H] (unit stride on
-    H); gate_up_proj [E, 2I, H] and down_proj [E, H, I] with unit stride on their last dim, e4m3 with
-    `gate_up_scale` [E, 2I] and `down_scale` [E, H] (fp32), or bf16, fp16 or fp32; topk_weights,
-    topk_ids [T, k] with T * k <= MAX_PAIRS. Tiles: the device's tuned file for this shape
+    adds them up; the kernel after a Qwen3-Next or Flash-Next block does it itself). hidden [T, H] (unit
+    stride on H); gate_up_proj [E, 2I, H] and down_proj [E, H, I] with unit stride on their last dim,
+    e4m3 with `gate_up_scale` [E, 2I] and `down_scale` [E, H] (fp32), or bf16, fp16 or fp32;
+    topk_weights, topk_ids [T, k] with T * k <= MAX_PAIRS. Tiles: the device's tuned file for this shape
     (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep). FP8 experts read
     hidden's rows from `quantized` where given (`quantize_fp8(hidden, per_row=True)`'s values, made by the
     norm before: its kernel does it), else quantize them here."""
@@ -350,6 +363,6 @@ def sum_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(tokens, hidden_size, dtype=dtype, device=values.device)
     if tokens:
         _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
-            values, out, slots, hidden_size, out.stride(0), BLOCK=_SUM_BLOCK
+            values, out, hidden_size, out.stride(0), SLOTS=slots, BLOCK=_SUM_BLOCK
         )
     return out
