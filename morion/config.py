@@ -23,6 +23,9 @@ SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 PLE_PLACEMENTS = ("ram", "mmap")
 # Routed-expert kernels on CUDA (layers/moe.py): auto is grouped until H200 measurements favour triton.
 MOE_KERNELS = ("auto", "grouped", "triton")
+# Programmatic dependent launch of the Triton kernels (ops/pdl.py): off, the launch overlap, or that and
+# the skinny linears' weights prefetched into L2 before each waits.
+PDL_MODES = ("off", "launch", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
     moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
+    pdl: str = "off"  # Hopper and later: launch | prefetch (ops/pdl.py); off until the H200 measures it
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy
@@ -127,6 +131,8 @@ class EngineConfig:
             )
         if self.moe_kernel not in MOE_KERNELS:
             raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
+        if self.pdl not in PDL_MODES:
+            raise MorionError(f"pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
         if self.tensor_parallel_size > 1 and self.spec_token_map is not None:
             # The reduced head takes rows of the LM head, which each rank holds a vocabulary block of.
             raise MorionError(

@@ -19,6 +19,7 @@ from typing import Any
 from morion.config import (
     KV_CACHE_DTYPES,
     MOE_KERNELS,
+    PDL_MODES,
     PLE_PLACEMENTS,
     SPECULATIVE_METHODS,
     WEIGHT_DTYPES,
@@ -137,6 +138,12 @@ ENGINE_FLAGS = (
         "moe_kernel",
         MOE_KERNELS,
         "routed experts on CUDA: fused Triton kernels to 16 tokens (auto), 64 (triton), or grouped GEMM",
+    ),
+    _choice(
+        "pdl",
+        PDL_MODES,
+        "programmatic dependent launch of the Triton kernels (Hopper on): each launched while the one "
+        "before it drains (launch), and the skinny linears' weights sent to L2 meanwhile (prefetch)",
     ),
     _choice(
         "speculative",

@@ -105,6 +105,13 @@ if [ -n "${QUALIFY_CONVERSATIONS:-}${QUALIFY_SOAK_MINUTES:-}" ]; then
     fi
     [ -n "${QUALIFY_SOAK_MINUTES:-}" ] && soak+=(--soak-minutes "$QUALIFY_SOAK_MINUTES")
 fi
+# Engine flags beyond the preset's (QUALIFY_ENGINE_FLAGS, e.g. "--pdl prefetch"), for the server and the
+# offline bench alike: a setting qualified before it becomes a default. Its files end in -flags.
+if [ -n "${QUALIFY_ENGINE_FLAGS:-}" ]; then
+    read -r -a extra_flags <<< "$QUALIFY_ENGINE_FLAGS"
+    engine+=("${extra_flags[@]}")
+    label=$label-flags
+fi
 # The disk tier holds every conversation until the disk step: most of the filesystem's free space, measured
 # once and kept (measured again at the restart, the tier's own objects would shrink it, and the start-up
 # trim would evict what the disk step needs: the first 80b qualification lost its disk step so).

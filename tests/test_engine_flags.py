@@ -43,6 +43,7 @@ EXAMPLES = {
     "cuda_graph_max_batch": ("8", 8, []),
     "activation_reserve_gb": ("1.5", 1.5, []),
     "moe_kernel": ("triton", "triton", []),
+    "pdl": ("prefetch", "prefetch", []),
     "speculative": ("ngram", "ngram", []),
     "spec_policy": ("policy.json", "policy.json", []),
     "spec_width": ("3", 3, []),

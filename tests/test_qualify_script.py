@@ -35,6 +35,9 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
         # still a hit on every tier, and a shorter soak; its files say so in their label.
         "QUALIFY_CONVERSATIONS": "3",
         "QUALIFY_SOAK_MINUTES": "0.2",
+        # Engine flags beyond the profile's reach the server and the offline bench (here a no-op on a CPU:
+        # programmatic dependent launch is off without a Hopper GPU).
+        "QUALIFY_ENGINE_FLAGS": "--pdl launch",
     }
     env.pop("OUT", None)
     run = subprocess.run(
@@ -46,9 +49,11 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
         timeout=SCRIPT_TIMEOUT_S,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    reports = [path for path in results.glob("*-cpu-qualify-smoke-short.json")]
+    reports = [path for path in results.glob("*-cpu-qualify-smoke-short-flags.json")]
     assert len(reports) == 1, sorted(path.name for path in results.iterdir())
-    summary = json.loads(reports[0].read_text())["summary"]
+    report = json.loads(reports[0].read_text())
+    assert "--pdl launch" in report["serve_command"] and "--pdl launch" in report["offline_command"]
+    summary = report["summary"]
     assert summary["verdict"] == "pass", summary["problems"]
     restore = summary["restore"]
     assert restore["hits"] == {"device": 3, "host": 3, "disk": 3}

@@ -51,6 +51,7 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
+from morion.ops.pdl import set_pdl_mode
 from morion.parallel.group import ONE_RANK, TensorParallel
 from morion.parallel.step_mirror import MirroredCopyEngine, StepMirror
 from morion.runner.backend import KVScales
@@ -119,6 +120,12 @@ def assemble(
     )
     model = loaded.model
     set_moe_kernel(model, config.moe_kernel)
+    # Before the warm-up and graph capture, which compile and record the kernels' launches.
+    if set_pdl_mode(config.pdl, device) != config.pdl:
+        print(
+            f"morion: --pdl {config.pdl} needs a CUDA device of compute capability 9.0 or later; off",
+            file=sys.stderr,
+        )
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     # The compute dtype: FP8 weights (--weight-dtype fp8) are e4m3, embeddings and norms never are.
     compute_dtype = next(p.dtype for p in model.parameters() if p.dtype.itemsize > 1)

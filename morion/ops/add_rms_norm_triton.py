@@ -28,6 +28,7 @@ import triton.language as tl
 from morion.ops.add_rms_norm import AddNormResult
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
 from morion.ops.moe_decode_triton import slot_sum
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.row_kernels_triton import GATED_MODES, MAX_ROW, fp8_row, rms_norm_row
 from morion.ops.slot_partials import SlotPartials
 
@@ -38,7 +39,9 @@ def _add_rms_norm_kernel(
     K, stride_x, stride_residual, eps,
     MODE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK: tl.constexpr, VECTOR: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     row = tl.cast(tl.program_id(0), tl.int64)
     # Declared contiguous in runs of VECTOR (16 bytes of the rows' dtype), the widest access of the row's
     # loads and stores anyway: a cap on the e4m3 store's, which would take 16 values a thread and pull the
@@ -127,6 +130,6 @@ def add_rms_norm_rows(
     _add_rms_norm_kernel[(shape[0],)](
         rows, residual, weight, normed, summed, q, scale, key, stride_x, residual.stride(0), eps,
         MODE=mode, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SLOTS=slots, BLOCK=block,
-        VECTOR=vector,
+        VECTOR=vector, **launch_options(),
     )  # fmt: skip
     return AddNormResult(normed, summed, quantized)

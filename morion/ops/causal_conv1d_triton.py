@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.causal_conv1d import GroupedChannels
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -69,10 +70,12 @@ def _conv_steps_kernel(
     BC: tl.constexpr,
     KEY_WIDTH: tl.constexpr,
     VALUE_WIDTH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: sequence n, channels [ic*BC, ic*BC + BC), over its STEPS tokens (rows n * STEPS + t).
     Token t reads the window in slot slots[n, t - 1] (slots[n, 0] for t = 0) and writes the window rolled
     past it to slot slots[n, t] (t = 0: in place)."""
+    wait_for_previous_kernel(USE_PDL)
     n = tl.cast(tl.program_id(0), tl.int64)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_c = offs_c < C
@@ -135,11 +138,13 @@ def _conv_varlen_kernel(
     BC: tl.constexpr,
     KEY_WIDTH: tl.constexpr,
     VALUE_WIDTH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: flat tokens [it*BT, it*BT + BT) (possibly of several sequences) x BC channels.
 
     Reads the pool only (the old windows); `_conv_window_kernel` writes it afterwards.
     """
+    wait_for_previous_kernel(USE_PDL)
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_t = offs_t < T
@@ -198,6 +203,7 @@ def _conv_window_kernel(
     BC: tl.constexpr,
     KEY_WIDTH: tl.constexpr,
     VALUE_WIDTH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: sequence n, BC channels. New row j = input token end - (W-1) + j, taken from x when
     it is one of this call's tokens, else from old row j + length (fewer than W-1 new tokens).
@@ -205,6 +211,7 @@ def _conv_window_kernel(
     In place: row j is written at step j and rows j + length > j are read, so no row is read after it
     was written (same thread per channel, program order). A sequence without tokens is left alone.
     """
+    wait_for_previous_kernel(USE_PDL)
     n = tl.cast(tl.program_id(0), tl.int64)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_c = offs_c < C
@@ -314,7 +321,7 @@ def causal_conv1d_steps_(
         grouped.x, conv_pool, weight, slots, out, channels, groups,
         stride_xn, stride_xg, conv_pool.stride(0), conv_pool.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0),
-        W=width, STEPS=slots.shape[1], SILU=silu, BC=block_c, **widths,
+        W=width, STEPS=slots.shape[1], SILU=silu, BC=block_c, **widths, **launch_options(),
     )  # fmt: skip
     return out
 
@@ -358,12 +365,12 @@ def causal_conv1d_varlen_(
             grouped.x, conv_pool, weight, state_indices, cu_seqlens, seq_of_token, out, tokens, channels,
             groups, stride_xt, stride_xg, conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
             weight.stride(1), out.stride(0),
-            W=width, SILU=silu, BT=block_t, BC=block_c, **widths,
+            W=width, SILU=silu, BT=block_t, BC=block_c, **widths, **launch_options(),
         )  # fmt: skip
     # Same stream, after the conv: every old window has been read before any is rewritten.
     _conv_window_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         grouped.x, conv_pool, state_indices, cu_seqlens, channels, groups,
         stride_xt, stride_xg, conv_pool.stride(0), conv_pool.stride(1),
-        W=width, BC=block_c, **widths,
+        W=width, BC=block_c, **widths, **launch_options(),
     )  # fmt: skip
     return out

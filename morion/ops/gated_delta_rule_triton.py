@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.fla_varlen import FLA_CHUNK_SIZE, fla_varlen
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 # Same epsilon as `l2_normalize` in ops/gated_delta_rule.py and fla's `l2norm_fwd`.
 L2_NORM_EPS = 1e-6
@@ -100,6 +101,7 @@ def _gdn_steps_kernel(
     HEADS_PER_QK: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV) of the state, over the
     sequence's STEPS tokens (rows n * STEPS + t). The state is read once from slot slots[n, 0], kept in
@@ -108,6 +110,7 @@ def _gdn_steps_kernel(
     The state tile [K, BV] is read and written by this program only (columns of one head of one slot),
     so the in-place update needs no synchronisation between programs, given distinct slots per row.
     """
+    wait_for_previous_kernel(USE_PDL)
     n = tl.cast(tl.program_id(0), tl.int64)
     hv = tl.cast(tl.program_id(1), tl.int64)
     iv = tl.program_id(2)
@@ -188,11 +191,13 @@ def _gdn_chunks_kernel(
     HEADS_PER_QK: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: sequence n, value head hv, value columns [iv*BV, iv*BV + BV), over the sequence's rows
     cu_seqlens[n] .. cu_seqlens[n+1] token by token, from and back into slot indices[n]. The state is
     rounded to the pool's dtype after every token, as a decode step stores it, so a chunk's result is
     that of its tokens decoded one by one."""
+    wait_for_previous_kernel(USE_PDL)
     n = tl.program_id(0)
     hv = tl.cast(tl.program_id(1), tl.int64)
     iv = tl.program_id(2)
@@ -350,7 +355,7 @@ def fused_gdn_steps_(
     _gdn_steps_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state_pool, slots, out,
         *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
-        STEPS=slots.shape[1], **_tiles(q, v, block_v), num_warps=num_warps,
+        STEPS=slots.shape[1], **_tiles(q, v, block_v), **launch_options(), num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -391,7 +396,7 @@ def fused_gdn_chunks_(
     _gdn_chunks_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state_pool, state_indices, cu_seqlens, out,
         *_strides(q, k, v, a, b, state_pool, out), scale, L2_NORM_EPS, q.shape[2], value_dim,
-        **_tiles(q, v, block_v), num_warps=num_warps,
+        **_tiles(q, v, block_v), **launch_options(), num_warps=num_warps,
     )  # fmt: skip
     return out
 

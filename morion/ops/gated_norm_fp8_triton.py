@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.row_kernels_triton import GATED, GATED_MODES, fp8_row, rms_norm_row
 
 # The tile is [HV, Dv] in registers: the 80B model's 32 x 128 (the quantization kernel's rows go to 16K).
@@ -30,7 +31,9 @@ def _gated_norm_fp8_kernel(
     HEADS, K, per_group, stride_zt, stride_zg, stride_zr, eps,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, MODE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_K)
@@ -78,6 +81,6 @@ def gated_rms_norm_fp8_rows(
         _gated_norm_fp8_kernel[(tokens,)](
             x, z, weight, q, scale, heads, key, per_group, z.stride(0), z.stride(1), stride_zr, eps,
             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, MODE=mode,
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_K=triton.next_power_of_2(key),
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_K=triton.next_power_of_2(key), **launch_options(),
         )  # fmt: skip
     return q, scale

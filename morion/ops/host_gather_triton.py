@@ -9,7 +9,8 @@ table, 16 rows of 160 B per token) reads them in the kernel, with the row ids co
 nothing syncs, and a CUDA graph can capture it. Shards are addressed by a device tensor of their base
 addresses (int64), so any number of shards is one launch.
 
-Under TRITON_INTERPRET=1 the same kernel reads CPU tensors (tests check it against indexing).
+Under TRITON_INTERPRET=1 the same kernel reads CPU tensors (tests check it against indexing). PDL
+(ops/pdl.py): each program waits for the kernel before it first of all.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
+
 
 @triton.jit
 def _gather_kernel(
-    rows_ptr, addresses_ptr, out_ptr, shard_rows, ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr
-):
+    rows_ptr, addresses_ptr, out_ptr, shard_rows, ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     index = tl.program_id(0)
     row = tl.load(rows_ptr + index)
     shard = row // shard_rows
@@ -48,8 +53,9 @@ def gather_host_rows(
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(row_bytes))
         _gather_kernel[(rows.shape[0],)](
-            rows, shard_addresses, out, shard_rows, ROW_BYTES=row_bytes, BLOCK=block, num_warps=1
-        )
+            rows, shard_addresses, out, shard_rows, ROW_BYTES=row_bytes, BLOCK=block, **launch_options(),
+            num_warps=1,
+        )  # fmt: skip
     return out
 
 

@@ -38,6 +38,7 @@ Invariants:
   are summed in a fixed order by one program, without atomics.
 - Capturable: grids and buffers depend only on T and the weights' shapes; nothing is read back on the
   host. T is not specialized on, so every CUDA-graph bucket runs the same compiled kernels.
+- PDL (ops/pdl.py): each program waits for the kernel before it first of all.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.moe_decode_triton import slot_sum
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
 # The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
@@ -87,8 +89,9 @@ def _sigmoid(x):
 def _down_kernel(
     streams_ptr, norm_w_ptr, down_w_ptr, inject_w_ptr, partial_ptr, rstd_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_hidden, eps,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     block = tl.program_id(0)
     stream = tl.program_id(1)
     tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -156,8 +159,9 @@ def _up_mix_kernel(
     streams_ptr, norm_w_ptr, up_w_ptr, partial_ptr, rstd_ptr, mixed_ptr, inject_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_count,
     HAS_INJECT: tl.constexpr, HC_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     dtype = mixed_ptr.dtype.element_ty
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tokens_ok = tokens < num_tokens
@@ -276,13 +280,13 @@ def mix(
     _down_kernel[(row_blocks, hc_count, token_blocks)](
         streams, norm_weight, down, down if inject is None else inject, partial, rstd,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hidden, eps,
-        BLOCK_T=_BLOCK_T, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4,
+        BLOCK_T=_BLOCK_T, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **launch_options(), num_warps=4,
     )  # fmt: skip
     _up_mix_kernel[(triton.cdiv(hidden, _BLOCK_C), token_blocks)](
         streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
         HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
-        BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, BLOCK_R=_BLOCK_R, num_warps=4,
+        BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, BLOCK_R=_BLOCK_R, **launch_options(), num_warps=4,
     )  # fmt: skip
     return mixed, weights
 
@@ -291,7 +295,9 @@ def mix(
 def _inject_kernel(
     streams_ptr, block_out_ptr, weights_ptr, out_ptr, hidden, width, hc_count,
     stride_streams, stride_block_out, stride_weights, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -349,7 +355,7 @@ def inject(
         block = 1024
         _inject_kernel[(tokens, triton.cdiv(width, block))](
             streams, rows, weights, out, block_out.shape[1], width, weights.shape[1],
-            streams.stride(0), stride, weights.stride(0), SLOTS=slots, BLOCK=block,
+            streams.stride(0), stride, weights.stride(0), SLOTS=slots, BLOCK=block, **launch_options(),
             enable_fp_fusion=False,  # no multiply-add: torch rounds the product before the sum
         )  # fmt: skip
     return out

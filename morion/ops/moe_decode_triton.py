@@ -44,6 +44,7 @@ import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, rows_quantized
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
@@ -142,7 +143,9 @@ def _gate_up_kernel(
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
@@ -183,7 +186,9 @@ def _down_kernel(
     FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SINGLE_PASS: tl.constexpr, MMA: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
@@ -249,8 +254,10 @@ def slot_sum(values_ptr, token, hidden, cols, mask, SLOTS: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _sum_slots_kernel(
-    pair_out_ptr, out_ptr, hidden_size, stride_out, SLOTS: tl.constexpr, BLOCK: tl.constexpr
-):
+    pair_out_ptr, out_ptr, hidden_size, stride_out,
+    SLOTS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols_ok = cols < hidden_size
@@ -336,7 +343,7 @@ def moe_expert_partials(
         x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, **_mma_options(t, fp8), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        **common, **_mma_options(t, fp8), BLOCK_N=t.block_n, BLOCK_K=t.block_k, **launch_options(),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
@@ -344,8 +351,8 @@ def moe_expert_partials(
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
         **common, **_mma_options(t, fp8), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **launch_options(),
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 
@@ -363,6 +370,6 @@ def sum_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(tokens, hidden_size, dtype=dtype, device=values.device)
     if tokens:
         _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
-            values, out, hidden_size, out.stride(0), SLOTS=slots, BLOCK=_SUM_BLOCK
+            values, out, hidden_size, out.stride(0), SLOTS=slots, BLOCK=_SUM_BLOCK, **launch_options()
         )
     return out

@@ -26,7 +26,8 @@ Two ways to find a program's rows, the kernels otherwise shared:
   min(E, P) tiles: each expert leaves at most one partial tile), so it is capturable too.
 
 Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
-token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics.
+token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics. PDL
+(ops/pdl.py): each kernel's programs wait for the kernel before it first of all.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from morion.ops.moe_decode_triton import (
 from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 # The half tiles hold code x block scale x 2^-14 (exact in fp16); the epilogue's global scale undoes it.
 GLOBAL_FACTOR = tl.constexpr(2.0**14)
@@ -197,8 +199,9 @@ def _gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
     expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
@@ -216,8 +219,9 @@ def _down_kernel(
     act_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, routing_ptr, pair_out_ptr,
     num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
     expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
@@ -304,7 +308,7 @@ def _run(
         num_pairs, top_k, hidden_size, inter_size, hidden.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
@@ -312,7 +316,7 @@ def _run(
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1),
         down_scale.stride(0), down_scale.stride(1),
         **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return sum_slots(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 

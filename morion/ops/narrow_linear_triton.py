@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
+
 MAX_OUTPUTS = 16
 _BLOCK_K = 256
 
@@ -24,7 +26,9 @@ _BLOCK_K = 256
 def _narrow_linear_kernel(
     x_ptr, w_ptr, out_ptr, K, N, stride_x, stride_w, stride_out,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
@@ -61,6 +65,6 @@ def narrow_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         _narrow_linear_kernel[(rows.shape[0],)](
             rows, weight, out, depth, outputs, rows.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=triton.next_power_of_2(outputs), BLOCK_K=_BLOCK_K, num_warps=4,
+            BLOCK_N=triton.next_power_of_2(outputs), BLOCK_K=_BLOCK_K, **launch_options(), num_warps=4,
         )  # fmt: skip
     return out.view(*x.shape[:-1], outputs)

@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from morion.ops.paged_attention import FP8_KV_DTYPE
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 # Under TRITON_INTERPRET=1 every tile op is a numpy call: small tiles keep CPU tests fast and still cover
@@ -222,7 +223,9 @@ def _split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) % num_kv_heads
     q_block = tl.program_id(1) // num_kv_heads
@@ -306,7 +309,9 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if row < tl.load(cu_seqlens_q_ptr) or row >= tl.load(cu_seqlens_q_ptr + num_seqs):
@@ -365,7 +370,9 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Which sequence and which of its query blocks: sequence b owns blocks
@@ -444,7 +451,9 @@ def _launch(
 ) -> None:
     """Launches `kernel` with the config's warps and stages. The configs are not autotuned: should one
     need more shared memory than the GPU has, say so once and use a single pipeline stage for that key
-    (kernel, constexprs, dtypes) from then on, instead of failing the request."""
+    (kernel, constexprs, dtypes) from then on, instead of failing the request. The PDL launch options
+    (ops/pdl.py) join `meta` here."""
+    meta = {**meta, **launch_options()}
     key = (kernel.__name__, *sorted(meta.items()), *key)
     stages = 1 if key in _SINGLE_STAGE else config.num_stages
     try:
@@ -609,7 +618,7 @@ def paged_attention(
     _merge_kernel[(num_tokens, num_q_heads)](
         partial_out, partial_lse, out, cu_seqlens_q, num_seqs, *scratch_strides, out.stride(0),
         out.stride(1), float(v_scale), num_kv_splits,
-        BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim,
+        BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim, **launch_options(),
         num_warps=8 if block_s * block_d >= 8192 else 4,
     )  # fmt: skip
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
+
 MAX_HEAD_DIM = 1024
 
 
@@ -58,8 +60,9 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     num_q_heads, num_k_heads, head_dim, rotary_dim, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     # One program per (token, head), the query heads first: a head's result depends on its own row only.
     token = tl.cast(tl.program_id(0), tl.int64)
     head = tl.program_id(1)
@@ -123,7 +126,7 @@ def qk_norm_rope(
         # products); the sum of squares may then round differently from the row kernel's in its last bit.
         # In half dtypes each product is rounded to the dtype before the sum, so there is nothing to fuse,
         # and the sum of squares compiles as the row kernel's does (the same expression and block).
-        enable_fp_fusion=q.dtype != torch.float32,
+        enable_fp_fusion=q.dtype != torch.float32, **launch_options(),
     )  # fmt: skip
     return q_out, k_out
 
@@ -142,5 +145,6 @@ def norm_rope(
         x.stride(0), x.stride(1), x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
         heads, 0, head_dim, cos.shape[-1], eps,
         BLOCK=triton.next_power_of_2(head_dim), enable_fp_fusion=x.dtype != torch.float32,
+        **launch_options(),
     )  # fmt: skip
     return out

@@ -23,7 +23,8 @@
   FP8 K/V) attends each row, as its own one-query sequence of counts[row] keys, to exactly those.
 
 Neither syncs with the host or allocates by data: both may be captured in a CUDA graph. Under
-TRITON_INTERPRET=1 they run on the CPU (tests compare them with the torch reference there).
+TRITON_INTERPRET=1 they run on the CPU (tests compare them with the torch reference there). PDL
+(ops/pdl.py): each kernel's programs wait for the kernel before it first of all.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.paged_attention_triton import paged_attention
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.qk_norm_rope_triton import _norm_rope_head
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -61,7 +63,9 @@ def _block_scores_kernel(
     DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     seq = row // rows_per_seq
@@ -110,7 +114,7 @@ def block_scores(
         index_q, block_pool, page_table, num_complete, out,
         index_q.stride(0), index_q.stride(1), block_pool.stride(0), page_table.stride(0), out.stride(0),
         num_blocks, math.sqrt(dim), rows // num_seqs, BLOCKS_PER_PAGE=blocks_per_page, HEADS=heads, DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_B=block_b, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_B=block_b, **launch_options(), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -130,8 +134,9 @@ def _select_token_slots_kernel(
     scores_ptr, num_complete_ptr, positions_ptr, page_table_ptr, slots_ptr, counts_ptr,
     stride_scores, stride_page_table, stride_slots, rows_per_seq, num_blocks,
     TOP_K: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     seq = row // rows_per_seq
     scores_row = scores_ptr + tl.cast(row, tl.int64) * stride_scores
@@ -219,7 +224,7 @@ def select_token_slots(
             scores, num_complete, positions, page_table, slots, counts,
             scores.stride(0), page_table.stride(0), slots.stride(0), rows // page_table.shape[0], num_blocks,
             TOP_K=top_k, RATIO=ratio, PAGE_SIZE=page_size, WIDTH=width, BLOCK=64 if _INTERPRET else 512,
-            num_warps=4,
+            **launch_options(), num_warps=4,
         )  # fmt: skip
     return slots, counts
 
@@ -228,8 +233,9 @@ def select_token_slots(
 def _store_block_keys_kernel(
     raw_ptr, key_rows_ptr, slots_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr, scratch_ptr,
     stride_key_rows, stride_cos, stride_sin, dim, rotary_dim, eps,
-    RATIO: tl.constexpr, BLOCK_D: tl.constexpr,
+    RATIO: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     token = tl.cast(tl.program_id(0), tl.int64)
     position = tl.load(positions_ptr + token)
     if (position + 1) % RATIO == 0:
@@ -275,7 +281,7 @@ def store_block_keys_(
     _store_block_keys_kernel[(tokens,)](
         raw_keys, key_rows, out_slots, positions, block_cos, block_sin, weight, scratch,
         key_rows.stride(0), block_cos.stride(0), block_sin.stride(0), dim, block_cos.shape[-1], eps,
-        RATIO=ratio, BLOCK_D=block_d,
+        RATIO=ratio, BLOCK_D=block_d, **launch_options(),
         enable_fp_fusion=raw_keys.dtype != torch.float32,  # as the q/k norm + RoPE kernel
     )  # fmt: skip
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
+
 MAX_EXPERTS = 4096
 
 
@@ -33,7 +35,9 @@ def _route_kernel(
     logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_shared,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SHARED: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     # With SHARED, shared_ptr holds each row's shared expert gate logit and each row's output has
     # WIDTH = TOP_K + 1 columns (TOP_K without).
     row = tl.cast(tl.program_id(0), tl.int64)
@@ -95,6 +99,6 @@ def route(
             logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0),
             TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width,
             BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(width), num_warps=4,
+            BLOCK_K=triton.next_power_of_2(width), **launch_options(), num_warps=4,
         )  # fmt: skip
     return weights, ids

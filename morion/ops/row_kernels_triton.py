@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 MAX_ROW = 16384
 
@@ -74,7 +75,9 @@ def _rms_norm_kernel(
     K, groups, per_group, stride_xt, stride_xg, stride_xr, stride_zt, stride_zg, stride_zr, stride_wg,
     eps,
     MODE: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -93,7 +96,9 @@ def _quantize_fp8_rows_kernel(
     x_ptr, z_ptr, q_ptr, scale_ptr, K, groups, per_group, stride_xt, stride_xg, stride_xr,
     z_head_dim, stride_zt, stride_zh,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, SIGMOID_GATED: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -172,13 +177,16 @@ def rms_norm_rows(
                          f"and {tuple(weight.shape)}")  # fmt: skip
     _rms_norm_kernel[(rows.count,)](
         x, weight, z, out, key, rows.groups, rows.per_group, *rows.strides, *_rows(z).strides,
-        key if weight_per_group else 0, eps, MODE=mode, BLOCK=triton.next_power_of_2(key),
+        key if weight_per_group else 0, eps, MODE=mode, BLOCK=triton.next_power_of_2(key), **launch_options(),
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _dot_rows_kernel(a_ptr, b_ptr, out_ptr, K, stride_a, stride_b, BLOCK: tl.constexpr):
+def _dot_rows_kernel(
+    a_ptr, b_ptr, out_ptr, K, stride_a, stride_b, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -199,8 +207,9 @@ def dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
     if a.shape[0]:
         _dot_rows_kernel[(a.shape[0],)](
-            a, b, out, a.shape[1], a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(a.shape[1])
-        )
+            a, b, out, a.shape[1], a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(a.shape[1]),
+            **launch_options(),
+        )  # fmt: skip
     return out
 
 
@@ -231,6 +240,6 @@ def _quantize(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor,
     _quantize_fp8_rows_kernel[(rows.count,)](
         x, z, q, scale, key, rows.groups, rows.per_group, *rows.strides, z_head_dim, stride_zt, stride_zh,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, SIGMOID_GATED=gate is not None,
-        BLOCK=triton.next_power_of_2(key),
+        BLOCK=triton.next_power_of_2(key), **launch_options(),
     )  # fmt: skip
     return q, scale

@@ -29,6 +29,8 @@ Invariants:
   apart, as does the GEMV mode), and K is summed in one fixed order with no split.
 - Capturable: no host sync; M is not specialized on (`do_not_specialize`), so every CUDA-graph bucket
   runs the one compiled variant.
+- PDL (ops/pdl.py): each program waits for the kernel before it first of all, but for `--pdl prefetch`'s
+  L2 prefetch of its own weight columns (at most `pdl.PREFETCH_MAX_BYTES` a call), which no kernel writes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import triton.language as tl
 
 from morion.ops.moe_decode_triton import _mma, _mma_options, _rows_first, _zero_acc
 from morion.ops.moe_tiles import Tiles
+from morion.ops.pdl import launch_options, prefetch_line, prefetch_to_l2, wait_for_previous_kernel
 
 # Decode and short-chunk forwards (the same bound as the fused MoE kernels' AUTO_TRITON_MAX_TOKENS):
 # up to here a token's projections are the same bits in every batch; larger forwards take cuBLAS.
@@ -50,6 +53,7 @@ def _skinny_linear_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
     SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,6 +62,14 @@ def _skinny_linear_kernel(
     depth = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tl.cast(rows, tl.int64)[:, None] * stride_x
     w_cols = w_ptr + tl.cast(cols, tl.int64)[None, :] * stride_w
+    if PREFETCH_LINE > 0:
+        # This program's weight columns, one address per L2 line (PREFETCH_LINE elements), all in the
+        # tensor: out-of-range columns and depths point at its first column and last element.
+        lines = tl.arange(0, PREFETCH_STEP // PREFETCH_LINE) * PREFETCH_LINE
+        first = w_ptr + tl.cast(tl.where(cols_ok, cols, 0), tl.int64)[None, :] * stride_w
+        for start in range(0, K, PREFETCH_STEP):
+            prefetch_to_l2(first + tl.minimum(start + lines, K - 1)[:, None])
+    wait_for_previous_kernel(USE_PDL)
     acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
     for start in range(0, K, BLOCK_K):
         k = start + depth
@@ -119,6 +131,7 @@ def skinny_linear(
         return out
     options = _mma_options(tiles, fp8)
     grid = (triton.cdiv(outputs, tiles.block_n), triton.cdiv(rows, options["BLOCK_M"]))
+    line = prefetch_line(weight)
     _skinny_linear_kernel[grid](
         x, x_scale if x_scale is not None else x, weight, weight_scale if fp8 else weight,
         bias if bias is not None else x, out, rows, outputs, depth,
@@ -126,6 +139,7 @@ def skinny_linear(
         SCALED=fp8, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 and not fp8 else "tf32",
         **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PREFETCH_LINE=line, PREFETCH_STEP=max(tiles.block_k, line), **launch_options(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

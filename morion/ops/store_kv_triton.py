@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 _BLOCK = 1024
 
@@ -24,8 +25,9 @@ _BLOCK = 1024
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, slots_ptr, kv_ptr, width, stride_k, stride_v, stride_slot, stride_kv, inv_k, inv_v,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -75,4 +77,5 @@ def store_kv_(
     _store_kv_kernel[(tokens, triton.cdiv(width, _BLOCK))](
         k, v, out_slots.contiguous(), kv_layer, width, k.stride(0), v.stride(0), kv_layer.stride(0),
         kv_layer.stride(1), inv_k, inv_v, FP8=fp8, FP8_MAX=FP8_MAX, BLOCK=_BLOCK,
+        **launch_options(),
     )  # fmt: skip

@@ -7,7 +7,11 @@ compile. Prints one line per kernel that fails and a count; exits 1 if any faile
 
 Always the kernels of `KERNELS` with the H200's types (bf16 and e4m3, which the interpreter has not) and
 the real shapes' constexprs; with LAUNCHES.json (tests/ops/launch_recorder.py) also every distinct launch
-the CPU tests made, with their types, constexprs and launch options.
+the CPU tests made, with their types, constexprs and launch options. With --pdl, each kernel is compiled
+once more with programmatic dependent launch on (USE_PDL, and the skinny linear's L2 prefetch) and its PTX
+must wait for the kernel before it (griddepcontrol.wait) before any global memory access (ops/pdl.py).
+
+    python tests/ops/hopper_compile.py [LAUNCHES.json] [--pdl]
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def _skinny(mma: str, element: str, block_n: int = 64, block_k: int = 128) -> tu
         "BLOCK_M": 1 if mma == "gemv" else 16,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
+        "PREFETCH_LINE": 0,
+        "PREFETCH_STEP": block_k,
     }
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
 
@@ -290,6 +296,8 @@ def compile_for_hopper(
 ) -> triton.compiler.CompiledKernel:
     """The kernel compiled for sm_90; `aligned` names the arguments a launch specializes as divisible by
     16 (aligned pointers, sizes and strides: the real model's), which decides the vector layouts."""
+    if "USE_PDL" in kernel.arg_names:
+        constexprs = {"USE_PDL": False, **constexprs}  # the launches as main runs them: PDL off
     full = {**signature, **{name: "constexpr" for name in constexprs}}
     missing = set(kernel.arg_names) - set(full)
     if missing:
@@ -324,7 +332,33 @@ def recorded(path: str) -> dict[str, tuple]:
     return launches
 
 
+# A global memory access in PTX: what a kernel launched with PDL may do only after it waited (an L2
+# prefetch, of weights, may come before).
+_GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)\.global|cp\.async(?!\.bulk\.prefetch))")
+
+
+def pdl_order_error(kernel: triton.runtime.jit.JITFunction, signature: dict, constexprs: dict) -> str | None:
+    """Compiles the kernel with PDL on (and the skinny linear's prefetch, when it has one) and returns why
+    its PTX breaks ops/pdl.py's invariant, or None: griddepcontrol.wait, then launch_dependents, both
+    before the first global memory access."""
+    pdl = {**constexprs, "USE_PDL": True}
+    if "PREFETCH_LINE" in pdl:
+        pdl.update(PREFETCH_LINE=128, PREFETCH_STEP=max(128, pdl["BLOCK_K"]))
+    ptx = compile_for_hopper(kernel, signature, pdl, {"launch_pdl": True}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
+        return "no griddepcontrol.wait and launch_dependents in its PTX"
+    access = _GLOBAL_ACCESS.search(ptx)
+    if access is not None and access.start() < wait:
+        return f"{access.group(0)} before griddepcontrol.wait"
+    if "PREFETCH_LINE" in pdl and not 0 <= ptx.find("prefetch.global.L2") < wait:
+        return "no prefetch.global.L2 before griddepcontrol.wait"
+    return None
+
+
 def main(argv: list[str]) -> int:
+    pdl = "--pdl" in argv
+    argv = [arg for arg in argv if arg != "--pdl"]
     kernels = {name: (*entry, None) for name, entry in KERNELS.items()}
     if argv:
         kernels.update(recorded(argv[0]))
@@ -336,6 +370,25 @@ def main(argv: list[str]) -> int:
             failed += 1
             print(f"{name}: {type(error).__name__}: {str(error)[:500]}")
     print(f"compiled for sm_90: {len(kernels) - failed} of {len(kernels)}")
+    if pdl:
+        # Each kernel once (its first launch here): the order of its first instructions does not depend
+        # on its types or tiles.
+        first = {}
+        for name, (kernel, signature, constexprs, _) in kernels.items():
+            first.setdefault(
+                (kernel.fn.__module__, kernel.fn.__qualname__), (name, kernel, signature, constexprs)
+            )
+        wrong = 0
+        for name, kernel, signature, constexprs in first.values():
+            try:
+                error = pdl_order_error(kernel, signature, constexprs)
+            except Exception as exception:
+                error = f"{type(exception).__name__}: {str(exception)[:500]}"
+            if error is not None:
+                wrong += 1
+                print(f"{name} with PDL: {error}")
+        print(f"waits first with PDL on sm_90: {len(first) - wrong} of {len(first)} kernels")
+        failed += wrong
     return 1 if failed else 0
 
 

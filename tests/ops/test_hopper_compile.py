@@ -5,6 +5,7 @@ the compiler refuses). An NVFP4 kernel once passed every CPU test and failed to 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,9 @@ def test_kernels_compile_for_sm90_with_the_h200_s_types():
 @pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
 def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path):
     """The kernel tests of tests/ops, run again in the interpreter with the launch recorder; then each
-    distinct launch (kernel, argument types, constexprs, launch options) compiled for Hopper."""
+    distinct launch (kernel, argument types, constexprs, launch options) compiled for Hopper, and each
+    kernel once more with programmatic dependent launch on: its PTX waits for the kernel before it
+    before any global memory access (ops/pdl.py's invariant, which a read before the wait breaks)."""
     launches = tmp_path / "launches.json"
     recording = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.ops.launch_recorder",
@@ -52,10 +55,13 @@ def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path)
     assert recording.returncode == 0, recording.stdout[-3000:] + recording.stderr[-3000:]
     recorded = json.loads(launches.read_text())
     assert len({(launch["module"], launch["name"]) for launch in recorded}) >= 25, recorded
-    run = _compile(str(launches))
+    run = _compile(str(launches), "--pdl")
     assert run.returncode == 0, run.stdout + run.stderr
     total = FIXED_KERNELS + len(recorded)
     assert f"compiled for sm_90: {total} of {total}" in run.stdout, run.stdout
+    waiting = re.search(r"waits first with PDL on sm_90: (\d+) of (\d+) kernels", run.stdout)
+    assert waiting is not None and waiting.group(1) == waiting.group(2), run.stdout
+    assert int(waiting.group(2)) >= 25, run.stdout
 
 
 @pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
