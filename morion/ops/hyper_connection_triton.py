@@ -47,7 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
+from morion.ops.hc_tiles import DEFAULT_MIX_TILES, MixTiles, mix_shape, tuned_mix_tiles
 from morion.ops.moe_decode_triton import slot_sum
+from morion.ops.moe_tiles import device_name
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
@@ -60,10 +62,9 @@ from morion.ops.slot_partials import SlotPartials
 MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_T = 4  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
-_BLOCK_N = 4  # rows of [W_down; W_inject] per kernel-1 program: (R / 4 + 1) * n = 324 programs at T <= 4
-_BLOCK_K = 512
-_BLOCK_C = 16  # hidden columns per kernel-2 program: n * 16 rows of W_up (40 KiB), 160 programs
-_BLOCK_R = 32
+# The other tiles are the device's tuned ones (ops/hc_tiles.py); the defaults: 4 rows of [W_down; W_inject]
+# per kernel-1 program, (R / 4 + 1) * n = 324 programs at Flash-Next's shape, K in steps of 512; 16 hidden
+# columns per kernel-2 program (n * 16 rows of W_up, 40 KiB), 160 programs, R in steps of 32.
 
 
 @triton.jit
@@ -261,9 +262,15 @@ def mix(
     inject: torch.Tensor | None,
     hc_count: int,
     eps: float,
+    tiles: MixTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`HyperConnection.mix` for shapes `supports` takes: streams [T, n * H] -> (block input [T, H],
-    inject weights [T, n], or None for the final mixer, which has no inject weights)."""
+    inject weights [T, n], or None for the final mixer, which has no inject weights). `tiles`: the
+    kernels' tiles (default: the device's tuned ones for this shape, ops/hc_tiles.py)."""
+    if tiles is None:  # tuned files are per GPU; the interpreter (CPU) runs the defaults
+        tiles = DEFAULT_MIX_TILES
+        if streams.is_cuda:
+            tiles = tuned_mix_tiles(device_name(streams.device.index), mix_shape(down, hc_count))
     num_tokens, width = streams.shape
     hidden, lowrank = width // hc_count, down.shape[0]
     device, dtype = streams.device, streams.dtype
@@ -276,17 +283,20 @@ def mix(
     partial = torch.empty(hc_count, num_tokens, out_rows, dtype=torch.float32, device=device)
     rstd = torch.empty(num_tokens, hc_count, dtype=torch.float32, device=device)
     token_blocks = triton.cdiv(num_tokens, _BLOCK_T)
-    row_blocks = triton.cdiv(lowrank, _BLOCK_N) + (0 if inject is None else triton.cdiv(hc_count, _BLOCK_N))
+    block_n = tiles.down_block_n
+    row_blocks = triton.cdiv(lowrank, block_n) + (0 if inject is None else triton.cdiv(hc_count, block_n))
     _down_kernel[(row_blocks, hc_count, token_blocks)](
         streams, norm_weight, down, down if inject is None else inject, partial, rstd,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hidden, eps,
-        BLOCK_T=_BLOCK_T, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **launch_options(), num_warps=4,
+        BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_K=tiles.down_block_k, **launch_options(),
+        num_warps=tiles.down_warps,
     )  # fmt: skip
-    _up_mix_kernel[(triton.cdiv(hidden, _BLOCK_C), token_blocks)](
+    _up_mix_kernel[(triton.cdiv(hidden, tiles.up_block_c), token_blocks)](
         streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
         HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
-        BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, BLOCK_R=_BLOCK_R, **launch_options(), num_warps=4,
+        BLOCK_T=_BLOCK_T, BLOCK_C=tiles.up_block_c, BLOCK_R=tiles.up_block_r, **launch_options(),
+        num_warps=tiles.up_warps,
     )  # fmt: skip
     return mixed, weights
 

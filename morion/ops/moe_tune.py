@@ -233,6 +233,15 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
     }
 
 
+def write_tuned(config: dict, path: Path) -> str:
+    """Writes a tuner's config (with `us_per_call` and `default_us_per_call` per token count) as JSON at
+    `path`, its folder made; returns those timings as one line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    timings = config["us_per_call"].items()
+    return ", ".join(f"T={t} {us} us (default {config['default_us_per_call'][t]})" for t, us in timings)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m morion.ops.moe_tune", description=__doc__.split("\n")[0])
     parser.add_argument("--experts", type=int, required=True)
@@ -250,10 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     config = tune(shape, args.top_k, tokens, device)
     path = config_path(config["device"], shape, args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2) + "\n")
-    chosen = ", ".join(f"T={t} {us} us (default {config['default_us_per_call'][t]})" for t, us in
-                       config["us_per_call"].items())  # fmt: skip
+    chosen = write_tuned(config, path)
     print(f"moe tune: gate_up {config['gate_up']}, down {config['down']}: {chosen}; wrote {path}")
 
 

@@ -10,6 +10,7 @@ import torch
 
 from morion.layers.hyper_connection import HyperConnection
 from morion.ops import hyper_connection_triton
+from morion.ops.hc_tiles import MixTiles
 from morion.ops.moe_tune import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +44,9 @@ def random_streams(module: HyperConnection, tokens: int, dtype: torch.dtype, see
     return (torch.randn(tokens, width, generator=generator) * 3).to(DEVICE, dtype)
 
 
-def fused(module: HyperConnection, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused(
+    module: HyperConnection, streams: torch.Tensor, tiles: MixTiles | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     inject = module.block_inject_weight
     return hyper_connection_triton.mix(
         streams,
@@ -53,6 +56,7 @@ def fused(module: HyperConnection, streams: torch.Tensor) -> tuple[torch.Tensor,
         None if inject is None else inject.weight,
         module.hc_count,
         EPS,
+        tiles,
     )
 
 
@@ -64,13 +68,15 @@ def assert_same_mix(actual, expected, tolerance: float) -> None:
         torch.testing.assert_close(actual[1], expected[1], rtol=tolerance, atol=tolerance)
 
 
-def assert_rows_invariant(module: HyperConnection, streams: torch.Tensor, prefixes) -> None:
+def assert_rows_invariant(
+    module: HyperConnection, streams: torch.Tensor, prefixes, tiles: MixTiles | None = None
+) -> None:
     """Every prefix of the batch, and the batch reversed, give each row the same bits as the batch."""
-    whole = fused(module, streams)
+    whole = fused(module, streams, tiles)
     for rows in prefixes:
-        for part, full in zip(fused(module, streams[:rows]), whole, strict=True):
+        for part, full in zip(fused(module, streams[:rows], tiles), whole, strict=True):
             assert part is None or torch.equal(part, full[:rows]), rows
-    for part, full in zip(fused(module, streams.flip(0)), whole, strict=True):
+    for part, full in zip(fused(module, streams.flip(0), tiles), whole, strict=True):
         assert part is None or torch.equal(part, full.flip(0))
 
 
@@ -87,6 +93,22 @@ def test_matches_the_eager_mix(shape, dtype):
 def test_a_row_is_the_same_alone_and_anywhere_in_a_batch():
     module = random_mix(SMALL_SHAPES[0], torch.float32)
     assert_rows_invariant(module, random_streams(module, 6, torch.float32), prefixes=(1, 5))
+
+
+# Tiles a tuned file may hold (ops/hc_tune.py's candidates): one row or eight a kernel-1 program, K and R
+# steps wider or narrower than the shape, 2 to 8 hidden columns a kernel-2 program, 4 or 8 warps.
+OTHER_TILES = [MixTiles(1, 128, 4, 2, 64, 8), MixTiles(8, 16, 8, 8, 8, 4), MixTiles(2, 64, 4, 4, 16, 4)]
+
+
+@pytest.mark.parametrize("tiles", OTHER_TILES, ids=lambda tiles: "-".join(map(str, tiles)))
+@pytest.mark.parametrize("shape", SMALL_SHAPES)
+def test_any_tiles_give_the_eager_mix_the_same_in_every_batch(shape, tiles):
+    """Another tile sums in another order, nothing else: the eager values, and a row's bits alone as in
+    its batch (a tuned file must not break the batch invariance restores rely on)."""
+    module = random_mix(shape, torch.float32)
+    streams = random_streams(module, 6, torch.float32)
+    assert_same_mix(fused(module, streams, tiles), module.mix_reference(streams), TOLERANCE[torch.float32])
+    assert_rows_invariant(module, streams, prefixes=(1,), tiles=tiles)
 
 
 def test_no_tokens_and_the_dispatch():
