@@ -59,13 +59,13 @@ def random_mixes(shape: MixShape, device: torch.device) -> list[tuple[torch.Tens
     ]
 
 
+Outputs = list[tuple[torch.Tensor, torch.Tensor | None]]  # (block input, inject weights) of each mix
+
+
 def run_mixes(
     shape: MixShape, mixes: list[tuple[torch.Tensor, ...]], streams: torch.Tensor, tiles: MixTiles
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+) -> Outputs:
     return [mix(streams, *weights, shape.streams, EPS, tiles=tiles) for weights in mixes]
-
-
-Outputs = list[tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def time_tiles(
@@ -96,7 +96,6 @@ def tune(shape: MixShape, tokens: Sequence[int], device: torch.device) -> dict:
     generator = torch.Generator(device=device).manual_seed(1)
     width, dtype = shape.streams * shape.hidden, getattr(torch, shape.dtype)
     inputs = {t: torch.randn(t, width, device=device, generator=generator).to(dtype) for t in tokens}
-
     reference = {t: run_mixes(shape, mixes, streams, DEFAULT_MIX_TILES) for t, streams in inputs.items()}
 
     def time_of(tiles: MixTiles) -> dict[int, float]:
