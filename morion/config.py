@@ -23,9 +23,10 @@ SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 PLE_PLACEMENTS = ("ram", "mmap")
 # Routed-expert kernels on CUDA (layers/moe.py): auto is grouped until H200 measurements favour triton.
 MOE_KERNELS = ("auto", "grouped", "triton")
-# Programmatic dependent launch of the Triton kernels (ops/pdl.py): off, the launch overlap, or that and
-# the skinny linears' weights prefetched into L2 before each waits.
-PDL_MODES = ("off", "launch", "prefetch")
+# Programmatic dependent launch of the Triton kernels (ops/pdl.py): auto (prefetch where the device has
+# PDL, else off, silently), off, the launch overlap, or that and the skinny linears' weights prefetched
+# into L2 before each waits.
+PDL_MODES = ("auto", "off", "launch", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
     moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
-    pdl: str = "off"  # Hopper and later: launch | prefetch (ops/pdl.py); off until the H200 measures it
+    pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy

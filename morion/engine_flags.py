@@ -143,7 +143,8 @@ ENGINE_FLAGS = (
         "pdl",
         PDL_MODES,
         "programmatic dependent launch of the Triton kernels (Hopper on): each launched while the one "
-        "before it drains (launch), and the skinny linears' weights sent to L2 meanwhile (prefetch)",
+        "before it drains (launch), and the skinny linears' weights sent to L2 meanwhile (prefetch); "
+        "auto: prefetch where the GPU has it, else off",
     ),
     _choice(
         "speculative",

@@ -121,7 +121,7 @@ def assemble(
     model = loaded.model
     set_moe_kernel(model, config.moe_kernel)
     # Before the warm-up and graph capture, which compile and record the kernels' launches.
-    if set_pdl_mode(config.pdl, device) != config.pdl:
+    if set_pdl_mode(config.pdl, device) != config.pdl and config.pdl != "auto":
         print(
             f"morion: --pdl {config.pdl} needs a CUDA device of compute capability 9.0 or later; off",
             file=sys.stderr,

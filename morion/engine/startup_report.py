@@ -12,6 +12,7 @@ from morion.cache.state_slots import StateSlots
 from morion.cache.tier_stats import CacheStats
 from morion.cache.tiers import CacheTiers
 from morion.config import EngineConfig
+from morion.ops.pdl import pdl_mode
 
 
 def report_startup(
@@ -45,7 +46,11 @@ def report_startup(
     )
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        print(f"morion: CUDA memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free", file=sys.stderr)
+        print(
+            f"morion: CUDA memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "
+            f"programmatic dependent launch {pdl_mode()} (--pdl {config.pdl})",
+            file=sys.stderr,
+        )
     if tiers is None:
         return
     line = (

@@ -16,6 +16,7 @@ wait a kernel may touch only what no kernel writes during a step: weights. A tor
 two of ours is launched the ordinary way, so it waits for the one before it entirely.
 
 Modes (`PDL_MODES`):
+- auto (the default): `AUTO_MODE` where the device has PDL, off elsewhere.
 - off: launches as before; the kernels' PDL code is a constexpr branch that compiles away.
 - launch: the launch overlap alone.
 - prefetch: also the skinny linear's weights (up to `PREFETCH_MAX_BYTES` a call) sent to L2 by each
@@ -45,14 +46,22 @@ L2_LINE_BYTES = 128
 _mode = "off"
 
 
+# What `auto` means where the device has PDL: the H200 measured prefetch fastest (80B decode step at C1
+# 4.30 ms off, 3.80 launch, 3.78 prefetch; Flash-Next 9.28, 8.87, 8.74:
+# results/2026-12-03-h200-session-notes-1504cf1.md).
+AUTO_MODE = "prefetch"
+
+
 def set_pdl_mode(mode: str, device: torch.device) -> str:
     """Sets the process's PDL mode for kernels launched on `device`; returns the mode in effect: "off"
-    wherever PDL does not exist (not CUDA, or compute capability below 9.0)."""
+    wherever PDL does not exist (not CUDA, or compute capability below 9.0), `AUTO_MODE` for auto where
+    it does."""
     global _mode
     if mode not in PDL_MODES:
         raise ValueError(f"pdl mode must be one of {', '.join(PDL_MODES)}, got {mode!r}")
     supported = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    _mode = mode if supported else "off"
+    asked = AUTO_MODE if mode == "auto" else mode
+    _mode = asked if supported else "off"
     return _mode
 
 

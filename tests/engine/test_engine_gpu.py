@@ -83,6 +83,8 @@ def test_pool_is_sized_from_free_memory(small_llama, engine_factory, capfd):
     engine = engine_factory(loaded, device="cuda", kv_cache_tokens=None, mem_fraction=0.5, cuda_graph=False)
     log = capfd.readouterr().err
     assert "activation reserve" in log and "warm-up forward" in log
+    in_effect = "prefetch" if torch.cuda.get_device_capability()[0] >= 9 else "off"  # the default, auto
+    assert f"programmatic dependent launch {in_effect} (--pdl auto)" in log
     free, _ = torch.cuda.mem_get_info()
     pool_bytes = engine.pool.num_bytes
     # Half of what was free after the reserve went to the pool, so about as much is still free.

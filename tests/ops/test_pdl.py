@@ -119,11 +119,26 @@ def restore_mode():
 
 
 def test_pdl_is_off_without_a_hopper_gpu_and_rejects_an_unknown_mode(restore_mode):
-    assert pdl.set_pdl_mode("prefetch", torch.device("cpu")) == "off"
-    assert pdl.launch_options() == {"USE_PDL": False}
-    assert pdl.prefetch_line(torch.empty(16, 16, dtype=torch.float8_e4m3fn)) == 0
-    with pytest.raises(ValueError, match="pdl mode must be one of off, launch, prefetch, got 'on'"):
+    for mode in ("auto", "prefetch"):
+        pdl._mode = "launch"
+        assert pdl.set_pdl_mode(mode, torch.device("cpu")) == "off"
+        assert pdl.launch_options() == {"USE_PDL": False}
+        assert pdl.prefetch_line(torch.empty(16, 16, dtype=torch.float8_e4m3fn)) == 0
+    with pytest.raises(ValueError, match="pdl mode must be one of auto, off, launch, prefetch, got 'on'"):
         pdl.set_pdl_mode("on", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("major", "asked", "in_effect"), [
+    (9, "auto", pdl.AUTO_MODE), (9, "launch", "launch"), (9, "off", "off"), (10, "auto", pdl.AUTO_MODE),
+    (8, "auto", "off"), (8, "prefetch", "off"),
+])  # fmt: skip
+def test_auto_takes_the_measured_mode_where_the_device_has_pdl(
+    monkeypatch, restore_mode, major, asked, in_effect
+):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
+    assert pdl.set_pdl_mode(asked, torch.device("cuda", 0)) == in_effect
+    assert pdl.pdl_mode() == in_effect
+    assert pdl.AUTO_MODE == "prefetch"  # what the H200 measured fastest (ops/pdl.py)
 
 
 def test_launch_options_and_prefetch_follow_the_mode(restore_mode):
@@ -141,7 +156,7 @@ def test_launch_options_and_prefetch_follow_the_mode(restore_mode):
 
 
 def test_the_engine_config_refuses_an_unknown_mode():
-    with pytest.raises(MorionError, match="pdl must be one of off, launch, prefetch, got 'on'"):
+    with pytest.raises(MorionError, match="pdl must be one of auto, off, launch, prefetch, got 'on'"):
         EngineConfig(pdl="on")
 
 
@@ -154,4 +169,13 @@ def test_an_engine_without_a_hopper_gpu_says_pdl_is_off_and_runs(capsys, restore
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    engine.close()
+
+
+def test_the_default_auto_runs_quietly_without_a_hopper_gpu(capsys, restore_mode):
+    config = EngineConfig(model="preset:qwen3-next-tiny", device="cpu", kv_cache_tokens=512)
+    assert config.pdl == "auto"
+    engine = Engine(config)
+    assert "--pdl" not in capsys.readouterr().err
+    assert pdl.pdl_mode() == "off"
     engine.close()
