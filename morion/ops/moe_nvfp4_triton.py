@@ -14,6 +14,18 @@ accumulate in fp32; the global scale x 2^14 multiplies each output once, in the 
 kernels' only roundings are the activations' dtype at the MMA inputs and fp32 sums, where the reference
 rounds each dequantized weight (code x block x global) to the activations' dtype.
 
+Two expansions of the same weights (`Tiles.expand`, chosen per device and shape by ops/moe_tune.py):
+"byte" gathers each code byte's block scale (8 loads and e4m3 conversions of one scale) and "group" loads
+a tile's block scales once each, as a [BLOCK_K / 16, BLOCK_N] tile, and broadcasts them over the codes
+held as [BLOCK_K / 16, 8, BLOCK_N] (merged to the MMA's [BLOCK_K / 2, BLOCK_N] in the same order). Its
+weights are "byte"'s bit for bit, so with `tl.dot` its results are too. Its "gemv" tiles widen the fp16
+weights to fp32 directly ("byte" converts them to the activations' dtype first, exactly but with an F2F
+a weight on the SM's slow conversion unit, then widens those) and keep a [BLOCK_K / 16, 8, BLOCK_N] fp32
+accumulator, summed over K once at the end, not once per K tile: the same exact products in another fp32
+summation order. For the 80B's gate/up "gemv" tile that is ~40% fewer instructions a loop (sm_90 SASS).
+Scaling after the dot (a group's code x activation sums, then x block scale) would add a rounding per
+group and save only the fp16 multiply (two weights an instruction): not done.
+
 Two ways to find a program's rows, the kernels otherwise shared:
 
 - `moe_experts_nvfp4` (decode, speculative verify: up to MAX_PAIRS (token, expert) pairs): the
@@ -38,6 +50,7 @@ import triton.language as tl
 
 from morion.ops.moe_decode_triton import (
     MAX_PAIRS,
+    MMA_GEMV,
     _expert_group,
     _group_rows,
     _mma,
@@ -54,6 +67,12 @@ from morion.ops.pdl import launch_options, wait_for_previous_kernel
 GLOBAL_FACTOR = tl.constexpr(2.0**14)
 # Compiled kernels read only constexpr globals (the interpreter reads any: CPU tests cannot catch this).
 _SCALE_BYTES = tl.constexpr(GROUP_SIZE // 2)  # code bytes per block scale
+_GROUP_COLUMNS = tl.constexpr(GROUP_SIZE)  # weight columns per block scale
+# How the kernels expand codes to weights (`Tiles.expand`): a gathered block scale per code byte, or one
+# load per block scale broadcast over its bytes (with an fp32 CUDA-core GEMV of its own in "gemv" tiles).
+EXPAND_BYTE = tl.constexpr(0)
+EXPAND_GROUP = tl.constexpr(1)
+_EXPAND_MODES = {"byte": EXPAND_BYTE.value, "group": EXPAND_GROUP.value}
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
 
@@ -65,6 +84,16 @@ GROUPED_TILES = Tiles(64, 128, 4, 3)
 
 
 @triton.jit
+def _nibble_halves(packed):
+    """fp16 bit patterns (uint16) of the low and high nibbles' code values x 2^-14 of the code bytes
+    `packed`: sign (code bit 3) to bit 15, magnitude (bits 2-0) to bits 11-9 (subnormals included)."""
+    packed = tl.cast(packed, tl.uint16)
+    even = ((packed & 0x7) << 9) | ((packed & 0x8) << 12)
+    odd = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
+    return even, odd
+
+
+@triton.jit
 def _nvfp4_half_tiles(
     codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn,
     BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
@@ -72,14 +101,11 @@ def _nvfp4_half_tiles(
     """Weights of columns k0 .. k0 + BLOCK_K - 1 for output rows `cols` of one expert's matrix, as two
     [BLOCK_K / 2, BLOCK_N] tiles in DTYPE: the even columns k0 + 2j and the odd ones k0 + 2j + 1 (the low
     and high nibbles of byte k0 / 2 + j), each code x its block scale x 2^-14, exactly (`GLOBAL_FACTOR`
-    undoes the 2^-14)."""
+    undoes the 2^-14). EXPAND_BYTE: each byte loads and converts its own block scale."""
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     mask = (byte < size_k // 2)[:, None] & cols_ok[None, :]
     packed = tl.load(codes_ptr + cols[None, :] * stride_cn + byte[:, None], mask=mask, other=0)
-    packed = tl.cast(packed, tl.uint16)
-    # fp16 bit patterns of code value x 2^-14: sign (code bit 3) to bit 15, magnitude (bits 2-0) to 11-9.
-    even = ((packed & 0x7) << 9) | ((packed & 0x8) << 12)
-    odd = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
+    even, odd = _nibble_halves(packed)
     # Byte j holds columns 2j and 2j + 1: both in block scale 2j // 16 = j // 8.
     scale_ptrs = scales_ptr + cols[None, :] * stride_sn + (byte // _SCALE_BYTES)[:, None]
     scale = tl.cast(tl.load(scale_ptrs, mask=mask, other=0.0), tl.float16)  # e4m3 -> fp16: exact
@@ -89,25 +115,90 @@ def _nvfp4_half_tiles(
 
 
 @triton.jit
+def _nvfp4_group_tiles(
+    codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn,
+    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """`_nvfp4_half_tiles`' weights, each [BLOCK_K / 16, 8, BLOCK_N]: [g, i, n] is byte 8g + i of the
+    tile (columns 16g + 2i and 16g + 2i + 1). EXPAND_GROUP: the tile's block scales load as one
+    [BLOCK_K / 16, BLOCK_N] tile (one address per scale, not per byte) and convert once each, then
+    broadcast over their 8 bytes in registers. The same values as `_nvfp4_half_tiles`, bit for bit."""
+    group = k0 // _GROUP_COLUMNS + tl.arange(0, BLOCK_K // _GROUP_COLUMNS)
+    byte = group[:, None] * _SCALE_BYTES + tl.arange(0, _SCALE_BYTES)[None, :]
+    mask = (byte < size_k // 2)[:, :, None] & cols_ok[None, None, :]
+    packed = tl.load(codes_ptr + cols[None, None, :] * stride_cn + byte[:, :, None], mask=mask, other=0)
+    even, odd = _nibble_halves(packed)
+    scale_mask = (group < size_k // _GROUP_COLUMNS)[:, None] & cols_ok[None, :]
+    scale = tl.load(scales_ptr + cols[None, :] * stride_sn + group[:, None], mask=scale_mask, other=0.0)
+    scale = tl.cast(scale, tl.float16)[:, None, :]  # e4m3 -> fp16: exact, once per block scale
+    w_even = tl.cast(even, tl.float16, bitcast=True) * scale
+    w_odd = tl.cast(odd, tl.float16, bitcast=True) * scale
+    return tl.cast(w_even, DTYPE), tl.cast(w_odd, DTYPE)
+
+
+@triton.jit
 def _rows_times_nvfp4(
     rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N]: the rows at `rows_ptr` ([BLOCK_M, 1] row starts, unit stride along K)
-    times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's)."""
-    acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+    times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's). "gemv"
+    tiles of the group expansion run `_gemv_group`; the others the MMA mode's `_mma` on half tiles."""
+    if EXPAND == EXPAND_GROUP and MMA == MMA_GEMV:
+        acc = _gemv_group(
+            rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+        for k0 in range(0, size_k, BLOCK_K):
+            ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            mask = rows_ok[:, None] & (ks < size_k)[None, :]  # K is even: the odd column is there too
+            a_even = tl.load(rows_ptr + ks[None, :], mask=mask, other=0.0)
+            a_odd = tl.load(rows_ptr + ks[None, :] + 1, mask=mask, other=0.0)
+            if EXPAND == EXPAND_GROUP:
+                w_even, w_odd = _nvfp4_group_tiles(
+                    codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn, BLOCK_K,
+                    a_even.dtype,
+                )  # fmt: skip
+                w_even = tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N))
+                w_odd = tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N))
+            else:
+                w_even, w_odd = _nvfp4_half_tiles(
+                    codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn, BLOCK_K,
+                    a_even.dtype,
+                )  # fmt: skip
+            acc = _mma(a_even, w_even, acc, MMA, DOT_PRECISION)
+            acc = _mma(a_odd, w_odd, acc, MMA, DOT_PRECISION)
+        acc = _rows_first(acc, MMA)
+    return acc
+
+
+@triton.jit
+def _gemv_group(
+    row_ptr, row_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """[1, BLOCK_N] fp32: one row (BLOCK_M = 1) times the matrix's rows `cols`, on the CUDA cores with
+    `_nvfp4_group_tiles`' weights made fp32 straight from fp16 (no detour through the rows' dtype: the
+    same values). Products (activation x code x block scale) are exact in fp32 and accumulate per
+    (byte position, column) over the K tiles, summed over K once at the end: per row, so batch
+    invariant."""
+    acc = tl.zeros((BLOCK_K // _GROUP_COLUMNS, _SCALE_BYTES, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, size_k, BLOCK_K):
-        ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        mask = rows_ok[:, None] & (ks < size_k)[None, :]  # K is even: the odd column is there too
-        a_even = tl.load(rows_ptr + ks[None, :], mask=mask, other=0.0)
-        a_odd = tl.load(rows_ptr + ks[None, :] + 1, mask=mask, other=0.0)
-        w_even, w_odd = _nvfp4_half_tiles(
-            codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn, BLOCK_K, a_even.dtype
+        group = k0 // _GROUP_COLUMNS + tl.arange(0, BLOCK_K // _GROUP_COLUMNS)
+        ks = group[:, None] * _GROUP_COLUMNS + 2 * tl.arange(0, _SCALE_BYTES)[None, :]
+        mask = row_ok[:, None] & (ks < size_k)  # [1, 1] & [BLOCK_K / 16, 8]
+        row_ptrs = row_ptr + ks
+        a_even = tl.cast(tl.load(row_ptrs, mask=mask, other=0.0), tl.float32)
+        a_odd = tl.cast(tl.load(row_ptrs + 1, mask=mask, other=0.0), tl.float32)
+        w_even, w_odd = _nvfp4_group_tiles(
+            codes_ptr, scales_ptr, cols, cols_ok, k0, size_k, stride_cn, stride_sn, BLOCK_K, tl.float32
         )
-        acc = _mma(a_even, w_even, acc, MMA, DOT_PRECISION)
-        acc = _mma(a_odd, w_odd, acc, MMA, DOT_PRECISION)
-    return _rows_first(acc, MMA)
+        acc += a_even[:, :, None] * w_even
+        acc += a_odd[:, :, None] * w_odd
+    return tl.reshape(tl.sum(tl.sum(acc, axis=1), axis=0), (1, BLOCK_N))
 
 
 @triton.jit
@@ -115,7 +206,7 @@ def _gate_up_rows(
     x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
     top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
 ):  # fmt: skip
     """act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for the pairs p (token t = p // top_k) of these rows."""
     x_rows = x_ptr + (pairs // top_k)[:, None] * stride_x
@@ -125,11 +216,11 @@ def _gate_up_rows(
     up_scales = gate_scales + inter_size * stride_sn
     gate = _rows_times_nvfp4(
         x_rows, rows_ok, gate_codes, gate_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
     )  # fmt: skip
     up = _rows_times_nvfp4(
         x_rows, rows_ok, up_codes, up_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
     )  # fmt: skip
     gate = gate * (tl.load(global_ptr + expert * 2) * GLOBAL_FACTOR)
     up = up * (tl.load(global_ptr + expert * 2 + 1) * GLOBAL_FACTOR)
@@ -143,13 +234,13 @@ def _down_rows(
     act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr, expert, cols,
     cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
 ):  # fmt: skip
     """pair_out[p] = routing[p] * (act[p] Wd^T) in fp32 for the pairs p of these rows."""
     acc = _rows_times_nvfp4(
         act_ptr + pairs[:, None] * inter_size, rows_ok, codes_ptr + expert * stride_ce,
         scales_ptr + expert * stride_se, cols, cols_ok, inter_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
     )  # fmt: skip
     routing = tl.cast(tl.load(routing_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
     acc = acc * (tl.load(global_ptr + expert) * GLOBAL_FACTOR) * routing[:, None]
@@ -199,7 +290,8 @@ def _gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, EXPAND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -210,7 +302,7 @@ def _gate_up_kernel(
         _gate_up_rows(
             x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
             top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
-            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
         )  # fmt: skip
 
 
@@ -219,7 +311,8 @@ def _down_kernel(
     act_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, routing_ptr, pair_out_ptr,
     num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, EXPAND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -230,7 +323,7 @@ def _down_kernel(
         _down_rows(
             act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
             expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
-            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
         )  # fmt: skip
 
 
@@ -260,14 +353,18 @@ def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
     """The decode kernels' MMA options for `tiles` (weight-only BF16 math: every mode is exact), with
-    `block_m` rows per MMA tile."""
+    `block_m` rows per MMA tile, and the code expansion (EXPAND)."""
     if tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1):
         # Each half tile (BLOCK_K / 2 columns) is a tl.dot's K: at least 16.
         raise ValueError(f"NVFP4 tiles need BLOCK_K a power of two of at least 32, got {tuple(tiles)}")
+    if tiles.expand not in _EXPAND_MODES:
+        raise ValueError(
+            f"unknown NVFP4 tile expand {tiles.expand!r}: expected one of {sorted(_EXPAND_MODES)}"
+        )
     options = decode_mma_options(tiles, fp8=False)
     if tiles.mma != "gemv":
         options["BLOCK_M"] = block_m
-    return options
+    return {**options, "EXPAND": _EXPAND_MODES[tiles.expand]}
 
 
 def _run(

@@ -24,13 +24,17 @@ class Tiles(NamedTuple):
     rows meet the weights (`mma`): "dot" (tl.dot, 16 token rows on the MMA's M side), "swapped" (tl.dot
     with the operands swapped: the tile's weight columns on the M side, big enough for Hopper's wgmma,
     the few token rows on its N side) or "gemv" (no MMA: one row at a time, fp32 products summed on the
-    CUDA cores). Files written before `mma` existed list four values: the default applies."""
+    CUDA cores). `expand`, read by the NVFP4 kernels only (ops/moe_nvfp4_triton.py): how 4-bit codes
+    become weights, "byte" (each code byte gathers its block scale) or "group" (a tile's block scales
+    loaded once each and broadcast over their 16 columns). Files written before a field existed list
+    fewer values: the defaults apply."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     mma: str = "dot"
+    expand: str = "byte"
 
 
 class ExpertShape(NamedTuple):

@@ -2,7 +2,8 @@
 
     python -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 --dtype fp8
 
-`--dtype nvfp4` tunes the NVFP4 decode kernels (ops/moe_nvfp4_triton.py) the same way.
+`--dtype nvfp4` tunes the NVFP4 decode kernels (ops/moe_nvfp4_triton.py) the same way, each candidate
+tile in both code expansions (`Tiles.expand`: a block scale per byte or per 16-column group).
 
 Random experts of the shape (FP8: quantized per (expert, row); NVFP4: per (expert, projection); as the
 loader does), and for each token
@@ -11,14 +12,17 @@ decode step, not from L2). A candidate's cost is the sum over those token counts
 call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with the
 default down tile, then the down tile with the best gate/up one; then each again over warp counts and
 pipeline depths around the chosen block shapes (`launch_variants`). One tile per kernel for every token
-count (batch invariance: see ops/moe_tiles.py). Prints one line per candidate, writes the JSON with the
-default tiles' and the chosen tiles' timings, and prints its path.
+count (batch invariance: see ops/moe_tiles.py). A candidate's output must agree with the default tiles'
+within `AGREEMENT` (another tile sums in another order, nothing else), or it is refused. Prints one line
+per candidate, writes the JSON with the default tiles' and the chosen tiles' timings, and prints its path.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -57,6 +61,14 @@ def down_candidates(intermediate: int) -> list[Tiles]:
     return TWO_PASS_DOWN_CANDIDATES + [Tiles(64, full, w, 1) for w in (4, 8)]
 
 
+def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
+    """The candidates, and for NVFP4 weights each once more with the codes expanded per block-scale group
+    (`Tiles.expand`: the other kernels ignore it)."""
+    if dtype != "nvfp4":
+        return list(candidates)
+    return [expanded for tiles in candidates for expanded in (tiles, tiles._replace(expand="group"))]
+
+
 def launch_variants(tiles: Tiles) -> list[Tiles]:
     """`tiles` with each warp count and pipeline depth (the first sweeps keep 4 warps): the second round
     of the sweep, around the block shapes it chose. The chosen tile itself comes first."""
@@ -65,6 +77,10 @@ def launch_variants(tiles: Tiles) -> list[Tiles]:
 
 
 ROUTINGS = 20
+# A candidate's output against the default tiles' (relative L2 over a batch): other tiles sum in another
+# fp32 order, so outputs differ by a bf16 ulp here and there (FP8: an activation may round to the next
+# e4m3 value); a code, block scale or row read wrong is O(1).
+AGREEMENT = 2**-7
 
 Experts = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -181,6 +197,23 @@ def best_tiles(
     return best[1], best[2]
 
 
+def disagreement(
+    fn: Callable[..., torch.Tensor],
+    experts: Experts,
+    batches: dict[int, list[Batch]],
+    reference: dict[int, torch.Tensor],
+    **options,
+) -> str | None:
+    """Why `fn` with `options` does not give `reference` (the default tiles' output on each token count's
+    first batch) within `AGREEMENT`, or None."""
+    for t, batch in batches.items():
+        got, want = run_experts(fn, experts, *batch[0], **options).float(), reference[t].float()
+        error = ((got - want).norm() / want.norm()).item()
+        if not error <= AGREEMENT:  # NaN disagrees too
+            return f"T={t}: relative L2 {error:.3g} from the default tiles' output"
+    return None
+
+
 def _sweep(
     fn: Callable[..., torch.Tensor],
     kernel: str,
@@ -188,14 +221,23 @@ def _sweep(
     fixed: dict[str, Tiles],
     experts: Experts,
     batches: dict[int, list[Batch]],
+    reference: dict[int, torch.Tensor],
 ) -> tuple[Tiles, dict[int, float]]:
-    """The best of `candidates` for `kernel` with the other kernel's tile `fixed` (`best_tiles`)."""
+    """The best of `candidates` for `kernel` with the other kernel's tile `fixed` (`best_tiles`); one
+    whose output disagrees with `reference` is refused (never chosen)."""
 
     def time_of(tiles: Tiles) -> dict[int, float]:
         options = {**fixed, f"{kernel}_tiles": tiles}
+        error = disagreement(fn, experts, batches, reference, **options)
+        if error is not None:
+            print(f"moe tune {kernel} {tuple(tiles)}: refused, {error}", file=sys.stderr)
+            return {t: math.inf for t in batches}
         return {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
 
-    return best_tiles(candidates, time_of, f"moe tune {kernel}")
+    chosen, times = best_tiles(candidates, time_of, f"moe tune {kernel}")
+    if math.isinf(sum(times.values())):
+        raise RuntimeError(f"moe tune {kernel}: every candidate disagreed with the default tiles")
+    return chosen, times
 
 
 def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device) -> dict:
@@ -212,14 +254,18 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
         width = experts["gate_up"].element_size()
         defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
     default_us = {t: time_in_graph(fn, experts, b, **defaults) for t, b in batches.items()}
+    reference = {t: run_experts(fn, experts, *b[0], **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
     fp8 = shape.dtype == "fp8"
-    gate_up_candidates = [t for t in GATE_UP_CANDIDATES if exact_mma(t, fp8)]
-    gate_up, _ = _sweep(fn, "gate_up", gate_up_candidates, fixed_down, experts, batches)
-    down_tiles = [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)]
-    down, _ = _sweep(fn, "down", down_tiles, {"gate_up_tiles": gate_up}, experts, batches)
-    gate_up, _ = _sweep(fn, "gate_up", launch_variants(gate_up), {"down_tiles": down}, experts, batches)
-    down, chosen_us = _sweep(fn, "down", launch_variants(down), {"gate_up_tiles": gate_up}, experts, batches)
+    gate_up_candidates = with_expansions([t for t in GATE_UP_CANDIDATES if exact_mma(t, fp8)], shape.dtype)
+    down_tiles = with_expansions(
+        [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)], shape.dtype
+    )
+    sweep = functools.partial(_sweep, fn, experts=experts, batches=batches, reference=reference)
+    gate_up, _ = sweep("gate_up", gate_up_candidates, fixed_down)
+    down, _ = sweep("down", down_tiles, {"gate_up_tiles": gate_up})
+    gate_up, _ = sweep("gate_up", launch_variants(gate_up), {"down_tiles": down})
+    down, chosen_us = sweep("down", launch_variants(down), {"gate_up_tiles": gate_up})
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),

@@ -1,6 +1,7 @@
 """The NVFP4 expert kernels (decode and grouped) against dequantize-then-matmul (`moe_experts_reference`
 with NVFP4 experts), with tiny shapes in Triton's interpreter on the CPU (compiled on a GPU): every MMA
-mode of the decode kernels, an expert with more pairs than one row tile on both paths, fp32 and fp16
+mode of the decode kernels in both code expansions (`Tiles.expand`: the same bits through an MMA) and
+their batch invariance, an expert with more pairs than one row tile on both paths, fp32 and fp16
 activations (the interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), and the grouped
 path's tile table. Each nibble, block scale and global scale enters every output, so a kernel that read
 any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and ~1e-3 (fp16)."""
@@ -70,6 +71,71 @@ def test_decode_kernels_match_dequantize_then_matmul(mode):
     assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
 
 
+# Both expansions (`Tiles.expand`) of every MMA mode: gate/up over two K tiles (H = 64), down over one
+# K tile half past I = 32 (its second block-scale group masked).
+EXPANSIONS = {
+    (mma, expand): dict(
+        gate_up_tiles=Tiles(64 if mma == "swapped" else 32, 32, 4, 1, mma, expand),
+        down_tiles=Tiles(64 if mma == "swapped" else 32, 64, 4, 1, mma, expand),
+    )
+    for mma in ("dot", "swapped", "gemv")
+    for expand in ("byte", "group")
+}
+
+
+@pytest.mark.parametrize("mma", ["dot", "swapped"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_group_expansion_gives_the_byte_expansion_s_bits_through_an_mma(mma, tokens, dtype):
+    """Its weights are the byte expansion's bit for bit, so an MMA of them is too (decode: T = 16 puts up
+    to 5 pairs on an expert)."""
+    experts = nvfp4_experts(8, seed=7)
+    batch = routing(tokens, 8, dtype, seed=tokens)
+    byte = run(moe_experts_nvfp4, experts, *batch, **EXPANSIONS[mma, "byte"])
+    group = run(moe_experts_nvfp4, experts, *batch, **EXPANSIONS[mma, "group"])
+    assert torch.equal(group, byte)
+    assert rel_l2(group, run(moe_experts_reference, experts, *batch)) < (
+        1e-5 if dtype == torch.float32 else 3e-3
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_group_expansion_gemv_matches_dequantize_then_matmul(tokens):
+    """The fp32 GEMV sums the same exact products as the byte expansion's in another order: both at fp32
+    rounding from the reference."""
+    experts = nvfp4_experts(8, seed=8)
+    batch = routing(tokens, 8, torch.float32, seed=tokens)
+    reference = run(moe_experts_reference, experts, *batch)
+    group = run(moe_experts_nvfp4, experts, *batch, **EXPANSIONS["gemv", "group"])
+    assert rel_l2(group, reference) < 1e-5
+    assert rel_l2(group, run(moe_experts_nvfp4, experts, *batch, **EXPANSIONS["gemv", "byte"])) < 1e-5
+
+
+@pytest.mark.parametrize("mma", ["dot", "gemv"])
+def test_grouped_kernels_with_the_group_expansion(mma):
+    experts = nvfp4_experts(8, seed=9)
+    batch = routing(12, 8, torch.float32, seed=10)
+    options = dict(grouped=True, block_m=16, **EXPANSIONS[mma, "group"])
+    out = run(moe_experts_nvfp4, experts, *batch, **options)
+    assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
+    if mma == "dot":
+        byte = run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16, **EXPANSIONS[mma, "byte"])
+        assert torch.equal(out, byte)
+
+
+@pytest.mark.parametrize(("mma", "expand"), EXPANSIONS)
+def test_a_token_result_does_not_depend_on_the_batch(mma, expand):
+    """16 tokens over 4 experts (top-2: 8 pairs an expert on average, sharing row tiles), then tokens
+    alone: the same bits."""
+    experts = nvfp4_experts(4, seed=11)
+    hidden, weights, ids = routing(16, 4, torch.float32, seed=12)
+    batched = run(moe_experts_nvfp4, experts, hidden, weights, ids, **EXPANSIONS[mma, expand])
+    for t in (0, 7, 15):
+        one = (hidden[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        alone = run(moe_experts_nvfp4, experts, *one, **EXPANSIONS[mma, expand])
+        assert torch.equal(alone[0], batched[t])
+
+
 def test_an_expert_with_more_pairs_than_a_tile_fp16():
     """Two experts and top-2: all 17 tokens route to both, 17 pairs per expert, past the decode kernels'
     16-row tile and the 16-row grouped tiles asked for here (two tiles per expert, the second partial)."""
@@ -113,5 +179,7 @@ def test_inputs_the_kernels_cannot_take_are_refused():
     batch = routing(1, 2, torch.float32)
     with pytest.raises(ValueError, match="BLOCK_K a power of two of at least 32"):
         run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 16, 4, 1))
+    with pytest.raises(ValueError, match="unknown NVFP4 tile expand"):
+        run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 32, 4, 1, "dot", "nibble"))
     with pytest.raises(ValueError, match="all four scales"):
         run(moe_experts_nvfp4, {**experts, "down_scale_2": None}, *batch)

@@ -2,7 +2,8 @@
 grouped kernels against dequantize-then-matmul in fp32 and in bf16, replayed in a CUDA graph with new
 routing, batch invariance of the decode kernels, the layer's CUDA paths (never the reference), and
 CUDA-graph timings against the FP8 fused kernels with the TB/s of packed weights read, printed (never
-asserted)."""
+asserted). The decode kernels' tiles (this GPU's tuned file, and the defaults) in both code expansions
+(`Tiles.expand`) are checked and timed each."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from morion.layers.moe import StackedExperts
 from morion.ops.moe import moe_experts_reference
+from morion.ops.moe_tiles import Tiles, device_name, tuned_tiles
 from morion.ops.moe_tune import random_experts, run_experts, time_in_graph
 from tests.ops.conftest import CUDA, HIDDEN, SHAPE, graph_replays_with_new_routings, make_moe_batch, rel_l2
 
@@ -40,6 +42,35 @@ def grouped(*args, **options) -> torch.Tensor:
 KERNELS = {"decode": decode, "grouped": grouped}
 
 
+def decode_tiles() -> dict[str, dict[str, Tiles]]:
+    """The decode kernels' tiles: this GPU's tuned file for the shape (when it has one) and the defaults,
+    each in both code expansions: {"tuned group": {"gate_up_tiles": ..., "down_tiles": ...}, ...}."""
+    from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES
+
+    tiles = {"defaults": (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)}
+    tuned = tuned_tiles(device_name(torch.cuda.current_device()), SHAPE._replace(dtype="nvfp4"))
+    if tuned is not None:
+        tiles["tuned"] = tuned
+    return {
+        f"{name} {expand}": {
+            "gate_up_tiles": gate_up._replace(expand=expand),
+            "down_tiles": down._replace(expand=expand),
+        }
+        for name, (gate_up, down) in tiles.items()
+        for expand in ("byte", "group")
+    }
+
+
+VARIANTS = ["defaults byte", "defaults group", "tuned byte", "tuned group"]
+
+
+def variant_tiles(name: str) -> dict[str, Tiles]:
+    tiles = decode_tiles()
+    if name not in tiles:
+        pytest.skip(f"no {name.split()[0]} tiles on {torch.cuda.get_device_name()}")
+    return tiles[name]
+
+
 @pytest.mark.parametrize(
     ("kernel", "tokens"),
     [("decode", 1), ("decode", 4), ("decode", 16), ("decode", 64), ("grouped", 16), ("grouped", 300)],
@@ -58,6 +89,23 @@ def test_kernels_match_dequantize_then_matmul(nvfp4_experts, kernel, tokens):
     assert rel_l2(out, exact) < rel_l2(bf16, exact) + 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_expansion_matches_dequantize_then_matmul(nvfp4_experts, variant, tokens):
+    """As above for each decode tile and expansion; through an MMA the group expansion gives the byte
+    expansion's bits (the same weights), its GEMV the same exact products summed in another order."""
+    tiles = variant_tiles(variant)
+    hidden, weights, ids = make_moe_batch(tokens, seed=tokens)
+    out = run_experts(decode, nvfp4_experts, hidden, weights, ids, **tiles)
+    exact = run_experts(moe_experts_reference, nvfp4_experts, hidden.float(), weights.float(), ids)
+    bf16 = run_experts(moe_experts_reference, nvfp4_experts, hidden, weights, ids)
+    assert rel_l2(out, exact) < 6e-3
+    assert rel_l2(out, exact) < rel_l2(bf16, exact) + 1e-3
+    byte = {name: t._replace(expand="byte") for name, t in tiles.items()}
+    if all(t.mma != "gemv" for t in tiles.values()):
+        assert torch.equal(out, run_experts(decode, nvfp4_experts, hidden, weights, ids, **byte))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernels_replay_in_a_cuda_graph_with_new_routing(nvfp4_experts, kernel):
     step = KERNELS[kernel]
@@ -66,12 +114,15 @@ def test_kernels_replay_in_a_cuda_graph_with_new_routing(nvfp4_experts, kernel):
         assert torch.equal(replayed, run_experts(step, nvfp4_experts, *batch))  # deterministic kernels
 
 
-def test_a_token_result_does_not_depend_on_the_batch(nvfp4_experts):
+@pytest.mark.parametrize("variant", ["default", *VARIANTS])
+def test_a_token_result_does_not_depend_on_the_batch(nvfp4_experts, variant):
+    tiles = {} if variant == "default" else variant_tiles(variant)
     hidden, weights, ids = make_moe_batch(16, seed=5)
     ids[1:4, 0] = ids[0, 0]  # tokens sharing an expert share its row tile
-    batched = run_experts(decode, nvfp4_experts, hidden, weights, ids)
+    batched = run_experts(decode, nvfp4_experts, hidden, weights, ids, **tiles)
     for t in (0, 2, 15):
-        alone = run_experts(decode, nvfp4_experts, hidden[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        one = (hidden[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        alone = run_experts(decode, nvfp4_experts, *one, **tiles)
         assert torch.equal(alone[0], batched[t])
 
 
@@ -108,13 +159,15 @@ def test_timings_against_fp8(nvfp4_experts, moe_experts, capsys):
     lines = []
     for tokens in (1, 4, 16):
         batches = [make_moe_batch(tokens, seed=100 + i) for i in range(20)]
-        nvfp4 = time_in_graph(decode, nvfp4_experts, batches)
         fp8 = time_in_graph(moe_experts_triton, moe_experts["fp8"], batches)
-        rate = packed_bytes(nvfp4_experts, batches) / (nvfp4 * 1e-6) / 1e12
-        lines.append(
-            f"moe nvfp4 T={tokens}: decode kernels {nvfp4:.1f} us ({rate:.2f} TB/s of packed weights), "
-            f"fp8 fused {fp8:.1f} us, fp8/nvfp4 {fp8 / nvfp4:.2f}x"
-        )
+        for variant, tiles in {"default": {}, **decode_tiles()}.items():
+            nvfp4 = time_in_graph(decode, nvfp4_experts, batches, **tiles)
+            rate = packed_bytes(nvfp4_experts, batches) / (nvfp4 * 1e-6) / 1e12
+            listed = ", ".join(f"{name} {tuple(t)}" for name, t in tiles.items()) or "as the layer runs"
+            lines.append(
+                f"moe nvfp4 T={tokens} {variant}: decode kernels {nvfp4:.1f} us ({rate:.2f} TB/s of packed "
+                f"weights), fp8 fused {fp8:.1f} us, fp8/nvfp4 {fp8 / nvfp4:.2f}x [{listed}]"
+            )
     for tokens in (256, 1024):
         batches = [make_moe_batch(tokens, seed=200 + i) for i in range(3)]
         us = time_in_graph(grouped, nvfp4_experts, batches)

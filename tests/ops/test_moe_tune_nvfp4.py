@@ -1,0 +1,28 @@
+"""The tuner's NVFP4 candidates (both code expansions) and its agreement check, on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from morion.ops.moe_tune import AGREEMENT, GATE_UP_CANDIDATES, disagreement, with_expansions
+
+
+def test_nvfp4_candidates_come_in_both_expansions_and_other_dtypes_keep_theirs():
+    nvfp4 = with_expansions(GATE_UP_CANDIDATES, "nvfp4")
+    assert len(nvfp4) == len(set(nvfp4)) == 2 * len(GATE_UP_CANDIDATES)
+    assert {t._replace(expand="byte") for t in nvfp4} == set(GATE_UP_CANDIDATES)
+    assert {t.expand for t in nvfp4} == {"byte", "group"}
+    assert with_expansions(GATE_UP_CANDIDATES, "fp8") == GATE_UP_CANDIDATES
+
+
+def test_a_candidate_off_the_default_tiles_output_is_refused():
+    experts = {"gate_up": torch.zeros(1), "down": torch.zeros(1)}
+    batches = {t: [(torch.ones(t, 8), torch.ones(t, 1), torch.zeros(t, 1))] for t in (1, 4)}
+    reference = {t: torch.linspace(1, 2, 8 * t).view(t, 8) for t in batches}
+
+    def experts_fn(hidden, gate_up, down, weights, ids, *, error: float) -> torch.Tensor:
+        return reference[hidden.shape[0]] * (1 + error)
+
+    assert disagreement(experts_fn, experts, batches, reference, error=AGREEMENT / 2) is None
+    assert "T=1: relative L2" in disagreement(experts_fn, experts, batches, reference, error=2 * AGREEMENT)
+    assert disagreement(experts_fn, experts, batches, reference, error=float("nan")) is not None
