@@ -58,6 +58,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: e4m3 K/V with per-layer scales
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
+    # Token buckets of piecewise prefill graphs (runner/prefill_graph.py): a prefill forward of up to the
+    # largest replays the smallest bucket that holds it. Empty (off) until the H200 measures them.
+    prefill_graph_tokens: tuple[int, ...] = ()
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
     moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
@@ -111,6 +114,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise MorionError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        buckets = self.prefill_graph_tokens
+        if list(buckets) != sorted(set(buckets)) or any(not 0 < b <= self.chunk_size for b in buckets):
+            raise MorionError(
+                f"prefill_graph_tokens must be distinct token counts in increasing order, each in [1, "
+                f"chunk_size {self.chunk_size}], got {','.join(map(str, buckets))}"
             )
         if self.activation_reserve_gb is not None and self.activation_reserve_gb < 0:
             raise MorionError(f"activation_reserve_gb must be >= 0, got {self.activation_reserve_gb}")

@@ -44,6 +44,22 @@ def bounded(kind: Callable[[str], float], minimum: float, name: str) -> Callable
     return parse
 
 
+def token_counts(name: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated positive integers, in increasing order as given, with one-line
+    errors."""
+    count = bounded(int, 1, name)
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(int(count(part)) for part in text.split(",") if part.strip())
+        if list(values) != sorted(set(values)):
+            raise argparse.ArgumentTypeError(
+                f"{name} must list distinct counts in increasing order, got {text}"
+            )
+        return values
+
+    return parse
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineFlag:
     field: str  # the EngineConfig field it sets
@@ -128,6 +144,11 @@ ENGINE_FLAGS = (
     _choice("kv_cache_dtype", KV_CACHE_DTYPES, "K/V pool dtype (auto: the model dtype)"),
     _switch("cuda_graph", "--no-cuda-graph", False, "run decode steps eagerly (debugging)"),
     _number("cuda_graph_max_batch", int, 1, "largest decode batch captured in a CUDA graph (64)"),
+    EngineFlag(
+        "prefill_graph_tokens",
+        "token buckets of piecewise prefill CUDA graphs, e.g. 512,1024,2048 (default: none, prefill eager)",
+        kwargs={"type": token_counts("--prefill-graph-tokens"), "metavar": "N,N,..."},
+    ),
     _number(
         "activation_reserve_gb",
         float,

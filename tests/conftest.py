@@ -176,6 +176,9 @@ class OneSequenceBackend:
 
     verify_slots = None  # never a speculative verify forward
 
+    def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
+        return op(self, *inputs)
+
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         """One zeroed slot per (component, layer), made on first use; what the kernels leave is dropped."""
         key = (component, linear_ordinal)

@@ -41,6 +41,7 @@ EXAMPLES = {
     "kv_cache_dtype": ("fp8", "fp8", []),
     "cuda_graph": (None, False, []),
     "cuda_graph_max_batch": ("8", 8, []),
+    "prefill_graph_tokens": ("256,1024", (256, 1024), []),
     "activation_reserve_gb": ("1.5", 1.5, []),
     "moe_kernel": ("triton", "triton", []),
     "pdl": ("prefetch", "prefetch", []),

@@ -25,8 +25,9 @@ cuBLAS's GEMM and a row-scale kernel, two.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,10 @@ from morion.ops.skinny_tiles import linear_forward
 logger = logging.getLogger(__name__)
 
 OUTPUT_GATES = ("sigmoid", "silu")
+
+# A conv and delta rule (`GatedDeltaNet._mix_cuda` / `_mix_reference`): (key width, value width, backend,
+# conv input, b, a) -> out [T, HV, Dv].
+Mix = Callable[[int, int, HybridBackend, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Projections(NamedTuple):
@@ -158,23 +163,51 @@ class GatedDeltaNet(nn.Module):
         verify_slots = backend.verify_slots
         if verify_slots is not None:
             return self._forward_verify(x, backend, verify_slots, quantized)
-        if x.is_cuda:
-            return self._forward_cuda(x, backend, quantized)
-        log_once(logger, f"Gated DeltaNet on {x.device.type}: pure-torch references (no in-place kernels)")
-        tokens = x.shape[0]
+        mix = self._mix_cuda if x.is_cuda else self._mix_reference
+        return self._forward_mixing(mix, x, backend, quantized)
+
+    def _forward_mixing(
+        self, mix: Mix, x: torch.Tensor, backend: HybridBackend, quantized: QuantizedRows | None = None
+    ) -> torch.Tensor:
+        """The forward with `mix` (`_mix_cuda` or `_mix_reference`) as its conv and delta rule: they read
+        the batch's sequence layout and update the state slots, the part a piecewise prefill graph runs
+        eagerly between its pieces (`HybridBackend.outside_graph`). They take only the conv's columns of
+        qkv (Qwen3-Next's z columns stay with the output gate)."""
+        projections = self.project(x, quantized)
+        qkv = projections.qkv
+        op = functools.partial(mix, qkv.key_width, qkv.value_width)
+        conv_input = qkv.x[..., : 2 * qkv.key_width + qkv.value_width]
+        out = backend.outside_graph(op, conv_input, projections.b, projections.a)
+        return self._gate_and_project(out, projections.z)
+
+    def _mix_reference(
+        self,
+        key_width: int,
+        value_width: int,
+        backend: HybridBackend,
+        conv_input: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+    ) -> torch.Tensor:
+        """The causal conv and the gated delta rule by the references, through `read_state` /
+        `write_state`: out [T, HV, Dv]. `conv_input` is `GroupedChannels.x` of `project`'s qkv cut to the
+        conv's columns (`key_width`, `value_width` per group); b and a as `project` gives them."""
+        log_once(
+            logger, f"Gated DeltaNet on {conv_input.device.type}: pure-torch references (no in-place kernels)"
+        )
+        qkv = GroupedChannels(conv_input, key_width, value_width)
+        tokens = conv_input.shape[0]
         ranges = list(backend.query_ranges)
         cu_seqlens = _cu_seqlens(ranges, tokens)
         decode_only = all(length == 1 for _, length in ranges)
-        mixed_qkv, z, b, a = self.project(x, quantized).head_major()
-
-        mixed_qkv = self._conv(mixed_qkv, ranges, decode_only, backend)
+        mixed_qkv = self._conv(qkv.flat(), ranges, decode_only, backend)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
+        beta = b.reshape(tokens, -1).sigmoid()
         # fp32: in bf16, exp(A_log) * softplus(...) loses the decay's precision (and fp16 overflows).
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, -1).float() + self.dt_bias)
 
         state = backend.read_state("recurrent", self.linear_ordinal)
         if decode_only:
@@ -192,26 +225,34 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
             out = out[0]
         backend.write_state("recurrent", self.linear_ordinal, new_state.to(state.dtype))
+        return out
 
-        return self._gate_and_project(out, z)
-
-    def _forward_cuda(
-        self, x: torch.Tensor, backend: HybridBackend, quantized: QuantizedRows | None = None
+    def _mix_cuda(
+        self,
+        key_width: int,
+        value_width: int,
+        backend: HybridBackend,
+        conv_input: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
     ) -> torch.Tensor:
-        """The in-place path: every state is read from and written back to its pool slot by the kernels.
+        """`_mix_reference`'s contract by in-place kernels: every state is read from and written back to
+        its pool slot by the kernels.
 
         A decode step (`backend.decode_only`) is CUDA-graph capturable: it reads only the backend's
         device tensors (`state_indices`, the pools), never syncs with the host and makes no tensor
-        from Python data. Prefill is not captured; it passes fla the host copy of cu_seqlens. Short
-        chunks (every sequence at most SHORT_CHUNK_TOKENS new tokens: a prompt's tail after its last page
-        boundary, which the engine runs in forwards of their own) step token by token in our kernel
-        rather than fla's autotuned one, so their result is the same in every batch and every process.
+        from Python data. Prefill is not captured (a piecewise prefill graph runs it between its
+        pieces); it passes fla the host copy of cu_seqlens. Short chunks (every sequence at most
+        SHORT_CHUNK_TOKENS new tokens: a prompt's tail after its last page boundary, which the engine
+        runs in forwards of their own) step token by token in our kernel rather than fla's autotuned
+        one, so their result is the same in every batch and every process.
         """
         # Imported here: Triton (and fla) are only needed, and on CPU installs only present, for CUDA.
         from morion.ops.causal_conv1d_triton import causal_conv1d_update_, causal_conv1d_varlen_
         from morion.ops.gated_delta_rule_triton import fused_gdn_chunks_, fused_gdn_decode_, gdn_prefill_
 
-        tokens = x.shape[0]
+        qkv = GroupedChannels(conv_input, key_width, value_width)
+        tokens = conv_input.shape[0]
         decode_only = backend.decode_only
         short = max((length for _, length in backend.query_ranges), default=0) <= SHORT_CHUNK_TOKENS
         state_indices = backend.state_indices
@@ -219,7 +260,6 @@ class GatedDeltaNet(nn.Module):
         recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
         weight = self.conv1d.weight[:, 0, :]
         scale = self.head_k_dim**-0.5
-        qkv, z, b, a = self.project(x, quantized)
 
         if decode_only:
             log_once(
@@ -235,21 +275,19 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
         if decode_only:
-            out = fused_gdn_decode_(
+            return fused_gdn_decode_(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, scale
             )
-        elif short:
+        if short:
             log_once(logger, "Gated DeltaNet short chunks: Triton varlen conv + token-by-token fused steps")
-            out = fused_gdn_chunks_(
+            return fused_gdn_chunks_(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
                 scale,
             )  # fmt: skip
-        else:
-            out = gdn_prefill_(
-                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
-                scale, cu_seqlens_cpu=_cu_seqlens(list(backend.query_ranges), tokens),
-            )  # fmt: skip
-        return self._gate_and_project(out, z)
+        return gdn_prefill_(
+            q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, backend.cu_seqlens,
+            scale, cu_seqlens_cpu=_cu_seqlens(list(backend.query_ranges), tokens),
+        )  # fmt: skip
 
     def _forward_verify(
         self,

@@ -17,7 +17,7 @@ and live on the model's device, so a captured CUDA graph replays them without ho
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -67,6 +67,15 @@ class HybridBackend(AttentionBackend, Protocol):
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         """[num_slots, *component shape]: the storage itself. Kernels read row `state_indices[n]` before
         sequence n's tokens and leave it holding the state after them (in place)."""
+        ...
+
+    def outside_graph(self, op: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """`op(self, *inputs)`: the part of a layer that reads the batch's sequence layout or updates
+        cache memory through it (Gated DeltaNet's conv and delta rule). Every input and the result have
+        the batch's tokens as their first dimension. A piecewise prefill graph (runner/piecewise_graph.py)
+        runs it eagerly between its captured pieces, with the live batch's metadata and its tokens' rows
+        of the inputs; its result is valid until the next call, and `op` may read from the backend only
+        what it is given as `self` (never a backend it closed over)."""
         ...
 
     @property

@@ -4,6 +4,7 @@ write of that memory ordered after the copies it depends on (`runner/restore_wai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -67,6 +68,9 @@ class PagedAttentionBackend:
         if self._batch.state_indices is None:
             raise RuntimeError("this model keeps per-request state but the engine gave it no state slots")
         return self._batch.state_indices
+
+    def outside_graph(self, op: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        return op(self, *inputs)
 
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         if self._state_slots is None:

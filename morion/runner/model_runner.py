@@ -4,8 +4,10 @@
 verify forward, and the warm-up (runner/warmup.py) runs `forward_eager` on scratch memory. Whether a
 forward replays a CUDA graph or runs eagerly is decided in `ModelRunner._run` alone: a graph when one was
 captured for the batch's shape (runner/cuda_graph.py: decode buckets, and verify graphs per draft
-width), eagerly otherwise. Host/disk restores still copying in are waited for there too: an eager
-forward's backend waits layer by layer (runner/restore_wait.py), a replay waits for all of them first.
+width; runner/prefill_graph.py: piecewise prefill graphs per token bucket), eagerly otherwise.
+Host/disk restores still copying in are waited for there too: an eager forward's backend waits layer by
+layer (runner/restore_wait.py), and so do a piecewise replay's eager calls (its pieces touch no cache
+memory); a decode or verify replay waits for all of them first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import ForwardBatch
 from morion.runner.host_to_device import to_device
+from morion.runner.prefill_graph import PrefillGraphRunner
 from morion.runner.profile_ranges import FORWARD, LM_HEAD, ProfileRanges
 from morion.runner.restore_wait import RestoreWaits
 
@@ -75,6 +78,7 @@ class ModelRunner:
         self.scratch_slots = scratch_slots
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
+        self.prefill_graphs: PrefillGraphRunner | None = None
         self.ranges = ProfileRanges()  # named profiler ranges, on only while profiling
         # Rank 0 of a tensor-parallel engine: each forward and each logits gather is sent to the follower
         # ranks first (their collectives meet rank 0's), with the device work queued before it.
@@ -127,7 +131,7 @@ class ModelRunner:
     ) -> Forward:
         """The one place that picks a graph replay or an eager forward (inside the profiler's forward range
         while profiling). Graphs take sequence indices as positions: a forward with images (positions per
-        axis) runs eagerly."""
+        axis) runs eagerly. A prefill forward replays piecewise graphs where its tokens fit a bucket."""
         with self.ranges.region(FORWARD):
             if images is None and graph is not None and graph.can_run(batch):
                 # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
@@ -140,6 +144,9 @@ class ModelRunner:
             if restores:
                 components = [c.name for c in self.pool.spec.token_components]
                 waits = RestoreWaits(restores, components)
+            prefill = self.prefill_graphs
+            if images is None and verify_slots is None and prefill is not None and prefill.can_run(batch):
+                return Forward(prefill.run(batch, waits), None)
             hidden = forward_eager(
                 self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits, images
             )
@@ -150,14 +157,14 @@ class ModelRunner:
         """Profiler ranges on (runner/profile_ranges.py) for the duration. `by_module`: every model part
         of a known kind in a range of its own, and every forward eager meanwhile (a graph replay runs no
         Python, so no hook would fire); the graphs come back afterwards."""
-        graphs = self.decode_graphs, self.verify_graphs
+        graphs = self.decode_graphs, self.verify_graphs, self.prefill_graphs
         if by_module:
-            self.decode_graphs, self.verify_graphs = None, {}
+            self.decode_graphs, self.verify_graphs, self.prefill_graphs = None, {}, None
         try:
             with self.ranges.on(self.model if by_module else None):
                 yield
         finally:
-            self.decode_graphs, self.verify_graphs = graphs
+            self.decode_graphs, self.verify_graphs, self.prefill_graphs = graphs
 
     # ------------------------------------------------------------------ capture
     def capture_decode_graphs(self, max_batch: int, max_pages: int) -> None:
@@ -184,6 +191,27 @@ class ModelRunner:
             return False
         self.verify_graphs[query_len] = runner
         return True
+
+    def capture_prefill_graphs(self, buckets: Sequence[int]) -> None:
+        """Piecewise prefill graphs for forwards of up to max(`buckets`) tokens (runner/prefill_graph.py);
+        prefill runs eagerly where capture fails (a layer that reads the batch's layout outside
+        `attend` and `outside_graph`, or a path that syncs with the host)."""
+        scratch_slot = self.scratch_slots[0] if self.scratch_slots else None
+        graphs = PrefillGraphRunner(
+            self.model,
+            self.pool,
+            self.state_slots,
+            self.kv_scales,
+            buckets,
+            self.scratch_pages[0],
+            scratch_slot,
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as error:
+            report_capture_failure("piecewise prefill CUDA graph capture FAILED, prefill runs eagerly", error)
+            return
+        self.prefill_graphs = graphs
 
     def _graph_runner(self, max_batch: int, max_pages: int, query_len: int = 1) -> DecodeGraphRunner:
         """Graphs over this runner's model and memory, their padding rows in the scratch page and slot."""

@@ -40,6 +40,9 @@ class PoolBackend:
 
     verify_slots = None  # never a speculative verify forward
 
+    def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
+        return op(self, *inputs)
+
     def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
         return self.pools[component]
 

@@ -434,7 +434,7 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
     DEVICE == "cuda", reason="on a GPU, test_gdn_gpu.py runs the layer against the CPU reference"
 )
 def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
-    """`GatedDeltaNet._forward_cuda` (the in-place kernels; it needs no CUDA itself, only fla, stood in
+    """`GatedDeltaNet._mix_cuda` (the in-place kernels; it needs no CUDA itself, only fla, stood in
     for here) against the reference path on one pool: a prefill of 20, 0, 2 and 1 tokens (fla's chunked
     kernel; the 2- and 1-token ones keep part of their conv window), 3 decode steps, then short chunks
     continuing all four (our token-by-token kernel)."""
@@ -457,7 +457,7 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
         for lengths in ([20, 0, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 4]):
             x = torch.randn(sum(lengths), 32, generator=gen)
             ref_out = layer(x, pool_backend(reference_pools, slots, lengths))
-            out = layer._forward_cuda(x, pool_backend(fast_pools, slots, lengths))
+            out = layer._forward_mixing(layer._mix_cuda, x, pool_backend(fast_pools, slots, lengths))
             torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
             for component, pool in fast_pools.items():
                 torch.testing.assert_close(pool, reference_pools[component], atol=1e-5, rtol=0)
@@ -465,5 +465,6 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     # A second forward of the same bounds hands fla the very same metadata (its memo hits; no rebuild).
     with torch.no_grad():
         lengths = [20, 0, 2, 1]
-        layer._forward_cuda(torch.randn(23, 32, generator=gen), pool_backend(fast_pools, slots, lengths))
+        x = torch.randn(23, 32, generator=gen)
+        layer._forward_mixing(layer._mix_cuda, x, pool_backend(fast_pools, slots, lengths))
     assert len(reference_fla) == 2 and reference_fla[1] is reference_fla[0]
