@@ -28,7 +28,12 @@ CONFIG_DIR = Path(__file__).parent / "hc_configs"
 class MixTiles(NamedTuple):
     """Kernel 1 (`_down_kernel`): down_block_n rows of [W_down; W_inject] per program, its stream's H
     columns in down_block_k steps, down_warps warps. Kernel 2 (`_up_mix_kernel`): up_block_c hidden
-    columns per program (n * up_block_c rows of W_up), R in up_block_r steps, up_warps warps."""
+    columns per program (n * up_block_c rows of W_up), R in up_block_r steps, up_warps warps.
+
+    *_stages: the software pipelining of those loops (Triton's `tl.range(num_stages=...)`): with S > 1 a
+    program copies the loads of S - 1 steps ahead into shared memory (cp.async) while it multiplies the
+    current one, so up to S - 1 steps' bytes are in flight at once instead of one step's; 1 is the plain
+    loop, each step waiting for its loads. The sums are the same at any depth."""
 
     down_block_n: int = 4
     down_block_k: int = 512
@@ -36,6 +41,8 @@ class MixTiles(NamedTuple):
     up_block_c: int = 16
     up_block_r: int = 32
     up_warps: int = 4
+    down_stages: int = 1
+    up_stages: int = 1
 
 
 DEFAULT_MIX_TILES = MixTiles()

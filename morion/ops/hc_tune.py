@@ -26,14 +26,29 @@ from morion.ops.hc_tiles import CONFIG_DIR, DEFAULT_MIX_TILES, MixShape, MixTile
 from morion.ops.hyper_connection_triton import mix
 from morion.ops.moe_tune import best_tiles, graph_microseconds, write_tuned
 
-# Kernel 1: rows per program x K step x warps; kernel 2: hidden columns per program x R step x warps. The
-# accumulators are [4 tokens, rows, step] fp32 (kernel 2: rows of the n streams): at most 128 a thread.
+# Kernel 1: rows per program x K step x warps x pipeline stages; kernel 2: hidden columns per program x R
+# step x warps x stages. The accumulators are [4 tokens, rows, step] fp32 (kernel 2: rows of the n streams):
+# at most 128 a thread; 8 warps only for tiles of at least 16 a thread. Stages 1 (the plain loop), 3 and 6:
+# at Flash-Next's shape 6 puts a whole stream's K (5 steps of 512) or the whole R (5 steps of 64) in flight
+# at once, 3 the whole loop at steps of 1024 or 128. Rows per program from 2 (644 kernel-1 programs, ~5 an
+# SM of the H200's 132) to 8; columns from 4 (640 kernel-2 programs) to 16 (160). Kernel 2 also takes all
+# of R in one step (512 > 320, masked), its loads then all issued together.
 DOWN_CANDIDATES = [
-    (n, k, w) for n in (1, 2, 4, 8) for k in (256, 512, 1024, 2048, 4096) for w in (4, 8) if n * k <= 1024 * w
+    (n, k, w, s)
+    for n in (2, 4, 8)
+    for k in (256, 512, 1024)
+    for w in (4, 8)
+    for s in (1, 3, 6)
+    if 512 * w <= n * k <= 1024 * w or (w == 4 and n * k <= 4096)
 ]
 UP_CANDIDATES = [
-    (c, r, w) for c in (2, 4, 8, 16, 32) for r in (16, 32, 64, 128, 256) for w in (4, 8) if c * r <= 256 * w
-]
+    (c, r, w, s)
+    for c in (4, 8, 16)
+    for r in (32, 64, 128)
+    for w in (4, 8)
+    for s in (1, 3, 6)
+    if 128 * w <= c * r <= 256 * w or (w == 4 and c * r <= 1024)
+] + [(2, 512, 4, 2), (4, 512, 8, 2)]
 ROTATIONS = 8
 EPS = 1e-6
 TOLERANCE = 2**-6  # absolute and relative: a few bf16 ulps of values of order one
@@ -107,11 +122,13 @@ def tune(shape: MixShape, tokens: Sequence[int], device: torch.device) -> dict:
 
     default_us = time_of(DEFAULT_MIX_TILES)
     down = [
-        DEFAULT_MIX_TILES._replace(down_block_n=n, down_block_k=k, down_warps=w)
-        for n, k, w in DOWN_CANDIDATES
+        DEFAULT_MIX_TILES._replace(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
+        for n, k, w, s in DOWN_CANDIDATES
     ]
     chosen, _ = best_tiles(down, time_of, "hc tune down")
-    up = [chosen._replace(up_block_c=c, up_block_r=r, up_warps=w) for c, r, w in UP_CANDIDATES]
+    up = [
+        chosen._replace(up_block_c=c, up_block_r=r, up_warps=w, up_stages=s) for c, r, w, s in UP_CANDIDATES
+    ]
     chosen, chosen_us = best_tiles(up, time_of, "hc tune up")
     if math.isinf(sum(chosen_us.values())):
         raise RuntimeError("hc tune: every candidate disagreed with the default tiles")

@@ -17,7 +17,12 @@ with streams [T, n * H], W_down [R, n * H], W_up [n * H, R], W_inject [n, n * H]
    the inject weights 2 * sigmoid(inject / n) [T, n] from their partials.
 
 Every weight byte is read once per token block (a call at T <= BLOCK_T reads each once), spread over
-hundreds of programs that each stream a few tens of KiB, rather than one program per token row. The
+hundreds of programs that each stream a few tens of KiB, rather than one program per token row. A plain
+loop over K (or R) keeps one step's loads in flight per program, each step waiting for its own: at 2 to
+5 programs an SM that is ~10 KiB in flight, where Hopper's HBM needs ~40 KiB an SM. Tiles with stages > 1
+pipeline the loops (cp.async into shared memory, `STAGES - 1` steps ahead; kernel 2's n partial loads
+then unrolled into the loop body, which Triton pipelines only without a nested loop): at Flash-Next's
+shape 6 stages put a program's whole weight slice in flight at once. The tuner chooses (ops/hc_tune.py). The
 token block is small (4 rows) because masked rows still cost FMAs on the CUDA cores; the price is a
 re-read of the weights (mostly from L2) per block, which makes the eager path faster beyond 32 tokens.
 
@@ -64,7 +69,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_T = 4  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
 # The other tiles are the device's tuned ones (ops/hc_tiles.py); the defaults: 4 rows of [W_down; W_inject]
 # per kernel-1 program, (R / 4 + 1) * n = 324 programs at Flash-Next's shape, K in steps of 512; 16 hidden
-# columns per kernel-2 program (n * 16 rows of W_up, 40 KiB), 160 programs, R in steps of 32.
+# columns per kernel-2 program (n * 16 rows of W_up, 40 KiB), 160 programs, R in steps of 32; both loops
+# unpipelined.
 
 
 @triton.jit
@@ -90,7 +96,8 @@ def _sigmoid(x):
 def _down_kernel(
     streams_ptr, norm_w_ptr, down_w_ptr, inject_w_ptr, partial_ptr, rstd_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_hidden, eps,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     block = tl.program_id(0)
@@ -102,7 +109,7 @@ def _down_kernel(
     dtype = streams_ptr.dtype.element_ty
 
     squares = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
+    for start in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         k = start + depth
         mask = tokens_ok[:, None] & (k[None, :] < hidden)
         x = tl.cast(tl.load(row_ptrs + k[None, :], mask=mask, other=0.0), tl.float32)
@@ -127,7 +134,7 @@ def _down_kernel(
         cols = lowrank + rows
     width = hidden * hc_count
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
+    for start in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         k = start + depth
         k_ok = k < hidden
         x = tl.load(row_ptrs + k[None, :], mask=tokens_ok[:, None] & k_ok[None, :], other=0.0)
@@ -145,13 +152,23 @@ def _down_kernel(
 
 
 @triton.jit
-def _summed_partials(partial_ptr, tokens, cols, mask, num_tokens, hc_count, out_rows):
+def _summed_partials(
+    partial_ptr, tokens, cols, mask, num_tokens, hc_count, out_rows, UNROLLED: tl.constexpr
+):  # fmt: skip
     """The n streams' partial sums of output columns `cols` [1, C] for `tokens` [BLOCK_T, 1], added in
-    stream order in fp32: the GEMV's result before its rounding."""
+    stream order in fp32: the GEMV's result before its rounding. UNROLLED (a power of two >= n, or 0 for
+    a loop over n): the n loads as straight-line code, where a loop pipelined around this call issues
+    them ahead with its own (Triton does not pipeline a loop holding another loop); the streams past n
+    add masked zeros, the same sums."""
     total = tl.zeros(mask.shape, dtype=tl.float32)
-    for stream in range(0, hc_count):
-        offsets = (stream * num_tokens + tokens) * out_rows + cols
-        total += tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+    if UNROLLED:
+        for stream in tl.static_range(UNROLLED):
+            offsets = (stream * num_tokens + tokens) * out_rows + cols
+            total += tl.load(partial_ptr + offsets, mask=mask & (stream < hc_count), other=0.0)
+    else:
+        for stream in range(0, hc_count):
+            offsets = (stream * num_tokens + tokens) * out_rows + cols
+            total += tl.load(partial_ptr + offsets, mask=mask, other=0.0)
     return total
 
 
@@ -160,7 +177,8 @@ def _up_mix_kernel(
     streams_ptr, norm_w_ptr, up_w_ptr, partial_ptr, rstd_ptr, mixed_ptr, inject_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_count,
     HAS_INJECT: tl.constexpr, HC_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     dtype = mixed_ptr.dtype.element_ty
@@ -175,12 +193,12 @@ def _up_mix_kernel(
     depth = tl.arange(0, BLOCK_R)
 
     acc = tl.zeros((BLOCK_T, HC_BLOCK * BLOCK_C, BLOCK_R), dtype=tl.float32)
-    for start in range(0, lowrank, BLOCK_R):
+    for start in tl.range(0, lowrank, BLOCK_R, num_stages=STAGES):
         r = start + depth
         r_ok = r < lowrank
         down = _summed_partials(
             partial_ptr, tokens[:, None], r[None, :], tokens_ok[:, None] & r_ok[None, :],
-            num_tokens, hc_count, out_rows,
+            num_tokens, hc_count, out_rows, HC_BLOCK if STAGES > 1 else 0,
         )  # fmt: skip
         scaled = _rounded(_rounded(down, dtype) * inv_count, dtype)
         act = _rounded(tl.math.div_rn(scaled, 1.0 + tl.exp(-scaled)), dtype)  # silu, as torch's
@@ -217,6 +235,7 @@ def _up_mix_kernel(
             num_tokens,
             hc_count,
             out_rows,
+            0,
         )
         scaled = _rounded(_rounded(logits, dtype) * inv_count, dtype)
         weights = 2.0 * _rounded(_sigmoid(scaled), dtype)
@@ -288,14 +307,16 @@ def mix(
     _down_kernel[(row_blocks, hc_count, token_blocks)](
         streams, norm_weight, down, down if inject is None else inject, partial, rstd,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hidden, eps,
-        BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_K=tiles.down_block_k, **launch_options(),
+        BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_K=tiles.down_block_k, STAGES=tiles.down_stages,
+        **launch_options(),
         num_warps=tiles.down_warps,
     )  # fmt: skip
     _up_mix_kernel[(triton.cdiv(hidden, tiles.up_block_c), token_blocks)](
         streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
         HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
-        BLOCK_T=_BLOCK_T, BLOCK_C=tiles.up_block_c, BLOCK_R=tiles.up_block_r, **launch_options(),
+        BLOCK_T=_BLOCK_T, BLOCK_C=tiles.up_block_c, BLOCK_R=tiles.up_block_r, STAGES=tiles.up_stages,
+        **launch_options(),
         num_warps=tiles.up_warps,
     )  # fmt: skip
     return mixed, weights

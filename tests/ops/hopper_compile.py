@@ -247,7 +247,7 @@ KERNELS = {
             "inv_hidden": "fp32",
             "eps": "fp32",
         },
-        {"BLOCK_T": 4, "BLOCK_N": 4, "BLOCK_K": 512},
+        {"BLOCK_T": 4, "BLOCK_N": 4, "BLOCK_K": 512, "STAGES": 1},
     ),
     "hyper_connection_triton._up_mix_kernel": (
         hyper_connection_triton._up_mix_kernel,
@@ -267,7 +267,7 @@ KERNELS = {
             "stride_streams": "i32",
             "inv_count": "fp32",
         },
-        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32},
+        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32, "STAGES": 1},
     ),
 }
 

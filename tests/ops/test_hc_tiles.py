@@ -41,12 +41,23 @@ def test_a_tuned_file_gives_its_tiles_and_a_missing_one_the_defaults(config_dir)
 
 
 def test_the_candidates_hold_the_defaults_and_fit_the_registers():
-    defaults = DEFAULT_MIX_TILES
-    assert (defaults.down_block_n, defaults.down_block_k, defaults.down_warps) in hc_tune.DOWN_CANDIDATES
-    assert (defaults.up_block_c, defaults.up_block_r, defaults.up_warps) in hc_tune.UP_CANDIDATES
+    d = DEFAULT_MIX_TILES
+    assert (d.down_block_n, d.down_block_k, d.down_warps, d.down_stages) in hc_tune.DOWN_CANDIDATES
+    assert (d.up_block_c, d.up_block_r, d.up_warps, d.up_stages) in hc_tune.UP_CANDIDATES
     # [4 tokens, rows, step] fp32 accumulators (kernel 2: rows of the 4 streams), 128 values a thread.
-    assert all(4 * n * k <= 128 * 32 * w for n, k, w in hc_tune.DOWN_CANDIDATES)
-    assert all(4 * 4 * c * r <= 128 * 32 * w for c, r, w in hc_tune.UP_CANDIDATES)
+    assert all(4 * n * k <= 128 * 32 * w for n, k, w, _ in hc_tune.DOWN_CANDIDATES)
+    assert all(4 * 4 * c * r <= 128 * 32 * w for c, r, w, _ in hc_tune.UP_CANDIDATES)
+    # Pipelined variants of each kernel, and the plain loop.
+    for candidates in (hc_tune.DOWN_CANDIDATES, hc_tune.UP_CANDIDATES):
+        assert {stages for *_, stages in candidates} >= {1, 3, 6}
+
+
+def test_a_file_from_before_the_pipelined_tiles_runs_plain_loops(config_dir):
+    """Files written before MixTiles had stages name six tiles: the loops they timed, unpipelined."""
+    old = dict(zip(MixTiles._fields[:6], (4, 512, 4, 4, 64, 4), strict=True))
+    config = {"device": "NVIDIA H200", **FLASH_NEXT._asdict(), "tiles": old}
+    config_path("NVIDIA H200", FLASH_NEXT, config_dir).write_text(json.dumps(config))
+    assert tuned_mix_tiles("NVIDIA H200", FLASH_NEXT) == MixTiles(4, 512, 4, 4, 64, 4, 1, 1)
 
 
 def test_the_tuner_refuses_tiles_whose_mix_differs():

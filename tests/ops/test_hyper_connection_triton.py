@@ -111,6 +111,27 @@ def test_any_tiles_give_the_eager_mix_the_same_in_every_batch(shape, tiles):
     assert_rows_invariant(module, streams, prefixes=(1,), tiles=tiles)
 
 
+# Pipelined tiles (MixTiles' *_stages > 1, hc_tune's other candidates): loads issued steps ahead, the
+# streams' partials summed by straight-line loads; K and R in several steps (3 to 5 here) or R in one. The
+# interpreter runs the loops plainly (their pipelining is compiled, tests/ops/test_hopper_compile.py), so
+# it checks the variants' sums and masks: n = 3 streams leaves kernel 2's fourth unrolled load masked.
+# One tile a shape: the interpreter's seconds go to the sums, which each pair checks in full.
+PIPELINED_CASES = [
+    (SMALL_SHAPES[0], MixTiles(4, 16, 4, 4, 8, 4, 3, 3)),
+    ((80, 3, 20, False), MixTiles(2, 32, 4, 2, 32, 8, 6, 2)),
+]
+
+
+@pytest.mark.parametrize(("shape", "tiles"), PIPELINED_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_pipelined_tiles_give_the_eager_mix_the_same_in_every_batch(shape, tiles):
+    module = random_mix(shape, torch.float32)
+    streams = random_streams(module, 16, torch.float32)
+    for tokens in (1, 4, 16):
+        expected = module.mix_reference(streams[:tokens])
+        assert_same_mix(fused(module, streams[:tokens], tiles), expected, TOLERANCE[torch.float32])
+    assert_rows_invariant(module, streams, prefixes=(5,), tiles=tiles)
+
+
 def test_no_tokens_and_the_dispatch():
     module = random_mix(SMALL_SHAPES[0], torch.float32)
     mixed, weights = fused(module, random_streams(module, 0, torch.float32))
@@ -149,6 +170,18 @@ def test_real_shape_in_bf16_within_an_ulp_and_batch_invariant(shape):
     for part, full in zip(fused(module, streams), out, strict=True):
         assert part is None or torch.equal(part, full)
     assert_rows_invariant(module, streams, prefixes=(1, 2, 3, 4, 5, 8, 16, 17, 31))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tiles", [MixTiles(4, 512, 4, 4, 64, 4, 6, 6), MixTiles(2, 1024, 4, 2, 512, 4, 3, 2)], ids=str
+)
+def test_pipelined_tiles_at_the_real_shape_within_an_ulp_and_batch_invariant(tiles):
+    """Compiled with cp.async pipelines (the interpreter runs the loops plainly): the tuner's candidates."""
+    module = random_mix(REAL_SHAPE, torch.bfloat16)
+    streams = random_streams(module, 16, torch.bfloat16)
+    assert_same_mix(fused(module, streams, tiles), module.mix_reference(streams), TOLERANCE[torch.bfloat16])
+    assert_rows_invariant(module, streams, prefixes=(1, 4, 5), tiles=tiles)
 
 
 @pytest.mark.gpu
