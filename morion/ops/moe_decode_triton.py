@@ -32,6 +32,12 @@ Invariants:
 - Batch invariant: a token's result does not depend on the other tokens of the call. Activation scales
   are per row, a row of a `tl.dot` tile never mixes with the others, and the tile shapes are fixed (they
   do not change with T).
+
+The tiles (ops/moe_tiles.py, tuned per device and shape by ops/moe_tune.py) choose each kernel's MMA
+mode: `tl.dot` as it is or with swapped operands, or a CUDA-core GEMV, one row per tile, either summing
+each K tile's products over K ("gemv") or accumulating them per (K position, column) across the K tiles
+and summing over K once ("gemv_acc"). e4m3 and bf16 products are exact in fp32: the modes differ only in
+their fp32 summation order.
 """
 
 from __future__ import annotations
@@ -95,13 +101,25 @@ MMA_DOT = tl.constexpr(0)
 MMA_SWAPPED = tl.constexpr(1)
 MMA_GEMV = tl.constexpr(2)
 _MMA_MODES = {"dot": MMA_DOT.value, "swapped": MMA_SWAPPED.value, "gemv": MMA_GEMV.value}
+# The MoE decode kernels' own GEMV, "gemv_acc" (the skinny linear and NVFP4 kernels refuse it): a row's
+# products accumulate per (K position, column) in a [BLOCK_K, BLOCK_N] fp32 accumulator, in the weight
+# tile's own layout, across the K tiles, and are summed over K once at the end, where "gemv" sums each
+# tile's products over K (across threads, and across warps through shared memory, every K tile). The
+# accumulator holds BLOCK_K x BLOCK_N / (32 x warps) registers a thread: tiles must stay small.
+# Weights widen by Triton's cast (e4m3: the hardware's two-a-time unpack to fp16, then fp32); placing
+# e4m3 bits in an fp16 by integer ops compiled to 1.5x to 2.6x the loop's sm_90 instructions.
+MMA_GEMV_ACC = tl.constexpr(3)
+_DECODE_MMA_MODES = {**_MMA_MODES, "gemv_acc": MMA_GEMV_ACC.value}
 
 
 @triton.jit
-def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr):
-    """An fp32 accumulator for rows x columns, kept transposed for swapped operands (`_mma`)."""
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, BLOCK_K: tl.constexpr = 0):
+    """An fp32 accumulator for rows x columns, kept transposed for swapped operands (`_mma`), and for
+    MMA_GEMV_ACC (one row) K positions x columns: its callers pass their BLOCK_K."""
     if MMA == MMA_SWAPPED:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif MMA == MMA_GEMV_ACC:
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return acc
@@ -117,6 +135,8 @@ def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if MMA == MMA_GEMV:
         products = tl.cast(a, tl.float32)[:, :, None] * tl.cast(w, tl.float32)[None, :, :]
         acc = acc + tl.sum(products, axis=1)
+    elif MMA == MMA_GEMV_ACC:
+        acc = acc + tl.cast(tl.trans(a), tl.float32) * tl.cast(w, tl.float32)
     elif MMA == MMA_SWAPPED:
         acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
@@ -126,9 +146,11 @@ def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _rows_first(acc, MMA: tl.constexpr):
-    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    """The accumulator as [BLOCK_M, BLOCK_N]: MMA_GEMV_ACC's summed over K here, once."""
     if MMA == MMA_SWAPPED:
         acc = tl.trans(acc)
+    elif MMA == MMA_GEMV_ACC:
+        acc = tl.sum(acc, axis=0)[None, :]
     return acc
 
 
@@ -155,8 +177,8 @@ def _gate_up_kernel(
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
-        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA)
-        acc_up = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
+        acc_up = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
         for k0 in range(0, hidden_size, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ks_ok = ks < hidden_size
@@ -207,7 +229,7 @@ def _down_kernel(
                 a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
                 a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA), MMA, DOT_PRECISION)
+            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION)
             acc = _rows_first(acc, MMA)
         elif FP8:
             # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
@@ -221,7 +243,7 @@ def _down_kernel(
             # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
             a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
         if not SINGLE_PASS:
-            acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
+            acc = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
             for k0 in range(0, inter_size, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ks_ok = ks < inter_size
@@ -273,13 +295,15 @@ def exact_mma(tiles: Tiles, fp8: bool) -> bool:
     return not (fp8 and tiles.mma == "swapped")
 
 
-def _mma_options(tiles: Tiles, fp8: bool) -> dict[str, int]:
-    """A kernel's MMA mode and rows per tile for `tiles`: one row for a GEMV tile, else _BLOCK_M."""
-    if tiles.mma not in _MMA_MODES:
-        raise ValueError(f"unknown MoE tile mma {tiles.mma!r}: expected one of {sorted(_MMA_MODES)}")
+def _mma_options(tiles: Tiles, fp8: bool, modes: dict[str, int] = _MMA_MODES) -> dict[str, int]:
+    """A kernel's MMA mode (one of `modes`: the MoE decode kernels take _DECODE_MMA_MODES) and rows per
+    tile for `tiles`: one row for a GEMV tile, else _BLOCK_M."""
+    if tiles.mma not in modes:
+        raise ValueError(f"unknown MoE tile mma {tiles.mma!r}: expected one of {sorted(modes)}")
     if not exact_mma(tiles, fp8):
         raise ValueError(f"MoE tile {tuple(tiles)}: swapped operands lose precision with FP8 weights")
-    return {"MMA": _MMA_MODES[tiles.mma], "BLOCK_M": 1 if tiles.mma == "gemv" else _BLOCK_M}
+    gemv = modes[tiles.mma] in (MMA_GEMV.value, MMA_GEMV_ACC.value)
+    return {"MMA": modes[tiles.mma], "BLOCK_M": 1 if gemv else _BLOCK_M}
 
 
 def moe_expert_partials(
@@ -343,14 +367,14 @@ def moe_expert_partials(
         x, x_scale, gate_up_proj, gate_up_scale, ids, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, **_mma_options(t, fp8), BLOCK_N=t.block_n, BLOCK_K=t.block_k, **launch_options(),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        **common, **_mma_options(t, fp8, _DECODE_MMA_MODES), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
         act, down_proj, down_scale, ids, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, **_mma_options(t, fp8), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        **common, **_mma_options(t, fp8, _DECODE_MMA_MODES), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **launch_options(),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip

@@ -23,11 +23,12 @@ class Tiles(NamedTuple):
     """One kernel's tile: BLOCK_N output columns, BLOCK_K reduction columns, launch options, and how the
     rows meet the weights (`mma`): "dot" (tl.dot, 16 token rows on the MMA's M side), "swapped" (tl.dot
     with the operands swapped: the tile's weight columns on the M side, big enough for Hopper's wgmma,
-    the few token rows on its N side) or "gemv" (no MMA: one row at a time, fp32 products summed on the
-    CUDA cores). `expand`, read by the NVFP4 kernels only (ops/moe_nvfp4_triton.py): how 4-bit codes
-    become weights, "byte" (each code byte gathers its block scale) or "group" (a tile's block scales
-    loaded once each and broadcast over their 16 columns). Files written before a field existed list
-    fewer values: the defaults apply."""
+    the few token rows on its N side), "gemv" (no MMA: one row at a time, fp32 products summed on the
+    CUDA cores) or "gemv_acc" (the FP8 and bf16 MoE decode kernels only: as "gemv", each product kept
+    per (K position, column) across the K tiles and summed over K once at the end). `expand`, read by
+    the NVFP4 kernels only (ops/moe_nvfp4_triton.py): how 4-bit codes become weights, "byte" (each code
+    byte gathers its block scale) or "group" (a tile's block scales loaded once each and broadcast over
+    their 16 columns). Files written before a field existed list fewer values: the defaults apply."""
 
     block_n: int
     block_k: int

@@ -61,11 +61,20 @@ def down_candidates(intermediate: int) -> list[Tiles]:
     return TWO_PASS_DOWN_CANDIDATES + [Tiles(64, full, w, 1) for w in (4, 8)]
 
 
+# "gemv_acc" tiles (FP8 and bf16 experts): a [BLOCK_K, BLOCK_N] fp32 accumulator a program, so at most
+# 64 registers a thread at 4 warps (8 warps at 128 x 128); `launch_variants` tries the other warp counts.
+GEMV_ACC_CANDIDATES = [
+    *(Tiles(n, k, 4, s, "gemv_acc") for n, k in ((16, 256), (32, 128), (32, 256), (64, 128)) for s in (2, 3)),
+    *(Tiles(128, 128, 8, s, "gemv_acc") for s in (2, 3)),
+]
+
+
 def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
     """The candidates, and for NVFP4 weights each once more with the codes expanded per block-scale group
-    (`Tiles.expand`: the other kernels ignore it)."""
+    (`Tiles.expand`: the other kernels ignore it); for FP8 and bf16 weights `GEMV_ACC_CANDIDATES` too (the
+    NVFP4 kernels refuse that mode)."""
     if dtype != "nvfp4":
-        return list(candidates)
+        return [*candidates, *GEMV_ACC_CANDIDATES]
     return [expanded for tiles in candidates for expanded in (tiles, tiles._replace(expand="group"))]
 
 

@@ -189,6 +189,43 @@ def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):
         assert torch.equal(alone[0], batched[t])
 
 
+# "gemv_acc" (products kept per (K position, column) across K tiles, summed over K once): the down kernel
+# in two passes and in one.
+GEMV_ACC_TILES = {
+    "two-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 32, 4, 2, "gemv_acc")),
+    "one-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 64, 4, 1, "gemv_acc")),
+}
+
+
+@pytest.mark.parametrize(("tokens", "down_pass"), ((1, "one-pass"), (4, "two-pass"), (16, "one-pass")))
+def test_gemv_acc_tiles_equal_the_reference_and_are_batch_invariant(tokens, down_pass):
+    """FP8 and unquantized (fp32: the interpreter has no bf16) experts against the reference, as the
+    other tiles are; with shared experts at T = 4 and 16, and each token alone its batched row's bits."""
+    hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=20 + tokens)
+    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
+    tiles = dict(zip(("gate_up_tiles", "down_tiles"), GEMV_ACC_TILES[down_pass], strict=True))
+    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    fp8_args = on_device(hidden, gate_up_q, down_q, weights, ids)
+    fp8_out = moe_experts_triton(*fp8_args, **device_scales, **tiles)
+    expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert rel_l2(fp8_out, expected) < 1e-3  # as test_fp8_equals_fp8_reference
+    out = moe_experts_triton(*on_device(hidden, gate_up, down, weights, ids), **tiles)
+    torch.testing.assert_close(
+        out.cpu(), moe_experts_reference(hidden, gate_up, down, weights, ids), atol=1e-5, rtol=0
+    )
+    t = tokens - 1
+    alone_args = on_device(hidden[t:], gate_up_q, down_q, weights[t:], ids[t:])
+    assert torch.equal(moe_experts_triton(*alone_args, **device_scales, **tiles)[0], fp8_out[t])
+
+
+def test_gemv_acc_is_the_moe_decode_kernels_own():
+    """The skinny linear and NVFP4 kernels share the MMA helpers but not this mode."""
+    from morion.ops.moe_decode_triton import _mma_options
+
+    with pytest.raises(ValueError, match="unknown MoE tile mma 'gemv_acc'"):
+        _mma_options(Tiles(32, 32, 4, 2, "gemv_acc"), fp8=True)
+
+
 def test_no_tokens_and_too_many_pairs():
     hidden, gate_up, down, weights, ids = make_case(0, torch.float32)
     assert moe_experts_triton(hidden, gate_up, down, weights, ids).shape == (0, HIDDEN)

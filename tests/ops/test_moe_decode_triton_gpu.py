@@ -128,3 +128,38 @@ def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypa
         assert rel_l2(tuned, reference) < 1e-2  # as the default tiles
     finally:
         moe_tiles.tuned_tiles.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ("bf16", "fp8"))
+def test_gemv_acc_against_gemv(moe_experts, kind, capsys):
+    """The "gemv_acc" variant (products summed over K once) at the 80B's tuned down tile's shape and a
+    gate/up one, against the reference (as the default tiles) and timed against "gemv" at T = 1 and 4,
+    printed (never asserted): the tuner chooses by such timings."""
+    from morion.ops.moe_tiles import Tiles
+
+    variants = {
+        "gemv": {"gate_up_tiles": Tiles(32, 256, 2, 3, "gemv"), "down_tiles": Tiles(128, 128, 2, 2, "gemv")},
+        "gemv_acc": {
+            "gate_up_tiles": Tiles(32, 256, 4, 3, "gemv_acc"),
+            "down_tiles": Tiles(128, 128, 8, 2, "gemv_acc"),
+        },
+    }
+    batch = make_moe_batch(4, seed=11)
+    reference = run_experts(moe_experts_reference, moe_experts[kind], *batch)
+    out = run_experts(triton_experts, moe_experts[kind], *batch, **variants["gemv_acc"])
+    assert rel_l2(out, reference) < (1.5e-2 if kind == "bf16" else 1e-2)
+    lines = []
+    for tokens in (1, 4):
+        batches = [make_moe_batch(tokens, seed=200 + i) for i in range(20)]
+        times = {
+            name: time_in_graph(triton_experts, moe_experts[kind], batches, **tiles)
+            for name, tiles in variants.items()
+        }
+        for kernel in ("gate_up_tiles", "down_tiles"):  # one kernel changed at a time
+            mixed = {**variants["gemv"], kernel: variants["gemv_acc"][kernel]}
+            times[f"gemv + {kernel} gemv_acc"] = time_in_graph(
+                triton_experts, moe_experts[kind], batches, **mixed
+            )
+        lines.append(f"moe {kind} T={tokens}: " + ", ".join(f"{k} {us:.1f} us" for k, us in times.items()))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from morion.ops.moe_tune import AGREEMENT, GATE_UP_CANDIDATES, disagreement, with_expansions
+from morion.ops.moe_tune import (
+    AGREEMENT,
+    GATE_UP_CANDIDATES,
+    GEMV_ACC_CANDIDATES,
+    disagreement,
+    with_expansions,
+)
 
 
 def test_nvfp4_candidates_come_in_both_expansions_and_other_dtypes_keep_theirs():
@@ -12,7 +18,8 @@ def test_nvfp4_candidates_come_in_both_expansions_and_other_dtypes_keep_theirs()
     assert len(nvfp4) == len(set(nvfp4)) == 2 * len(GATE_UP_CANDIDATES)
     assert {t._replace(expand="byte") for t in nvfp4} == set(GATE_UP_CANDIDATES)
     assert {t.expand for t in nvfp4} == {"byte", "group"}
-    assert with_expansions(GATE_UP_CANDIDATES, "fp8") == GATE_UP_CANDIDATES
+    assert with_expansions(GATE_UP_CANDIDATES, "fp8") == GATE_UP_CANDIDATES + GEMV_ACC_CANDIDATES
+    assert all(t.mma != "gemv_acc" for t in nvfp4)
 
 
 def test_a_candidate_off_the_default_tiles_output_is_refused():
