@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -356,39 +358,60 @@ def pdl_order_error(kernel: triton.runtime.jit.JITFunction, signature: dict, con
     return None
 
 
+# What the compiling processes read (`main` fills it before they fork): name -> (kernel, signature,
+# constexprs, launch options).
+_kernels: dict[str, tuple] = {}
+
+
+def _compile_error(name: str) -> str | None:
+    """Why kernel `name` does not compile for sm_90, or None."""
+    kernel, signature, constexprs, options = _kernels[name]
+    try:
+        compile_for_hopper(kernel, signature, constexprs, options)
+    except Exception as error:  # reported by name, every one
+        return f"{type(error).__name__}: {str(error)[:500]}"
+    return None
+
+
+def _pdl_error(name: str) -> str | None:
+    kernel, signature, constexprs, _ = _kernels[name]
+    try:
+        return pdl_order_error(kernel, signature, constexprs)
+    except Exception as exception:
+        return f"{type(exception).__name__}: {str(exception)[:500]}"
+
+
+def _on_every_core(check: Callable[[str], str | None], names: list[str]) -> dict[str, str | None]:
+    """`check` of each name, in a process a core (forked: they inherit `_kernels`); each compile is
+    Triton's front end and ptxas, independent of the others."""
+    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+        return dict(zip(names, pool.map(check, names, chunksize=1), strict=True))
+
+
 def main(argv: list[str]) -> int:
     pdl = "--pdl" in argv
     argv = [arg for arg in argv if arg != "--pdl"]
-    kernels = {name: (*entry, None) for name, entry in KERNELS.items()}
+    _kernels.update({name: (*entry, None) for name, entry in KERNELS.items()})
     if argv:
-        kernels.update(recorded(argv[0]))
-    failed = 0
-    for name, (kernel, signature, constexprs, options) in kernels.items():
-        try:
-            compile_for_hopper(kernel, signature, constexprs, options)
-        except Exception as error:  # report every kernel, then fail
-            failed += 1
-            print(f"{name}: {type(error).__name__}: {str(error)[:500]}")
-    print(f"compiled for sm_90: {len(kernels) - failed} of {len(kernels)}")
+        _kernels.update(recorded(argv[0]))
+    errors = {name: error for name, error in _on_every_core(_compile_error, list(_kernels)).items() if error}
+    for name, error in errors.items():
+        print(f"{name}: {error}")
+    print(f"compiled for sm_90: {len(_kernels) - len(errors)} of {len(_kernels)}")
+    failed = len(errors)
     if pdl:
         # Each kernel once (its first launch here): the order of its first instructions does not depend
         # on its types or tiles.
-        first = {}
-        for name, (kernel, signature, constexprs, _) in kernels.items():
-            first.setdefault(
-                (kernel.fn.__module__, kernel.fn.__qualname__), (name, kernel, signature, constexprs)
-            )
-        wrong = 0
-        for name, kernel, signature, constexprs in first.values():
-            try:
-                error = pdl_order_error(kernel, signature, constexprs)
-            except Exception as exception:
-                error = f"{type(exception).__name__}: {str(exception)[:500]}"
-            if error is not None:
-                wrong += 1
-                print(f"{name} with PDL: {error}")
-        print(f"waits first with PDL on sm_90: {len(first) - wrong} of {len(first)} kernels")
-        failed += wrong
+        first: dict[tuple[str, str], str] = {}
+        for name, (kernel, *_) in _kernels.items():
+            first.setdefault((kernel.fn.__module__, kernel.fn.__qualname__), name)
+        wrong = {
+            name: error for name, error in _on_every_core(_pdl_error, list(first.values())).items() if error
+        }
+        for name, error in wrong.items():
+            print(f"{name} with PDL: {error}")
+        print(f"waits first with PDL on sm_90: {len(first) - len(wrong)} of {len(first)} kernels")
+        failed += len(wrong)
     return 1 if failed else 0
 
 

@@ -1,6 +1,7 @@
 """A pytest plugin (`-p tests.ops.launch_recorder`) that records every Triton kernel launch the tests make
 in Triton's interpreter: the kernel, each argument's Triton type, the constexpr values and the launch
-options, written as JSON to $MORION_LAUNCHES_OUT when the session ends. tests/ops/hopper_compile.py
+options, written as JSON to $MORION_LAUNCHES_OUT when the session ends (a pytest-xdist worker writes
+$MORION_LAUNCHES_OUT.<worker>: `read_launches` merges them). tests/ops/hopper_compile.py
 compiles each distinct launch for Hopper, so a kernel variant the CPU tests run but the GPU compiler
 refuses fails on the CPU."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,6 +79,18 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     path = os.environ.get("MORION_LAUNCHES_OUT")
-    if path:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if path and worker:
+        path = f"{path}.{worker}"
+    if path and _launches:
         with open(path, "w") as out:
             json.dump(sorted(_launches.values(), key=lambda launch: json.dumps(launch, sort_keys=True)), out)
+
+
+def read_launches(path: Path) -> list[dict[str, Any]]:
+    """The distinct launches recorded to `path` by one process or to `path.<worker>` by xdist workers."""
+    launches: dict[str, dict[str, Any]] = {}
+    for part in sorted(path.parent.glob(f"{path.name}*")):
+        for launch in json.loads(part.read_text()):
+            launches[json.dumps(launch, sort_keys=True)] = launch
+    return [launches[key] for key in sorted(launches)]
