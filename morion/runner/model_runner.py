@@ -196,7 +196,6 @@ class ModelRunner:
         """Piecewise prefill graphs for forwards of up to max(`buckets`) tokens (runner/prefill_graph.py);
         prefill runs eagerly where capture fails (a layer that reads the batch's layout outside
         `attend` and `outside_graph`, or a path that syncs with the host)."""
-        scratch_slot = self.scratch_slots[0] if self.scratch_slots else None
         graphs = PrefillGraphRunner(
             self.model,
             self.pool,
@@ -204,7 +203,7 @@ class ModelRunner:
             self.kv_scales,
             buckets,
             self.scratch_pages[0],
-            scratch_slot,
+            self._scratch_slot,
         )
         try:
             graphs.capture()
@@ -213,10 +212,14 @@ class ModelRunner:
             return
         self.prefill_graphs = graphs
 
+    @property
+    def _scratch_slot(self) -> int | None:
+        """The state slot graphs' padding rows write into (None for models without state)."""
+        return self.scratch_slots[0] if self.scratch_slots else None
+
     def _graph_runner(self, max_batch: int, max_pages: int, query_len: int = 1) -> DecodeGraphRunner:
         """Graphs over this runner's model and memory, their padding rows in the scratch page and slot."""
-        scratch_slot = self.scratch_slots[0] if self.scratch_slots else None
         return DecodeGraphRunner(
             self.model, self.pool, self.state_slots, self.kv_scales, max_batch, max_pages,
-            self.scratch_pages[0], scratch_slot, query_len=query_len,
+            self.scratch_pages[0], self._scratch_slot, query_len=query_len,
         )  # fmt: skip

@@ -38,7 +38,7 @@ from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.runner.backend import KVScales, PagedAttentionBackend
-from morion.runner.forward_batch import ForwardBatch
+from morion.runner.forward_batch import ForwardBatch, build_forward_batch
 from morion.runner.piecewise_graph import (
     AtBreak,
     Bridges,
@@ -162,23 +162,10 @@ class PrefillGraphRunner:
     def _warm_up(self, bucket: int) -> AtBreak:
         """Runs each call at once on a batch of one sequence of `bucket` tokens in scratch memory: its
         K/V all in the scratch page (slot i % page size), its state in the scratch slot."""
-        page_size, device = self._pool.page_size, self._pool.device
-        table = torch.full((1, -(-bucket // page_size)), self._scratch_page, dtype=torch.int32, device=device)
-        batch = ForwardBatch(
-            input_ids=self._input_ids[:bucket],
-            positions=self._positions[:bucket],
-            out_slots=self._scratch_page * page_size + torch.arange(bucket, device=device) % page_size,
-            page_table=table,
-            cu_seqlens_q=torch.tensor([0, bucket], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([bucket], dtype=torch.int32, device=device),
-            state_indices=(
-                None
-                if self._scratch_slot is None
-                else torch.tensor([self._scratch_slot], dtype=torch.int32, device=device)
-            ),
-            max_query_len=bucket,
-            query_ranges=[(0, bucket)],
-            last_rows=[bucket - 1],
+        page_size = self._pool.page_size
+        pages = [self._scratch_page] * -(-bucket // page_size)
+        batch = build_forward_batch(
+            [([0] * bucket, pages, 0, bucket)], [self._scratch_slot], page_size, self._pool.device
         )
         backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales)
 
