@@ -93,14 +93,16 @@ def test_timings_against_grouped(moe_experts, kind, capsys):
 
 def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypatch, capsys):
     """`python -m morion.ops.moe_tune` over two candidates per kernel (the down ones a two-pass and a
-    one-pass tile): the file names this device and the
-    shape, holds candidates, and `tuned_tiles` hands them to the kernels (whose output they do not change
-    beyond a different summation order)."""
+    one-pass tile) and one "gemv_acc" tile, which FP8 sweeps add to both kernels' (`with_expansions`):
+    the file names this device and the shape, holds candidates (or their launch variants), and
+    `tuned_tiles` hands them to the kernels (whose output they do not change beyond a different summation
+    order)."""
     from morion.ops import moe_tiles, moe_tune
 
     monkeypatch.setattr(moe_tune, "GATE_UP_CANDIDATES", moe_tune.GATE_UP_CANDIDATES[:2])
     down = [moe_tune.TWO_PASS_DOWN_CANDIDATES[0], moe_tune.down_candidates(512)[-1]]
     monkeypatch.setattr(moe_tune, "down_candidates", lambda intermediate: down)
+    monkeypatch.setattr(moe_tune, "GEMV_ACC_CANDIDATES", moe_tune.GEMV_ACC_CANDIDATES[:1])
     flags = ["--experts", "512", "--hidden", "2048", "--intermediate", "512", "--top-k", "10"]
     moe_tune.main([*flags, "--tokens", "1", "--out", str(tmp_path)])
     [path] = tmp_path.glob("*.json")
@@ -109,7 +111,11 @@ def test_the_tuner_writes_tiles_the_kernels_take(moe_experts, tmp_path, monkeypa
 
     # The second round may move the chosen block shape to another warp count or pipeline depth.
     def swept(candidates: list) -> set:
-        return {variant for tiles in candidates for variant in moe_tune.launch_variants(tiles)}
+        return {
+            variant
+            for tiles in moe_tune.with_expansions(candidates, "fp8")
+            for variant in moe_tune.launch_variants(tiles)
+        }
 
     assert tuple(config["gate_up"]) in swept(moe_tune.GATE_UP_CANDIDATES[:2])
     assert tuple(config["down"]) in swept(down)
