@@ -58,7 +58,7 @@ case "$model" in
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
         --logprobs 0)
     # Issue #24's agent turn through the server: 1K new tokens on a cached 32K conversation (target 100 ms).
-    turn=(--turn-prefix 32768 --turn-new 1024 --repeats 2)
+    turn=(--turn-prefix 32768 --turn-new 1024)
     turn_target_ms=100
     ;;
 flash-next)
@@ -72,7 +72,7 @@ flash-next)
         --perf-prefill-lengths 1024)
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
         --logprobs 0)  # as for 80b
-    turn=(--turn-prefix 32768 --turn-new 1024 --repeats 2)
+    turn=(--turn-prefix 32768 --turn-new 1024)
     turn_target_ms=200
     ;;
 cpu-smoke)
@@ -85,7 +85,7 @@ cpu-smoke)
     perf=(--perf-concurrency 1,2 --perf-contexts 64 --perf-output-tokens 8 --perf-repeats 1
         --perf-prefill-lengths 64)
     offline=(--concurrency 1,2 --contexts 64 --output-tokens 8 --repeats 1 --prefill-lengths 64)
-    turn=(--turn-prefix 64 --turn-new 16 --repeats 1)
+    turn=(--turn-prefix 64 --turn-new 16)
     turn_target_ms=
     ;;
 *)
@@ -189,15 +189,16 @@ perf_part() {
         tee "$out/validate-perf.log"
     local status=${PIPESTATUS[0]}
     # Issue #24's agent turn, through the same server: reported beside the verdict, not part of it.
-    python3 -m morion bench --url "$url" --workloads turn "${turn[@]}" --label "$label-turn" --out "$out" 2>&1 |
+    python3 -m morion bench --url "$url" --workloads turn "${turn[@]}" --repeats 2 --label "$label-turn" --out "$out" 2>&1 |
         tee "$out/turn.log"
     return "$status"
 }
 
 offline_part() {
     stop_server  # the GPU for the in-process engine
-    # The same engine flags as the server's, disk tier included (a directory of its own).
-    python3 -m morion bench "${engine[@]}" --disk-cache-dir "$disk-offline" --disk-cache-gb "$disk_gb" --workloads decode,prefill "${offline[@]}" --label "$label-offline" \
+    # The same engine flags as the server's, disk tier included (a directory of its own); the agent turn
+    # too, so that the report sets what the server adds to it beside the server's.
+    python3 -m morion bench "${engine[@]}" --disk-cache-dir "$disk-offline" --disk-cache-gb "$disk_gb" --workloads decode,prefill,turn "${offline[@]}" "${turn[@]}" --label "$label-offline" \
         --out "$out" 2>&1 | tee "$out/offline.log"
 }
 

@@ -63,3 +63,4 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
     turn = summary["turn"]
     assert turn["prefix_tokens"] == 64 and turn["new_tokens"] == 16 and turn["failures"] == []
     assert turn["turn_ttft_s"] > 0 and turn["target_ttft_s"] is None
+    assert turn["offline_turn_ttft_s"] > 0  # the offline bench's, same flags: what the server adds to

@@ -87,19 +87,26 @@ def summarize(
         },
         "soak": _soak(suites.get("soak")),
         "perf": _perf(suites.get("perf"), offline),
-        "turn": _turn(turn, turn_target_s),
+        "turn": _turn(turn, turn_target_s, offline),
     }
 
 
-def _turn(bench: dict[str, Any] | None, target_s: float | None) -> dict[str, Any] | None:
+def _turn(
+    bench: dict[str, Any] | None, target_s: float | None, offline: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """An agent turn's TTFT through the server (`morion bench --url ... --workloads turn`, issue #24):
-    reported beside its target, not part of the verdict (the restore suite gates cached answers)."""
+    reported beside its target, not part of the verdict (the restore suite gates cached answers), and
+    beside the offline bench's turn where it ran one (same engine flags and machine: what the server
+    adds)."""
     turn = (bench or {}).get("turn")
     if not turn:
         return None
     median = turn.get("median") or {}
     ttft = median.get("turn_ttft_s")
+    offline_turn = (offline or {}).get("turn") or {}
+    same_shape = all(offline_turn.get(key) == turn[key] for key in ("prefix_tokens", "new_tokens"))
     return {
+        "offline_turn_ttft_s": (offline_turn.get("median") or {}).get("turn_ttft_s") if same_shape else None,
         "prefix_tokens": turn["prefix_tokens"],
         "new_tokens": turn["new_tokens"],
         "repeats": len(turn.get("runs") or []),
@@ -265,6 +272,7 @@ def _turn_lines(turn: dict[str, Any] | None) -> list[str]:
     if turn["target_ttft_s"] is not None:
         target = f" (target <= {_ms(turn['target_ttft_s'])} ms {'✓' if turn['met'] else '✗'})"
     ratio = turn["ratio_to_cold"]
+    offline = turn.get("offline_turn_ttft_s")  # absent from summaries written before it was reported
     lines = [
         "",
         "## An agent turn through the server (issue #24)",
@@ -273,6 +281,7 @@ def _turn_lines(turn: dict[str, Any] | None) -> list[str]:
         f"max_tokens 1, median of {turn['repeats']}: turn TTFT **{_ms(turn['turn_ttft_s'])} ms**{target}; "
         f"the conversation cold {_ms(turn['prime_ttft_s'])} ms"
         + ("" if ratio is None else f" (ratio {ratio:.3f})")
+        + ("" if offline is None else f"; offline, same flags: turn TTFT {_ms(offline)} ms")
         + ". Reported, not part of the verdict.",
     ]
     lines += [f"- {failure}" for failure in turn["failures"]]

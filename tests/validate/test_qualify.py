@@ -59,10 +59,10 @@ def _offline() -> dict:
     return {"provenance": {"command": "morion bench ..."}, "decode": decode}
 
 
-def _run(tmp_path: Path, validate: dict, *extra: str) -> tuple[int, dict, str]:
+def _run(tmp_path: Path, validate: dict, *extra: str, offline: dict | None = None) -> tuple[int, dict, str]:
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "v.json").write_text(json.dumps(validate))
-    (tmp_path / "b.json").write_text(json.dumps(_offline()))
+    (tmp_path / "b.json").write_text(json.dumps(offline or _offline()))
     argv = ["--validate", str(tmp_path / "v.json"), "--offline", str(tmp_path / "b.json"),
             "--label", "h200-qualify-test", "--out", str(tmp_path / "out"), *extra]  # fmt: skip
     status = main(argv)
@@ -196,3 +196,17 @@ def test_an_agent_turn_is_reported_beside_its_target_without_deciding_the_verdic
         assert result["sources"]["turn"] == "t.json"
     status, result, report = _run(tmp_path / "none", _validate())
     assert result["summary"]["turn"] is None and "agent turn" not in report
+
+
+def test_the_offline_turn_of_the_same_shape_stands_beside_the_servers(tmp_path):
+    """The offline bench's turn (same engine flags and machine) is what the server adds to: reported
+    beside the server's when it is the same conversation shape, left out when it is not."""
+    (tmp_path / "t.json").write_text(json.dumps(_turn_bench(0.2)))
+    extra = ("--turn", str(tmp_path / "t.json"), "--turn-target-ms", "100")
+    same = {**_offline(), **_turn_bench(0.13)}
+    status, result, report = _run(tmp_path / "same", _validate(), *extra, offline=same)
+    assert status == 0 and result["summary"]["turn"]["offline_turn_ttft_s"] == 0.13
+    assert "cold 2,000 ms (ratio 0.100); offline, same flags: turn TTFT 130 ms. Reported" in report
+    other = {**_offline(), "turn": {**_turn_bench(0.13)["turn"], "prefix_tokens": 16384}}
+    status, result, report = _run(tmp_path / "other", _validate(), *extra, offline=other)
+    assert result["summary"]["turn"]["offline_turn_ttft_s"] is None and "offline, same flags" not in report
