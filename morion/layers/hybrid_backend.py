@@ -71,11 +71,12 @@ class HybridBackend(AttentionBackend, Protocol):
 
     def outside_graph(self, op: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
         """`op(self, *inputs)`: the part of a layer that reads the batch's sequence layout or updates
-        cache memory through it (Gated DeltaNet's conv and delta rule). Every input and the result have
-        the batch's tokens as their first dimension. A piecewise prefill graph (runner/piecewise_graph.py)
-        runs it eagerly between its captured pieces, with the live batch's metadata and its tokens' rows
-        of the inputs; its result is valid until the next call, and `op` may read from the backend only
-        what it is given as `self` (never a backend it closed over)."""
+        cache memory through it (Gated DeltaNet's conv and delta rule; QSA's cache writes and attention;
+        PLE's n-gram fetch, host work included, and conv). Every input and the result have the batch's
+        tokens as their first dimension. A piecewise prefill graph (runner/piecewise_graph.py) runs it
+        eagerly between its captured pieces, with the live batch's metadata and its tokens' rows of the
+        inputs; its result is valid until the next call, and `op` may read from the backend only what it
+        is given as `self` (never a backend it closed over)."""
         ...
 
     @property

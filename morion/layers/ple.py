@@ -19,7 +19,8 @@ dtype; `NGRAM_HISTORY`, the last ngram_size - 1 token ids, stored as id + 1 so t
 slot reads as "EOS before the sequence start", which is how transformers pads.
 
 The table rows are fetched at the start of the forward (`fetch`: hash on the host, gather, asynchronous
-copy) and consumed here (`FetchedRows.wait`), so the copy overlaps the layers before this one.
+copy; models/qwen4_exp.py waits for them there, in the step's eager part: `HybridBackend.outside_graph`)
+and consumed here.
 """
 
 from __future__ import annotations
@@ -109,11 +110,10 @@ class PLELayer(nn.Module):
     def fetch(self, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
         return self.ple_embedding.fetch(input_ids, self.ple_ordinal, backend)
 
-    def forward(self, streams: torch.Tensor, rows: FetchedRows, backend: HybridBackend) -> torch.Tensor:
-        """streams [T, n*H] and this step's fetched rows -> what to add to the streams [T, n*H]."""
-        tokens = streams.shape[0]
-        per_stream = (tokens, self.hc_count, self.hidden_size)
-        embedded = rows.wait(streams.dtype).view(tokens, -1)
+    def forward(self, streams: torch.Tensor, embedded: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
+        """streams [T, n*H] and this step's tokens' table rows side by side [T, E] (`FetchedRows.wait`, in
+        the streams' dtype) -> what to add to the streams [T, n*H]."""
+        per_stream = (streams.shape[0], self.hc_count, self.hidden_size)
         # Through `linear_forward`: a decode step's rows the same bits in every batch (ops/skinny_tiles.py).
         key = self.norm_key(linear_forward(self.key_proj, embedded)).view(per_stream)
         value = linear_forward(self.value_proj, embedded)
@@ -121,11 +121,12 @@ class PLELayer(nn.Module):
         gate = stream_dots(key, query) / math.sqrt(self.hidden_size)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
-        return gated + F.silu(self._conv(self.norm_conv(gated), backend))
+        return gated + F.silu(backend.outside_graph(self._conv, self.norm_conv(gated)))
 
-    def _conv(self, x: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
+    def _conv(self, backend: HybridBackend, x: torch.Tensor) -> torch.Tensor:
         """The causal dilated depthwise conv of each sequence's rows of x [T, n*H], continuing from and
-        advancing its window state."""
+        advancing its window state (the part that reads the batch's layout and the state slots: a
+        piecewise prefill graph runs it eagerly between its pieces, `HybridBackend.outside_graph`)."""
         state = backend.read_state(PLE_CONV, self.ple_ordinal)  # [N, window, n*H]
         out = torch.empty_like(x)
         for n, (start, length) in enumerate(backend.query_ranges):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -128,9 +128,16 @@ def gather_rows(table: HostRowTable, rows: torch.Tensor) -> torch.Tensor:
 
 def fetch_static(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
     """`PLELayer.fetch` for a step of B sequences with n new tokens each (rows b * n .. b * n + n - 1),
-    advancing the n-gram history state as described above."""
+    advancing the n-gram history state as described above. Raises while a CUDA graph is captured if the
+    device cannot gather the rows itself (a memory-mapped table)."""
     embedding = ple.ple_embedding
     ngram_hash, table = embedding.hash, embedding.table
+    host_gather = not device_gather_ok(table, input_ids.device)
+    if host_gather and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "PLE cannot be captured in a CUDA graph with its n-gram table in memory-mapped files: the rows "
+            "are gathered on the host (--ple-placement ram avoids it)"
+        )
     num_seqs = len(backend.query_ranges)
     tokens = input_ids.view(num_seqs, -1)
     pool = backend.state_pool(NGRAM_HISTORY, ple.ple_ordinal)
@@ -147,7 +154,7 @@ def fetch_static(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend)
         pool[verify_slots.long().reshape(-1)] = (after + 1).reshape(num_seqs * width, context_len)
     flat = rows.reshape(-1)
     scale = table.scale if table.dtype == FP8_DTYPE else None
-    if not device_gather_ok(table, input_ids.device):
+    if host_gather:
         return table.fetch(flat.cpu(), input_ids.device)  # memory-mapped table: a host gather (syncs)
     return FetchedRows(gather_rows(table, flat), None, None, scale)
 
@@ -170,17 +177,20 @@ class _VerifyColumn:
     def write_state(self, component: str, ordinal: int, value: torch.Tensor) -> None:
         self._backend.state_pool(component, ordinal)[self._target] = value
 
+    def outside_graph(self, op: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        return op(self, *inputs)  # a verify forward is captured whole: nothing runs between pieces
+
 
 def forward_verify(
-    ple: PLELayer, streams: torch.Tensor, rows: FetchedRows, backend: HybridBackend
+    ple: PLELayer, streams: torch.Tensor, embedded: torch.Tensor, backend: HybridBackend
 ) -> torch.Tensor:
     """`PLELayer.forward` for a verify forward (rows b * n + t: sequence b's token t), one column at a
     time so the conv window after each token is kept in its verify slot."""
     num_seqs, width = backend.verify_slots.shape
-    per_token = rows.rows.view(num_seqs, width, -1, rows.rows.shape[-1])
     by_column = streams.view(num_seqs, width, -1)
+    rows_by_column = embedded.view(num_seqs, width, -1)
     outs = []
     for column in range(width):
-        column_rows = rows._replace(rows=per_token[:, column].reshape(-1, per_token.shape[-1]))
+        column_rows = rows_by_column[:, column].contiguous()
         outs.append(ple(by_column[:, column].contiguous(), column_rows, _VerifyColumn(backend, column)))
     return torch.stack(outs, dim=1).view(streams.shape)

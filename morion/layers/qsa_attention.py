@@ -185,22 +185,40 @@ class QSAAttention(GatedAttentionProjections):
     ) -> torch.Tensor:
         """x: [T, hidden]; positions [T] (each token's index in its sequence); `rotation` the rotary's
         cos, sin at each token's position and at its block's first token's. Returns [T, hidden]."""
-        ordinal = self.attention_ordinal
         q, k, v, gate = self.project(x, rotation.cos, rotation.sin)
         index_q, raw_keys = self.indexer.project(x, rotation.cos, rotation.sin)
+        out = backend.outside_graph(
+            self._cache_and_attend, q, k, v, index_q, raw_keys, positions, rotation.block_cos,
+            rotation.block_sin,
+        )  # fmt: skip
+        return self.gate_output(out, gate)
+
+    def _cache_and_attend(
+        self,
+        backend: TokenCacheBackend,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        raw_keys: torch.Tensor,
+        positions: torch.Tensor,
+        block_cos: torch.Tensor,
+        block_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The part that reads the batch's layout and the cache (`HybridBackend.outside_graph`: a
+        piecewise prefill graph runs it eagerly between its pieces): stores this step's K/V, raw index
+        keys and completed block keys, then attends. Returns [T, H, D], before the output gate."""
+        ordinal = self.attention_ordinal
         backend.write_kv(ordinal, k, v)
         backend.write_tokens(INDEX_KEYS, ordinal, raw_keys)
-
         # Decode and verify: every sequence has the same number of new tokens (the static path).
         static = static_step(backend)
-        self._store_block_keys(positions, rotation, backend, static)
+        self._store_block_keys(positions, block_cos, block_sin, backend, static)
         if static:
-            out = self._attend_static(q, index_q, positions, backend.page_table, backend)
-        elif q.is_cuda if self.static_prefill is None else self.static_prefill:
-            out = self._attend_prefill_static(q, index_q, positions, backend)
-        else:
-            out = self._attend_reference(q, index_q, backend)
-        return self.gate_output(out, gate)
+            return self._attend_static(q, index_q, positions, backend.page_table, backend)
+        if q.is_cuda if self.static_prefill is None else self.static_prefill:
+            return self._attend_prefill_static(q, index_q, positions, backend)
+        return self._attend_reference(q, index_q, backend)
 
     def _block_rows(self, backend: TokenCacheBackend) -> torch.Tensor:
         """The `BLOCK_KEYS` storage of this layer as one row per block slot [num_slots / r, r * slice]."""
@@ -208,9 +226,15 @@ class QSAAttention(GatedAttentionProjections):
         return pool.view(-1, self.compress_ratio * pool.shape[-1])
 
     def _store_block_keys(
-        self, positions: torch.Tensor, rotation: Rotation, backend: TokenCacheBackend, static: bool
+        self,
+        positions: torch.Tensor,
+        block_cos: torch.Tensor,
+        block_sin: torch.Tensor,
+        backend: TokenCacheBackend,
+        static: bool,
     ) -> None:
-        """Computes and stores the key of every block whose last token is among this step's tokens."""
+        """Computes and stores the key of every block whose last token is among this step's tokens
+        (`block_cos`, `block_sin`: `Rotation`'s)."""
         ratio, dim = self.compress_ratio, self.indexer.head_dim
         key_rows = self._block_rows(backend)
         if positions.is_cuda:  # one kernel, for every row of any forward (no host sync)
@@ -219,8 +243,8 @@ class QSAAttention(GatedAttentionProjections):
             norm = self.indexer.k_layernorm
             raw_keys = backend.token_pool(INDEX_KEYS, self.attention_ordinal)
             qsa_triton.store_block_keys_(
-                raw_keys, key_rows, backend.out_slots, positions, rotation.block_cos, rotation.block_sin,
-                norm.weight, norm.eps, ratio,
+                raw_keys, key_rows, backend.out_slots, positions, block_cos, block_sin, norm.weight,
+                norm.eps, ratio,
             )  # fmt: skip
             return
         raw_blocks = backend.token_pool(INDEX_KEYS, self.attention_ordinal).view(-1, ratio, dim)
@@ -229,9 +253,7 @@ class QSAAttention(GatedAttentionProjections):
         if not static:
             done = ends_block.nonzero()[:, 0]
             block = rows[done]
-            keys = self.indexer.keys_of_blocks(
-                raw_blocks[block], rotation.block_cos[done], rotation.block_sin[done]
-            )
+            keys = self.indexer.keys_of_blocks(raw_blocks[block], block_cos[done], block_sin[done])
             key_rows[block, :dim] = keys.to(key_rows.dtype)
             return
         # Without data-dependent shapes: one column of the n tokens per sequence at a time (sequences own
@@ -241,7 +263,7 @@ class QSAAttention(GatedAttentionProjections):
         width = backend.query_ranges[0][1] if backend.query_ranges else 1
         for column in range(width):
             block = rows[column::width]
-            cos, sin = rotation.block_cos[column::width], rotation.block_sin[column::width]
+            cos, sin = block_cos[column::width], block_sin[column::width]
             keys = self.indexer.keys_of_blocks(raw_blocks[block], cos, sin)
             ends = ends_block[column::width, None]
             key_rows[block, :dim] = torch.where(ends, keys.to(key_rows.dtype), key_rows[block, :dim])

@@ -32,6 +32,7 @@ mixer, so neither has the head) and the shared LM head. A chained draft step fee
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import ClassVar
@@ -42,12 +43,12 @@ from torch import nn
 from morion.cache.spec import CacheSpec, StateComponent, TokenComponent
 from morion.errors import ModelLoadError, MorionError
 from morion.layers.gated_delta_net_35 import GatedDeltaNet35
-from morion.layers.host_table import FetchedRows, HostRowTable
+from morion.layers.host_table import HostRowTable
 from morion.layers.hyper_connection import HyperConnection, inject
 from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
-from morion.layers.ple_static import device_gather_ok, fetch_static, forward_verify
+from morion.layers.ple_static import fetch_static, forward_verify
 from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, Rotation, block_key_slice
 from morion.layers.rotary import RotaryEmbedding
 from morion.layers.token_cache_backend import TokenCacheBackend
@@ -96,6 +97,18 @@ def _ple_module(config: Qwen4ExpConfig, ple_ordinal: int) -> PLELayer:
     )
 
 
+def _fetch_ple_rows(
+    ple: PLELayer, dtype: torch.dtype, backend: TokenCacheBackend, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """The table rows of this step's tokens [T, E] in `dtype`, advancing the n-gram history state: hashed
+    and gathered on the device in decode and verify steps (the same number of new tokens per sequence:
+    layers/ple_static.py, no host work, capturable), on the host in prefill (a sync). It reads the batch's
+    layout and the state: a piecewise prefill graph runs it eagerly (`HybridBackend.outside_graph`)."""
+    static = backend.decode_only or backend.verify_slots is not None
+    rows = fetch_static(ple, input_ids, backend) if static else ple.fetch(input_ids, backend)
+    return rows.wait(dtype).view(input_ids.shape[0], -1)
+
+
 class Qwen4ExpDecoderLayer(nn.Module):
     """[streams += PLE(streams)] -> attention HC: mixer (Gated DeltaNet or QSA) -> MoE HC: sparse MoE.
     `ordinal` counts layers of the same kind; `ple_ordinal` is None for layers without PLE."""
@@ -131,8 +144,9 @@ class Qwen4ExpDecoderLayer(nn.Module):
         positions: torch.Tensor,
         rotation: Rotation,
         backend: TokenCacheBackend,
-        ple_rows: FetchedRows | None = None,
+        ple_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`ple_rows`: this step's tokens' n-gram table rows [T, E] (`_fetch_ple_rows`) in a PLE layer."""
         if self.ple is not None:
             if backend.verify_slots is not None:  # the state after every token, in its verify slot
                 streams = streams + forward_verify(self.ple, streams, ple_rows, backend)
@@ -186,12 +200,12 @@ class Qwen4ExpModel(nn.Module):
         backend: TokenCacheBackend,
         images: ImageRows | None = None,
     ) -> torch.Tensor:
-        # The PLE rows start moving to the device first, so their copy overlaps the layers before them.
-        # Decode and verify steps (the same number of new tokens per sequence) hash and gather on the
-        # device (layers/ple_static.py: no host work, capturable); prefill on the host.
-        static = backend.decode_only or backend.verify_slots is not None
+        # The PLE rows first: prefill hashes them on the host, a sync with the device best made before any
+        # layer is queued. The forward waits for their copy here, not at the PLE layer (no overlap with
+        # the layers before it): an eager call of a piecewise prefill graph returns its result ready.
+        dtype = self.embed_tokens.weight.dtype  # the streams'
         ple_rows = {
-            i: fetch_static(layer.ple, input_ids, backend) if static else layer.ple.fetch(input_ids, backend)
+            i: backend.outside_graph(functools.partial(_fetch_ple_rows, layer.ple, dtype), input_ids)
             for i, layer in enumerate(self.layers)
             if layer.ple is not None
         }
@@ -235,7 +249,9 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
     host syncs and have static shapes: QSA's static path, PLE hashed and gathered on the device, Gated
     DeltaNet's in-place kernels; a CUDA graph captures them. Except with the PLE table in memory-mapped
     files (`--ple-placement mmap`): the GPU cannot read those, its rows are gathered on the host, and a
-    capture attempt raises (the engine then decodes eagerly). Prefill runs eagerly, with host syncs.
+    capture attempt raises (the engine then decodes eagerly). Prefill syncs with the host (PLE's hashing,
+    QSA's per-sequence reference on the CPU), only in the parts that read the batch's layout or the cache
+    (`HybridBackend.outside_graph`): a piecewise prefill graph (runner/prefill_graph.py) replays the rest.
     """
 
     # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
@@ -277,12 +293,6 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
         """Returns the trunk's pre-mixer streams [T, hc_count * hidden] (`hidden_width`); `compute_logits`
         turns the ones needed into logits (final mixer, LM head), the MTP head reads them as they are.
         `images`: where images are among the tokens, their embeddings and the positions per axis."""
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing and not all(device_gather_ok(t, input_ids.device) for t in self.host_tables()):
-            raise RuntimeError(
-                f"{self.config.model_type} cannot be captured in a CUDA graph with its n-gram table in "
-                "memory-mapped files: the rows are gathered on the host (--ple-placement ram avoids it)"
-            )
         return self.model(input_ids, positions, backend, images)
 
     @property

@@ -169,8 +169,13 @@ def test_one_bucket_replays_forwards_of_other_lengths_and_the_same_one_identical
         eager, _, replayed, replayed_memory = run_both(engine, runner, batch)
         torch.testing.assert_close(replayed, eager, atol=2e-5, rtol=0)
         runs.append((batch, before, replayed, replayed_memory))
-    # Each forward again, from the same memory, after the others left their rows in the bridges and
-    # static inputs: the same bits (what a prompt's chunk computes never depends on what ran before).
+    assert_replays_repeat(engine, runner, runs)
+
+
+def assert_replays_repeat(engine, runner, runs) -> None:
+    """Each forward of `runs` ((batch, memory before, replayed hidden, memory after)) again, from the same
+    memory, after the others left their rows in the bridges and static inputs: the same bits (what a
+    prompt's chunk computes never depends on what ran before)."""
     for batch, before, replayed, replayed_memory in reversed(runs):
         restore(engine, before)
         with torch.inference_mode():
@@ -218,15 +223,23 @@ def test_a_failed_capture_leaves_prefill_eager(engine, monkeypatch, capsys):
 
 
 def test_cached_prefix_answers_as_cold_with_prefill_graphs(tiny_qwen3_next, engine_factory, engine_runner):
+    prompt = [(7 * i + 3) % 500 for i in range(45)]
+    longer = prompt + [(11 * i + 5) % 500 for i in range(30)]
+    other_prompt = [(5 * i + 1) % 500 for i in range(60)]
+    check_cached_prefix_answers_as_cold(
+        tiny_qwen3_next, engine_factory, engine_runner, prompt, longer, other_prompt
+    )
+
+
+def check_cached_prefix_answers_as_cold(loaded, engine_factory, engine_runner, prompt, longer, other_prompt):
     """The restore-identity property through the engine: a prompt's prefill chunk replays a graph, and
     the same prompt again (a prefix hit: its tail recomputed) answers with the same tokens and logprobs;
-    another engine with the same history answers alike, whatever its graphs replayed before."""
+    another engine with the same history (after `other_prompt`) answers alike, whatever its graphs
+    replayed before. `prompt`: 45 tokens (chunks 0-40, prefill, and 40-45, the tail); `longer` extends it."""
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
-    prompt = [(7 * i + 3) % 500 for i in range(45)]  # chunks 0-40 (prefill), 40-45 (tail)
-    longer = prompt + [(11 * i + 5) % 500 for i in range(30)]
 
     def engine_with_graphs():
-        engine = engine_factory(tiny_qwen3_next, page_size=PAGE, chunk_size=64)
+        engine = engine_factory(loaded, page_size=PAGE, chunk_size=64)
         engine.runner.prefill_graphs = graph_runner(engine).prefill_graphs
         return engine
 
@@ -239,9 +252,8 @@ def test_cached_prefix_answers_as_cold_with_prefill_graphs(tiny_qwen3_next, engi
     extended = engine_runner(engine, [longer], params)[0]
     assert graphs.replays == 2
     assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
-    # The same history in another engine, whose bridges held other rows before: the same answers.
     other = engine_with_graphs()
-    engine_runner(other, [[(5 * i + 1) % 500 for i in range(60)]], params)
+    engine_runner(other, [other_prompt], params)
     assert engine_runner(other, [prompt], params)[0].logprobs == cold.logprobs
     again = engine_runner(other, [longer], params)[0]
     assert again.token_ids == extended.token_ids and again.logprobs == extended.logprobs

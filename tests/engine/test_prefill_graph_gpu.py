@@ -2,7 +2,8 @@
 80B preset's layer shapes (12 layers, FP8 weights and K/V): they capture; a replay computes what the eager
 forward computes from the same memory (up to the bits a bucket's row count may change in its GEMMs),
 writes the same K/V and states and nothing else; the same forward replays to the same bits after other
-lengths of its bucket; and through the engine a cached prefix answers as cold, token and logprob."""
+lengths of its bucket; and through the engine a cached prefix answers as cold, token and logprob (on
+Qwen3.8-Flash-Next's shapes too, whose QSA and PLE layers break the trace at their own eager calls)."""
 
 from __future__ import annotations
 
@@ -176,9 +177,10 @@ def test_a_cached_prefix_answers_as_cold(loaded, engine_runner):
     engine.close()
 
 
-def test_flash_next_prefill_stays_eager(engine_runner):
-    """Qwen3.8-Flash-Next's QSA and PLE layers read the batch's layout outside `attend` and
-    `outside_graph`: the capture fails at its warm-up, one line says so, and prefill runs eagerly."""
+def test_flash_next_prefill_replays(engine_runner):
+    """Qwen3.8-Flash-Next's QSA and PLE read the batch's layout only in eager calls (cache writes and
+    attention, the n-gram fetch and conv): its prefill graphs capture, a prefill chunk replays, and a
+    cached prefix answers as cold, token and logprob."""
     preset = "qwen3.8-flash-next-12l"
     loaded = load_model(f"preset:{preset}", torch.bfloat16, torch.device("cuda"), weight_dtype="fp8")
     config = EngineConfig(
@@ -186,7 +188,12 @@ def test_flash_next_prefill_stays_eager(engine_runner):
         max_running_requests=2, cuda_graph_max_batch=2, prefill_graph_tokens=(512,),
     )  # fmt: skip
     engine = Engine(config, loaded)
-    assert engine.runner.prefill_graphs is None and engine.graphs is not None
-    [output] = engine_runner(engine, [[7] * 300], GREEDY)
-    assert len(output.token_ids) == GREEDY.max_tokens
+    graphs = engine.runner.prefill_graphs
+    assert graphs is not None and engine.graphs is not None
+    prompt = [random.Random(7).randrange(1, 50000) for _ in range(300)]
+    cold = engine_runner(engine, [prompt], GREEDY)[0]
+    assert graphs.replays == 1 and len(cold.token_ids) == GREEDY.max_tokens
+    hit = engine_runner(engine, [prompt], GREEDY)[0]
+    assert graphs.replays == 1  # the tail and the decodes only
+    assert (hit.token_ids, hit.logprobs) == (cold.token_ids, cold.logprobs)
     engine.close()
