@@ -99,12 +99,14 @@ class ProfileSession:
         prompts: PromptMaker,
         logprobs: int | None,
     ) -> None:
-        """Both passes of `point` on `engine` (the by-module one, and the as-served one where decode would
-        replay CUDA graphs); `prompts(key, length)` makes a fresh prompt."""
+        """Both passes of `point` on `engine` (the by-module one, and the as-served one where its steps
+        would replay CUDA graphs: decode graphs, or prefill's piecewise ones); `prompts(key, length)` makes
+        a fresh prompt."""
         self.device = engine.device
         by_module, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=True)
         self._keep(trace)
-        graphs = point.step_kind == "decode" and engine.graphs is not None
+        replays = engine.graphs if point.step_kind == "decode" else engine.runner.prefill_graphs
+        graphs = replays is not None
         as_served = None
         if graphs:
             as_served, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=False)

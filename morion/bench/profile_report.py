@@ -50,7 +50,10 @@ def _point(point: dict[str, Any]) -> list[str]:
     for part in by_module["by_part"]:
         device = "—" if part["device_ms"] is None else f"{part['device_ms']:.3f}"
         lines.append(f"| {part['part']} | {part['host_ms']:.3f} | {device} | {part['ops']:.0f} |")
-    served = "CUDA graphs as the engine replays them" if point["cuda_graphs"] else "the same run"
+    served = "the same run"
+    if point["cuda_graphs"]:
+        graphs = "CUDA graphs" if kind == "decode" else "piecewise prefill CUDA graphs"
+        served = f"{graphs} as the engine replays them"
     lines += [
         "",
         f"As served ({served}, {as_served['step_ms']:.2f} ms per step): {as_served['ops_per_step']:.0f} "

@@ -169,3 +169,28 @@ def test_kernels_count_for_the_part_that_launched_them_and_idle_time_is_found_be
     assert "As served (CUDA graphs as the engine replays them, 0.10 ms per step): 4 CUDA kernels" in text
     assert "Device idle 0.070 ms per step (busy 0.030): 0.020 before its first kernel" in text
     assert "| `moe_fused` | 1.0 | 0.010 |" in text
+
+
+def test_a_prefill_point_is_also_profiled_as_its_piecewise_graphs_replay(tiny_qwen3_next, engine_factory):
+    """With prefill graphs (here the CPU stand-in for them, tests/engine/test_prefill_graph.py), a prefill
+    point gets its as-served pass too: the by-module pass runs eagerly (no replay), the as-served one
+    replays the graphs, and the report says which graphs it timed."""
+    from types import SimpleNamespace
+
+    from morion.bench.profile import ProfilePoint, ProfileSession
+    from tests.engine.test_prefill_graph import PAGE, graph_runner
+
+    engine = engine_factory(tiny_qwen3_next, page_size=PAGE, chunk_size=64, enable_prefix_cache=False)
+    engine.runner.prefill_graphs = graphs = graph_runner(engine).prefill_graphs
+    session = ProfileSession(SimpleNamespace(profile_trace=None))
+    bench = SimpleNamespace(label="t", say=lambda line: None)
+    prompts = [[(7 * i + n) % 500 for i in range(40)] for n in range(4)]  # 2 a pass: a warm-up, a profiled
+    session.profile(
+        bench, engine, ProfilePoint("prefill", 1, 40, 1, "prefill"), lambda *_: prompts.pop(), None
+    )
+    assert graphs.replays == 2  # the as-served pass's prompts only
+    [served] = session.points
+    assert served["cuda_graphs"] is True and served["as_served"]["step_kind"] == "prefill"
+    assert served["by_module"]["steps"] == served["as_served"]["steps"] >= 1
+    markdown = "\n".join(profile_markdown(session.section(bench)))
+    assert "As served (piecewise prefill CUDA graphs as the engine replays them" in markdown
