@@ -54,8 +54,9 @@ from morion.runner.restore_wait import RestoreWaits
 
 
 class PrefillGraphRunner:
-    """Piecewise prefill graphs over `model` for forwards of up to `max(buckets)` tokens. The warm-ups
-    write K/V into `scratch_page` and state into `scratch_slot` (held by nobody else). `capture_pieces`
+    """Piecewise prefill graphs over `model` for forwards of up to `max(buckets)` tokens (`buckets`:
+    distinct, increasing, positive, as EngineConfig checks `prefill_graph_tokens`). The warm-ups write
+    K/V into `scratch_page` and state into `scratch_slot` (held by nobody else). `capture_pieces`
     captures a traced forward (None: CUDA graphs; the CPU tests stand in for them)."""
 
     def __init__(
@@ -69,8 +70,6 @@ class PrefillGraphRunner:
         scratch_slot: int | None,
         capture_pieces: CapturePieces | None = None,
     ) -> None:
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"prefill graph buckets {list(buckets)} must be distinct, positive, increasing")
         self._model = model
         self._pool = pool
         self._state_slots = state_slots

@@ -92,7 +92,7 @@ def summarize(
 
 
 def _turn(
-    bench: dict[str, Any] | None, target_s: float | None, offline: dict[str, Any] | None = None
+    bench: dict[str, Any] | None, target_s: float | None, offline: dict[str, Any] | None
 ) -> dict[str, Any] | None:
     """An agent turn's TTFT through the server (`morion bench --url ... --workloads turn`, issue #24):
     reported beside its target, not part of the verdict (the restore suite gates cached answers), and
