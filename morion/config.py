@@ -27,6 +27,10 @@ MOE_KERNELS = ("auto", "grouped", "triton")
 # PDL, else off, silently), off, the launch overlap, or that and the skinny linears' weights prefetched
 # into L2 before each waits.
 PDL_MODES = ("auto", "off", "launch", "prefetch")
+# Token buckets of piecewise prefill graphs where none are given (runner/prefill_graph.py), those below the
+# chunk size and the chunk size itself, so that a whole chunk replays. Qualified on the H200 with the 80B
+# (run 13: every restored answer identical to cold; 1K TTFT through the server 262-304 -> 151 ms).
+DEFAULT_PREFILL_GRAPH_TOKENS = (256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay CUDA graphs captured per batch-size bucket (CUDA only)
     cuda_graph_max_batch: int = 64  # largest decode batch captured; larger batches run eager
     # Token buckets of piecewise prefill graphs (runner/prefill_graph.py): a prefill forward of up to the
-    # largest replays the smallest bucket that holds it. Empty (off) until the H200 measures them.
-    prefill_graph_tokens: tuple[int, ...] = ()
+    # largest replays the smallest bucket that holds it. None: DEFAULT_PREFILL_GRAPH_TOKENS (see
+    # `prefill_graph_buckets`); empty: off, prefill runs eagerly. CUDA with decode graphs only.
+    prefill_graph_tokens: tuple[int, ...] | None = None
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
     moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
@@ -115,7 +120,7 @@ class EngineConfig:
             raise MorionError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        buckets = self.prefill_graph_tokens
+        buckets = self.prefill_graph_buckets
         if list(buckets) != sorted(set(buckets)) or any(not 0 < b <= self.chunk_size for b in buckets):
             raise MorionError(
                 f"prefill_graph_tokens must be distinct token counts in increasing order, each in [1, "
@@ -152,6 +157,15 @@ class EngineConfig:
             raise MorionError(
                 f"ple_placement must be one of {', '.join(PLE_PLACEMENTS)}, got {self.ple_placement!r}"
             )
+
+    @property
+    def prefill_graph_buckets(self) -> tuple[int, ...]:
+        """The prefill graphs' token buckets: those given, else the defaults below the chunk size and the
+        chunk size itself."""
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens
+        below = (tokens for tokens in DEFAULT_PREFILL_GRAPH_TOKENS if tokens < self.chunk_size)
+        return (*below, self.chunk_size)
 
     @property
     def torch_device(self) -> torch.device:

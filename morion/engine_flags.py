@@ -46,10 +46,12 @@ def bounded(kind: Callable[[str], float], minimum: float, name: str) -> Callable
 
 def token_counts(name: str) -> Callable[[str], tuple[int, ...]]:
     """An argparse type: comma-separated positive integers, as given (EngineConfig checks their order
-    against each other and the chunk size), with one-line errors."""
+    against each other and the chunk size), or `none` for no counts, with one-line errors."""
     count = bounded(int, 1, name)
 
     def parse(text: str) -> tuple[int, ...]:
+        if text.strip().lower() == "none":
+            return ()
         return tuple(int(count(part)) for part in text.split(",") if part.strip())
 
     return parse
@@ -141,7 +143,8 @@ ENGINE_FLAGS = (
     _number("cuda_graph_max_batch", int, 1, "largest decode batch captured in a CUDA graph (64)"),
     EngineFlag(
         "prefill_graph_tokens",
-        "token buckets of piecewise prefill CUDA graphs, e.g. 512,1024,2048 (default: none, prefill eager)",
+        "token buckets of piecewise prefill CUDA graphs, or none: prefill eager (256,512,1024,2048 and the "
+        "chunk size)",
         kwargs={"type": token_counts("--prefill-graph-tokens"), "metavar": "N,N,..."},
     ),
     _number(

@@ -137,3 +137,14 @@ def test_weight_dtype_nvfp4_reaches_the_engine_config(command, monkeypatch):
     assert config.weight_dtype == "nvfp4"
     with pytest.raises(MorionError, match="weight_dtype must be one of auto, fp8, nvfp4, got 'fp4'"):
         EngineConfig(weight_dtype="fp4")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_prefill_graphs_default_to_buckets_up_to_the_chunk_and_none_turns_them_off(command, monkeypatch):
+    assert EngineConfig().prefill_graph_buckets == (256, 512, 1024, 2048, 4096)
+    assert EngineConfig(chunk_size=8192).prefill_graph_buckets == (256, 512, 1024, 2048, 4096, 8192)
+    assert EngineConfig(chunk_size=1000).prefill_graph_buckets == (256, 512, 1000)
+    off = _command_config([command, *COMMANDS[command], "--prefill-graph-tokens", "none"], monkeypatch)
+    assert off.prefill_graph_tokens == off.prefill_graph_buckets == ()
+    with pytest.raises(MorionError, match="each in \\[1, chunk_size 1024\\], got 512,2048"):
+        EngineConfig(chunk_size=1024, prefill_graph_tokens=(512, 2048))

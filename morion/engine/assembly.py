@@ -226,8 +226,8 @@ def assemble(
         # Verify forwards of speculative decoding, one graph per draft width the policy may pick.
         if runner.decode_graphs is not None and speculative is not None:
             speculative.capture_graphs(config.page_size)
-        if config.prefill_graph_tokens:
-            runner.capture_prefill_graphs(config.prefill_graph_tokens)
+        if config.prefill_graph_buckets:
+            runner.capture_prefill_graphs(config.prefill_graph_buckets)
     return EngineParts(
         loaded, kv_scales, pool, state_slots, runner, speculative, prefix_cache, cache_stats, tiers,
         scheduler, weight_bytes, pool_tokens, longest, limit, config,
@@ -294,10 +294,10 @@ def _activation_reserve_bytes(
         config.max_running_requests,
     )
     reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
-    if config.cuda_graph and config.prefill_graph_tokens:
+    if config.cuda_graph and config.prefill_graph_buckets:
         # Piecewise prefill graphs keep a memory pool of about their largest bucket's activation peak
         # (activations grow with the tokens) and bridges for their eager calls: half as much again.
-        reserve += int(peak * max(config.prefill_graph_tokens) / tokens * 1.5)
+        reserve += int(peak * max(config.prefill_graph_buckets) / tokens * 1.5)
     print(
         f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "
         f"({time.perf_counter() - started:.1f} s, includes kernel compilation); "
