@@ -226,6 +226,7 @@ def assemble(
         # Verify forwards of speculative decoding, one graph per draft width the policy may pick.
         if runner.decode_graphs is not None and speculative is not None:
             speculative.capture_graphs(config.page_size)
+        runner.capture_short_graphs()
         if config.prefill_graph_buckets:
             runner.capture_prefill_graphs(config.prefill_graph_buckets)
     return EngineParts(

@@ -6,7 +6,7 @@ MTP head)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,10 @@ class HybridForCausalLM(nn.Module):
     `compute_logits`). The engine keeps them per position for the MTP drafter (spec/mtp.py), which feeds
     them to `mtp_forward` and reads its draft logits through `mtp_head_input` and `lm_logits`.
     """
+
+    # A short forward (2 to SHORT_CHUNK_TOKENS new tokens per sequence: a prompt's tail) makes no host
+    # sync, so the engine replays it from a CUDA graph (runner/model_runner.capture_short_graphs).
+    short_chunk_graphs: ClassVar[bool] = True
 
     def __init__(
         self, config: HybridConfig, model: nn.Module, mtp: Callable[[HybridConfig], nn.Module]

@@ -254,6 +254,10 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
     (`HybridBackend.outside_graph`): a piecewise prefill graph (runner/prefill_graph.py) replays the rest.
     """
 
+    # A short forward syncs with the host (PLE's n-gram hashing, QSA's per-sequence prefill path: both
+    # static only in decode and verify steps), so it runs eagerly.
+    short_chunk_graphs: ClassVar[bool] = False
+
     # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
     # expert gate and the indexer decide what runs or is read (a flipped choice costs more than their
     # bytes are worth); in_proj_b/a feed Gated DeltaNet's write and decay gates, whose errors compound;

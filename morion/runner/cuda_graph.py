@@ -10,7 +10,10 @@ scratch state slot that the engine holds for this purpose and never hands out.
 Speculative verify forwards replay graphs too: a runner built with `query_len` n > 1 captures batches of
 B sequences with exactly n new tokens each (the last sampled token and n - 1 drafts), and, for models
 with state, the [B, n] `verify_slots` buffer (HybridBackend.verify_slots). Its padding rows write their n
-tokens into the scratch page (n <= page size) and all their states into the scratch slot.
+tokens into the scratch page (n <= page size) and all their states into the scratch slot. A runner built
+with `verify=False` captures short forwards of n tokens per sequence instead (a prompt's tail after its
+last page boundary, engine/forward_groups.py): no verify slots, each sequence's state after its last token
+in its working slot, the same kernels as the eager short forward.
 
 Invariants for capture: the model's decode path makes no host syncs and allocates nothing whose size
 depends on data; all Triton kernels were compiled by an eager warm-up run of the same shapes first.
@@ -58,7 +61,10 @@ class DecodeGraphRunner:
         scratch_page: int,
         scratch_slot: int | None,
         query_len: int = 1,
+        verify: bool = True,
     ) -> None:
+        """`query_len` n new tokens per sequence; with n > 1, a verify forward (`verify`: the state after
+        every token in `verify_slots`) or a short one (the state after the last token only)."""
         device = pool.device
         if not 1 <= query_len <= pool.page_size:
             raise ValueError(f"query_len {query_len} must be in [1, page size {pool.page_size}]")
@@ -72,6 +78,8 @@ class DecodeGraphRunner:
         self._scratch_page = scratch_page
         self._scratch_slot = scratch_slot
         self.query_len = n = query_len
+        self.verify = verify and n > 1
+        self._with_logits = n == 1 or self.verify  # decode and verify: every row is sampled
         page_size = pool.page_size
         rows = max_batch * n
         # Padding sequences attend to their n keys in the scratch page and write there (and to the
@@ -92,11 +100,11 @@ class DecodeGraphRunner:
         )
         self._verify_slots = (
             torch.full((max_batch, n), scratch_slot, dtype=torch.int32, device=device)
-            if scratch_slot is not None and n > 1
+            if scratch_slot is not None and self.verify
             else None
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._logits: dict[int, torch.Tensor | None] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # what the forward returns (an MTP drafter reads it)
         self._last_bucket = 0
         self._memory_pool = None
@@ -122,9 +130,12 @@ class DecodeGraphRunner:
         verify_slots = None if self._verify_slots is None else self._verify_slots[:size]
         backend = PagedAttentionBackend(self._pool, batch, self._state_slots, self._kv_scales, verify_slots)
 
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self._model(batch.input_ids, batch.positions, backend)
-            return hidden, self._model.compute_logits(hidden)
+            # A short forward needs the logits of its last row only: the caller computes them from
+            # the hidden states, as the eager short forward does (the same bits whatever the LM head's
+            # GEMM does with a row count).
+            return hidden, self._model.compute_logits(hidden) if self._with_logits else None
 
         return run
 
@@ -139,8 +150,9 @@ class DecodeGraphRunner:
         self._memory_pool = other._memory_pool
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture every bucket, largest first (later captures reuse its memory pool)."""
+    def capture(self, quiet: bool = False) -> None:
+        """Warm up and capture every bucket, largest first (later captures reuse its memory pool); the
+        startup line unless `quiet` (a caller that reports a family of runners in one line)."""
         started = time.perf_counter()
         free_before, _ = torch.cuda.mem_get_info(self._pool.device)
         stream = torch.cuda.Stream(self._pool.device)
@@ -160,7 +172,10 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self._pool.device).wait_stream(stream)
         torch.cuda.synchronize(self._pool.device)
         free_after, _ = torch.cuda.mem_get_info(self._pool.device)
-        kind = "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens per sequence)"
+        if quiet:
+            return
+        n = self.query_len
+        kind = "decode" if n == 1 else f"{'verify' if self.verify else 'short'} ({n} tokens per sequence)"
         print(
             f"morion: captured {kind} CUDA graphs for batch sizes {self.buckets} in "
             f"{time.perf_counter() - started:.1f} s ({(free_before - free_after) / 2**30:.2f} GiB)",
@@ -176,9 +191,10 @@ class DecodeGraphRunner:
             and batch.page_table.shape[1] <= self.max_pages
         )
 
-    def run(self, batch: ForwardBatch, verify_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, verify_slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B * n, vocab] (fp32) of a batch of B <= max_batch sequences of n new tokens each (n = 1:
-        decode; n > 1: a verify forward, with its `verify_slots` [B, n] for models with state)."""
+        decode; n > 1: a verify forward, with its `verify_slots` [B, n] for models with state); None for
+        a short forward (`last_hidden` holds its result)."""
         n = self.query_len
         size = len(batch.query_ranges)
         bucket = next(b for b in self.buckets if b >= size)
@@ -203,7 +219,8 @@ class DecodeGraphRunner:
         self._graphs[bucket].replay()
         self.replays += 1
         self._last_bucket = bucket
-        return self._logits[bucket][: size * n]
+        logits = self._logits[bucket]
+        return None if logits is None else logits[: size * n]
 
     def last_hidden(self, rows: int) -> torch.Tensor:
         """The hidden states [rows, hidden_width] of the last replay's first `rows` rows (valid until the next

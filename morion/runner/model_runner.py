@@ -13,6 +13,8 @@ memory); a decode or verify replay waits for all of them first.
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -22,6 +24,7 @@ import torch
 from morion.cache.copy_engine import Transfer
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import DeviceWorkMirror, StateSlots
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.models.image_rows import ImageRows
 from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
@@ -35,8 +38,8 @@ from morion.runner.restore_wait import RestoreWaits
 
 class Forward(NamedTuple):
     hidden: torch.Tensor  # [rows, hidden_width]: what the model's forward returns (an MTP drafter reads it)
-    # [rows, vocab] fp32 from a graph replay, valid until the next replay; None from an eager forward,
-    # whose caller computes the rows it needs (`ModelRunner.logits`).
+    # [rows, vocab] fp32 from a decode or verify graph's replay, valid until the next replay; None from an
+    # eager forward or a short-chunk graph, whose caller computes the rows it needs (`ModelRunner.logits`).
     logits: torch.Tensor | None
 
 
@@ -78,6 +81,8 @@ class ModelRunner:
         self.scratch_slots = scratch_slots
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: dict[int, DecodeGraphRunner] = {}  # per tokens per sequence (1 + draft width)
+        # Short forwards (a prompt's tail, 2 to SHORT_CHUNK_TOKENS tokens) of one sequence, per token count.
+        self.short_graphs: dict[int, DecodeGraphRunner] = {}
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.ranges = ProfileRanges()  # named profiler ranges, on only while profiling
         # Rank 0 of a tensor-parallel engine: each forward and each logits gather is sent to the follower
@@ -91,7 +96,9 @@ class ModelRunner:
         """A step's forward of one kind of chunk (engine/forward_groups.py), after `restores`."""
         if self.mirror is not None:
             self.mirror.send("forward", batch.host)
-        return self._run(batch, self.decode_graphs, restores, images=images)
+        n = batch.max_query_len
+        graph = self.decode_graphs if n == 1 else self.short_graphs.get(n)
+        return self._run(batch, graph, restores, images=images)
 
     def verify(
         self, batch: ForwardBatch, verify_columns: np.ndarray | None, images: ImageRows | None = None
@@ -157,14 +164,15 @@ class ModelRunner:
         """Profiler ranges on (runner/profile_ranges.py) for the duration. `by_module`: every model part
         of a known kind in a range of its own, and every forward eager meanwhile (a graph replay runs no
         Python, so no hook would fire); the graphs come back afterwards."""
-        graphs = self.decode_graphs, self.verify_graphs, self.prefill_graphs
+        graphs = self.decode_graphs, self.verify_graphs, self.short_graphs, self.prefill_graphs
         if by_module:
-            self.decode_graphs, self.verify_graphs, self.prefill_graphs = None, {}, None
+            self.decode_graphs, self.prefill_graphs = None, None
+            self.verify_graphs, self.short_graphs = {}, {}
         try:
             with self.ranges.on(self.model if by_module else None):
                 yield
         finally:
-            self.decode_graphs, self.verify_graphs, self.prefill_graphs = graphs
+            self.decode_graphs, self.verify_graphs, self.short_graphs, self.prefill_graphs = graphs
 
     # ------------------------------------------------------------------ capture
     def capture_decode_graphs(self, max_batch: int, max_pages: int) -> None:
@@ -192,6 +200,34 @@ class ModelRunner:
         self.verify_graphs[query_len] = runner
         return True
 
+    def capture_short_graphs(self) -> None:
+        """Graphs of short forwards of one sequence, one per token count 2 .. SHORT_CHUNK_TOKENS (at most
+        the page size), in the decode graphs' memory pool: the tail of every prompt (the tokens after its
+        last page boundary, scheduler `_chunk`) is such a forward, eager otherwise (a decode step's
+        kernels, launched from Python). Only for models whose short forward is capturable
+        (`short_chunk_graphs`); short forwards stay eager where capture fails."""
+        decode = self.decode_graphs
+        lengths = range(2, min(SHORT_CHUNK_TOKENS, self.pool.page_size) + 1)
+        if decode is None or not lengths or not getattr(self.model, "short_chunk_graphs", False):
+            return
+        started = time.perf_counter()
+        graphs: dict[int, DecodeGraphRunner] = {}
+        for query_len in lengths:
+            runner = self._graph_runner(1, decode.max_pages, query_len, verify=False)
+            runner.share_memory_pool(decode)
+            try:
+                runner.capture(quiet=True)
+            except RuntimeError as error:
+                report_capture_failure("short-chunk CUDA graph capture FAILED, they run eagerly", error)
+                return
+            graphs[query_len] = runner
+        self.short_graphs = graphs
+        print(
+            f"morion: captured short-chunk CUDA graphs (one sequence of 2 to {max(graphs)} tokens, in the "
+            f"decode graphs' memory pool) in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
+
     def capture_prefill_graphs(self, buckets: Sequence[int]) -> None:
         """Piecewise prefill graphs for forwards of up to max(`buckets`) tokens (runner/prefill_graph.py);
         prefill runs eagerly where capture fails (a layer that reads the batch's layout outside
@@ -217,9 +253,11 @@ class ModelRunner:
         """The state slot graphs' padding rows write into (None for models without state)."""
         return self.scratch_slots[0] if self.scratch_slots else None
 
-    def _graph_runner(self, max_batch: int, max_pages: int, query_len: int = 1) -> DecodeGraphRunner:
+    def _graph_runner(
+        self, max_batch: int, max_pages: int, query_len: int = 1, verify: bool = True
+    ) -> DecodeGraphRunner:
         """Graphs over this runner's model and memory, their padding rows in the scratch page and slot."""
         return DecodeGraphRunner(
             self.model, self.pool, self.state_slots, self.kv_scales, max_batch, max_pages,
-            self.scratch_pages[0], self._scratch_slot, query_len=query_len,
+            self.scratch_pages[0], self._scratch_slot, query_len=query_len, verify=verify,
         )  # fmt: skip
