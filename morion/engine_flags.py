@@ -145,7 +145,7 @@ ENGINE_FLAGS = (
         "prefill_graph_tokens",
         "token buckets of piecewise prefill CUDA graphs, or none: prefill eager (256,512,1024,2048 and the "
         "chunk size)",
-        kwargs={"type": token_counts("--prefill-graph-tokens"), "metavar": "N,N,..."},
+        kwargs={"type": token_counts("--prefill-graph-tokens"), "metavar": "N,N,...|none"},
     ),
     _number(
         "activation_reserve_gb",
