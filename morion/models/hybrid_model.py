@@ -98,8 +98,9 @@ class HybridForCausalLM(nn.Module):
     them to `mtp_forward` and reads its draft logits through `mtp_head_input` and `lm_logits`.
     """
 
-    # A short forward (2 to SHORT_CHUNK_TOKENS new tokens per sequence: a prompt's tail) makes no host
-    # sync, so the engine replays it from a CUDA graph (runner/model_runner.capture_short_graphs).
+    # A short forward of one sequence (2 to SHORT_CHUNK_TOKENS new tokens: a prompt's tail) makes no host
+    # sync, so the engine replays it from a CUDA graph (runner/model_runner.capture_short_graphs); models
+    # without the attribute (the dense ones) run it eagerly.
     short_chunk_graphs: ClassVar[bool] = True
 
     def __init__(

@@ -44,6 +44,7 @@ from morion.cache.spec import CacheSpec, StateComponent, TokenComponent
 from morion.errors import ModelLoadError, MorionError
 from morion.layers.gated_delta_net_35 import GatedDeltaNet35
 from morion.layers.host_table import HostRowTable
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.layers.hyper_connection import HyperConnection, inject
 from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
@@ -101,10 +102,15 @@ def _fetch_ple_rows(
     ple: PLELayer, dtype: torch.dtype, backend: TokenCacheBackend, input_ids: torch.Tensor
 ) -> torch.Tensor:
     """The table rows of this step's tokens [T, E] in `dtype`, advancing the n-gram history state: hashed
-    and gathered on the device in decode and verify steps (the same number of new tokens per sequence:
-    layers/ple_static.py, no host work, capturable), on the host in prefill (a sync). It reads the batch's
-    layout and the state: a piecewise prefill graph runs it eagerly (`HybridBackend.outside_graph`)."""
-    static = backend.decode_only or backend.verify_slots is not None
+    and gathered on the device where every sequence has the same number of new tokens, at most
+    SHORT_CHUNK_TOKENS (decode and verify steps, and short forwards of prompt tails of one length:
+    layers/ple_static.py, no host work, capturable), on the host otherwise (prefill; a sync). Both give
+    the same rows and state (integer hashing of the same tokens, the same table bytes), so a tail answers
+    alike either way. It reads the batch's layout and the state: a piecewise prefill graph runs it eagerly
+    (`HybridBackend.outside_graph`)."""
+    lengths = {length for _, length in backend.query_ranges}
+    uniform_short = len(lengths) == 1 and max(lengths) <= SHORT_CHUNK_TOKENS
+    static = uniform_short or backend.verify_slots is not None
     rows = fetch_static(ple, input_ids, backend) if static else ple.fetch(input_ids, backend)
     return rows.wait(dtype).view(input_ids.shape[0], -1)
 
@@ -247,16 +253,14 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
 
     Decode and speculative verify forwards (every sequence with the same number of new tokens) make no
     host syncs and have static shapes: QSA's static path, PLE hashed and gathered on the device, Gated
-    DeltaNet's in-place kernels; a CUDA graph captures them. Except with the PLE table in memory-mapped
-    files (`--ple-placement mmap`): the GPU cannot read those, its rows are gathered on the host, and a
-    capture attempt raises (the engine then decodes eagerly). Prefill syncs with the host (PLE's hashing,
-    QSA's per-sequence reference on the CPU), only in the parts that read the batch's layout or the cache
-    (`HybridBackend.outside_graph`): a piecewise prefill graph (runner/prefill_graph.py) replays the rest.
+    DeltaNet's in-place kernels; a CUDA graph captures them. So does a short forward of one sequence (a
+    prompt's tail: PLE hashed on the device, QSA's static path over its one sequence's rows). Except
+    with the PLE table in memory-mapped files (`--ple-placement mmap`): the GPU cannot read those, its
+    rows are gathered on the host, and a capture attempt raises (the engine then decodes eagerly).
+    Prefill syncs with the host (PLE's hashing, QSA's per-sequence reference on the CPU), only in the parts
+    that read the batch's layout or the cache (`HybridBackend.outside_graph`): a piecewise prefill graph
+    (runner/prefill_graph.py) replays the rest.
     """
-
-    # A short forward syncs with the host (PLE's n-gram hashing, QSA's per-sequence prefill path: both
-    # static only in decode and verify steps), so it runs eagerly.
-    short_chunk_graphs: ClassVar[bool] = False
 
     # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
     # expert gate and the indexer decide what runs or is read (a flipped choice costs more than their

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from morion.models.llama import DenseForCausalLM
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
 from morion.runner.cuda_graph import DecodeGraphRunner
@@ -74,9 +75,10 @@ def test_short_graphs_per_tail_length_and_the_forward_that_replays_them(
 
 
 def test_short_graphs_only_where_the_model_captures_them(tiny_qwen3_next, engine_factory, monkeypatch):
-    """Qwen3.8-Flash-Next's short forward syncs with the host (PLE hashing, QSA's prefill path): no
-    short graphs for it, nor for models that do not declare them (dense models)."""
-    assert Qwen3NextForCausalLM.short_chunk_graphs and not Qwen4ExpForCausalLM.short_chunk_graphs
+    """The hybrid models declare their short forward capturable; a model that does not (the dense
+    models) gets no short graphs."""
+    assert Qwen3NextForCausalLM.short_chunk_graphs and Qwen4ExpForCausalLM.short_chunk_graphs
+    assert not hasattr(DenseForCausalLM, "short_chunk_graphs")
     engine = engine_factory(tiny_qwen3_next, page_size=8)
     monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self, quiet=False: None)
     monkeypatch.setattr(type(engine.model), "short_chunk_graphs", False)

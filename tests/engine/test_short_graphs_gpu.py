@@ -1,7 +1,8 @@
-"""Short-chunk CUDA graphs (runner/model_runner.capture_short_graphs) on the GPU, at the 80B preset's layer
-shapes (12 layers, FP8 weights and K/V): every prompt's tail (the 2 to 16 tokens after its last page
-boundary) replays the graph of its length, and answers as the eager short forward does, token and logprob,
-cold and as a cached prefix's tail; a one-token tail is a decode step and replays no short graph."""
+"""Short-chunk CUDA graphs (runner/model_runner.capture_short_graphs) on the GPU, at both presets' layer
+shapes (12 layers, FP8 weights and K/V; Flash-Next's PLE hashing its tails on the device, its QSA on the
+static path): every prompt's tail (the 2 to 16 tokens after its last page boundary) replays the graph of
+its length, and answers as the eager short forward does, token and logprob, cold and as a cached prefix's
+tail; a one-token tail is a decode step and replays no short graph."""
 
 from __future__ import annotations
 
@@ -17,23 +18,27 @@ from morion.loader import load_model
 
 pytestmark = pytest.mark.gpu
 
-PRESET = "qwen3-next-80b-a3b-12l"
+PRESETS = ("qwen3-next-80b-a3b-12l", "qwen3.8-flash-next-12l")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 # Tails of 2, 7 and 16 tokens after 16-token pages (the last a whole page), and of one token.
 LENGTHS = (16 * 20 + 2, 16 * 40 + 7, 16 * 9 + 16, 16 * 30 + 1)
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(f"preset:{PRESET}", torch.bfloat16, torch.device("cuda"), weight_dtype="fp8")
+@pytest.fixture(scope="module", params=PRESETS)
+def loaded(request):
+    model = load_model(f"preset:{request.param}", torch.bfloat16, torch.device("cuda"), weight_dtype="fp8")
+    yield request.param, model
+    del model
+    torch.cuda.empty_cache()
 
 
 def engine_of(loaded) -> Engine:
+    preset, model = loaded
     config = EngineConfig(
-        model=f"preset:{PRESET}", device="cuda", kv_cache_dtype="fp8", kv_cache_tokens=16384,
+        model=f"preset:{preset}", device="cuda", kv_cache_dtype="fp8", kv_cache_tokens=16384,
         max_running_requests=2, cuda_graph_max_batch=2,
     )  # fmt: skip
-    return Engine(config, loaded)
+    return Engine(config, model)
 
 
 def test_tails_replay_their_graphs_and_answer_as_the_eager_short_forward(loaded, engine_runner):
