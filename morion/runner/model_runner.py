@@ -30,6 +30,7 @@ from morion.runner.backend import KVScales, PagedAttentionBackend
 from morion.runner.capture_failure import report_capture_failure
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import ForwardBatch
+from morion.runner.forward_counts import ForwardCounts, forward_kind
 from morion.runner.host_to_device import to_device
 from morion.runner.prefill_graph import PrefillGraphRunner
 from morion.runner.profile_ranges import FORWARD, LM_HEAD, ProfileRanges
@@ -85,6 +86,7 @@ class ModelRunner:
         self.short_graphs: dict[int, DecodeGraphRunner] = {}
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.ranges = ProfileRanges()  # named profiler ranges, on only while profiling
+        self.forwards = ForwardCounts()  # per kind, replayed or eager (the server's metrics)
         # Rank 0 of a tensor-parallel engine: each forward and each logits gather is sent to the follower
         # ranks first (their collectives meet rank 0's), with the device work queued before it.
         self.mirror: DeviceWorkMirror | None = None
@@ -98,7 +100,7 @@ class ModelRunner:
             self.mirror.send("forward", batch.host)
         n = batch.max_query_len
         graph = self.decode_graphs if n == 1 else self.short_graphs.get(n)
-        return self._run(batch, graph, restores, images=images)
+        return self._run(forward_kind(n), batch, graph, restores, images=images)
 
     def verify(
         self, batch: ForwardBatch, verify_columns: np.ndarray | None, images: ImageRows | None = None
@@ -112,7 +114,7 @@ class ModelRunner:
         if verify_columns is not None:
             [verify_slots] = to_device([verify_columns], batch.input_ids.device)
         graph = self.verify_graphs.get(batch.max_query_len)
-        forward = self._run(batch, graph, (), verify_slots, images)
+        forward = self._run("verify", batch, graph, (), verify_slots, images)
         if forward.logits is None:
             with self.ranges.region(LM_HEAD):
                 return Forward(forward.hidden, self.model.compute_logits(forward.hidden))
@@ -130,6 +132,7 @@ class ModelRunner:
 
     def _run(
         self,
+        kind: str,
         batch: ForwardBatch,
         graph: DecodeGraphRunner | None,
         restores: Sequence[Transfer],
@@ -138,7 +141,8 @@ class ModelRunner:
     ) -> Forward:
         """The one place that picks a graph replay or an eager forward (inside the profiler's forward range
         while profiling). Graphs take sequence indices as positions: a forward with images (positions per
-        axis) runs eagerly. A prefill forward replays piecewise graphs where its tokens fit a bucket."""
+        axis) runs eagerly. A prefill forward replays piecewise graphs where its tokens fit a bucket. Each
+        forward is counted by `kind` (runner/forward_counts.py) and how it ran."""
         with self.ranges.region(FORWARD):
             if images is None and graph is not None and graph.can_run(batch):
                 # A graph replays its layers without the per-layer restore waits: the whole forward waits (on
@@ -146,6 +150,7 @@ class ModelRunner:
                 for restore in restores:
                     restore.wait_all()
                 logits = graph.run(batch, verify_slots)
+                self.forwards.record(kind, "graph")
                 return Forward(graph.last_hidden(len(batch.query_ranges) * graph.query_len), logits)
             waits = None
             if restores:
@@ -153,7 +158,9 @@ class ModelRunner:
                 waits = RestoreWaits(restores, components)
             prefill = self.prefill_graphs
             if images is None and verify_slots is None and prefill is not None and prefill.can_run(batch):
+                self.forwards.record(kind, "graph")
                 return Forward(prefill.run(batch, waits), None)
+            self.forwards.record(kind, "eager")
             hidden = forward_eager(
                 self.model, self.pool, batch, self.state_slots, self.kv_scales, verify_slots, waits, images
             )

@@ -122,6 +122,8 @@ class EngineStats(NamedTuple):
     cuda_allocated_bytes: int  # torch's CUDA allocations (0 on the CPU)
     spec: SpecSnapshot | None  # None: speculative decoding is off
     step_times: StepTimes  # the engine's steps and its loop, cumulative (engine/step_timing.py)
+    # (kind, path) -> forwards so far: graph replays or eager (runner/forward_counts.py)
+    forwards: dict[tuple[str, str], int]
 
 
 class RequestDelta(NamedTuple):

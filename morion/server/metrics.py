@@ -127,6 +127,15 @@ class _EngineCollector(Collector):
         yield from _cache_metrics(stats.cache)
         yield from _spec_metrics(stats.spec)
         yield from _step_metrics(stats.step_times)
+        forwards = CounterMetricFamily(
+            "morion_engine_forwards",
+            "The engine's forwards by kind (decode, short: a prompt's tail, prefill, verify) and path "
+            "(graph: a CUDA graph replayed it, eager)",
+            labels=["kind", "path"],
+        )
+        for (kind, path), count in stats.forwards.items():
+            forwards.add_metric([kind, path], count)
+        yield forwards
 
 
 def _step_metrics(times: StepTimes) -> Iterator[Metric]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from morion.engine.sampling_params import SamplingParams
 from morion.models.llama import DenseForCausalLM
 from morion.models.qwen3_next import Qwen3NextForCausalLM
 from morion.models.qwen4_exp import Qwen4ExpForCausalLM
@@ -59,11 +60,17 @@ def test_short_graphs_per_tail_length_and_the_forward_that_replays_them(
         assert (graph.max_batch, graph.max_pages, graph.query_len, graph.verify) == (1, 9, length, False)
     assert "short-chunk CUDA graphs (one sequence of 2 to 8 tokens" in capsys.readouterr().err
 
-    chosen: list[DecodeGraphRunner | None] = []
-    monkeypatch.setattr(runner, "_run", lambda batch, graph, restores, images=None: chosen.append(graph))
+    chosen: list[tuple[str, DecodeGraphRunner | None]] = []
+    monkeypatch.setattr(
+        runner, "_run", lambda kind, batch, graph, restores, images=None: chosen.append((kind, graph))
+    )
     for length in (1, 5, 8, 9, 300):
         runner.forward(SimpleNamespace(max_query_len=length), ())
-    assert chosen == [runner.decode_graphs, runner.short_graphs[5], runner.short_graphs[8], None, None]
+    short = runner.short_graphs
+    assert chosen == [
+        ("decode", runner.decode_graphs), ("short", short[5]), ("short", short[8]), ("short", None),
+        ("prefill", None),
+    ]  # fmt: skip
 
     def host_sync(self: DecodeGraphRunner, quiet: bool = False) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -89,3 +96,16 @@ def test_short_graphs_only_where_the_model_captures_them(tiny_qwen3_next, engine
     runner.capture_decode_graphs(2, 4)
     runner.capture_short_graphs()
     assert runner.decode_graphs is not None and runner.short_graphs == {}
+
+
+def test_forwards_are_counted_by_kind_and_path(tiny_qwen3_next, engine_factory, engine_runner):
+    """A 40-token prompt on 16-token pages is a prefill chunk (32 tokens) and a short tail (8); each
+    output token after the first a decode forward; on a CPU all of them eager."""
+    engine = engine_factory(tiny_qwen3_next, page_size=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine_runner(engine, [list(range(3, 43))], params)
+    counts = engine.runner.forwards.snapshot()
+    assert {key: count for key, count in counts.items() if count} == {
+        ("prefill", "eager"): 1, ("short", "eager"): 1, ("decode", "eager"): 3,
+    }  # fmt: skip
+    assert len(counts) == 8  # every (kind, path), counted or not

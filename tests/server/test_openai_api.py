@@ -289,3 +289,8 @@ def test_metrics(server):
     assert samples['morion_engine_steps_total{kind="other"}'] >= 1
     assert samples['morion_engine_step_seconds_total{kind="decode"}'] > 0
     assert samples["morion_engine_busy_seconds_total"] > 0
+    # How the forwards ran, every kind and path a series: on a CPU all eagerly (no CUDA graphs).
+    forwards = {name: value for name, value in samples.items() if name.startswith("morion_engine_forwards")}
+    assert len(forwards) == 8
+    assert sum(v for name, v in forwards.items() if 'path="eager"' in name) >= 2
+    assert sum(v for name, v in forwards.items() if 'path="graph"' in name) == 0
