@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,8 @@ _WORD_TEXT = (
     "thought city tree cross farm hard start might story saw far sea draw left late run while press close"
 )
 _WORDS = tuple(_WORD_TEXT.split())
+# A morion server's forward counts by kind and path (server/metrics.py), as /metrics names them.
+_FORWARDS_SERIES = re.compile(r'morion_engine_forwards_total\{kind="(?P<kind>\w+)",path="(?P<path>\w+)"\}')
 
 
 class RemoteTarget:
@@ -219,6 +222,17 @@ class RemoteTarget:
             other_seconds=samples[names["other_seconds"]],
             busy_seconds=samples[names["busy_seconds"]],
         )
+
+    def forward_counts(self) -> dict[str, int] | None:
+        """The server engine's forwards so far as "kind/path" -> count (runner/forward_counts.py), from its
+        /metrics (a morion server; None for others)."""
+        samples = self.endpoint.metrics() or {}
+        counts = {}
+        for name, value in samples.items():
+            series = _FORWARDS_SERIES.fullmatch(name)
+            if series:
+                counts[f"{series['kind']}/{series['path']}"] = int(value)
+        return counts or None
 
     def close(self) -> None:
         pass

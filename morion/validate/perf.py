@@ -36,6 +36,7 @@ def run(session: Session) -> dict[str, Any]:
     bench = Workbench(target, prompts, "server", session.stream)
     try:
         bench.warm_engine(min(1024, *options.perf_contexts, *options.perf_prefill_lengths))
+        before = target.forward_counts()
         decode, _ = run_decode_sweep(
             bench,
             options.perf_concurrency,
@@ -47,6 +48,7 @@ def run(session: Session) -> dict[str, Any]:
         prefill = [
             bench.prefill_point(length, options.perf_repeats) for length in options.perf_prefill_lengths
         ]
+        after = target.forward_counts()
     finally:
         target.close()
     problems = []
@@ -78,4 +80,7 @@ def run(session: Session) -> dict[str, Any]:
         },
         "decode": decode,
         "prefill": prefill,
+        # What the server's engine ran for the sweep (after its warm-up), per kind: replayed from a CUDA
+        # graph or eager. None where the server exports no such counts.
+        "forwards": {key: after[key] - before.get(key, 0) for key in after} if before and after else None,
     }

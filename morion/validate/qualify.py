@@ -171,7 +171,7 @@ def _perf(suite: dict[str, Any] | None, offline: dict[str, Any] | None) -> dict[
     prefill = [
         {"prompt_tokens": p["prompt_tokens"], "server": p.get("median")} for p in suite.get("prefill", [])
     ]
-    return {"decode": rows, "prefill": prefill}
+    return {"decode": rows, "prefill": prefill, "forwards": suite.get("forwards")}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -261,8 +261,26 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fixed(server.get('engine_decode_step_ms'))} | {_ms(offline.get('step_s'), 2)} | "
                 f"{_fixed(offline.get('engine_decode_step_ms'))} |"
             )
+        lines += _forward_lines(perf.get("forwards"))
     lines += _turn_lines(summary.get("turn"))
     return "\n".join(lines) + "\n"
+
+
+def _forward_lines(forwards: dict[str, int] | None) -> list[str]:
+    """How the server's engine ran the perf sweep's forwards (runner/forward_counts.py)."""
+    if not forwards:
+        return []
+    kinds = dict.fromkeys(key.split("/")[0] for key in forwards)
+    parts = [
+        f"{kind} {forwards.get(kind + '/graph', 0):,} / {forwards.get(kind + '/eager', 0):,}"
+        for kind in kinds
+    ]
+    return [
+        "",
+        "Forwards the server's engine ran for the sweep, replayed from a CUDA graph / eager: "
+        + "; ".join(parts)
+        + ".",
+    ]
 
 
 def _turn_lines(turn: dict[str, Any] | None) -> list[str]:

@@ -210,3 +210,18 @@ def test_the_offline_turn_of_the_same_shape_stands_beside_the_servers(tmp_path):
     other = {**_offline(), "turn": {**_turn_bench(0.13)["turn"], "prefix_tokens": 16384}}
     status, result, report = _run(tmp_path / "other", _validate(), *extra, offline=other)
     assert result["summary"]["turn"]["offline_turn_ttft_s"] is None and "offline, same flags" not in report
+
+
+def test_the_perf_servers_forwards_are_reported_by_kind_graph_and_eager(tmp_path):
+    validate = _validate()
+    validate["suites"]["perf"]["forwards"] = {
+        "decode/graph": 1200, "decode/eager": 3, "short/graph": 4, "short/eager": 0, "prefill/graph": 4,
+        "prefill/eager": 1, "verify/graph": 0, "verify/eager": 0,
+    }  # fmt: skip
+    status, result, report = _run(tmp_path, validate)
+    assert status == 0 and result["summary"]["perf"]["forwards"]["prefill/eager"] == 1
+    assert (
+        "replayed from a CUDA graph / eager: decode 1,200 / 3; short 4 / 0; prefill 4 / 1; verify 0 / 0."
+    ) in report
+    _, _, without = _run(tmp_path / "none", _validate())
+    assert "replayed from a CUDA graph" not in without

@@ -69,6 +69,9 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     perf = suites["perf"]
     assert perf["verdict"] == "pass", perf["reason"]
     assert [p["concurrency"] for p in perf["decode"]] == [1, 2] and perf["prefill"][0]["prompt_tokens"] == 64
+    # The sweep's forwards as the server's engine ran them: on a CPU every one eagerly.
+    forwards = perf["forwards"]
+    assert forwards["decode/eager"] > 0 and sum(v for k, v in forwards.items() if k.endswith("/graph")) == 0
 
     assert status == 0 and result["verdict"] == "pass"
     report = path.with_suffix(".md").read_text()
