@@ -161,9 +161,12 @@ class EngineConfig:
     @property
     def prefill_graph_buckets(self) -> tuple[int, ...]:
         """The prefill graphs' token buckets: those given, else the defaults below the chunk size and the
-        chunk size itself."""
+        chunk size itself; none by default with tensor parallelism, where no GPU run has checked them
+        yet (the qualification runs one GPU)."""
         if self.prefill_graph_tokens is not None:
             return self.prefill_graph_tokens
+        if self.tensor_parallel_size > 1:
+            return ()
         below = (tokens for tokens in DEFAULT_PREFILL_GRAPH_TOKENS if tokens < self.chunk_size)
         return (*below, self.chunk_size)
 

@@ -144,6 +144,8 @@ def test_prefill_graphs_default_to_buckets_up_to_the_chunk_and_none_turns_them_o
     assert EngineConfig().prefill_graph_buckets == (256, 512, 1024, 2048, 4096)
     assert EngineConfig(chunk_size=8192).prefill_graph_buckets == (256, 512, 1024, 2048, 4096, 8192)
     assert EngineConfig(chunk_size=1000).prefill_graph_buckets == (256, 512, 1000)
+    assert EngineConfig(tensor_parallel_size=2).prefill_graph_buckets == ()  # not yet checked on GPUs
+    assert EngineConfig(tensor_parallel_size=2, prefill_graph_tokens=(512,)).prefill_graph_buckets == (512,)
     off = _command_config([command, *COMMANDS[command], "--prefill-graph-tokens", "none"], monkeypatch)
     assert off.prefill_graph_tokens == off.prefill_graph_buckets == ()
     with pytest.raises(MorionError, match="each in \\[1, chunk_size 1024\\], got 512,2048"):
