@@ -237,6 +237,11 @@ class Engine:
         `by_module`, the model's parts too, its forwards eager meanwhile (`morion bench --profile`)."""
         return self.runner.profiled(by_module)
 
+    def forward_counts(self) -> dict[tuple[str, str], int]:
+        """(kind, path) -> the forwards run so far, replayed from a CUDA graph or eager
+        (runner/forward_counts.py)."""
+        return self.runner.forwards.snapshot()
+
     def load(self) -> EngineLoad:
         """Requests running and waiting, and where the pool's pages are, now."""
         scheduler = self.scheduler

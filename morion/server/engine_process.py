@@ -166,7 +166,7 @@ class EngineLoop:
             cuda_allocated_bytes=self._cuda_allocated_bytes(),
             spec=_spec_snapshot(self.engine.speculative),
             step_times=self.engine.step_times.snapshot(),
-            forwards=self.engine.runner.forwards.snapshot(),
+            forwards=self.engine.forward_counts(),
         )
 
     def _cuda_allocated_bytes(self) -> int:

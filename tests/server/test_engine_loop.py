@@ -46,6 +46,9 @@ class StubEngine:
     def load(self):
         return EngineLoad(running=0, waiting=0, pages_free=10, pages_cached=0, pages_held=0, retractions=0)
 
+    def forward_counts(self):
+        return {("decode", "eager"): 0}
+
     def check_integrity(self):
         pass
 
