@@ -112,5 +112,8 @@ class HFTarget:
     def step_times(self) -> None:
         return None  # transformers' generate has no engine steps to count
 
+    def forward_counts(self) -> None:
+        return None  # nor forwards of the engine's kinds
+
     def close(self) -> None:
         del self.model

@@ -115,6 +115,9 @@ class EngineTarget:
     def step_times(self) -> StepTimes:
         return self.engine.step_times.snapshot()
 
+    def forward_counts(self) -> dict[str, int]:
+        return {f"{kind}/{path}": count for (kind, path), count in self.engine.forward_counts().items()}
+
     def describe(self) -> dict[str, Any]:
         engine = self.engine
         model = engine.model

@@ -98,6 +98,11 @@ class Target(Protocol):
         in-process, or a morion server's /metrics; None elsewhere."""
         ...
 
+    def forward_counts(self) -> dict[str, int] | None:
+        """The engine's forwards so far as "kind/path" -> count (runner/forward_counts.py: replayed from a
+        CUDA graph or eager), where the target can see them; None elsewhere."""
+        ...
+
     def close(self) -> None: ...
 
 

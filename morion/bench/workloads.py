@@ -102,19 +102,25 @@ class Workbench:
         label = self.label
         runs = []
         for r in range(repeats):
+            before = self.target.forward_counts()
             group = self._group(f"{label}:{workload}:{length}:{r}", 1, length, 1)
             request = group.requests[0]
+            # How the engine ran this prompt's forwards (a chunk up to its last page boundary, its tail):
+            # replayed from graphs or eager, where the target counts them.
+            forwards = _counted(before, self.target.forward_counts())
             runs.append(
                 {
                     "prompt_tokens": request.prompt_tokens,
                     "cached_tokens": request.cached_tokens,
                     "ttft_s": request.ttft_s,
                     "prefill_tok_s": request.prompt_tokens / request.ttft_s,
+                    "forwards": forwards,
                 }
             )
             self.say(
                 f"{label} {workload} {length}: run {r + 1}/{repeats}: TTFT {request.ttft_s * 1e3:.0f} ms, "
                 f"{runs[-1]['prefill_tok_s']:.0f} tok/s"
+                + (f", forwards {', '.join(f'{k} {n}' for k, n in forwards.items())}" if forwards else "")
             )
         return {
             "engine": label,
@@ -123,6 +129,14 @@ class Workbench:
             "median": {key: median_of(runs, key) for key in ("ttft_s", "prefill_tok_s")},
             "cached_tokens": sum(run["cached_tokens"] for run in runs),
         }
+
+
+def _counted(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """The forwards between two `forward_counts` readings, those that ran ("kind/path" -> count); None
+    where the target does not count them."""
+    if before is None or after is None:
+        return None
+    return {key: count - before.get(key, 0) for key, count in after.items() if count > before.get(key, 0)}
 
 
 def run_decode_sweep(

@@ -107,6 +107,10 @@ def test_prefill_and_ttft(qwen3_next_result):
         assert point["median"]["ttft_s"] == statistics.median(run["ttft_s"] for run in point["runs"])
         assert point["roofline"]["tok_s"] > 0 and point["mfu"] > 0
     assert result["ttft"]["prompt_tokens"] == 32
+    # How each prompt's forwards ran (all eagerly on a CPU), 16-token pages: 32 tokens are two short
+    # forwards (16 up to the last page boundary, then the tail); 64 a prefill chunk of 48 and the tail.
+    forwards = [[run["forwards"] for run in point["runs"]] for point in result["prefill"]]
+    assert forwards == [[{"short/eager": 2}] * 2, [{"prefill/eager": 1, "short/eager": 1}] * 2]
 
 
 def test_every_prompt_is_fresh(qwen3_next_result):
