@@ -71,11 +71,14 @@ GEMV_ACC_CANDIDATES = [
 
 def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
     """The candidates, and for NVFP4 weights each once more with the codes expanded per block-scale group
-    (`Tiles.expand`: the other kernels ignore it); for FP8 and bf16 weights `GEMV_ACC_CANDIDATES` too (the
-    NVFP4 kernels refuse that mode)."""
+    (`Tiles.expand`: the other kernels ignore it), the GEMV tiles first; for FP8 and bf16 weights
+    `GEMV_ACC_CANDIDATES` too (the NVFP4 kernels refuse that mode)."""
     if dtype != "nvfp4":
         return [*candidates, *GEMV_ACC_CANDIDATES]
-    return [expanded for tiles in candidates for expanded in (tiles, tiles._replace(expand="group"))]
+    expanded = [expanded for tiles in candidates for expanded in (tiles, tiles._replace(expand="group"))]
+    # One token is where NVFP4 decodes and where its GEMV tiles won (the 80B's sweep, session 17); the MMA
+    # tiles take the longest to compile and time. First, so a sweep cut short has timed the GEMV tiles.
+    return sorted(expanded, key=lambda tiles: tiles.mma != "gemv")
 
 
 def launch_variants(tiles: Tiles) -> list[Tiles]:

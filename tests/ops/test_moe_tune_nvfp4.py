@@ -20,6 +20,8 @@ def test_nvfp4_candidates_come_in_both_expansions_and_other_dtypes_keep_theirs()
     assert {t.expand for t in nvfp4} == {"byte", "group"}
     assert with_expansions(GATE_UP_CANDIDATES, "fp8") == GATE_UP_CANDIDATES + GEMV_ACC_CANDIDATES
     assert all(t.mma != "gemv_acc" for t in nvfp4)
+    gemv = [t.mma == "gemv" for t in nvfp4]
+    assert gemv == sorted(gemv, reverse=True) and any(gemv)  # the GEMV tiles first
 
 
 def test_a_candidate_off_the_default_tiles_output_is_refused():
