@@ -1,8 +1,9 @@
-"""PLE (layers/ple.py) for decode and speculative verify steps: static shapes, no host work, so the step
-can be captured in a CUDA graph; and per-position state for verify forwards.
+"""PLE (layers/ple.py) for decode and speculative verify steps and prompt tails: static shapes, no host
+work, so the step can be captured in a CUDA graph; and per-position state for verify forwards.
 
 `PLELayer.fetch` hashes on the host and gathers rows there (a sync per step, fine for prefill). In a
-step where every sequence has the same n new tokens (decode n = 1, verify n = 1 + drafts),
+step where every sequence has the same n new tokens (decode n = 1, verify n = 1 + drafts, and a short
+forward of prompt tails of one length, n <= SHORT_CHUNK_TOKENS: models/qwen4_exp._fetch_ple_rows),
 `fetch_static` instead:
 
 - hashes on the device: contexts from each sequence's n-gram history state and its n tokens (the same
