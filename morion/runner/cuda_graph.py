@@ -79,7 +79,6 @@ class DecodeGraphRunner:
         self._scratch_slot = scratch_slot
         self.query_len = n = query_len
         self.verify = verify and n > 1
-        self._with_logits = n == 1 or self.verify  # decode and verify: every row is sampled
         page_size = pool.page_size
         rows = max_batch * n
         # Padding sequences attend to their n keys in the scratch page and write there (and to the
@@ -135,7 +134,8 @@ class DecodeGraphRunner:
             # A short forward needs the logits of its last row only: the caller computes them from
             # the hidden states, as the eager short forward does (the same bits whatever the LM head's
             # GEMM does with a row count).
-            return hidden, self._model.compute_logits(hidden) if self._with_logits else None
+            sampled = self.query_len == 1 or self.verify  # decode and verify: every row is sampled
+            return hidden, self._model.compute_logits(hidden) if sampled else None
 
         return run
 
