@@ -8,7 +8,9 @@ each one sizes itself from what is left:
 2. The cache spec: what a page and a state slot hold (with the MTP head's layers when it drafts).
 3. The activation reserve: a warm-up forward on scratch memory measures the peak of a full chunk
    (runner/warmup.py). It runs before the pool exists, so the peak is measured with nothing else
-   allocated, and it compiles the kernels every later forward uses.
+   allocated, and it compiles the kernels every later forward uses. The piecewise prefill graphs' memory
+   is reserved with it, and default buckets whose graphs the device cannot afford are dropped
+   (engine/prefill_graph_memory.py).
 4. State slots, then the page pool from what is really free after weights, slots and the reserve
    (the pool takes the rest, so everything sized after it must be small or on the host). One page and
    one slot more for CUDA graphs' padding rows. On CUDA, slots sized from --max-running-requests take
@@ -46,6 +48,7 @@ from morion.cache.tier_stats import CacheStats
 from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS
+from morion.engine.prefill_graph_memory import DEFAULT_BUCKETS_SHARE, affordable_buckets, graph_memory_bytes
 from morion.engine.scheduler import Scheduler
 from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
@@ -145,8 +148,8 @@ def assemble(
     use_graphs = config.cuda_graph and device.type == "cuda"
     speculating = drafter is not None or config.speculative != "off"
     policy = _width_policy(config) if speculating else None
-    # 3. The activation reserve (a warm-up forward on scratch memory).
-    activation_reserve = _activation_reserve_bytes(config, model, spec, device, kv_scales)
+    # 3. The activation reserve (a warm-up forward on scratch memory), the prefill graphs' memory in it.
+    config, activation_reserve = _activation_reserve_bytes(config, model, spec, device, kv_scales)
     # 4. State slots, then the pool from what is free.
     state_slots = None
     if spec.has_state:
@@ -275,14 +278,16 @@ def _drafter(
 
 def _activation_reserve_bytes(
     config: EngineConfig, model: torch.nn.Module, spec: CacheSpec, device: torch.device, kv_scales: KVScales
-) -> int:
+) -> tuple[EngineConfig, int]:
     """CUDA memory kept free for activations: the peak of one warm-up forward of a full chunk, plus a
-    margin for CUDA graphs and allocator fragmentation; the warm-up compiles the kernels of every
-    shape of forward (runner/warmup.py)."""
+    margin for CUDA graphs and allocator fragmentation, plus the piecewise prefill graphs' memory
+    (engine/prefill_graph_memory.py); the warm-up compiles the kernels of every shape of forward
+    (runner/warmup.py). The config comes back with the default prefill graph buckets cut to those the
+    device affords (and a line saying so)."""
     if device.type != "cuda":
-        return 0
+        return config, 0
     if config.activation_reserve_gb is not None:
-        return int(config.activation_reserve_gb * 2**30)
+        return config, int(config.activation_reserve_gb * 2**30)
     tokens = min(config.chunk_size, model.config.max_position_embeddings)
     started = time.perf_counter()
     peak = measure_forward_peak_bytes(
@@ -295,17 +300,43 @@ def _activation_reserve_bytes(
         config.max_running_requests,
     )
     reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
+    graphs = ""
     if config.cuda_graph and config.prefill_graph_buckets:
-        # Piecewise prefill graphs keep a memory pool of about their largest bucket's activation peak
-        # (activations grow with the tokens) and bridges for their eager calls: half as much again.
-        reserve += int(peak * max(config.prefill_graph_buckets) / tokens * 1.5)
+        config = _affordable_prefill_graphs(config, peak, tokens, _device_room(device, reserve))
+    if config.cuda_graph and config.prefill_graph_buckets:
+        largest = max(config.prefill_graph_buckets)
+        graph_bytes = graph_memory_bytes(peak, tokens, largest)
+        reserve += graph_bytes
+        graphs = f", {graph_bytes / 2**30:.2f} GiB of it for prefill graphs up to {largest} tokens"
     print(
         f"morion: warm-up forward of {tokens} tokens: activation peak {peak / 2**30:.2f} GiB "
         f"({time.perf_counter() - started:.1f} s, includes kernel compilation); "
-        f"reserving {reserve / 2**30:.2f} GiB",
+        f"reserving {reserve / 2**30:.2f} GiB{graphs}",
         file=sys.stderr,
     )
-    return reserve
+    return config, reserve
+
+
+def _affordable_prefill_graphs(config: EngineConfig, peak: int, tokens: int, room: int) -> EngineConfig:
+    """`config` with its default prefill graph buckets cut to those whose graphs take at most
+    DEFAULT_BUCKETS_SHARE of `room` (the memory free after the weights and the activations); buckets
+    given with --prefill-graph-tokens stay as they are."""
+    if config.prefill_graph_tokens is not None:
+        return config
+    buckets = config.prefill_graph_buckets
+    kept = affordable_buckets(buckets, peak, tokens, room)
+    if kept == buckets:
+        return config
+    dropped = buckets[len(kept)]
+    which = f"for token buckets {', '.join(map(str, kept))} only" if kept else "off"
+    print(
+        f"morion: piecewise prefill graphs {which}: graphs up to {dropped} tokens would take "
+        f"~{graph_memory_bytes(peak, tokens, dropped) / 2**30:.2f} GiB, more than "
+        f"{DEFAULT_BUCKETS_SHARE:.0%} of the {room / 2**30:.2f} GiB free after the weights and "
+        "activations, which the K/V pool keeps (--prefill-graph-tokens sets the buckets)",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(config, prefill_graph_tokens=kept)
 
 
 def _device_room(device: torch.device, activation_reserve: int) -> int:
