@@ -176,27 +176,49 @@ def write_object(path: Path, kind: int, key: bytes, namespace: str, payload: np.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_tmp_counter)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    # An anonymous mapping is page aligned, as O_DIRECT wants; unused bytes are zeros.
+    header = _header(kind, key, namespace, payload)
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        if direct:
+            _write_staged(fd, header, payload, size)
+        else:
+            pad = bytes(size - BLOCK - payload.nbytes)
+            parts = [header.ljust(BLOCK, b"\0"), payload, pad]
+            _write_all(fd, [memoryview(part).cast("B") for part in parts])
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    return size
+
+
+def _write_staged(fd: int, header: bytes, payload: np.ndarray, size: int) -> None:
+    """The file's bytes through one page-aligned buffer, as O_DIRECT wants (an anonymous mapping: aligned,
+    its unused bytes zeros). Buffered writes skip it (`_write_all` from the payload itself): staging cost
+    a copy of every byte and the zeroing of a fresh mapping per object, CPU and memory bandwidth that the
+    engine's thread competes for while it launches a prefill's kernels."""
     with mmap.mmap(-1, size) as buffer:
-        header = _header(kind, key, namespace, payload)
         buffer[: len(header)] = header
         view = np.frombuffer(buffer, dtype=np.uint8)
         view[BLOCK : BLOCK + payload.nbytes] = payload
         del view  # a live export would keep the mapping from closing
-        fd = os.open(tmp, flags, 0o644)
-        try:
-            written = 0
-            with memoryview(buffer) as data:
-                while written < size:
-                    written += os.write(fd, data[written:])
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        os.close(fd)
-    os.replace(tmp, path)
-    return size
+        with memoryview(buffer) as data:
+            _write_all(fd, [data])
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    """Every byte of `parts` (byte views), in order: a write may stop short, and the next resumes there."""
+    parts = [part for part in parts if part.nbytes]
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= parts[0].nbytes:
+            written -= parts[0].nbytes
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][written:]
 
 
 def read_object(path: Path, kind: int, key: bytes, namespace: str, out: np.ndarray) -> None:

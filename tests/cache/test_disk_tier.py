@@ -80,6 +80,32 @@ def test_object_files_round_trip_and_detect_damage(tmp_path, direct) -> None:
     assert not list(path.parent.glob(".*.tmp"))
 
 
+def test_a_buffered_object_file_is_the_staged_one_byte_for_byte(tmp_path, monkeypatch) -> None:
+    """Buffered writes go straight from the payload (no staging buffer), resuming writes that stop short,
+    even inside a part; the file is the O_DIRECT path's staged bytes: header block, payload, zero padding."""
+    namespace, payload = "ab" * 16, _payload(3)
+    real_writev = os.writev
+    calls = []
+
+    def short_writev(fd, parts):
+        calls.append(len(parts))
+        return real_writev(fd, [bytes(parts[0][:777])])
+
+    monkeypatch.setattr(disk_format.os, "writev", short_writev)
+    path = object_path(tmp_path, KIND_PAGE, _key(3))
+    size = disk_format.write_object(path, KIND_PAGE, _key(3), namespace, payload, direct=False)
+    assert size == 2 * BLOCK and len(calls) > 3 and max(calls) == 3  # one vector: header, payload, padding
+    staged = tmp_path / "staged"
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT)
+    header = disk_format._header(KIND_PAGE, _key(3), namespace, payload)
+    disk_format._write_staged(fd, header, payload, size)
+    os.close(fd)
+    assert path.read_bytes() == staged.read_bytes()
+    out = np.zeros(PAYLOAD, dtype=np.uint8)
+    disk_format.read_object(path, KIND_PAGE, _key(3), namespace, out)
+    assert np.array_equal(out, payload)
+
+
 def test_store_writes_reads_and_survives_a_restart(tmp_path) -> None:
     store = _store(tmp_path)
     assert store.enabled and (store.dir / "manifest.json").exists()
