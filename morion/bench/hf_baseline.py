@@ -115,5 +115,8 @@ class HFTarget:
     def forward_counts(self) -> None:
         return None  # nor forwards of the engine's kinds
 
+    def stepping_thread_times(self) -> None:
+        return None  # nor an engine thread
+
     def close(self) -> None:
         del self.model

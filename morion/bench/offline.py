@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from morion.bench.thread_times import ThreadTimes, read_thread_times
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
@@ -117,6 +118,9 @@ class EngineTarget:
 
     def forward_counts(self) -> dict[str, int]:
         return {f"{kind}/{path}": count for (kind, path), count in self.engine.forward_counts().items()}
+
+    def stepping_thread_times(self) -> ThreadTimes | None:
+        return read_thread_times()  # the bench steps the engine in its own thread
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine

@@ -223,6 +223,9 @@ class RemoteTarget:
             busy_seconds=samples[names["busy_seconds"]],
         )
 
+    def stepping_thread_times(self) -> None:
+        return None  # the server's engine thread is in another process
+
     def forward_counts(self) -> dict[str, int] | None:
         """The server engine's forwards so far as "kind/path" -> count (runner/forward_counts.py), from its
         /metrics (a morion server; None for others)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from morion.bench.profile_report import profile_markdown
 from morion.bench.restore import KIND_NAMES, KINDS
+from morion.bench.timing import median_of
 
 # The spec workload's method (morion/bench/speculative.py); a spec section without it was measured with
 # the oracle drafter that forced acceptance replaced.
@@ -266,7 +267,26 @@ def _prefill_table(points: list[dict[str, Any]]) -> list[str]:
             _pct(p.get("mfu")),
         )
         lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    return [*lines, "", *_engine_thread_lines(points)]
+
+
+def _engine_thread_lines(points: list[dict[str, Any]]) -> list[str]:
+    """Where the engine thread's time to the first token went, per prompt length (median of its runs), where
+    the bench stepped the engine itself (bench/thread_times.py)."""
+    lines = []
+    for p in points:
+        runs = [run["engine_thread"] for run in p["runs"] if run.get("engine_thread")]
+        if not runs:
+            continue
+        on_cpu, runqueue, off_cpu = (median_of(runs, key) for key in ("on_cpu_s", "runqueue_s", "off_cpu_s"))
+        lines.append(
+            f"- {p['prompt_tokens']:,} tokens: the engine thread on a CPU {_ms(on_cpu)} ms, runnable but "
+            f"waiting for a CPU {_ms(runqueue)} ms, off CPU (the GIL, locks, waits for the GPU) "
+            f"{_ms(off_cpu)} ms (medians)."
+        )
+    if not lines:
+        return []
+    return ["Engine thread during each prefill (Linux scheduler statistics):", "", *lines, ""]
 
 
 def _ttft_line(point: dict[str, Any] | None) -> list[str]:

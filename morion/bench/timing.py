@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from morion.bench.thread_times import ThreadTimes
 from morion.engine.step_timing import StepTimes
 
 
@@ -101,6 +102,11 @@ class Target(Protocol):
     def forward_counts(self) -> dict[str, int] | None:
         """The engine's forwards so far as "kind/path" -> count (runner/forward_counts.py: replayed from a
         CUDA graph or eager), where the target can see them; None elsewhere."""
+        ...
+
+    def stepping_thread_times(self) -> ThreadTimes | None:
+        """The CPU times so far of the thread that steps the engine (bench/thread_times.py), where it is
+        this process's calling thread (the offline target); None elsewhere."""
         ...
 
     def close(self) -> None: ...

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from morion.bench.prompts import PromptFactory
+from morion.bench.thread_times import split_wall
 from morion.bench.timing import GroupResult, Target, median_of
 
 WARMUP_MAX_TOKENS = 32  # output tokens of a warm-up run
@@ -102,12 +103,14 @@ class Workbench:
         label = self.label
         runs = []
         for r in range(repeats):
-            before = self.target.forward_counts()
+            before, times_before = self.target.forward_counts(), self.target.stepping_thread_times()
             group = self._group(f"{label}:{workload}:{length}:{r}", 1, length, 1)
             request = group.requests[0]
             # How the engine ran this prompt's forwards (a chunk up to its last page boundary, its tail):
-            # replayed from graphs or eager, where the target counts them.
+            # replayed from graphs or eager, where the target counts them; and where the engine thread's
+            # time to the first token went (on a CPU, waiting for one, off CPU), where it is ours.
             forwards = _counted(before, self.target.forward_counts())
+            thread = split_wall(times_before, self.target.stepping_thread_times(), request.ttft_s)
             runs.append(
                 {
                     "prompt_tokens": request.prompt_tokens,
@@ -115,12 +118,14 @@ class Workbench:
                     "ttft_s": request.ttft_s,
                     "prefill_tok_s": request.prompt_tokens / request.ttft_s,
                     "forwards": forwards,
+                    "engine_thread": thread,
                 }
             )
             self.say(
                 f"{label} {workload} {length}: run {r + 1}/{repeats}: TTFT {request.ttft_s * 1e3:.0f} ms, "
                 f"{runs[-1]['prefill_tok_s']:.0f} tok/s"
                 + (f", forwards {', '.join(f'{k} {n}' for k, n in forwards.items())}" if forwards else "")
+                + (_thread_note(thread) if thread else "")
             )
         return {
             "engine": label,
@@ -129,6 +134,13 @@ class Workbench:
             "median": {key: median_of(runs, key) for key in ("ttft_s", "prefill_tok_s")},
             "cached_tokens": sum(run["cached_tokens"] for run in runs),
         }
+
+
+def _thread_note(thread: dict[str, float]) -> str:
+    return (
+        f", engine thread on CPU {thread['on_cpu_s'] * 1e3:.0f} ms, waiting for a CPU "
+        f"{thread['runqueue_s'] * 1e3:.0f} ms, off CPU {thread['off_cpu_s'] * 1e3:.0f} ms"
+    )
 
 
 def _counted(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:

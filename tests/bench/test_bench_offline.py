@@ -99,7 +99,7 @@ def test_decode_medians_are_medians_of_the_raw_runs(qwen3_next_result):
 
 
 def test_prefill_and_ttft(qwen3_next_result):
-    result, _, _ = qwen3_next_result
+    result, path, _ = qwen3_next_result
     assert [p["prompt_tokens"] for p in result["prefill"]] == [32, 64]
     for point in [*result["prefill"], result["ttft"]]:
         for run in point["runs"]:
@@ -111,6 +111,17 @@ def test_prefill_and_ttft(qwen3_next_result):
     # forwards (16 up to the last page boundary, then the tail); 64 a prefill chunk of 48 and the tail.
     forwards = [[run["forwards"] for run in point["runs"]] for point in result["prefill"]]
     assert forwards == [[{"short/eager": 2}] * 2, [{"prefill/eager": 1, "short/eager": 1}] * 2]
+    # Where the engine thread's time to the first token went: all of it on a CPU, in a run queue or off
+    # CPU (this Linux machine keeps the scheduler's statistics), and the report says so per length.
+    for point in result["prefill"]:
+        for run in point["runs"]:
+            thread = run["engine_thread"]
+            assert thread["on_cpu_s"] > 0 and thread["runqueue_s"] >= 0 and thread["off_cpu_s"] >= 0
+            assert sum(thread.values()) == pytest.approx(
+                max(run["ttft_s"], thread["on_cpu_s"] + thread["runqueue_s"])
+            )
+    markdown = path.with_suffix(".md").read_text()
+    assert "- 64 tokens: the engine thread on a CPU" in markdown
 
 
 def test_every_prompt_is_fresh(qwen3_next_result):
