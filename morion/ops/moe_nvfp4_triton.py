@@ -40,6 +40,18 @@ Two ways to find a program's rows, the kernels otherwise shared:
 Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
 token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics. PDL
 (ops/pdl.py): each kernel's programs wait for the kernel before it first of all.
+
+Split K (`Tiles.split_k` = S > 1, the decode kernels only; the grouped ones refuse it): at one token the
+decode grid is k pairs x N / BLOCK_N column blocks, ~100 programs on the H200's 132 SMs, each looping over
+all of K (issue #25). The grid gains a slice axis: program s sums K columns s x span .. (s + 1) x span - 1,
+span = cdiv(cdiv(K, BLOCK_K), S) x BLOCK_K (whole K tiles; a slice past K sums nothing), into an fp32
+partial [S, P, N] (N = 2I: gate then up; or H), unscaled. `_split_k_sum_kernel` then adds a pair's S
+partials in slice order and applies what the fused epilogue applies (global scales and SiLU(gate) x up
+into act; global scale and routing weight into pair_out), through the same helpers. A separate kernel, not
+the next kernel's prologue: the down kernel's every (column block, slice) program would redo the SwiGLU
+of its act rows, and its K loop would read S fp32 partials where it reads act. Slices depend only on K,
+S and BLOCK_K, the sums' order on neither P nor the other pairs: deterministic and batch invariant, the
+same products as S = 1 in another fp32 summation order.
 """
 
 from __future__ import annotations
@@ -75,6 +87,9 @@ EXPAND_GROUP = tl.constexpr(1)
 _EXPAND_MODES = {"byte": EXPAND_BYTE.value, "group": EXPAND_GROUP.value}
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
+# Columns per program of `_split_k_sum_kernel`: 4 fp32 a thread at 2 warps (16-byte loads); at one token
+# of Flash-Next's shapes 11 x 3 programs for act, 11 x 10 for pair_out.
+_SPLIT_SUM_BLOCK = 256
 
 # Default tiles (ops/moe_tiles.py: a tuned file of this device and shape wins). BLOCK_K counts weight
 # columns: 128 is 64 bytes of codes and 8 block scales per row of the tile.
@@ -138,21 +153,22 @@ def _nvfp4_group_tiles(
 
 @triton.jit
 def _rows_times_nvfp4(
-    rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
+    rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, k_begin, k_end, stride_cn, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N]: the rows at `rows_ptr` ([BLOCK_M, 1] row starts, unit stride along K)
-    times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's). "gemv"
-    tiles of the group expansion run `_gemv_group`; the others the MMA mode's `_mma` on half tiles."""
+    times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's), over K
+    columns k_begin .. k_end - 1 (`_k_slice`). "gemv" tiles of the group expansion run `_gemv_group`; the
+    others the MMA mode's `_mma` on half tiles."""
     if EXPAND == EXPAND_GROUP and MMA == MMA_GEMV:
         acc = _gemv_group(
-            rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
-            BLOCK_N, BLOCK_K,
+            rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, k_begin, k_end, stride_cn,
+            stride_sn, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
         acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
-        for k0 in range(0, size_k, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             mask = rows_ok[:, None] & (ks < size_k)[None, :]  # K is even: the odd column is there too
             a_even = tl.load(rows_ptr + ks[None, :], mask=mask, other=0.0)
@@ -177,7 +193,7 @@ def _rows_times_nvfp4(
 
 @triton.jit
 def _gemv_group(
-    row_ptr, row_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, stride_cn, stride_sn,
+    row_ptr, row_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, k_begin, k_end, stride_cn, stride_sn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """[1, BLOCK_N] fp32: one row (BLOCK_M = 1) times the matrix's rows `cols`, on the CUDA cores with
@@ -186,7 +202,7 @@ def _gemv_group(
     (byte position, column) over the K tiles, summed over K once at the end: per row, so batch
     invariant."""
     acc = tl.zeros((BLOCK_K // _GROUP_COLUMNS, _SCALE_BYTES, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, size_k, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         group = k0 // _GROUP_COLUMNS + tl.arange(0, BLOCK_K // _GROUP_COLUMNS)
         ks = group[:, None] * _GROUP_COLUMNS + 2 * tl.arange(0, _SCALE_BYTES)[None, :]
         mask = row_ok[:, None] & (ks < size_k)  # [1, 1] & [BLOCK_K / 16, 8]
@@ -202,26 +218,32 @@ def _gemv_group(
 
 
 @triton.jit
-def _gate_up_rows(
-    x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
-    top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
-):  # fmt: skip
-    """act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for the pairs p (token t = p // top_k) of these rows."""
-    x_rows = x_ptr + (pairs // top_k)[:, None] * stride_x
-    gate_codes = codes_ptr + expert * stride_ce
-    gate_scales = scales_ptr + expert * stride_se
-    up_codes = gate_codes + inter_size * stride_cn
-    up_scales = gate_scales + inter_size * stride_sn
-    gate = _rows_times_nvfp4(
-        x_rows, rows_ok, gate_codes, gate_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
-    )  # fmt: skip
-    up = _rows_times_nvfp4(
-        x_rows, rows_ok, up_codes, up_scales, cols, cols_ok, hidden_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
-    )  # fmt: skip
+def _k_slice(size_k, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(k_begin, k_end): the K columns this program sums, slice program_id(2) of SPLIT_K, each of whole
+    BLOCK_K tiles (a slice past K is empty). They depend on K, SPLIT_K and BLOCK_K only, never on the
+    batch. SPLIT_K = 1: all of K, the loop of the kernels before split K."""
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = size_k
+    else:
+        span = tl.cdiv(tl.cdiv(size_k, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_begin = tl.program_id(2) * span
+        k_end = tl.minimum(k_begin + span, size_k)
+    return k_begin, k_end
+
+
+@triton.jit
+def _store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, width, offset):
+    """This program's K-slice sums (unscaled fp32) of the pairs' rows at columns offset + cols of
+    partial [SPLIT_K, P, width], slice program_id(2)."""
+    out = partial_ptr + (tl.program_id(2) * num_pairs + pairs[:, None]) * width + offset + cols[None, :]
+    tl.store(out, acc, mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _swiglu_store(gate, up, global_ptr, expert, act_ptr, pairs, rows_ok, cols, cols_ok, inter_size):
+    """act[p, cols] = silu(gate) * up from the unscaled sums (code x block scale x 2^-14), each times its
+    projection's global scale x 2^14, for the pairs p of these rows."""
     gate = gate * (tl.load(global_ptr + expert * 2) * GLOBAL_FACTOR)
     up = up * (tl.load(global_ptr + expert * 2 + 1) * GLOBAL_FACTOR)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -230,22 +252,67 @@ def _gate_up_rows(
 
 
 @triton.jit
-def _down_rows(
-    act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr, expert, cols,
-    cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr,
-):  # fmt: skip
-    """pair_out[p] = routing[p] * (act[p] Wd^T) in fp32 for the pairs p of these rows."""
-    acc = _rows_times_nvfp4(
-        act_ptr + pairs[:, None] * inter_size, rows_ok, codes_ptr + expert * stride_ce,
-        scales_ptr + expert * stride_se, cols, cols_ok, inter_size, stride_cn, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
-    )  # fmt: skip
+def _routed_store(
+    acc, global_ptr, expert, routing_ptr, pair_out_ptr, pairs, rows_ok, cols, cols_ok, hidden_size
+):
+    """pair_out[p, cols] = routing[p] * acc x global scale x 2^14 in fp32 for the pairs p of these rows."""
     routing = tl.cast(tl.load(routing_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
     acc = acc * (tl.load(global_ptr + expert) * GLOBAL_FACTOR) * routing[:, None]
     out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
     tl.store(out, acc, mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, partial_ptr, expert, cols, cols_ok,
+    num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """act[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for the pairs p (token t = p // top_k) of these rows; with
+    SPLIT_K > 1 this slice's gate and up sums to the partials instead (gate, then up, in a row of 2I)."""
+    x_rows = x_ptr + (pairs // top_k)[:, None] * stride_x
+    gate_codes = codes_ptr + expert * stride_ce
+    gate_scales = scales_ptr + expert * stride_se
+    up_codes = gate_codes + inter_size * stride_cn
+    up_scales = gate_scales + inter_size * stride_sn
+    k_begin, k_end = _k_slice(hidden_size, SPLIT_K, BLOCK_K)
+    gate = _rows_times_nvfp4(
+        x_rows, rows_ok, gate_codes, gate_scales, cols, cols_ok, hidden_size, k_begin, k_end, stride_cn,
+        stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
+    )  # fmt: skip
+    up = _rows_times_nvfp4(
+        x_rows, rows_ok, up_codes, up_scales, cols, cols_ok, hidden_size, k_begin, k_end, stride_cn,
+        stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
+    )  # fmt: skip
+    if SPLIT_K == 1:
+        _swiglu_store(gate, up, global_ptr, expert, act_ptr, pairs, rows_ok, cols, cols_ok, inter_size)
+    else:
+        _store_partial(partial_ptr, gate, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, 0)
+        _store_partial(partial_ptr, up, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, inter_size)
+
+
+@triton.jit
+def _down_rows(
+    act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr, partial_ptr,
+    expert, cols, cols_ok, num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPAND: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """pair_out[p] = routing[p] * (act[p] Wd^T) in fp32 for the pairs p of these rows; with SPLIT_K > 1
+    this slice's sums to the partials instead."""
+    k_begin, k_end = _k_slice(inter_size, SPLIT_K, BLOCK_K)
+    acc = _rows_times_nvfp4(
+        act_ptr + pairs[:, None] * inter_size, rows_ok, codes_ptr + expert * stride_ce,
+        scales_ptr + expert * stride_se, cols, cols_ok, inter_size, k_begin, k_end, stride_cn, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
+    )  # fmt: skip
+    if SPLIT_K == 1:
+        _routed_store(
+            acc, global_ptr, expert, routing_ptr, pair_out_ptr, pairs, rows_ok, cols, cols_ok, hidden_size
+        )
+    else:
+        _store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, hidden_size, 0)
 
 
 @triton.jit
@@ -287,11 +354,11 @@ def _rows_at(
 # all (an unused tile).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
+    x_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr, partial_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, EXPAND: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -300,19 +367,19 @@ def _gate_up_kernel(
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         _gate_up_rows(
-            x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, expert, cols, cols_ok,
-            top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se, stride_sn,
-            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
+            x_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, act_ptr, partial_ptr, expert, cols,
+            cols_ok, num_pairs, top_k, hidden_size, inter_size, stride_x, stride_ce, stride_cn, stride_se,
+            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND, SPLIT_K,
         )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, codes_ptr, scales_ptr, global_ptr, ids_ptr, tiles_ptr, order_ptr, routing_ptr, pair_out_ptr,
-    num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
+    partial_ptr, num_pairs, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
     GROUPED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr, EXPAND: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -322,9 +389,46 @@ def _down_kernel(
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         _down_rows(
             act_ptr, pairs, rows_ok, codes_ptr, scales_ptr, global_ptr, routing_ptr, pair_out_ptr,
-            expert, cols, cols_ok, hidden_size, inter_size, stride_ce, stride_cn, stride_se, stride_sn,
-            BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
+            partial_ptr, expert, cols, cols_ok, num_pairs, hidden_size, inter_size, stride_ce, stride_cn,
+            stride_se, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND, SPLIT_K,
         )  # fmt: skip
+
+
+@triton.jit
+def _sum_slices(
+    partial_ptr, pairs, cols, cols_ok, num_pairs, row_width, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """[1, BLOCK_N] fp32: the pair's partials [s, pair, cols] (rows of `row_width`) added for s = 0, 1, ..
+    SPLIT_K - 1, in that order: the same bits in every batch and every run."""
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ptrs = partial_ptr + (s * num_pairs + pairs[:, None]) * row_width + cols[None, :]
+        acc += tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _split_k_sum_kernel(
+    partial_ptr, global_ptr, ids_ptr, routing_ptr, out_ptr, num_pairs, width,
+    SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Split K's epilogue, a program per (pair, column block): the pair's SPLIT_K partials added in slice
+    order, then the fused kernels' epilogue. SWIGLU: partial [S, P, 2I] (gate, then up) into act [P, I]
+    (width I); else partial [S, P, H] into pair_out [P, H] (width H)."""
+    wait_for_previous_kernel(USE_PDL)
+    pair = tl.program_id(0)
+    pairs = pair + tl.zeros((1,), dtype=tl.int32)  # one row: the [rows, columns] shape the epilogues take
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < width
+    expert = tl.load(ids_ptr + pair)
+    if SWIGLU:
+        gate = _sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        up = _sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        _swiglu_store(gate, up, global_ptr, expert, out_ptr, pairs, rows_ok, cols, cols_ok, width)
+    else:
+        acc = _sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, width, SPLIT_K, BLOCK_N)
+        _routed_store(acc, global_ptr, expert, routing_ptr, out_ptr, pairs, rows_ok, cols, cols_ok, width)
 
 
 def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +457,7 @@ def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
     """The decode kernels' MMA options for `tiles` (weight-only BF16 math: every mode is exact), with
-    `block_m` rows per MMA tile, and the code expansion (EXPAND)."""
+    `block_m` rows per MMA tile, the code expansion (EXPAND) and the K slices (SPLIT_K)."""
     if tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1):
         # Each half tile (BLOCK_K / 2 columns) is a tl.dot's K: at least 16.
         raise ValueError(f"NVFP4 tiles need BLOCK_K a power of two of at least 32, got {tuple(tiles)}")
@@ -361,10 +465,35 @@ def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
         raise ValueError(
             f"unknown NVFP4 tile expand {tiles.expand!r}: expected one of {sorted(_EXPAND_MODES)}"
         )
+    if tiles.split_k < 1:
+        raise ValueError(f"NVFP4 tiles need split_k of at least 1, got {tuple(tiles)}")
     options = decode_mma_options(tiles, fp8=False)
     if tiles.mma != "gemv":
         options["BLOCK_M"] = block_m
-    return {**options, "EXPAND": _EXPAND_MODES[tiles.expand]}
+    return {**options, "EXPAND": _EXPAND_MODES[tiles.expand], "SPLIT_K": tiles.split_k}
+
+
+def _partials(tiles: Tiles, num_pairs: int, width: int, out: torch.Tensor) -> torch.Tensor:
+    """A kernel's fp32 partials [split_k, P, width] under split K; without it `out` (unread)."""
+    if tiles.split_k == 1:
+        return out
+    return torch.empty(tiles.split_k, num_pairs, width, dtype=torch.float32, device=out.device)
+
+
+def _sum_split_k(
+    partial: torch.Tensor,
+    global_scale: torch.Tensor,
+    ids: torch.Tensor,
+    routing: torch.Tensor,
+    out: torch.Tensor,
+    swiglu: bool,
+) -> None:
+    """`_split_k_sum_kernel` on partial [S, P, N]: act (`swiglu`) or pair_out [P, width] from them."""
+    split_k, num_pairs, width = partial.shape[0], out.shape[0], out.shape[1]
+    _split_k_sum_kernel[(num_pairs, triton.cdiv(width, _SPLIT_SUM_BLOCK))](
+        partial, global_scale, ids, routing, out, num_pairs, width,
+        SWIGLU=swiglu, SPLIT_K=split_k, BLOCK_N=_SPLIT_SUM_BLOCK, **launch_options(), num_warps=2,
+    )  # fmt: skip
 
 
 def _run(
@@ -400,21 +529,27 @@ def _run(
         BLOCK_P=block_p,
     )
     t = gate_up_tiles
-    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n))](
-        hidden, gate_up_proj, gate_up_scale, gate_up_scale_2, ids, tiles, order, act,
+    partial = _partials(t, num_pairs, 2 * inter_size, act)
+    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n), t.split_k)](
+        hidden, gate_up_proj, gate_up_scale, gate_up_scale_2, ids, tiles, order, act, partial,
         num_pairs, top_k, hidden_size, inter_size, hidden.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    if t.split_k > 1:
+        _sum_split_k(partial, gate_up_scale_2, ids, routing, act, swiglu=True)
     t = down_tiles
-    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
-        act, down_proj, down_scale, down_scale_2, ids, tiles, order, routing, pair_out,
+    partial = _partials(t, num_pairs, hidden_size, pair_out)
+    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n), t.split_k)](
+        act, down_proj, down_scale, down_scale_2, ids, tiles, order, routing, pair_out, partial,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1),
         down_scale.stride(0), down_scale.stride(1),
         **common, **_mma_options(t, block_m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    if t.split_k > 1:
+        _sum_split_k(partial, down_scale_2, ids, routing, pair_out, swiglu=False)
     return sum_slots(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 
 
@@ -437,8 +572,8 @@ def moe_experts_nvfp4(
     """The contract of `moe_experts_reference` with NVFP4 experts; hidden [T, H] in bf16, fp16 or fp32.
     The decode kernels (at most MAX_PAIRS (token, expert) pairs; tiles: the device's tuned file for this
     shape, else the defaults), or with `grouped` the grouped kernels (any number of tokens: prefill;
-    `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES). `*_tiles`
-    override either."""
+    `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES, split_k = 1 only).
+    `*_tiles` override either."""
     scales = (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
     if gate_up_proj.dtype != torch.uint8 or any(scale is None for scale in scales):
         raise ValueError("NVFP4 experts need uint8 codes and all four scales")
@@ -457,6 +592,10 @@ def moe_experts_nvfp4(
             index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
             tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
         defaults = tuned or (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)
+    gate_up_tiles, down_tiles = gate_up_tiles or defaults[0], down_tiles or defaults[1]
+    if grouped and (gate_up_tiles.split_k != 1 or down_tiles.split_k != 1):
+        # A grouped tile has up to BLOCK_M rows and prefill has many tiles: the grid is full without it.
+        raise ValueError("split_k is for the NVFP4 decode kernels; the grouped kernels take split_k = 1")
     return _run(
         hidden,
         gate_up_proj,
@@ -465,6 +604,6 @@ def moe_experts_nvfp4(
         topk_ids,
         tuple(scale.contiguous() for scale in scales),
         block_m if grouped else None,
-        gate_up_tiles or defaults[0],
-        down_tiles or defaults[1],
+        gate_up_tiles,
+        down_tiles,
     )

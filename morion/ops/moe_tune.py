@@ -3,7 +3,8 @@
     python -m morion.ops.moe_tune --experts 512 --hidden 2048 --intermediate 512 --top-k 10 --dtype fp8
 
 `--dtype nvfp4` tunes the NVFP4 decode kernels (ops/moe_nvfp4_triton.py) the same way, each candidate
-tile in both code expansions (`Tiles.expand`: a block scale per byte or per 16-column group).
+tile in both code expansions (`Tiles.expand`: a block scale per byte or per 16-column group), the GEMV
+tiles also with K split over 2, 4 and 8 programs (`Tiles.split_k`).
 
 Random experts of the shape (FP8: quantized per (expert, row); NVFP4: per (expert, projection); as the
 loader does), and for each token
@@ -69,13 +70,22 @@ GEMV_ACC_CANDIDATES = [
 ]
 
 
+# K slices a program of the NVFP4 decode kernels (`Tiles.split_k`) tried with each GEMV tile: at one token
+# their grid is k pairs x N / BLOCK_N column blocks, too few programs for the H200 (issue #25).
+SPLIT_K = (1, 2, 4, 8)
+
+
 def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
     """The candidates, and for NVFP4 weights each once more with the codes expanded per block-scale group
-    (`Tiles.expand`: the other kernels ignore it), the GEMV tiles first; for FP8 and bf16 weights
-    `GEMV_ACC_CANDIDATES` too (the NVFP4 kernels refuse that mode)."""
+    (`Tiles.expand`: the other kernels ignore it), and each GEMV tile with every `SPLIT_K`, the GEMV tiles
+    first; for FP8 and bf16 weights `GEMV_ACC_CANDIDATES` too (the NVFP4 kernels refuse that mode)."""
     if dtype != "nvfp4":
         return [*candidates, *GEMV_ACC_CANDIDATES]
     expanded = [expanded for tiles in candidates for expanded in (tiles, tiles._replace(expand="group"))]
+    # Split K for the GEMV tiles only: they won at one token, where split K is for, and are the cheapest to
+    # compile and time (a kernel's 12 GEMV candidates become 48); split K on every tile would double a
+    # sweep whose MMA tiles take longest. `launch_variants` keeps the chosen tile's split_k.
+    expanded += [tiles._replace(split_k=s) for tiles in expanded if tiles.mma == "gemv" for s in SPLIT_K[1:]]
     # One token is where NVFP4 decodes and where its GEMV tiles won (the 80B's sweep, session 17); the MMA
     # tiles take the longest to compile and time. First, so a sweep cut short has timed the GEMV tiles.
     return sorted(expanded, key=lambda tiles: tiles.mma != "gemv")

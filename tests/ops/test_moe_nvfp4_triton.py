@@ -1,19 +1,24 @@
 """The NVFP4 expert kernels (decode and grouped) against dequantize-then-matmul (`moe_experts_reference`
 with NVFP4 experts), with tiny shapes in Triton's interpreter on the CPU (compiled on a GPU): every MMA
 mode of the decode kernels in both code expansions (`Tiles.expand`: the same bits through an MMA) and
-their batch invariance, an expert with more pairs than one row tile on both paths, fp32 and fp16
-activations (the interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), and the grouped
-path's tile table. Each nibble, block scale and global scale enters every output, so a kernel that read
-any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and ~1e-3 (fp16)."""
+their batch invariance, split K (`Tiles.split_k`: its partials and their sum kernel, batch invariant
+too), an expert with more pairs than one row tile on both paths, fp32 and fp16 activations (the
+interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), the grouped path's tile table, and
+tiles' JSON files with and without split_k. Each nibble, block scale and global scale enters every
+output, so a kernel that read any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and
+~1e-3 (fp16)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from morion.ops import moe_tiles
 from morion.ops.moe import moe_experts_reference
 from morion.ops.moe_nvfp4_triton import expert_tiles, moe_experts_nvfp4
-from morion.ops.moe_tiles import Tiles
+from morion.ops.moe_tiles import ExpertShape, Tiles
 from morion.ops.nvfp4 import quantize_nvfp4_parts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,6 +141,58 @@ def test_a_token_result_does_not_depend_on_the_batch(mma, expand):
         assert torch.equal(alone[0], batched[t])
 
 
+# Split K over H = 64 (gate/up: 2 or 4 tiles of 32 columns, a slice each or two) and I = 32 (down: one
+# 32-column tile, so slices 1 .. S-1 are empty and add zeros), in each MMA mode.
+SPLITS = {
+    (mma, split_k): dict(
+        gate_up_tiles=Tiles(64 if mma == "swapped" else 32, 32, 4, 1, mma, "group", split_k),
+        down_tiles=Tiles(64 if mma == "swapped" else 32, 32, 4, 1, mma, "byte", split_k),
+    )
+    for mma in ("dot", "swapped", "gemv")
+    for split_k in (2, 4)
+}
+
+
+@pytest.mark.parametrize(("mma", "split_k"), SPLITS)
+def test_split_k_matches_dequantize_then_matmul(mma, split_k):
+    experts = nvfp4_experts(8, seed=13)
+    batch = routing(5, 8, torch.float32, seed=14)
+    out = run(moe_experts_nvfp4, experts, *batch, **SPLITS[mma, split_k])
+    assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
+
+
+@pytest.mark.parametrize("mma", ["dot", "gemv"])
+def test_a_token_result_under_split_k_does_not_depend_on_the_batch(mma):
+    """Slices follow K, split_k and BLOCK_K only, and the sum kernel adds them in slice order: a token's
+    bits alone are its bits among 6 tokens sharing 3 experts."""
+    experts = nvfp4_experts(3, seed=15)
+    hidden, weights, ids = routing(6, 3, torch.float32, seed=16)
+    tiles = SPLITS[mma, 2]
+    batched = run(moe_experts_nvfp4, experts, hidden, weights, ids, **tiles)
+    for t in (0, 5):
+        one = (hidden[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(run(moe_experts_nvfp4, experts, *one, **tiles)[0], batched[t])
+
+
+def test_tiles_files_load_with_and_without_split_k(tmp_path, monkeypatch):
+    """The shipped H200 file and one written before split_k (or expand) existed load with split_k = 1;
+    one with it, as written."""
+    shipped = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(512, 2048, 512, "nvfp4"))
+    assert shipped is not None and all(t.split_k == 1 for t in shipped)
+    monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
+    split = Tiles(16, 256, 4, 5, "gemv", "group", 4)
+    for experts, gate_up, down in (
+        (8, [16, 256, 4, 5, "gemv"], [64, 128, 4, 2]),
+        (9, list(split), list(split)),
+    ):
+        shape = ExpertShape(experts, HIDDEN, INTERMEDIATE, "nvfp4")
+        moe_tiles.config_path("Test GPU", shape).write_text(json.dumps({"gate_up": gate_up, "down": down}))
+    old = moe_tiles.tuned_tiles("Test GPU", ExpertShape(8, HIDDEN, INTERMEDIATE, "nvfp4"))
+    assert old == (Tiles(16, 256, 4, 5, "gemv"), Tiles(64, 128, 4, 2))
+    assert old[0].split_k == old[1].split_k == 1 and old[1].expand == "byte"
+    assert moe_tiles.tuned_tiles("Test GPU", ExpertShape(9, HIDDEN, INTERMEDIATE, "nvfp4")) == (split, split)
+
+
 def test_an_expert_with_more_pairs_than_a_tile_fp16():
     """Two experts and top-2: all 17 tokens route to both, 17 pairs per expert, past the decode kernels'
     16-row tile and the 16-row grouped tiles asked for here (two tiles per expert, the second partial)."""
@@ -181,5 +238,9 @@ def test_inputs_the_kernels_cannot_take_are_refused():
         run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 16, 4, 1))
     with pytest.raises(ValueError, match="unknown NVFP4 tile expand"):
         run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=Tiles(32, 32, 4, 1, "dot", "nibble"))
+    with pytest.raises(ValueError, match="split_k of at least 1"):
+        run(moe_experts_nvfp4, experts, *batch, down_tiles=Tiles(32, 32, 4, 1, "gemv", "byte", 0))
+    with pytest.raises(ValueError, match="the grouped kernels take split_k = 1"):
+        run(moe_experts_nvfp4, experts, *batch, grouped=True, gate_up_tiles=Tiles(32, 32, 4, 1, split_k=2))
     with pytest.raises(ValueError, match="all four scales"):
         run(moe_experts_nvfp4, {**experts, "down_scale_2": None}, *batch)

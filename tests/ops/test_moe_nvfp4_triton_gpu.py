@@ -3,7 +3,8 @@ grouped kernels against dequantize-then-matmul in fp32 and in bf16, replayed in 
 routing, batch invariance of the decode kernels, the layer's CUDA paths (never the reference), and
 CUDA-graph timings against the FP8 fused kernels with the TB/s of packed weights read, printed (never
 asserted). The decode kernels' tiles (this GPU's tuned file, and the defaults) in both code expansions
-(`Tiles.expand`) are checked and timed each."""
+(`Tiles.expand`), and in the group expansion with K split over 4 programs (`Tiles.split_k`), are checked
+and timed each."""
 
 from __future__ import annotations
 
@@ -44,24 +45,34 @@ KERNELS = {"decode": decode, "grouped": grouped}
 
 def decode_tiles() -> dict[str, dict[str, Tiles]]:
     """The decode kernels' tiles: this GPU's tuned file for the shape (when it has one) and the defaults,
-    each in both code expansions: {"tuned group": {"gate_up_tiles": ..., "down_tiles": ...}, ...}."""
+    each in both code expansions and split K: {"tuned group": {"gate_up_tiles": ..., "down_tiles": ...},
+    ..., "tuned group split_k=4": ...}."""
     from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES
 
     tiles = {"defaults": (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)}
     tuned = tuned_tiles(device_name(torch.cuda.current_device()), SHAPE._replace(dtype="nvfp4"))
     if tuned is not None:
         tiles["tuned"] = tuned
+    # Each variant's (expand, split_k).
+    variants = {"byte": ("byte", 1), "group": ("group", 1), "group split_k=4": ("group", 4)}
     return {
-        f"{name} {expand}": {
-            "gate_up_tiles": gate_up._replace(expand=expand),
-            "down_tiles": down._replace(expand=expand),
+        f"{name} {variant}": {
+            "gate_up_tiles": gate_up._replace(expand=expand, split_k=split_k),
+            "down_tiles": down._replace(expand=expand, split_k=split_k),
         }
         for name, (gate_up, down) in tiles.items()
-        for expand in ("byte", "group")
+        for variant, (expand, split_k) in variants.items()
     }
 
 
-VARIANTS = ["defaults byte", "defaults group", "tuned byte", "tuned group"]
+VARIANTS = [
+    "defaults byte",
+    "defaults group",
+    "defaults group split_k=4",
+    "tuned byte",
+    "tuned group",
+    "tuned group split_k=4",
+]
 
 
 def variant_tiles(name: str) -> dict[str, Tiles]:

@@ -1,4 +1,5 @@
-"""The tuner's NVFP4 candidates (both code expansions) and its agreement check, on the CPU."""
+"""The tuner's NVFP4 candidates (both code expansions, split K for the GEMV tiles) and its agreement check,
+on the CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from morion.ops.moe_tune import (
     AGREEMENT,
     GATE_UP_CANDIDATES,
     GEMV_ACC_CANDIDATES,
+    SPLIT_K,
     disagreement,
     with_expansions,
 )
@@ -15,9 +17,14 @@ from morion.ops.moe_tune import (
 
 def test_nvfp4_candidates_come_in_both_expansions_and_other_dtypes_keep_theirs():
     nvfp4 = with_expansions(GATE_UP_CANDIDATES, "nvfp4")
-    assert len(nvfp4) == len(set(nvfp4)) == 2 * len(GATE_UP_CANDIDATES)
-    assert {t._replace(expand="byte") for t in nvfp4} == set(GATE_UP_CANDIDATES)
+    unsplit = [t for t in nvfp4 if t.split_k == 1]
+    assert len(unsplit) == len(set(unsplit)) == 2 * len(GATE_UP_CANDIDATES)
+    assert {t._replace(expand="byte") for t in unsplit} == set(GATE_UP_CANDIDATES)
     assert {t.expand for t in nvfp4} == {"byte", "group"}
+    # Every GEMV tile with each split_k, the others unsplit.
+    gemv = {t for t in unsplit if t.mma == "gemv"}
+    assert {t for t in nvfp4 if t.split_k > 1} == {t._replace(split_k=s) for t in gemv for s in SPLIT_K[1:]}
+    assert len(nvfp4) == len(set(nvfp4)) == len(unsplit) + 3 * len(gemv)
     assert with_expansions(GATE_UP_CANDIDATES, "fp8") == GATE_UP_CANDIDATES + GEMV_ACC_CANDIDATES
     assert all(t.mma != "gemv_acc" for t in nvfp4)
     gemv = [t.mma == "gemv" for t in nvfp4]
