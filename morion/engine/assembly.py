@@ -92,7 +92,9 @@ class EngineParts(NamedTuple):
     pool_tokens: int  # the tokens requests can hold: the pool less the CUDA-graph scratch page
     max_model_len: int
     max_model_len_limit: str  # what limits it: "max_model_len", "context" or "kv_pool"
-    config: EngineConfig  # as given, but --max-running-requests lowered where state slots would not fit
+    # As given, but --max-running-requests lowered where state slots would not fit, and the default prefill
+    # graph buckets cut to those the device affords.
+    config: EngineConfig
 
 
 def assemble(
