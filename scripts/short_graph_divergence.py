@@ -25,9 +25,9 @@ from morion.engine.sampling_params import SamplingParams
 from morion.loader import LoadedModel, load_model
 
 
-def engine_of(preset: str, loaded: LoadedModel, replay_tails: bool) -> Engine:
+def engine_of(preset: str, loaded: LoadedModel, device: str, replay_tails: bool) -> Engine:
     config = EngineConfig(
-        model=f"preset:{preset}", device="cuda", kv_cache_dtype="fp8", kv_cache_tokens=16384,
+        model=f"preset:{preset}", device=device, kv_cache_dtype="fp8", kv_cache_tokens=16384,
         max_running_requests=2, cuda_graph_max_batch=2,
     )  # fmt: skip
     engine = Engine(config, loaded)
@@ -74,20 +74,23 @@ def compare(replayed: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen3.8-flash-next-12l")
     parser.add_argument("--prompt-tokens", type=int, default=16 * 20 + 2, help="a tail of 2-16 tokens")
     parser.add_argument("--tokens", type=int, default=12, help="tokens generated in the second comparison")
-    args = parser.parse_args()
-    loaded = load_model(f"preset:{args.preset}", torch.bfloat16, torch.device("cuda"), weight_dtype="fp8")
+    parser.add_argument("--device", default="cuda", help="cuda (a CPU has no graphs: both tails run eagerly)")
+    args = parser.parse_args(argv)
+    loaded = load_model(
+        f"preset:{args.preset}", torch.bfloat16, torch.device(args.device), weight_dtype="fp8"
+    )
     type(loaded.model).short_chunk_graphs = True  # captured whatever the model declares
     rng = random.Random(11)
     prompt = [rng.randrange(1, min(50000, loaded.model.config.vocab_size)) for _ in range(args.prompt_tokens)]
     for max_tokens in (1, args.tokens):
         results = {}
         for replay in (True, False):
-            engine = engine_of(args.preset, loaded, replay)
+            engine = engine_of(args.preset, loaded, args.device, replay)
             tokens, logprobs = run(engine, prompt, max_tokens)
             replays = sum(graph.replays for graph in engine.runner.short_graphs.values())
             results[replay] = (tokens, logprobs, caches(engine))
