@@ -48,7 +48,7 @@ from morion.cache.tier_stats import CacheStats
 from morion.cache.tiers import CacheTiers
 from morion.config import DTYPES, EngineConfig
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS
-from morion.engine.prefill_graph_memory import DEFAULT_BUCKETS_SHARE, affordable_buckets, graph_memory_bytes
+from morion.engine.prefill_graph_memory import affordable_default_buckets, graph_memory_bytes
 from morion.engine.scheduler import Scheduler
 from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
@@ -304,7 +304,7 @@ def _activation_reserve_bytes(
     reserve = int(peak * 1.1) + _GRAPH_AND_WORKSPACE_RESERVE
     graphs = ""
     if config.cuda_graph and config.prefill_graph_buckets:
-        config = _affordable_prefill_graphs(config, peak, tokens, _device_room(device, reserve))
+        config = affordable_default_buckets(config, peak, tokens, _device_room(device, reserve))
     if config.cuda_graph and config.prefill_graph_buckets:
         largest = max(config.prefill_graph_buckets)
         graph_bytes = graph_memory_bytes(peak, tokens, largest)
@@ -317,28 +317,6 @@ def _activation_reserve_bytes(
         file=sys.stderr,
     )
     return config, reserve
-
-
-def _affordable_prefill_graphs(config: EngineConfig, peak: int, tokens: int, room: int) -> EngineConfig:
-    """`config` with its default prefill graph buckets cut to those whose graphs take at most
-    DEFAULT_BUCKETS_SHARE of `room` (the memory free after the weights and the activations); buckets
-    given with --prefill-graph-tokens stay as they are."""
-    if config.prefill_graph_tokens is not None:
-        return config
-    buckets = config.prefill_graph_buckets
-    kept = affordable_buckets(buckets, peak, tokens, room)
-    if kept == buckets:
-        return config
-    dropped = buckets[len(kept)]
-    which = f"for token buckets {', '.join(map(str, kept))} only" if kept else "off"
-    print(
-        f"morion: piecewise prefill graphs {which}: graphs up to {dropped} tokens would take "
-        f"~{graph_memory_bytes(peak, tokens, dropped) / 2**30:.2f} GiB, more than "
-        f"{DEFAULT_BUCKETS_SHARE:.0%} of the {room / 2**30:.2f} GiB free after the weights and "
-        "activations, which the K/V pool keeps (--prefill-graph-tokens sets the buckets)",
-        file=sys.stderr,
-    )
-    return dataclasses.replace(config, prefill_graph_tokens=kept)
 
 
 def _device_room(device: torch.device, activation_reserve: int) -> int:

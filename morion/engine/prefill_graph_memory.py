@@ -21,7 +21,11 @@ Buckets given with --prefill-graph-tokens are always captured, their memory rese
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Sequence
+
+from morion.config import EngineConfig
 
 GRAPH_MEMORY_FACTOR = 5.0
 DEFAULT_BUCKETS_SHARE = 0.2
@@ -41,3 +45,25 @@ def affordable_buckets(
     a prefix of `buckets`, since the estimate grows with the largest bucket."""
     budget = room_bytes * DEFAULT_BUCKETS_SHARE
     return tuple(b for b in buckets if graph_memory_bytes(peak_bytes, peak_tokens, b) <= budget)
+
+
+def affordable_default_buckets(config: EngineConfig, peak: int, tokens: int, room: int) -> EngineConfig:
+    """`config` with its default prefill graph buckets cut to those whose graphs take at most
+    DEFAULT_BUCKETS_SHARE of `room` (the memory free after the weights and the activations); buckets
+    given with --prefill-graph-tokens stay as they are."""
+    if config.prefill_graph_tokens is not None:
+        return config
+    buckets = config.prefill_graph_buckets
+    kept = affordable_buckets(buckets, peak, tokens, room)
+    if kept == buckets:
+        return config
+    dropped = buckets[len(kept)]
+    which = f"for token buckets {', '.join(map(str, kept))} only" if kept else "off"
+    print(
+        f"morion: piecewise prefill graphs {which}: graphs up to {dropped} tokens would take "
+        f"~{graph_memory_bytes(peak, tokens, dropped) / 2**30:.2f} GiB, more than "
+        f"{DEFAULT_BUCKETS_SHARE:.0%} of the {room / 2**30:.2f} GiB free after the weights and "
+        "activations, which the K/V pool keeps (--prefill-graph-tokens sets the buckets)",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(config, prefill_graph_tokens=kept)

@@ -1,16 +1,16 @@
 """The prefill graphs' memory estimate and the default buckets a device affords
-(engine/prefill_graph_memory.py, engine/assembly._affordable_prefill_graphs), at the H200's measured
+(engine/prefill_graph_memory.py), at the H200's measured
 sizes: the 80B preset keeps every default bucket, Flash-Next's FP8 weights leave room for those up to
 2,048 tokens."""
 
 from __future__ import annotations
 
 from morion.config import EngineConfig
-from morion.engine.assembly import _affordable_prefill_graphs
 from morion.engine.prefill_graph_memory import (
     DEFAULT_BUCKETS_SHARE,
     GRAPH_MEMORY_FACTOR,
     affordable_buckets,
+    affordable_default_buckets,
     graph_memory_bytes,
 )
 
@@ -37,17 +37,17 @@ def test_a_device_affords_a_prefix_of_the_buckets():
 
 
 def test_default_buckets_are_cut_and_the_cut_is_said(capsys):
-    config = _affordable_prefill_graphs(EngineConfig(), int(0.95 * GIB), 4096, 15 * GIB)
+    config = affordable_default_buckets(EngineConfig(), int(0.95 * GIB), 4096, 15 * GIB)
     assert config.prefill_graph_buckets == (256, 512, 1024, 2048)
     line = capsys.readouterr().err
     assert "for token buckets 256, 512, 1024, 2048 only: graphs up to 4096 tokens" in line
     assert "--prefill-graph-tokens" in line
-    off = _affordable_prefill_graphs(EngineConfig(), int(0.95 * GIB), 4096, GIB)
+    off = affordable_default_buckets(EngineConfig(), int(0.95 * GIB), 4096, GIB)
     assert off.prefill_graph_buckets == () and "prefill graphs off" in capsys.readouterr().err
 
 
 def test_given_buckets_and_affordable_defaults_stay():
     given = EngineConfig(prefill_graph_tokens=(512, 4096))
-    assert _affordable_prefill_graphs(given, int(0.95 * GIB), 4096, GIB) is given
+    assert affordable_default_buckets(given, int(0.95 * GIB), 4096, GIB) is given
     roomy = EngineConfig()
-    assert _affordable_prefill_graphs(roomy, int(0.65 * GIB), 4096, 60 * GIB) is roomy
+    assert affordable_default_buckets(roomy, int(0.65 * GIB), 4096, 60 * GIB) is roomy
