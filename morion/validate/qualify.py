@@ -158,13 +158,20 @@ def _perf(suite: dict[str, Any] | None, offline: dict[str, Any] | None) -> dict[
             "offline": other,
         }
         if other:
+            # A side can lack a figure: a request whose tokens all reached the client in one read has no
+            # post-first-token rate (a loaded CPU). No ratio then, and its target reads as not measured.
             row["ratios"] = {
-                key: median[key] / other[key] for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s")
+                key: median[key] / other[key]
+                for key in ("per_request_tok_s", "aggregate_tok_s", "ttft_s")
+                if median.get(key) is not None and other.get(key)
             }
             checked = ["per_request_tok_s"] if concurrency == 1 else []
             checked += ["aggregate_tok_s"] if concurrency == top and concurrency > 1 else []
             row["targets"] = {
-                key: {"target": RATIO_TARGETS[key], "met": row["ratios"][key] >= RATIO_TARGETS[key]}
+                key: {
+                    "target": RATIO_TARGETS[key],
+                    "met": row["ratios"][key] >= RATIO_TARGETS[key] if key in row["ratios"] else None,
+                }
                 for key in checked
             }
         rows.append(row)
@@ -311,7 +318,7 @@ def _ratio(ratios: dict[str, float], key: str, row: dict[str, Any]) -> str:
         return "—"
     mark = ""
     target = (row.get("targets") or {}).get(key)
-    if target is not None:
+    if target is not None and target["met"] is not None:
         mark = " ✓" if target["met"] else " ✗"
     return f"{ratios[key]:.2f}{mark}"
 

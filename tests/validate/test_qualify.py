@@ -85,6 +85,18 @@ def test_a_clean_run_passes_with_the_ratios_against_offline(tmp_path):
     )
 
 
+def test_a_rate_the_server_could_not_measure_has_no_ratio_and_no_mark(tmp_path):
+    """A loaded CPU can deliver a request's tokens in one read: no post-first-token rate (None), which
+    must neither crash the summary nor read as a met or missed target."""
+    validate = _validate()
+    validate["suites"]["perf"]["decode"][0]["median"]["per_request_tok_s"] = None
+    status, result, report = _run(tmp_path, validate)
+    c1 = result["summary"]["perf"]["decode"][0]
+    assert status == 0 and "per_request_tok_s" not in c1["ratios"]
+    assert c1["targets"]["per_request_tok_s"]["met"] is None
+    assert "| 1 | 1,024 | — | 114.8 | — |" in report
+
+
 def test_a_wrong_answer_or_too_few_hits_fails(tmp_path):
     status, result, report = _run(tmp_path, _validate(wrong=1))
     assert status == 1 and "1 wrong answers" in result["summary"]["problems"]
