@@ -287,7 +287,10 @@ class CudaCopyEngine(CopyEngine):
                     store.arena[first : first + count].copy_(
                         staging[start : start + count], non_blocking=True
                     )
-            finished = torch.cuda.Event()
+            # Blocking: the disk writers wait for it on the CPU (the write job's `before`, cache/tiers.py),
+            # and a default event's synchronize spins in the driver, four writers at once beside the
+            # engine thread that launches the forward's kernels; a blocking one sleeps until it fires.
+            finished = torch.cuda.Event(blocking=True)
             finished.record(self.stream)
         # Rule 3: the pages and the slot may be reused as soon as this returns (they were evicted, or a
         # request goes on writing its working state), so every later forward-stream write waits until

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
 
+from morion.cache import CacheSpec, PagePool, TokenComponent
 from morion.cache.copy_engine import CudaCopyEngine, CudaTransfer
-from morion.cache.host_store import HostObjectStore
+from morion.cache.host_store import HostObjectStore, ObjectLayout
 from morion.cache.testing import flood
 from morion.cache.tiers import CacheTiers
 from morion.engine.sampling_params import SamplingParams
@@ -168,3 +170,21 @@ def test_without_layer_waits_the_forward_reads_too_early(
     monkeypatch.setattr(CudaTransfer, "wait_all", lambda self: None)
     follow_up, outputs = _restored_run(engine_factory, engine_runner, on_cuda, tmp_path, _prompt(1))
     assert outputs[0].token_ids != cold(follow_up)
+
+
+def test_a_backup_is_waited_for_asleep_not_spinning():
+    """The disk writers wait on the CPU for a backup's copy (cache/tiers.py, the write job's `before`): the
+    wait sleeps (a blocking event), so four writers waiting cost the engine thread no CPU. With the copy
+    stream held back ~0.3 s, the waiting thread's CPU time stays a small part of the wait."""
+    spec = CacheSpec(4, (TokenComponent("kv", 2, (8,), torch.float32),), ())
+    pool = PagePool(spec, 8, "cuda")
+    host = HostObjectStore(ObjectLayout.for_pages(spec), 4, pin_memory=True)
+    engine = CudaCopyEngine(torch.device("cuda"))
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(500_000_000)  # ~0.3 s at the H200's clock
+    transfer = engine.backup(pool, pool.alloc(2), host, [0, 1])
+    wall, cpu = time.perf_counter(), time.thread_time()
+    transfer.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall > 0.05, "the copy stream was not held back: nothing to measure"
+    assert cpu < 0.25 * wall, f"the wait spun: {cpu:.3f} s on the CPU in {wall:.3f} s"
