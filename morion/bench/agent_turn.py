@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from morion.bench.first_token_parts import mean_parts, parts_text
 from morion.bench.timing import RequestTiming, median_of
 from morion.bench.workloads import Workbench
 from morion.errors import MorionError
@@ -48,18 +49,24 @@ def run_turns(
         conversation = bench.prompts.make(f"{key}:conversation", prefix_tokens + 1)
         appended = bench.prompts.make(f"{key}:new", new_tokens)
         [prime] = bench.target.run_group([conversation], 1).requests
+        parts_before = bench.target.first_token_parts()
         [turn] = bench.target.run_group([conversation + appended], 1).requests
         run = _run(r, prime, turn, prefix_tokens, page_size)
+        # Where the turn's TTFT went (front end, engine queue and prefill, hand-over), where the target
+        # tells: what a server adds to the offline turn.
+        run["turn_parts"] = mean_parts(parts_before, bench.target.first_token_parts())
         runs.append(run)
         bench.say(
             f"{label} turn {prefix_tokens}+{new_tokens}: run {r + 1}/{repeats}: prime (cold) TTFT "
             f"{prime.ttft_s * 1e3:.0f} ms, turn TTFT {turn.ttft_s * 1e3:.0f} ms "
             f"({turn.cached_tokens} cached, {run['turn_tok_s']:.0f} new tok/s)"
+            + parts_text(run["turn_parts"])
             + (f"; {'; '.join(run['problems'])}" if run["problems"] else "")
         )
     median = {
         key: median_of(runs, key) for key in ("prime_ttft_s", "prime_tok_s", "turn_ttft_s", "turn_tok_s")
     }
+    turn_parts = [run["turn_parts"] for run in runs if run["turn_parts"]]
     prime_ttft, turn_ttft = median["prime_ttft_s"], median["turn_ttft_s"]
     return {
         "engine": label,
@@ -69,6 +76,8 @@ def run_turns(
         "runs": runs,
         "median": median,
         "ratio_to_cold": turn_ttft / prime_ttft if prime_ttft else None,
+        # Each part's median over the runs (bench/first_token_parts.py); None where the target tells none.
+        "turn_parts": {part: median_of(turn_parts, part) for part in turn_parts[0]} if turn_parts else None,
         "failures": [f"run {run['repeat'] + 1}: {problem}" for run in runs for problem in run["problems"]],
     }
 

@@ -118,5 +118,8 @@ class HFTarget:
     def stepping_thread_times(self) -> None:
         return None  # nor an engine thread
 
+    def first_token_parts(self) -> None:
+        return None  # nor parts of a time to first token
+
     def close(self) -> None:
         del self.model

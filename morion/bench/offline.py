@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from morion.bench.first_token_parts import EngineFirstTokens, PartTotals
 from morion.bench.thread_times import ThreadTimes, read_thread_times
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
@@ -29,11 +30,13 @@ def generate(
     max_tokens: int,
     logprobs: int | None = None,
     step: Callable[[], list[StepOutput]] | None = None,
+    first_tokens: EngineFirstTokens | None = None,
 ) -> tuple[list[RequestTiming], list[list[int]]]:
     """Submits every prompt at once (greedy, EOS ignored, exactly `max_tokens` each, with `logprobs` as
     given) to an idle `engine` and steps it until all have finished: each request's timing and generated
     ids, in prompt order. `step` steps the engine instead of `engine.step` (a profiled run marks each
-    step: bench/profile.py)."""
+    step: bench/profile.py); where each request's time to its first token went in the engine is added to
+    `first_tokens`."""
     step = step or engine.step
     if engine.has_unfinished():
         raise RuntimeError("the engine has unfinished requests from before this group")
@@ -55,6 +58,8 @@ def generate(
             if out.new_token_ids:
                 firsts.setdefault(out.request_id, now)
                 lasts[out.request_id] = now
+            if out.first_token_times is not None and first_tokens is not None:
+                first_tokens.add(out.first_token_times)
             if out.final is not None:
                 finals[out.request_id] = out.final
     timings, token_ids = [], []
@@ -86,14 +91,17 @@ class EngineTarget:
         self.logprobs = logprobs  # every request's `logprobs` (bench --logprobs)
         self.name = "morion (offline)"
         self.vocab_size: int | None = self.engine.model.config.vocab_size
+        self._first_tokens = EngineFirstTokens()
 
     def run_group(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> GroupResult:
-        timings, _ = generate(self.engine, prompts, max_tokens, self.logprobs)
+        timings, _ = generate(
+            self.engine, prompts, max_tokens, self.logprobs, first_tokens=self._first_tokens
+        )
         return GroupResult(timings)
 
     def run_request(self, prompt: Sequence[int], max_tokens: int) -> tuple[RequestTiming, list[int]]:
         """One request alone (greedy, EOS ignored): its timing and the token ids it generated."""
-        [timing], [token_ids] = generate(self.engine, [prompt], max_tokens)
+        [timing], [token_ids] = generate(self.engine, [prompt], max_tokens, first_tokens=self._first_tokens)
         return timing, token_ids
 
     def restart(self) -> tuple[float, float]:
@@ -121,6 +129,9 @@ class EngineTarget:
 
     def stepping_thread_times(self) -> ThreadTimes | None:
         return read_thread_times()  # the bench steps the engine in its own thread
+
+    def first_token_parts(self) -> PartTotals:
+        return self._first_tokens.totals()
 
     def describe(self) -> dict[str, Any]:
         engine = self.engine

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from morion.bench.endpoint import Endpoint
+from morion.bench.first_token_parts import PARTS, PartTotals
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.engine.step_timing import StepTimes
 from morion.errors import MorionError
@@ -225,6 +226,17 @@ class RemoteTarget:
 
     def stepping_thread_times(self) -> None:
         return None  # the server's engine thread is in another process
+
+    def first_token_parts(self) -> PartTotals | None:
+        """The server's running sums and counts of each time-to-first-token part, from its /metrics
+        histograms (a morion server; None for others)."""
+        samples = self.endpoint.metrics() or {}
+        seconds, counts = {}, {}
+        for part in PARTS:
+            name = f"morion_request_{part.removesuffix('_s')}_seconds"
+            if f"{name}_sum" in samples and f"{name}_count" in samples:
+                seconds[part], counts[part] = samples[f"{name}_sum"], int(samples[f"{name}_count"])
+        return PartTotals(seconds, counts) if counts else None
 
     def forward_counts(self) -> dict[str, int] | None:
         """The server engine's forwards so far as "kind/path" -> count (runner/forward_counts.py), from its

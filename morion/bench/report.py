@@ -267,7 +267,7 @@ def _prefill_table(points: list[dict[str, Any]]) -> list[str]:
             _pct(p.get("mfu")),
         )
         lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, "", *_engine_thread_lines(points)]
+    return [*lines, "", *_engine_thread_lines(points), *_ttft_parts_lines(points)]
 
 
 def _engine_thread_lines(points: list[dict[str, Any]]) -> list[str]:
@@ -287,6 +287,33 @@ def _engine_thread_lines(points: list[dict[str, Any]]) -> list[str]:
     if not lines:
         return []
     return ["Engine thread during each prefill (Linux scheduler statistics):", "", *lines, ""]
+
+
+# What each part of a time to first token is (bench/first_token_parts.py), for the reports.
+PART_NAMES = {
+    "prepare_s": "front end",
+    "queue_s": "engine queue",
+    "prefill_s": "engine prefill",
+    "handoff_s": "hand-over (pipes, loops)",
+}
+
+
+def parts_sentence(parts: dict[str, float]) -> str:
+    """ "front end 3 ms, engine queue 0 ms, ..." in the order the parts happen."""
+    return ", ".join(f"{PART_NAMES[part]} {_ms(seconds)} ms" for part, seconds in parts.items())
+
+
+def _ttft_parts_lines(points: list[dict[str, Any]]) -> list[str]:
+    """Where each prompt length's time to first token went (medians of its runs), where the target tells."""
+    lines = []
+    for p in points:
+        runs = [run["ttft_parts"] for run in p["runs"] if run.get("ttft_parts")]
+        if runs:
+            medians = {part: median_of(runs, part) for part in runs[0]}
+            lines.append(f"- {p['prompt_tokens']:,} tokens: {parts_sentence(medians)} (medians).")
+    if not lines:
+        return []
+    return ["Time to first token by part (bench/first_token_parts.py):", "", *lines, ""]
 
 
 def _ttft_line(point: dict[str, Any] | None) -> list[str]:
@@ -327,6 +354,9 @@ def _turn_table(section: dict[str, Any] | None) -> list[str]:
         f"Turn TTFT / cold conversation TTFT: {_num(section['ratio_to_cold'], 3)}; {checked}.",
         "",
     ]
+    parts = section.get("turn_parts")  # absent from results written before it was measured
+    if parts:
+        lines += [f"The turn's TTFT by part (medians): {parts_sentence(parts)}.", ""]
     lines += [f"- FAILED: {failure}" for failure in section["failures"]]
     return lines + ([""] if section["failures"] else [])
 

@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from morion.bench.first_token_parts import PartTotals
 from morion.bench.thread_times import ThreadTimes
 from morion.engine.step_timing import StepTimes
 
@@ -107,6 +108,11 @@ class Target(Protocol):
     def stepping_thread_times(self) -> ThreadTimes | None:
         """The CPU times so far of the thread that steps the engine (bench/thread_times.py), where it is
         this process's calling thread (the offline target); None elsewhere."""
+        ...
+
+    def first_token_parts(self) -> PartTotals | None:
+        """Running totals of where requests' times to first token went (bench/first_token_parts.py), where
+        the target tells: a morion server, the offline engine; None elsewhere."""
         ...
 
     def close(self) -> None: ...

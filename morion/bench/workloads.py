@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+from morion.bench.first_token_parts import mean_parts, parts_text
 from morion.bench.prompts import PromptFactory
 from morion.bench.thread_times import split_wall
 from morion.bench.timing import GroupResult, Target, median_of
@@ -104,13 +105,16 @@ class Workbench:
         runs = []
         for r in range(repeats):
             before, times_before = self.target.forward_counts(), self.target.stepping_thread_times()
+            parts_before = self.target.first_token_parts()
             group = self._group(f"{label}:{workload}:{length}:{r}", 1, length, 1)
             request = group.requests[0]
             # How the engine ran this prompt's forwards (a chunk up to its last page boundary, its tail):
-            # replayed from graphs or eager, where the target counts them; and where the engine thread's
-            # time to the first token went (on a CPU, waiting for one, off CPU), where it is ours.
+            # replayed from graphs or eager, where the target counts them; where the engine thread's time
+            # to the first token went (on a CPU, waiting for one, off CPU), where it is ours; and the TTFT's
+            # parts (front end, engine queue and prefill, hand-over), where the target tells.
             forwards = _counted(before, self.target.forward_counts())
             thread = split_wall(times_before, self.target.stepping_thread_times(), request.ttft_s)
+            parts = mean_parts(parts_before, self.target.first_token_parts())
             runs.append(
                 {
                     "prompt_tokens": request.prompt_tokens,
@@ -119,6 +123,7 @@ class Workbench:
                     "prefill_tok_s": request.prompt_tokens / request.ttft_s,
                     "forwards": forwards,
                     "engine_thread": thread,
+                    "ttft_parts": parts,
                 }
             )
             self.say(
@@ -126,6 +131,7 @@ class Workbench:
                 f"{runs[-1]['prefill_tok_s']:.0f} tok/s"
                 + (f", forwards {', '.join(f'{k} {n}' for k, n in forwards.items())}" if forwards else "")
                 + (_thread_note(thread) if thread else "")
+                + parts_text(parts)
             )
         return {
             "engine": label,

@@ -26,7 +26,14 @@ from morion.config import EngineConfig
 from morion.engine.assembly import assemble
 from morion.engine.forward_groups import FORWARD_GROUP_MAX_TOKENS, forward_groups
 from morion.engine.grammar import GrammarRuntime
-from morion.engine.outputs import EngineLoad, RequestOutput, StepOutput, Usage, internal_error
+from morion.engine.outputs import (
+    EngineLoad,
+    FirstTokenTimes,
+    RequestOutput,
+    StepOutput,
+    Usage,
+    internal_error,
+)
 from morion.engine.prompt_logprobs import record_prompt_logprobs
 from morion.engine.ranks import Ranks, rank_config
 from morion.engine.request import Request
@@ -188,6 +195,7 @@ class Engine:
             sampler=RequestSampler(params, prompt, grammar),
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             arrival=arrival,
+            added_at=time.perf_counter(),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt) if tokenizer else None,
             stop_matcher=StopStringMatcher(params.stop) if tokenizer else None,
             chain_root=chain_root(params.cache_salt),
@@ -444,7 +452,8 @@ class Engine:
         request: Request, token_ids: list[int], text: str, final: RequestOutput | None = None
     ) -> StepOutput:
         """`request`'s output of this step: its new tokens and text, their logprobs when it asked for
-        them, its prompt's logprobs on its first output, and the final output once it finished."""
+        them, its prompt's logprobs on its first output, where its time to the first token went on its
+        first output with a token, and the final output once it finished."""
         logprobs = top_logprobs = None
         if request.params.logprobs is not None:
             start = len(request.output_logprobs) - len(token_ids)  # not [-n:]: no tokens, no logprobs
@@ -453,6 +462,12 @@ class Engine:
         if request.prompt_logprobs is not None and not request.prompt_logprobs_reported:
             request.prompt_logprobs_reported = True
             prompt_logprobs = request.prompt_logprobs
+        first_token_times = None
+        if token_ids and not request.first_token_reported and request.admitted_at is not None:
+            request.first_token_reported = True
+            first_token_times = FirstTokenTimes(
+                request.admitted_at - request.added_at, time.perf_counter() - request.admitted_at
+            )
         return StepOutput(
             request.request_id,
             token_ids,
@@ -462,6 +477,7 @@ class Engine:
             logprobs,
             top_logprobs,
             prompt_logprobs,
+            first_token_times,
         )
 
     def _finish(self, request: Request, reason: str) -> None:

@@ -32,6 +32,16 @@ class RequestOutput(NamedTuple):
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
 
+class FirstTokenTimes(NamedTuple):
+    """Where a request's time to its first token went inside the engine (perf_counter seconds):
+    `queued_s` from `Engine.add_request` to its first admission (behind other requests, or waiting for
+    pages or a disk prefetch), `prefill_s` from there to the step that sampled its first token (its
+    prompt's forwards, with whatever else those steps ran)."""
+
+    queued_s: float
+    prefill_s: float
+
+
 class StepOutput(NamedTuple):
     """What one request gained in one step: everything a client is sent for it (the server's deltas are
     made of these alone)."""
@@ -46,6 +56,8 @@ class StepOutput(NamedTuple):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # With params.prompt_logprobs: on the request's first output only.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # On the request's first output with a token only.
+    first_token_times: FirstTokenTimes | None = None
 
 
 class EngineLoad(NamedTuple):

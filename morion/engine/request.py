@@ -40,6 +40,9 @@ class Request:
     sampler: RequestSampler
     max_new_tokens: int
     arrival: int
+    added_at: float = 0.0  # time.perf_counter() at Engine.add_request
+    admitted_at: float | None = None  # at its first admission (scheduler), for FirstTokenTimes
+    first_token_reported: bool = False  # its FirstTokenTimes went out in a StepOutput
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -269,6 +269,7 @@ class Scheduler:
         if not request.admitted_once:
             request.num_cached_tokens = computed
             request.admitted_once = True
+            request.admitted_at = time.perf_counter()
             self._count_hit(matched_tokens, hit)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

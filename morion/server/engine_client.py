@@ -61,10 +61,15 @@ class RequestStream:
     """The engine requests behind one HTTP request (one per choice). Their deltas arrive on one queue;
     `close` aborts whatever has not finished and is safe to call more than once."""
 
-    def __init__(self, client: EngineClient, request_ids: list[str], arrival: float) -> None:
+    def __init__(
+        self, client: EngineClient, request_ids: list[str], arrival: float, submitted: float
+    ) -> None:
+        """`arrival`: the HTTP request's (perf_counter seconds); `submitted`: when its engine requests were
+        handed to the pipe's sender."""
         self.request_ids = request_ids
         self._client = client
         self._arrival = arrival
+        self._submitted = submitted
         self._choice = {request_id: index for index, request_id in enumerate(request_ids)}
         self._unfinished = set(request_ids)
         self._last_token_at: dict[str, float] = {}
@@ -79,6 +84,8 @@ class RequestStream:
                 previous = self._last_token_at.get(delta.request_id)
                 if previous is None:
                     metrics.time_to_first_token.observe(now - self._arrival)
+                    if delta.first_token_times is not None:
+                        metrics.first_token_parts(delta.first_token_times, now - self._submitted)
                     if self.time_to_first_token is None:
                         self.time_to_first_token = now - self._arrival
                 else:
@@ -147,7 +154,9 @@ class EngineClient:
     ) -> RequestStream:
         """Each (prompt token ids, sampling parameters, the prompt's images) as an engine request."""
         prefix = uuid.uuid4().hex
-        stream = RequestStream(self, [f"{prefix}-{i}" for i in range(len(work))], arrival)
+        submitted = time.perf_counter()
+        self.metrics.first_token_part["prepare"].observe(submitted - arrival)
+        stream = RequestStream(self, [f"{prefix}-{i}" for i in range(len(work))], arrival, submitted)
         self.open_streams.add(stream)
         for request_id, (prompt, params, images) in zip(stream.request_ids, work, strict=True):
             self._streams[request_id] = stream

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from morion.cache.tier_stats import CacheStats
 from morion.config import EngineConfig
-from morion.engine.outputs import PromptLogprob, Usage
+from morion.engine.outputs import FirstTokenTimes, PromptLogprob, Usage
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
 from morion.multimodal.image_decode import PreparedImage
@@ -141,6 +141,8 @@ class RequestDelta(NamedTuple):
     # With params.prompt_logprobs, on the request's first delta with tokens (outputs.py, PromptLogprob).
     prompt_logprobs: list[PromptLogprob | None] | None = None
     stop_reason: str | int | None = None  # on the last delta: the stop string or token id (None: EOS)
+    # On the request's first delta with a token: its queue and prefill time in the engine (outputs.py).
+    first_token_times: FirstTokenTimes | None = None
 
 
 class CacheEvicted(NamedTuple):

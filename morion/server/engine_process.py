@@ -126,6 +126,7 @@ class EngineLoop:
                     step.logprobs,
                     step.top_logprobs,
                     prompt_logprobs=step.prompt_logprobs,
+                    first_token_times=step.first_token_times,
                     **ending,
                 )
             )

@@ -20,13 +20,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from morion.cache.tier_stats import CacheStats
-from morion.engine.outputs import Usage
+from morion.engine.outputs import FirstTokenTimes, Usage
 from morion.engine.step_timing import StepTimes
 from morion.server.engine_messages import EngineInfo, EngineStats, SpecSnapshot
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The time to first token's parts: the front end's and the hand-over's are a few milliseconds.
+_PART_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+_FIRST_TOKEN_PARTS = {
+    "prepare": "From the HTTP request's arrival to its engine requests' hand-over (parsing, chat template, "
+    "tokens, checks)",
+    "queue": "In the engine, from the request's arrival there to its first admission to the running batch",
+    "prefill": "In the engine, from the request's first admission to the step that sampled its first token",
+    "handoff": "From the hand-over to the engine to the first token's arrival in the front end, less the "
+    "engine's queue and prefill: the pipes both ways and both processes' loops",
+}
 
 # The *_created series (a timestamp per counter) only add noise to every scrape.
 disable_created_metrics()
@@ -72,11 +83,26 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        # The time to first token in parts, which add up to it for a request of one choice (`morion bench
+        # --url` reads their sums per run): morion_request_{part}_seconds.
+        self.first_token_part = {
+            part: Histogram(
+                f"morion_request_{part}_seconds", documentation, buckets=_TTFT_BUCKETS, registry=registry
+            )
+            for part, documentation in _FIRST_TOKEN_PARTS.items()
+        }
         registry.register(_EngineCollector(engine_snapshot))
         # process_* series (resident memory, CPU, open files) of both processes, read from /proc when
         # scraped: the front end's own, and the engine's as morion_engine_process_* (none before it runs).
         ProcessCollector(registry=registry)
         ProcessCollector(namespace="morion_engine", pid=engine_pid, registry=registry)
+
+    def first_token_parts(self, times: FirstTokenTimes, since_submitted: float) -> None:
+        """An engine request's first token arrived `since_submitted` seconds after its hand-over."""
+        parts = self.first_token_part
+        parts["queue"].observe(times.queued_s)
+        parts["prefill"].observe(times.prefill_s)
+        parts["handoff"].observe(max(0.0, since_submitted - times.queued_s - times.prefill_s))
 
     def request_finished(self, reason: str, usage: Usage | None, latency: float) -> None:
         self.finished.labels(reason).inc()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from morion.bench.report import output_paths, write_json
+from morion.bench.report import output_paths, parts_sentence, write_json
 from morion.validate.restore_cause import by_cause
 from morion.validate.restore_tokens import regrade
 
@@ -107,6 +107,9 @@ def _turn(
     same_shape = all(offline_turn.get(key) == turn[key] for key in ("prefix_tokens", "new_tokens"))
     return {
         "offline_turn_ttft_s": (offline_turn.get("median") or {}).get("turn_ttft_s") if same_shape else None,
+        # Where the turn's TTFT went through the server and offline (bench/first_token_parts.py).
+        "turn_parts": turn.get("turn_parts"),
+        "offline_turn_parts": offline_turn.get("turn_parts") if same_shape else None,
         "prefix_tokens": turn["prefix_tokens"],
         "new_tokens": turn["new_tokens"],
         "repeats": len(turn.get("runs") or []),
@@ -309,6 +312,10 @@ def _turn_lines(turn: dict[str, Any] | None) -> list[str]:
         + ("" if offline is None else f"; offline, same flags: turn TTFT {_ms(offline)} ms")
         + ". Reported, not part of the verdict.",
     ]
+    for where, key in (("Through the server", "turn_parts"), ("Offline", "offline_turn_parts")):
+        parts = turn.get(key)  # absent from summaries written before they were measured
+        if parts:
+            lines += ["", f"{where}, the turn's TTFT by part (medians): {parts_sentence(parts)}."]
     lines += [f"- {failure}" for failure in turn["failures"]]
     return lines
 

@@ -42,6 +42,11 @@ def test_every_turn_reuses_exactly_the_conversation(turn_result):
     for key in ("prime_ttft_s", "turn_ttft_s", "turn_tok_s"):
         assert median[key] == statistics.median(run[key] for run in section["runs"])
     assert section["ratio_to_cold"] == pytest.approx(median["turn_ttft_s"] / median["prime_ttft_s"])
+    # Offline, the engine's two parts of each turn's TTFT (its step outputs), within the TTFT itself.
+    for run in section["runs"]:
+        parts = run["turn_parts"]
+        assert list(parts) == ["queue_s", "prefill_s"] and parts["prefill_s"] > 0 and parts["queue_s"] >= 0
+        assert sum(parts.values()) <= run["turn_ttft_s"]
 
 
 def test_report_and_progress_lines(turn_result):

@@ -244,3 +244,28 @@ def test_load_counts_requests_and_where_the_pages_are(tiny, engine_factory):
     done = engine.load()
     assert (done.running, done.waiting, done.pages_held) == (0, 0, 0)
     assert done.pages_free + done.pages_cached == num_pages and done.pages_cached > 0
+
+
+def test_the_first_output_with_a_token_says_where_its_time_went(tiny, engine_factory):
+    """`StepOutput.first_token_times` (the server's queue and prefill histograms): once per request, on
+    its first output with a token; a request that waited for another's run counts the wait as queued."""
+    engine = engine_factory(tiny, max_running_requests=1)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first, second = (engine.add_request(prompt, params) for prompt in _prompts(2, seed=7, lengths=(30, 40)))
+    reported: dict[str, list] = {first: [], second: []}  # (step, times) of each output with times
+    first_token_step = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            if out.first_token_times is not None:
+                reported[out.request_id].append((step, out.first_token_times))
+            if out.new_token_ids:
+                first_token_step.setdefault(out.request_id, step)
+    times = {}
+    for request_id, outputs in reported.items():
+        [(step, times[request_id])] = outputs  # once
+        assert step == first_token_step[request_id]  # on its first token's output
+        assert times[request_id].queued_s >= 0 and times[request_id].prefill_s > 0
+    # One running request at a time: the second queued through the whole of the first one's run.
+    assert times[second].queued_s > times[first].prefill_s > 0

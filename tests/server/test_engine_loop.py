@@ -261,6 +261,7 @@ def test_a_step_without_new_tokens_carries_no_logprobs():
         prompt_logprobs=None,
         output_logprobs=[-0.1, -0.2],
         output_top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
+        first_token_reported=True,  # its first token's output came in an earlier step
     )
     none, last = Engine._output(request, [], ""), Engine._output(request, [2], "")
     assert (none.logprobs, none.top_logprobs) == ([], [])

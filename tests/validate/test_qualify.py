@@ -224,6 +224,23 @@ def test_the_offline_turn_of_the_same_shape_stands_beside_the_servers(tmp_path):
     assert result["summary"]["turn"]["offline_turn_ttft_s"] is None and "offline, same flags" not in report
 
 
+def test_the_turns_ttft_by_part_through_the_server_and_offline(tmp_path):
+    """Where each turn's TTFT went (bench/first_token_parts.py): the server's four parts beside the
+    offline engine's two, so what the server adds reads off the report."""
+    served = _turn_bench(0.2)
+    served["turn"]["turn_parts"] = {"prepare_s": 0.004, "queue_s": 0.0, "prefill_s": 0.14, "handoff_s": 0.05}
+    offline = {**_offline(), **_turn_bench(0.15)}
+    offline["turn"]["turn_parts"] = {"queue_s": 0.0, "prefill_s": 0.141}
+    (tmp_path / "t.json").write_text(json.dumps(served))
+    status, result, report = _run(tmp_path, _validate(), "--turn", str(tmp_path / "t.json"), offline=offline)
+    assert status == 0 and result["summary"]["turn"]["turn_parts"]["handoff_s"] == 0.05
+    assert (
+        "Through the server, the turn's TTFT by part (medians): front end 4 ms, engine queue 0 ms, engine "
+        "prefill 140 ms, hand-over (pipes, loops) 50 ms."
+    ) in report
+    assert "Offline, the turn's TTFT by part (medians): engine queue 0 ms, engine prefill 141 ms." in report
+
+
 def test_the_perf_servers_forwards_are_reported_by_kind_graph_and_eager(tmp_path):
     validate = _validate()
     validate["suites"]["perf"]["forwards"] = {

@@ -1,0 +1,64 @@
+"""Where a measured request's time to first token went, by part, where the target tells (issue #24).
+
+A morion server exports each part as a histogram (server/metrics.py): `prepare` in the front end (the
+HTTP request's parsing, template, tokens and checks, to its hand-over to the engine), the engine's `queue`
+(to its first admission) and `prefill` (to the step that sampled its first token), and `handoff`, the
+rest (the pipes both ways and both processes' loops). The offline target counts the engine's two parts
+from its step outputs (engine/outputs.py `FirstTokenTimes`). A target keeps running sums and counts;
+the bench reads them before and after a run, and the run's parts are the mean per request between the
+two readings: exact for the prefill, ttft and turn workloads' runs of one request.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from morion.engine.outputs import FirstTokenTimes
+
+# In the order they happen; the offline target has only the engine's two.
+PARTS = ("prepare_s", "queue_s", "prefill_s", "handoff_s")
+
+
+class PartTotals(NamedTuple):
+    """Running totals: per part, the seconds summed over the requests counted so far, and their count."""
+
+    seconds: dict[str, float]
+    counts: dict[str, int]
+
+
+class EngineFirstTokens:
+    """The offline target's running totals of the engine's parts, fed with each step's outputs."""
+
+    def __init__(self) -> None:
+        self._seconds = {"queue_s": 0.0, "prefill_s": 0.0}
+        self._count = 0
+
+    def add(self, times: FirstTokenTimes) -> None:
+        self._seconds["queue_s"] += times.queued_s
+        self._seconds["prefill_s"] += times.prefill_s
+        self._count += 1
+
+    def totals(self) -> PartTotals:
+        return PartTotals(dict(self._seconds), {part: self._count for part in self._seconds})
+
+
+def mean_parts(before: PartTotals | None, after: PartTotals | None) -> dict[str, float] | None:
+    """Each part's mean seconds per request counted between two readings (in PARTS order, the parts that
+    counted any); None without readings or without a request between them."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for part in PARTS:
+        count = after.counts.get(part, 0) - before.counts.get(part, 0)
+        if count > 0:
+            means[part] = (after.seconds[part] - before.seconds.get(part, 0.0)) / count
+    return means or None
+
+
+def parts_text(parts: dict[str, float] | None) -> str:
+    """ ", in parts: prepare 3 ms, queue 0 ms, ..." for a progress line; "" without parts."""
+    if not parts:
+        return ""
+    return ", in parts: " + ", ".join(
+        f"{part[:-2]} {seconds * 1e3:.0f} ms" for part, seconds in parts.items()
+    )
