@@ -1,10 +1,9 @@
-"""A pytest plugin (`-p tests.ops.launch_recorder`) that records every Triton kernel launch the kernel tests
-(tests/ops) make in Triton's interpreter: the kernel, each argument's Triton type, the constexpr values
-and the launch options, written as JSON to $MORION_LAUNCHES_OUT when the session ends (a pytest-xdist
-worker writes $MORION_LAUNCHES_OUT.<worker>: `read_launches` merges them). tests/ops/hopper_compile.py
+"""A pytest plugin (`-p tests.ops.launch_recorder`) that records every Triton kernel launch the tests make
+in Triton's interpreter: the kernel, each argument's Triton type, the constexpr values and the launch
+options, written as JSON to $MORION_LAUNCHES_OUT when the session ends (a pytest-xdist worker writes
+$MORION_LAUNCHES_OUT.<worker>: `read_launches` merges them). tests/ops/hopper_compile.py
 compiles each distinct launch for Hopper, so a kernel variant the CPU tests run but the GPU compiler
-refuses fails on the CPU. scripts/test.sh records during the whole suite's run and compiles after it;
-launches of tests elsewhere (models, engine) are not recorded: the kernel tests cover every kernel."""
+refuses fails on the CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -28,8 +26,6 @@ TRITON_TYPES = {
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 _launches: dict[str, dict[str, Any]] = {}
-_recording = False  # while a test of tests/ops runs (its setup, call and teardown)
-KERNEL_TESTS = "tests/ops/"
 
 
 def _argument_type(value: Any) -> str | None:
@@ -46,8 +42,6 @@ def _argument_type(value: Any) -> str | None:
 
 
 def _record(kernel: InterpretedFunction, args: tuple, kwargs: dict) -> None:
-    if not _recording:
-        return
     parameters = inspect.signature(kernel.fn).parameters
     values = dict(zip(kernel.arg_names, args, strict=False))
     values.update({name: value for name, value in kwargs.items() if name in parameters})
@@ -81,16 +75,6 @@ def pytest_configure(config: Any) -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    global _recording
-    _recording = item.nodeid.startswith(KERNEL_TESTS)
-    try:
-        return (yield)
-    finally:
-        _recording = False
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

@@ -5,7 +5,6 @@ the compiler refuses). An NVFP4 kernel once passed every CPU test and failed to 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -42,13 +41,12 @@ def test_kernels_compile_for_sm90_with_the_h200_s_types():
     assert f"compiled for sm_90: {FIXED_KERNELS} of {FIXED_KERNELS}" in run.stdout, run.stdout
 
 
-def _recorded_launches(tmp_path: Path) -> list[dict]:
-    """The kernel tests' launches: those a run before this one recorded to $MORION_LAUNCHES_FROM
-    (scripts/test.sh records them during the whole suite, which then need not run tests/ops twice), or
-    else the kernel tests of tests/ops run again here in the interpreter with the launch recorder."""
-    earlier = os.environ.get("MORION_LAUNCHES_FROM")
-    if earlier:
-        return read_launches(Path(earlier))
+@pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
+def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path):
+    """The kernel tests of tests/ops, run again in the interpreter with the launch recorder; then each
+    distinct launch (kernel, argument types, constexprs, launch options) compiled for Hopper, and each
+    kernel once more with programmatic dependent launch on: its PTX waits for the kernel before it
+    before any global memory access (ops/pdl.py's invariant, which a read before the wait breaks)."""
     launches = tmp_path / "launches.json"
     recording = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.ops.launch_recorder",
@@ -57,16 +55,7 @@ def _recorded_launches(tmp_path: Path) -> list[dict]:
         env={**ENV, "TRITON_INTERPRET": "1", "MORION_LAUNCHES_OUT": str(launches)},
     )  # fmt: skip
     assert recording.returncode == 0, recording.stdout[-3000:] + recording.stderr[-3000:]
-    return read_launches(launches)
-
-
-@pytest.mark.skipif(NO_PTXAS, reason="no ptxas to compile with")
-def test_every_kernel_launch_of_the_cpu_kernel_tests_compiles_for_sm90(tmp_path):
-    """Each distinct launch of the kernel tests (kernel, argument types, constexprs, launch options)
-    compiled for Hopper, and each kernel once more with programmatic dependent launch on: its PTX waits
-    for the kernel before it before any global memory access (ops/pdl.py's invariant, which a read before
-    the wait breaks)."""
-    recorded = _recorded_launches(tmp_path)
+    recorded = read_launches(launches)
     launches = tmp_path / "merged.json"
     launches.write_text(json.dumps(recorded))
     assert len({(launch["module"], launch["name"]) for launch in recorded}) >= 25, recorded
