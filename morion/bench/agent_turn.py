@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from morion.bench.first_token_parts import mean_parts, parts_text
+from morion.bench.first_token_parts import mean_parts, median_parts, parts_text
 from morion.bench.timing import RequestTiming, median_of
 from morion.bench.workloads import Workbench
 from morion.errors import MorionError
@@ -66,7 +66,6 @@ def run_turns(
     median = {
         key: median_of(runs, key) for key in ("prime_ttft_s", "prime_tok_s", "turn_ttft_s", "turn_tok_s")
     }
-    turn_parts = [run["turn_parts"] for run in runs if run["turn_parts"]]
     prime_ttft, turn_ttft = median["prime_ttft_s"], median["turn_ttft_s"]
     return {
         "engine": label,
@@ -77,7 +76,7 @@ def run_turns(
         "median": median,
         "ratio_to_cold": turn_ttft / prime_ttft if prime_ttft else None,
         # Each part's median over the runs (bench/first_token_parts.py); None where the target tells none.
-        "turn_parts": {part: median_of(turn_parts, part) for part in turn_parts[0]} if turn_parts else None,
+        "turn_parts": median_parts([run["turn_parts"] for run in runs]),
         "failures": [f"run {run['repeat'] + 1}: {problem}" for run in runs for problem in run["problems"]],
     }
 

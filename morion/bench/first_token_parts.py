@@ -11,6 +11,7 @@ two readings: exact for the prefill, ttft and turn workloads' runs of one reques
 
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 from morion.engine.outputs import FirstTokenTimes
@@ -53,6 +54,15 @@ def mean_parts(before: PartTotals | None, after: PartTotals | None) -> dict[str,
         if count > 0:
             means[part] = (after.seconds[part] - before.seconds.get(part, 0.0)) / count
     return means or None
+
+
+def median_parts(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each part's median over the runs that have parts (in the order the first one lists them); None
+    where none has."""
+    measured = [parts for parts in runs if parts]
+    if not measured:
+        return None
+    return {part: statistics.median(parts[part] for parts in measured) for part in measured[0]}
 
 
 def parts_text(parts: dict[str, float] | None) -> str:

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from morion.bench.first_token_parts import median_parts
 from morion.bench.profile_report import profile_markdown
 from morion.bench.restore import KIND_NAMES, KINDS
 from morion.bench.timing import median_of
@@ -307,9 +308,8 @@ def _ttft_parts_lines(points: list[dict[str, Any]]) -> list[str]:
     """Where each prompt length's time to first token went (medians of its runs), where the target tells."""
     lines = []
     for p in points:
-        runs = [run["ttft_parts"] for run in p["runs"] if run.get("ttft_parts")]
-        if runs:
-            medians = {part: median_of(runs, part) for part in runs[0]}
+        medians = median_parts([run.get("ttft_parts") for run in p["runs"]])
+        if medians:
             lines.append(f"- {p['prompt_tokens']:,} tokens: {parts_sentence(medians)} (medians).")
     if not lines:
         return []

@@ -87,7 +87,7 @@ class ServerMetrics:
         # --url` reads their sums per run): morion_request_{part}_seconds.
         self.first_token_part = {
             part: Histogram(
-                f"morion_request_{part}_seconds", documentation, buckets=_TTFT_BUCKETS, registry=registry
+                f"morion_request_{part}_seconds", documentation, buckets=_PART_BUCKETS, registry=registry
             )
             for part, documentation in _FIRST_TOKEN_PARTS.items()
         }

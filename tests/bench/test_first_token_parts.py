@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from morion.bench.first_token_parts import EngineFirstTokens, PartTotals, mean_parts, parts_text
+from morion.bench.first_token_parts import EngineFirstTokens, PartTotals, mean_parts, median_parts, parts_text
 from morion.engine.outputs import FirstTokenTimes
 
 
@@ -29,3 +29,10 @@ def test_the_offline_totals_and_the_progress_text():
     assert parts == pytest.approx({"queue_s": 0.003, "prefill_s": 0.2})
     assert parts_text(parts) == ", in parts: queue 3 ms, prefill 200 ms"
     assert parts_text(None) == ""
+
+
+def test_the_median_of_each_part_over_the_runs_that_have_parts():
+    runs = [{"queue_s": 0.001, "prefill_s": 0.3}, None, {"queue_s": 0.003, "prefill_s": 0.1}, {}]
+    runs.append({"queue_s": 0.002, "prefill_s": 0.2})
+    assert median_parts(runs) == {"queue_s": 0.002, "prefill_s": 0.2}
+    assert median_parts([None, {}]) is None
