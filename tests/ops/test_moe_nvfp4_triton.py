@@ -4,7 +4,7 @@ mode of the decode kernels in both code expansions (`Tiles.expand`: the same bit
 their batch invariance, split K (`Tiles.split_k`: its partials and their sum kernel, batch invariant
 too), an expert with more pairs than one row tile on both paths, fp32 and fp16 activations (the
 interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), the grouped path's tile table, and
-tiles' JSON files with and without split_k. Each nibble, block scale and global scale enters every
+tiles' JSON files with and without split_k, and the shipped tiles of Flash-Next's shape. Each nibble, block scale and global scale enters every
 output, so a kernel that read any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and
 ~1e-3 (fp16)."""
 
@@ -191,6 +191,20 @@ def test_tiles_files_load_with_and_without_split_k(tmp_path, monkeypatch):
     assert old == (Tiles(16, 256, 4, 5, "gemv"), Tiles(64, 128, 4, 2))
     assert old[0].split_k == old[1].split_k == 1 and old[1].expand == "byte"
     assert moe_tiles.tuned_tiles("Test GPU", ExpertShape(9, HIDDEN, INTERMEDIATE, "nvfp4")) == (split, split)
+
+
+def test_the_shipped_flash_next_tiles_split_k_and_match_dequantize_then_matmul():
+    """Flash-Next's tuned H200 file (513 experts with the shared one, hidden 2560, intermediate 640):
+    gate_up splits K over 4 programs, down runs K in one; the same tiles on the test's shapes (BLOCK_K
+    past K: slices without a tile add nothing) give dequantize-then-matmul's result."""
+    shipped = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(513, 2560, 640, "nvfp4"))
+    assert shipped is not None
+    gate_up, down = shipped
+    assert (gate_up.mma, gate_up.expand, gate_up.split_k) == ("gemv", "group", 4) and down.split_k == 1
+    experts = nvfp4_experts(4, seed=21)
+    batch = routing(3, 4, torch.float32, seed=22)
+    out = run(moe_experts_nvfp4, experts, *batch, gate_up_tiles=gate_up, down_tiles=down)
+    assert rel_l2(out, run(moe_experts_reference, experts, *batch)) < 1e-5
 
 
 def test_an_expert_with_more_pairs_than_a_tile_fp16():
