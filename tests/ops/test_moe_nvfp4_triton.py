@@ -3,10 +3,10 @@ with NVFP4 experts), with tiny shapes in Triton's interpreter on the CPU (compil
 mode of the decode kernels in both code expansions (`Tiles.expand`: the same bits through an MMA) and
 their batch invariance, split K (`Tiles.split_k`: its partials and their sum kernel, batch invariant
 too), an expert with more pairs than one row tile on both paths, fp32 and fp16 activations (the
-interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), the grouped path's tile table, and
-tiles' JSON files with and without split_k, and the shipped tiles of Flash-Next's shape. Each nibble, block scale and global scale enters every
-output, so a kernel that read any of them wrong is off by O(1), where these agree to ~1e-6 (fp32) and
-~1e-3 (fp16)."""
+interpreter has no bf16: test_moe_nvfp4_triton_gpu.py covers it), the grouped path's tile table,
+tiles' JSON files with and without split_k, and the shipped tiles of Flash-Next's shape. Each nibble,
+block scale and global scale enters every output, so a kernel that read any of them wrong is off by
+O(1), where these agree to ~1e-6 (fp32) and ~1e-3 (fp16)."""
 
 from __future__ import annotations
 
