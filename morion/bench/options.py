@@ -17,7 +17,8 @@ WORKLOADS = ("decode", "prefill", "ttft", "turn", "spec", "restore")
 # turn, restore and spec are only run when asked: turn and restore need long prompts (and restore the
 # cache tiers' flags), spec a draft width.
 DEFAULT_WORKLOADS = ("decode", "prefill", "ttft")
-PROFILED_WORKLOADS = ("decode", "prefill", "ttft", "spec")  # what --profile profiles (bench/profile.py)
+# What --profile profiles (bench/profile.py).
+PROFILED_WORKLOADS = ("decode", "prefill", "ttft", "turn", "spec")
 BASELINES = ("hf",)
 RESTORE_PAGE_CACHE = ("evict", "keep")  # restore: the disk directory's files before the disk hit
 # Measured peaks of the devices the roofline knows by name: (memory GB/s, dense bf16 TFLOP/s). H200:

@@ -2,7 +2,9 @@
 ones (the measured numbers are never taken under the profiler).
 
 For each point of the profiled workloads (decode: every concurrency x context, with at most
-`DECODE_TOKENS` output tokens; prefill: every length; ttft: its length; spec: every concurrency x
+`DECODE_TOKENS` output tokens; prefill: every length; ttft: its length; turn: `--turn-new` tokens on a
+cached conversation of `--turn-prefix`, as bench/agent_turn.py runs it, each pass's conversations
+primed unprofiled first, so that only the turn's own steps are profiled; spec: every concurrency x
 context on its speculative engine, where drafting and acceptance have ranges of their own, profiled by
 bench/speculative.py before it closes that engine), fresh prompts run twice in each pass: once
 unprofiled (the pass's shapes compiled and tuned), then under the profiler, every engine step in a range
@@ -31,6 +33,7 @@ from typing import Any, NamedTuple, TextIO
 
 import torch
 
+from morion.bench.agent_turn import check_prefix
 from morion.bench.offline import EngineTarget, generate
 from morion.bench.options import BenchOptions
 from morion.bench.profile_trace import step_range, summarize
@@ -50,14 +53,17 @@ NOTE = (
 class ProfilePoint(NamedTuple):
     workload: str
     concurrency: int
-    prompt_tokens: int
+    prompt_tokens: int  # a turn's: the tokens it appends to its cached conversation
     output_tokens: int
     step_kind: str  # the steps this point's figures are about: "decode" or "prefill"
+    cached_tokens: int = 0  # a turn's conversation, cached before it is profiled (+1 token, agent_turn.py)
 
     @property
     def name(self) -> str:
         if self.workload in ("decode", "spec"):
             return f"{self.workload} C={self.concurrency} ctx={self.prompt_tokens:,}"
+        if self.cached_tokens:
+            return f"{self.workload} {self.cached_tokens:,}+{self.prompt_tokens:,}"
         return f"{self.workload} {self.prompt_tokens:,}"
 
 
@@ -79,6 +85,8 @@ def engine_points(options: BenchOptions) -> list[ProfilePoint]:
         points += [ProfilePoint("prefill", 1, length, 1, "prefill") for length in options.prefill_lengths]
     if "ttft" in options.workloads:
         points.append(ProfilePoint("ttft", 1, options.ttft_length, 1, "prefill"))
+    if "turn" in options.workloads:
+        points.append(ProfilePoint("turn", 1, options.turn_new, 1, "prefill", options.turn_prefix))
     return points
 
 
@@ -146,26 +154,54 @@ def profile_engine_workloads(session: ProfileSession, bench: Workbench, target: 
 def _profiled_pass(
     engine: Engine, point: ProfilePoint, prompts: PromptMaker, logprobs: int | None, by_module: bool
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """One unprofiled run of the point's shape, then one profiled: its summary and its trace."""
+    """One unprofiled run of the point's shape, then one profiled: its summary and its trace. A turn's
+    conversations are primed (unprofiled) before each run, so its run computes only the turn."""
     key = f"profile:{point.workload}:{point.concurrency}:{point.prompt_tokens}:{by_module}"
     profiled = [prompts(f"{key}:{i}", point.prompt_tokens) for i in range(point.concurrency)]
     warm = [prompts(f"{key}:warm:{i}", point.prompt_tokens) for i in range(point.concurrency)]
+    conversation_tokens = point.cached_tokens + 1
+    conversations = {
+        run: [prompts(f"{key}:{run}conversation:{i}", conversation_tokens) for i in range(point.concurrency)]
+        for run in ("warm:", "")
+    } if point.cached_tokens else {}  # fmt: skip
     cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     kinds: list[str] = []
     with engine.profiled(by_module):
+        if conversations:
+            warm = _turns(engine, conversations["warm:"], warm, point, logprobs)
+            profiled = _turns(engine, conversations[""], profiled, point, logprobs)
         generate(engine, warm, point.output_tokens, logprobs)
         if cuda:
             torch.cuda.synchronize(engine.device)
         with torch.profiler.profile(activities=activities) as profiler:
             step = functools.partial(_marked_step, engine, kinds)
-            generate(engine, profiled, point.output_tokens, logprobs, step=step)
+            timings, _ = generate(engine, profiled, point.output_tokens, logprobs, step=step)
             if cuda:
                 torch.cuda.synchronize(engine.device)
+    missed = [t.cached_tokens for t in timings if t.cached_tokens != point.cached_tokens]
+    if point.cached_tokens and missed:
+        raise RuntimeError(
+            f"a profiled turn found {missed[0]} of its conversation's {point.cached_tokens} tokens cached"
+        )
     trace = _exported(profiler)
     return summarize(trace, kinds, point.step_kind), trace
+
+
+def _turns(
+    engine: Engine,
+    conversations: list[Sequence[int]],
+    appended: list[Sequence[int]],
+    point: ProfilePoint,
+    logprobs: int | None,
+) -> list[list[int]]:
+    """Primes `conversations` (their cold prefill, leaving them in the prefix cache) and returns the
+    turns' prompts: each conversation with its appended tokens."""
+    check_prefix(point.cached_tokens, engine.runner.pool.page_size)
+    generate(engine, conversations, 1, logprobs)
+    return [[*conversation, *new] for conversation, new in zip(conversations, appended, strict=True)]
 
 
 def _marked_step(engine: Engine, kinds: list[str]) -> list[StepOutput]:

@@ -35,6 +35,9 @@ def _point(point: dict[str, Any]) -> list[str]:
     what = f"{point['workload']} C={point['concurrency']} ctx={point['prompt_tokens']:,}"
     if point["workload"] not in ("decode", "spec"):
         what = f"{point['workload']} {point['prompt_tokens']:,} tokens"
+    if point.get("cached_tokens"):
+        new, cached = point["prompt_tokens"], point["cached_tokens"]
+        what = f"{point['workload']}: {new:,} new tokens on {cached:,} cached"
     if by_module is None:
         return [f"### {what}", "", f"No {point['step_kind']} step ran.", ""]
     kind = by_module["step_kind"]

@@ -194,3 +194,35 @@ def test_a_prefill_point_is_also_profiled_as_its_piecewise_graphs_replay(tiny_qw
     assert served["by_module"]["steps"] == served["as_served"]["steps"] >= 1
     markdown = "\n".join(profile_markdown(session.section(bench)))
     assert "As served (piecewise prefill CUDA graphs as the engine replays them" in markdown
+
+
+def test_a_turn_point_profiles_only_the_turn_on_its_primed_conversation(tiny_qwen3_next, engine_factory):
+    """A turn point primes each pass's conversations unprofiled, then profiles the turn alone: its steps
+    compute only the appended tokens (and the one after the conversation) on the cached pages; an engine
+    that cached nothing fails the point rather than profile a cold prefill as a turn."""
+    from types import SimpleNamespace
+
+    from morion.bench.profile import ProfilePoint, ProfileSession
+
+    engine = engine_factory(tiny_qwen3_next, page_size=16, chunk_size=64)
+    session = ProfileSession(SimpleNamespace(profile_trace=None))
+    bench = SimpleNamespace(label="t", say=lambda line: None)
+    made: list[tuple[str, int]] = []
+
+    def prompts(key: str, length: int) -> list[int]:
+        made.append((key, length))
+        return [(13 * i + len(made)) % 500 for i in range(length)]
+
+    point = ProfilePoint("turn", 1, 24, 1, "prefill", cached_tokens=32)
+    assert point.name == "turn 32+24"
+    session.profile(bench, engine, point, prompts, None)
+    # One pass on the CPU (no graphs): a conversation of 33 tokens and 24 new ones, warm and profiled.
+    assert sorted(length for _, length in made) == [24, 24, 33, 33]
+    [served] = session.points
+    assert served["cached_tokens"] == 32 and served["by_module"]["steps"] >= 1
+    markdown = "\n".join(profile_markdown(session.section(bench)))
+    assert "### turn: 24 new tokens on 32 cached: " in markdown
+
+    cold = engine_factory(tiny_qwen3_next, page_size=16, chunk_size=64, enable_prefix_cache=False)
+    with pytest.raises(RuntimeError, match="found 0 of its conversation's 32 tokens cached"):
+        session.profile(bench, cold, point, prompts, None)
