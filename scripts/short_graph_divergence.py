@@ -128,20 +128,22 @@ class ModuleRecorder:
         return record
 
 
+def _differs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Where two tensors of one shape differ, a NaN on both sides counting as the same."""
+    return (x != y) & ~(torch.isnan(x) & torch.isnan(y))
+
+
 def _same(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
     if x is None or y is None:
         return x is None and y is None
-    if x.shape != y.shape:
-        return False
-    x, y = x.float().cpu(), y.float().cpu()
-    return bool(((x == y) | (torch.isnan(x) & torch.isnan(y))).all())
+    return x.shape == y.shape and not bool(_differs(x.float(), y.float()).any())
 
 
 def _difference(x: torch.Tensor, y: torch.Tensor) -> str:
-    x, y = x.float().cpu(), y.float().cpu()
     if x.shape != y.shape:
         return f"shapes {tuple(x.shape)} and {tuple(y.shape)}"
-    differs = (x != y) & ~(torch.isnan(x) & torch.isnan(y))
+    x, y = x.float(), y.float()
+    differs = _differs(x, y)
     return f"{int(differs.sum())} of {x.numel()} values, largest {float((x - y).abs()[differs].max()):.3e}"
 
 
@@ -173,7 +175,7 @@ def compare_calls(replayed: list[Call], eager: list[Call], shown: int = 8) -> No
 def compare(replayed: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> None:
     for name, x in replayed.items():
         y = eager[name]
-        differs = (x != y) & ~(torch.isnan(x) & torch.isnan(y))
+        differs = _differs(x, y)
         if not differs.any():
             print(f"  same  {name}")
             continue

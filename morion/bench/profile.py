@@ -159,20 +159,15 @@ def _profiled_pass(
     key = f"profile:{point.workload}:{point.concurrency}:{point.prompt_tokens}:{by_module}"
     profiled = [prompts(f"{key}:{i}", point.prompt_tokens) for i in range(point.concurrency)]
     warm = [prompts(f"{key}:warm:{i}", point.prompt_tokens) for i in range(point.concurrency)]
-    conversation_tokens = point.cached_tokens + 1
-    conversations = {
-        run: [prompts(f"{key}:{run}conversation:{i}", conversation_tokens) for i in range(point.concurrency)]
-        for run in ("warm:", "")
-    } if point.cached_tokens else {}  # fmt: skip
     cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     kinds: list[str] = []
     with engine.profiled(by_module):
-        if conversations:
-            warm = _turns(engine, conversations["warm:"], warm, point, logprobs)
-            profiled = _turns(engine, conversations[""], profiled, point, logprobs)
+        if point.cached_tokens:  # a turn: each run's conversations primed first
+            warm = _turns(engine, prompts, f"{key}:warm", warm, point, logprobs)
+            profiled = _turns(engine, prompts, key, profiled, point, logprobs)
         generate(engine, warm, point.output_tokens, logprobs)
         if cuda:
             torch.cuda.synchronize(engine.device)
@@ -192,14 +187,18 @@ def _profiled_pass(
 
 def _turns(
     engine: Engine,
-    conversations: list[Sequence[int]],
+    prompts: PromptMaker,
+    key: str,
     appended: list[Sequence[int]],
     point: ProfilePoint,
     logprobs: int | None,
 ) -> list[list[int]]:
-    """Primes `conversations` (their cold prefill, leaving them in the prefix cache) and returns the
-    turns' prompts: each conversation with its appended tokens."""
+    """Primes a fresh conversation of the point's cached tokens (+1) for each of `appended` (their cold
+    prefill, leaving them in the prefix cache) and returns the turns' prompts: each conversation with its
+    appended tokens."""
     check_prefix(point.cached_tokens, engine.runner.pool.page_size)
+    length = point.cached_tokens + 1
+    conversations = [prompts(f"{key}:conversation:{i}", length) for i in range(len(appended))]
     generate(engine, conversations, 1, logprobs)
     return [[*conversation, *new] for conversation, new in zip(conversations, appended, strict=True)]
 
