@@ -254,20 +254,15 @@ class Qwen4ExpForCausalLM(HybridForCausalLM):
     Decode and speculative verify forwards (every sequence with the same number of new tokens) make no
     host syncs and have static shapes: QSA's static path, PLE hashed and gathered on the device, Gated
     DeltaNet's in-place kernels; a CUDA graph captures them. A short forward of one sequence (a prompt's
-    tail: PLE hashed on the device, QSA's static path over its one sequence's rows) could be captured
-    too, but runs eagerly (`short_chunk_graphs`, below). Except
-    with the PLE table in memory-mapped files (`--ple-placement mmap`): the GPU cannot read those, its
-    rows are gathered on the host, and a capture attempt raises (the engine then decodes eagerly).
+    tail: PLE hashed on the device, QSA's static path over its one sequence's rows) is captured too
+    (`short_chunk_graphs`), and answers as its eager run does: QSA's selection has one width on every
+    path (ops/qsa_triton.select_token_slots). Except with the PLE table in memory-mapped files
+    (`--ple-placement mmap`): the GPU cannot read those, its rows are gathered on the host, and a capture
+    attempt raises (the engine then decodes eagerly).
     Prefill syncs with the host (PLE's hashing, QSA's per-sequence reference on the CPU), only in the parts
     that read the batch's layout or the cache (`HybridBackend.outside_graph`): a piecewise prefill graph
     (runner/prefill_graph.py) replays the rest.
     """
-
-    # Off until a tail's replay gives the eager short forward's bits: on the H200 (session 19,
-    # tests/engine/test_short_graphs_gpu.py at the 12-layer preset) the tokens decoded after a replayed
-    # tail left the eager run's after six. A lone tail replays but tails batched together run eagerly,
-    # so a restored conversation's tail could then answer otherwise than its cold run did.
-    short_chunk_graphs: ClassVar[bool] = False
 
     # Kept in the model dtype under --weight-dtype fp8 (layers/fp8_convert.py): the router, the shared-
     # expert gate and the indexer decide what runs or is read (a flipped choice costs more than their

@@ -16,8 +16,9 @@ Two implementations of the same rule:
 - the static one (`static_block_scores`, `select_blocks`, `selected_tokens`, `static_sparse_attention`):
   a batch of B sequences with the same number n of new tokens each (decode: n = 1; speculative verify),
   every shape fixed by the batch size and the page-table width: scores over the table's whole block
-  capacity, -inf past each query's complete blocks, a top-k of fixed size, the tail appended, and
-  attention masked to each row's count. No host sync, so a CUDA graph can capture it (on CUDA the
+  capacity, -inf past each query's complete blocks, a top-k of fixed size (budget / r, whatever the
+  table's width: a row's attention runs over the same shape in a graph as eagerly), the tail appended,
+  and attention masked to each row's count. No host sync, so a CUDA graph can capture it (on CUDA the
   scores come from `qsa_triton.py` and the attention from the paged decode kernel).
 
 Ties: `torch.topk` breaks ties (e.g. blocks whose scores are all relu'd to exactly 0, frequent when few
@@ -167,27 +168,30 @@ def mask_incomplete_blocks(scores: torch.Tensor, num_complete: torch.Tensor) -> 
 def select_blocks(
     scores: torch.Tensor, num_complete: torch.Tensor, block_topk: int, exact_ties: bool
 ) -> torch.Tensor:
-    """The blocks each row attends to: [rows, K] int64, K = min(block_topk, NB), the chosen blocks first
-    (min(block_topk, num_complete) of them), -1 after them.
+    """The blocks each row attends to: [rows, block_topk] int64, the chosen blocks first (min(block_topk,
+    num_complete) of them), -1 after them. The width is block_topk whatever NB (the page table's block
+    capacity) is: the attention over the selection then has one shape, and so one summation order, for a
+    row whether its step ran over the batch's page table (eager) or a graph's wider one.
 
     scores [rows, NB] from `static_block_scores` (-inf past num_complete). `exact_ties` (CPU tensors
     only: it reads num_complete on the host) takes each row's top-k over exactly its complete blocks, as
     transformers does (see the module docstring); otherwise one fixed-size top-k (ties to the lower
     block), which a CUDA graph captures."""
     rows, num_blocks = scores.shape
-    k = min(block_topk, num_blocks)
+    selected = torch.full((rows, block_topk), -1, dtype=torch.long, device=scores.device)
     if exact_ties:
-        selected = torch.full((rows, k), -1, dtype=torch.long, device=scores.device)
         counts = num_complete.tolist()
         for complete in sorted(set(counts)):
-            picked = min(k, complete)
+            picked = min(block_topk, complete)
             if picked:
                 same = torch.tensor([r for r, c in enumerate(counts) if c == complete], device=scores.device)
                 selected[same, :picked] = top_blocks(scores[same, :complete], picked, True)
         return selected
     # Best first: a row with fewer than k complete blocks gets them first, then -inf ones (dropped here).
+    k = min(block_topk, num_blocks)
     indices = top_blocks(scores, k, False)
-    return torch.where((indices >= 0) & (indices < num_complete[:, None]), indices, -1)
+    selected[:, :k] = torch.where((indices >= 0) & (indices < num_complete[:, None]), indices, -1)
+    return selected
 
 
 def selected_tokens(

@@ -209,12 +209,16 @@ def select_token_slots(
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [B * n, NB] from `block_scores`, num_complete and positions [B * n], page_table [B, P] ->
-    (slots [B * n, W] int32, counts [B * n] int32), W = K * ratio + ratio - 1 with K = min(block_topk, NB):
-    row t attends to the pool slots slots[t, :counts[t]] (what `qsa.select_blocks` without exact ties,
-    `qsa.selected_tokens` and the page table give, the chosen blocks in ascending order)."""
+    (slots [B * n, W] int32, counts [B * n] int32), W = block_topk * ratio + ratio - 1: row t attends to
+    the pool slots slots[t, :counts[t]] (what `qsa.select_blocks` without exact ties,
+    `qsa.selected_tokens` and the page table give, the chosen blocks in ascending order).
+
+    W never follows the page table's width: `sparse_attention` splits a row's keys by W, so a W taken
+    from the table (the batch's pages eagerly, the graph's capacity in a replay) summed a row's keys in
+    another order in a graph than eagerly (Flash-Next's replayed prompt tails parted from the eager ones
+    in the fourth decimal of a logprob, scripts/short_graph_divergence.py on the H200, session 22)."""
     rows, num_blocks = scores.shape
-    top_k = min(block_topk, num_blocks)
-    width = top_k * ratio + ratio - 1
+    width = block_topk * ratio + ratio - 1
     if scores.stride(-1) != 1 or page_table.stride(-1) != 1:
         raise ValueError("scores and page_table must be contiguous in their last dimension")
     slots = torch.empty(rows, width, dtype=torch.int32, device=scores.device)
@@ -223,7 +227,7 @@ def select_token_slots(
         _select_token_slots_kernel[(rows,)](
             scores, num_complete, positions, page_table, slots, counts,
             scores.stride(0), page_table.stride(0), slots.stride(0), rows // page_table.shape[0], num_blocks,
-            TOP_K=top_k, RATIO=ratio, PAGE_SIZE=page_size, WIDTH=width, BLOCK=64 if _INTERPRET else 512,
+            TOP_K=block_topk, RATIO=ratio, PAGE_SIZE=page_size, WIDTH=width, BLOCK=64 if _INTERPRET else 512,
             **launch_options(), num_warps=4,
         )  # fmt: skip
     return slots, counts

@@ -18,13 +18,9 @@ from morion.loader import load_model
 
 pytestmark = pytest.mark.gpu
 
-# Flash-Next declares no short graphs (Qwen4ExpForCausalLM.short_chunk_graphs): its replayed tails left the
-# eager short forward's tokens on the H200 (session 19). The test captures them regardless and expects the
-# mismatch, so that the fix shows (strict: an unexpected pass fails, and the model's flag can turn on).
-FLASH_NEXT_MISMATCH = pytest.mark.xfail(
-    strict=True, reason="Flash-Next's replayed tails differ from its eager short forward (session 19)"
-)
-PRESETS = ("qwen3-next-80b-a3b-12l", pytest.param("qwen3.8-flash-next-12l", marks=FLASH_NEXT_MISMATCH))
+# Both presets: Flash-Next's replayed tails parted from its eager ones until QSA's selection width stopped
+# following the page table's (ops/qsa_triton.select_token_slots, session 22).
+PRESETS = ("qwen3-next-80b-a3b-12l", "qwen3.8-flash-next-12l")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 # Tails of 2, 7 and 16 tokens after 16-token pages (the last a whole page), and of one token.
 LENGTHS = (16 * 20 + 2, 16 * 40 + 7, 16 * 9 + 16, 16 * 30 + 1)
@@ -47,8 +43,7 @@ def engine_of(loaded) -> Engine:
     return Engine(config, model)
 
 
-def test_tails_replay_their_graphs_and_answer_as_the_eager_short_forward(loaded, engine_runner, monkeypatch):
-    monkeypatch.setattr(type(loaded[1].model), "short_chunk_graphs", True)
+def test_tails_replay_their_graphs_and_answer_as_the_eager_short_forward(loaded, engine_runner):
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 50000) for _ in range(n)] for n in LENGTHS]
     graphs = engine_of(loaded)

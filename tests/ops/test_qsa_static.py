@@ -206,6 +206,43 @@ def test_the_selection_kernel_takes_the_torch_code_s_tokens_as_slots(rows_per_se
         assert tokens == sorted(tokens), row
 
 
+def test_a_row_s_selection_and_attention_do_not_depend_on_the_page_table_s_width():
+    """The same rows over the batch's own page table (an eager step) and over a graph's wider one (its
+    capacity, the extra blocks -inf): the same slots, of one width, and the same attention to the bit, on
+    both paths. The width once followed the table, and the split-KV attention split a row's keys by it:
+    Flash-Next's replayed prompt tails parted from its eager ones (session 22)."""
+    from morion.ops.qsa_triton import select_token_slots
+
+    generator = torch.Generator().manual_seed(5)
+    ratio, page_size, block_topk, pages, wide_pages = 4, 16, 128, 6, 40
+    positions = torch.tensor([86, 87, 88])
+    num_complete = (positions + 1) // ratio
+    table = torch.randperm(64, generator=generator)[:wide_pages].view(1, wide_pages).int()
+    kv = _pool(64 * page_size, 1, 32, FP8_KV_DTYPE, generator)
+    q = torch.randn(len(positions), 4, 32, generator=generator).to(DEVICE)
+    scores = torch.rand(len(positions), wide_pages * page_size // ratio, generator=generator)
+    scores = torch.where(torch.arange(scores.shape[1])[None] < num_complete[:, None], scores, float("-inf"))
+    results = {}
+    for width in (pages, wide_pages):
+        narrow = scores[:, : width * page_size // ratio].contiguous()
+        args = (num_complete, positions, table[:, :width].contiguous())
+        slots, counts = select_token_slots(
+            narrow.to(DEVICE), *(a.to(DEVICE) for a in args), block_topk, ratio, page_size
+        )
+        kernel = sparse_attention_triton(q, kv, slots, counts, 0.125, 0.5, 2.0)
+        torch_slots, torch_counts = _torch_token_slots(narrow, *args, block_topk, ratio, page_size)
+        k, v = gather_token_kv(kv, torch_slots.to(DEVICE), 0.5, 2.0)
+        ours = static_sparse_attention(q, k, v, torch_counts.to(DEVICE), 0.125)
+        results[width] = slots.shape[1], torch_slots.shape[1], kernel, ours
+    (eager_width, eager_torch_width, eager_kernel, eager_ours) = results[pages]
+    (graph_width, graph_torch_width, graph_kernel, graph_ours) = results[wide_pages]
+    assert (
+        eager_width == graph_width == eager_torch_width == graph_torch_width == block_topk * ratio + ratio - 1
+    )
+    assert torch.equal(eager_kernel, graph_kernel)
+    assert torch.equal(eager_ours, graph_ours)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_block_key_kernel_writes_the_indexer_s_keys_of_the_blocks_a_step_completes(dtype):
     """Tokens of one forward, some completing their block: each completed block's row gets
