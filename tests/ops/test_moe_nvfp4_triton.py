@@ -193,11 +193,29 @@ def test_tiles_files_load_with_and_without_split_k(tmp_path, monkeypatch):
     assert moe_tiles.tuned_tiles("Test GPU", ExpertShape(9, HIDDEN, INTERMEDIATE, "nvfp4")) == (split, split)
 
 
+@pytest.mark.parametrize("weight_dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("preset", ["preset:qwen3-next-80b-a3b", "preset:qwen3.8-flash-next"])
+def test_the_presets_served_expert_shapes_have_shipped_h200_tiles(preset, weight_dtype):
+    """The stacked experts as the model is built to serve them (fp8: the shared expert stacked as one
+    more; nvfp4: the routed ones alone) find a tuned file for the H200: a file named for another shape is
+    never read (Flash-Next's NVFP4 tiles once were, tuned with the shared expert stacked: 513 experts)."""
+    from morion.layers.moe import StackedExperts
+    from morion.models.presets import preset_config
+    from morion.models.registry import build_model
+
+    model = build_model(preset_config(preset), torch.bfloat16, torch.device("meta"), weight_dtype)
+    experts = next(m for m in model.modules() if isinstance(m, StackedExperts))
+    shape = moe_tiles.expert_shape(experts.gate_up_proj, experts.down_proj)
+    assert shape.dtype == weight_dtype
+    assert moe_tiles.config_path("NVIDIA H200", shape).exists(), shape
+
+
 def test_the_shipped_flash_next_tiles_split_k_and_match_dequantize_then_matmul():
-    """Flash-Next's tuned H200 file (513 experts with the shared one, hidden 2560, intermediate 640):
-    gate_up splits K over 4 programs, down runs K in one; the same tiles on the test's shapes (BLOCK_K
-    past K: slices without a tile add nothing) give dequantize-then-matmul's result."""
-    shipped = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(513, 2560, 640, "nvfp4"))
+    """Flash-Next's tuned H200 file (512 routed experts: under nvfp4 the shared one is a dense layer,
+    hidden 2560, intermediate 640): gate_up splits K over 4 programs, down runs K in one; the same tiles on
+    the test's shapes (BLOCK_K past K: slices without a tile add nothing) give dequantize-then-matmul's
+    result."""
+    shipped = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(512, 2560, 640, "nvfp4"))
     assert shipped is not None
     gate_up, down = shipped
     assert (gate_up.mma, gate_up.expand, gate_up.split_k) == ("gemv", "group", 4) and down.split_k == 1
