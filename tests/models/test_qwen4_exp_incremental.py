@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import morion.models.qwen4_exp as qwen4_exp
 from morion.config import EngineConfig
@@ -179,32 +180,35 @@ def _no_host_sync() -> Iterator[None]:
     patches.update(
         {(torch, name): _refuse(f"torch.{name}") for name in ("nonzero", "unique", "masked_select")}
     )
-    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
-
-    def _boolean(index) -> bool:
-        parts = index if isinstance(index, tuple) else (index,)
-        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-
-    def checked_getitem(self, index):
-        if _boolean(index):
-            raise AssertionError("boolean-mask indexing in a decode / verify step")
-        return getitem(self, index)
-
-    def checked_setitem(self, index, value):
-        if _boolean(index):
-            raise AssertionError("boolean-mask indexing in a decode / verify step")
-        return setitem(self, index, value)
-
-    patches[(torch.Tensor, "__getitem__")] = checked_getitem
-    patches[(torch.Tensor, "__setitem__")] = checked_setitem
-    saved = {key: getattr(*key) for key in patches}
+    # Only what the owner defines itself is put back; an inherited method (most of Tensor's come from
+    # torch._C.TensorBase) is deleted again rather than copied into Tensor.
+    saved = {(owner, name): vars(owner).get(name) for owner, name in patches}
     try:
         for (owner, name), replacement in patches.items():
             setattr(owner, name, replacement)
-        yield
+        with _RefuseBooleanMasks():
+            yield
     finally:
         for (owner, name), original in saved.items():
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+class _RefuseBooleanMasks(TorchFunctionMode):
+    """Tensor indexing with a boolean mask (a data-dependent shape) raises. A mode, not a patch of
+    Tensor.__getitem__: CPython cannot take such a patch back (setting __getitem__ on Tensor fills its
+    sequence slot too, and deleting it leaves that slot, so torch.tensor() of a list of 0-d tensors then
+    calls len() on them, and a later test failed)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1]
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                raise AssertionError("boolean-mask indexing in a decode / verify step")
+        return func(*args, **(kwargs or {}))
 
 
 def test_decode_and_verify_steps_make_no_host_sync(qwen4_exp_tiny, monkeypatch):
