@@ -20,9 +20,14 @@ import warnings
 
 import torch
 
-from morion.bench.invariance_probe import probe_config, probe_parser, probe_prompts, write_probe_result
+from morion.bench.invariance_probe import (
+    prefill_once,
+    probe_config,
+    probe_parser,
+    probe_prompts,
+    write_probe_result,
+)
 from morion.engine.engine import Engine
-from morion.engine.sampling_params import SamplingParams
 
 _OURS = ("/morion/", "/fla/")
 
@@ -36,12 +41,6 @@ def _site(stack: list[traceback.FrameSummary]) -> str:
     return "(outside morion and fla)"
 
 
-def _prefill(engine: Engine, prompt: list[int]) -> None:
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser(__doc__.splitlines()[0], "prefill-syncs")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("counting CUDA syncs needs a CUDA device")
     engine = Engine(probe_config(args))
     warm, fresh = probe_prompts(engine.model.config.vocab_size, 2, args.prompt_tokens, args.probe_seed)
-    _prefill(engine, warm)  # compiles and autotunes: those syncs are not the steady state
+    prefill_once(engine, warm)  # compiles and autotunes: those syncs are not the steady state
     torch.cuda.synchronize()
     sites: collections.Counter[str] = collections.Counter()
 
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _prefill(engine, fresh)
+            prefill_once(engine, fresh)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     total = sum(sites.values())

@@ -140,3 +140,30 @@ def test_the_prefill_sync_probe_names_our_innermost_frame_and_needs_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             module.main(["--model", "preset:qwen3-next-tiny", "--device", "cpu"])
+
+
+def test_the_prefill_host_profile_times_fresh_prompts_by_function(tmp_path, capsys):
+    """The tiny model on the CPU: two fresh prompts profiled after a warm one; the engine's forward is
+    among morion's functions with time under it, the tables print, and the JSON holds each prompt's
+    wall time. Names keep the package path; a bad --prompts is one error line."""
+    module = _script("prefill_host_profile")
+    assert (
+        module._name("/x/site-packages/morion/engine/engine.py", 3, "step")
+        == "morion/engine/engine.py:3 step"
+    )
+    assert (
+        module._name("/x/site-packages/torch/cuda/graphs.py", 9, "replay") == "torch/cuda/graphs.py:9 replay"
+    )
+    assert module._name("~", 0, "<built-in method torch.conv1d>") == "<built-in method torch.conv1d>"
+    flags = ["--model", "preset:qwen3-next-tiny", "--device", "cpu", "--prompt-tokens", "48"]
+    assert module.main([*flags, "--prompts", "2", "--top", "5", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "48-token prefill, 2 fresh prompts" in printed and "own time per prefill:" in printed
+    [path] = tmp_path.glob("*-prefill-host-profile.json")
+    result = json.loads(path.read_text())
+    assert len(result["wall_ms"]) == 2 and all(ms > 0 for ms in result["wall_ms"])
+    forward = [r for r in result["functions"] if r["function"].endswith(" forward_eager")]
+    assert len(forward) == 1 and forward[0]["ours"] and forward[0]["calls"] >= 1
+    assert 0 < forward[0]["cumulative_ms"] <= max(result["wall_ms"])
+    with pytest.raises(SystemExit):
+        module.main([*flags, "--prompts", "0"])

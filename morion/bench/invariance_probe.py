@@ -1,5 +1,6 @@
-"""What the batch-invariance probes share (scripts/decode_invariance.py, decode_divergence_trace.py,
-row_invariance_probe.py): their flags, the engine they run, their prompts and their result files."""
+"""What the engine probes share (scripts/decode_invariance.py, decode_divergence_trace.py,
+row_invariance_probe.py, prefill_syncs.py, prefill_host_profile.py): their flags, the engine they run, their
+prompts, one prefill, and their result files."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from morion.config import EngineConfig
+from morion.engine.engine import Engine
+from morion.engine.sampling_params import SamplingParams
 from morion.engine_flags import add_engine_flags, engine_options
 
 DEFAULT_MODEL = "preset:qwen3-next-80b-a3b-12l"  # the 80B's layer shapes, 12 of its 48 layers
@@ -40,6 +43,13 @@ def probe_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[l
     """`count` prompts of `length` random token ids; the same for the same seed in every probe."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def prefill_once(engine: Engine, prompt: list[int]) -> None:
+    """`prompt` prefilled to its first token (greedy), the engine stepped until it is done."""
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def write_probe_result(out: str | None, result_name: str, result: dict[str, Any]) -> None:
