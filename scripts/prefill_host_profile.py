@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from morion.bench.invariance_probe import (
+    OUR_CODE,
     prefill_once,
     probe_config,
     probe_parser,
@@ -32,15 +33,13 @@ from morion.bench.invariance_probe import (
 )
 from morion.engine.engine import Engine
 
-_OURS = ("/morion/", "/fla/")
-
 
 def _name(file: str, line: int, function: str) -> str:
     """A cProfile entry as path:line function, the path from its package on (morion/..., fla/..., or
     what follows site-packages/); built-ins as cProfile names them ("{method 'replay' of ...}")."""
     if file == "~":
         return function
-    starts = [file.rfind(part) + 1 for part in _OURS if part in file]
+    starts = [file.rfind(part) + 1 for part in OUR_CODE if part in file]
     path = file[max(starts) :] if starts else file.split("/site-packages/")[-1]
     return f"{path}:{line} {function}"
 
@@ -52,7 +51,7 @@ def _rows(stats: pstats.Stats, prefills: int) -> list[dict[str, Any]]:
         rows.append(
             {
                 "function": _name(file, line, function),
-                "ours": any(part in file for part in _OURS),
+                "ours": any(part in file for part in OUR_CODE),
                 "calls": calls / prefills,
                 "own_ms": own * 1e3 / prefills,
                 "cumulative_ms": cumulative * 1e3 / prefills,

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from morion.bench.invariance_probe import (
+    OUR_CODE,
     prefill_once,
     probe_config,
     probe_parser,
@@ -29,13 +30,11 @@ from morion.bench.invariance_probe import (
 )
 from morion.engine.engine import Engine
 
-_OURS = ("/morion/", "/fla/")
-
 
 def _site(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frame of our code (or fla's) on a warning's stack, as file:line function."""
     for frame in reversed(stack):
-        if any(part in frame.filename for part in _OURS) and "warnings" not in frame.filename:
+        if any(part in frame.filename for part in OUR_CODE) and "warnings" not in frame.filename:
             path = frame.filename.split("/site-packages/")[-1]
             return f"{path}:{frame.lineno} {frame.name}"
     return "(outside morion and fla)"

@@ -18,6 +18,8 @@ from morion.engine.sampling_params import SamplingParams
 from morion.engine_flags import add_engine_flags, engine_options
 
 DEFAULT_MODEL = "preset:qwen3-next-80b-a3b-12l"  # the 80B's layer shapes, 12 of its 48 layers
+# Where a probe's stack frames count as the engine's own code: morion's, and fla-core's kernels it calls.
+OUR_CODE = ("/morion/", "/fla/")
 
 
 def probe_parser(description: str, result_name: str) -> argparse.ArgumentParser:
