@@ -16,7 +16,10 @@
 # MORION_SOURCE_COMMIT (results' provenance): the device's copy of the tree has no git, so `start` takes
 # the commit from that variable, else from git where it runs, and refuses to start without one. /tmp/morion-chain/status gets
 # `NAME rc=N SECONDSs` per step and `done` at the end. `wait` prints the status, the running step's last
-# lines, and packs logs/ and out/ into $OUT/chain-<time>.tgz (the folder the device tool brings back).
+# lines, and packs logs/ and out/ into $OUT/chain-<time>.tgz (the folder the device tool brings back);
+# once the chain is done, also Triton's compiled kernels ($OUT/triton-cache.tgz.partNN,
+# scripts/triton_cache.sh): copied into .triton-cache/ here and carried, they spare the next machine's first
+# warm-up its compilation (~90 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 chain=${CHAIN_DIR:-/tmp/morion-chain}
@@ -68,6 +71,8 @@ wait)
     [ -n "$running" ] && tail -3 "$chain/logs/$running.log"
     if [ -n "${OUT:-}" ]; then
         tar czf "$OUT/chain-$(date +%H%M%S).tgz" -C "$chain" logs out status
+        # Once the chain is done, its machine's compiled kernels too, for the next machine to carry.
+        grep -q "^done" "$chain/status" && bash scripts/triton_cache.sh pack "$OUT"
     fi
     grep -q "^done" "$chain/status"  # exit 0 once the chain has finished
     ;;

@@ -31,12 +31,17 @@ def test_steps_run_in_order_in_the_background_and_come_back_packed(tmp_path):
     out.mkdir()
     env = {"PATH": "/usr/bin:/bin", "CHAIN_DIR": str(tmp_path / "chain"), "OUT": str(out)}
     env["MORION_SOURCE_COMMIT"] = "c0ffee"
+    # The finished chain packs the machine's Triton kernels beside its logs (here: one fake kernel).
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    (tmp_path / "triton" / "HASH").mkdir(parents=True)
+    (tmp_path / "triton" / "HASH" / "k.cubin").write_bytes(b"binary")
     started = _chain("start", str(steps), env=env)
     assert started.returncode == 0 and "started 4 steps" in started.stdout, started.stderr
     waited = _chain("wait", "30", env=env)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     status = [line.split()[:2] for line in waited.stdout.splitlines() if "rc=" in line]
     assert status == [["first", "rc=0"], ["failing", "rc=3"], ["slow", "rc=124"], ["last", "rc=0"]]
+    assert [p.name for p in out.glob("triton-cache.tgz.part*")] == ["triton-cache.tgz.part00"]
     [packed] = out.glob("chain-*.tgz")
     with tarfile.open(packed) as archive:
         names = set(archive.getnames())
@@ -76,3 +81,44 @@ def test_a_chain_without_a_commit_for_provenance_does_not_start(tmp_path):
     )
     assert started.returncode == 2 and "MORION_SOURCE_COMMIT" in started.stderr
     assert not (tmp_path / "chain" / "status").exists()
+
+
+def _triton_cache(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "TRITON_CACHE_DIR": str(cache)}
+    return subprocess.run(
+        ["bash", "scripts/triton_cache.sh", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_triton_s_kernels_are_packed_in_parts_and_unpacked_into_an_empty_cache_only(tmp_path):
+    """What a cache hit reads (binary, metadata and group JSON) goes, in parts; the IR stays behind. An
+    empty cache takes the parts; one that holds kernels already is left as it is."""
+    cache = tmp_path / "cache"
+    kernel = cache / "HASH1"
+    kernel.mkdir(parents=True)
+    binary = bytes(range(256)) * 40
+    files = {"k.cubin": binary, "k.json": b'{"name": "k"}', "__grp__k.json": b'{"child_paths": {}}'}
+    for name, data in {**files, "k.ptx": b"ptx", "k.ttir": b"ir", "k.llir": b"llvm"}.items():
+        (kernel / name).write_bytes(data)
+    parts = tmp_path / "out"
+    packed = _triton_cache("pack", str(parts), cache=cache)
+    assert packed.returncode == 0 and "1 kernels from" in packed.stdout, packed.stdout + packed.stderr
+    assert [p.name for p in parts.iterdir()] == ["triton-cache.tgz.part00"]
+
+    fresh = tmp_path / "fresh"
+    unpacked = _triton_cache("unpack", str(parts), cache=fresh)
+    assert unpacked.returncode == 0 and "1 kernels into" in unpacked.stdout, unpacked.stderr
+    assert {p.name: p.read_bytes() for p in (fresh / "HASH1").iterdir()} == files
+
+    (fresh / "HASH1" / "k.cubin").write_bytes(b"recompiled")
+    again = _triton_cache("unpack", str(parts), cache=fresh)
+    assert "already holds kernels" in again.stdout
+    assert (fresh / "HASH1" / "k.cubin").read_bytes() == b"recompiled"
+
+    assert "nothing packed" in _triton_cache("pack", str(parts), cache=tmp_path / "absent").stdout
+    assert "no parts" in _triton_cache("unpack", str(tmp_path / "none"), cache=fresh).stdout
