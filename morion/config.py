@@ -67,7 +67,7 @@ class EngineConfig:
     # `prefill_graph_buckets`); empty: off, prefill runs eagerly. CUDA with decode graphs only.
     prefill_graph_tokens: tuple[int, ...] | None = None
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
-    moe_kernel: str = "auto"  # CUDA: fused Triton kernels up to 16 tokens (triton: 64), else grouped GEMMs
+    moe_kernel: str = "auto"  # CUDA: fused Triton kernels to 64 tokens, else grouped GEMMs (layers/moe.py)
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy

@@ -156,7 +156,9 @@ ENGINE_FLAGS = (
     _choice(
         "moe_kernel",
         MOE_KERNELS,
-        "routed experts on CUDA: fused Triton kernels to 16 tokens (auto), 64 (triton), or grouped GEMM",
+        "routed experts on CUDA: fused Triton kernels to 64 tokens, then grouped GEMMs (auto); the fused "
+        "kernels at every size, their grouped mode past 1,024 (token, expert) pairs (triton); grouped GEMMs "
+        "(grouped)",
     ),
     _choice(
         "pdl",

@@ -141,10 +141,11 @@ class StackedExperts(nn.Module):
             from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 
             experts = functools.partial(moe_experts_nvfp4, grouped=path == "grouped")
-        elif path == "triton":
+        elif path in ("triton", "triton-grouped"):
             from morion.ops import moe_decode_triton as fused
 
-            experts = fused.moe_expert_partials if unsummed else fused.moe_experts_triton
+            fused_experts = fused.moe_expert_partials if unsummed else fused.moe_experts_triton
+            experts = functools.partial(fused_experts, grouped=path == "triton-grouped")
         else:
             experts = moe_experts_grouped if path == "grouped" else moe_experts_reference
         options: dict[str, torch.Tensor | QuantizedRows | None] = {**self._scales()}
@@ -155,7 +156,8 @@ class StackedExperts(nn.Module):
     def _path(self, x: torch.Tensor, num_pairs: int) -> str:
         """ "triton" on CUDA for at most AUTO_TRITON_MAX_TOKENS tokens under `kernel == "auto"` (any number
         under "triton") within the fused kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and
-        shapes); otherwise "grouped" where a
+        shapes); past them under "triton", "triton-grouped" (the same kernels' grouped mode) for all but
+        NVFP4 experts, which have grouped kernels of their own; otherwise "grouped" where a
         grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
         loop, which syncs with the host) and 16-byte aligned rows, or NVFP4 weights (their own grouped
         Triton kernels, any shape); "dense" for other unquantized weights on CUDA (no host sync, so decode
@@ -175,6 +177,11 @@ class StackedExperts(nn.Module):
         if self.nvfp4:
             log_once(logger, "MoE experts on cuda: grouped Triton kernels, nvfp4 expanded in registers")
             return "grouped"
+        if self.kernel == "triton":
+            log_once(
+                logger, "MoE experts on cuda: grouped Triton kernels past the fused ones' pairs (triton)"
+            )
+            return "triton-grouped"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8
         aligned = self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0

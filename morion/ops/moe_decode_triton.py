@@ -56,6 +56,7 @@ from morion.ops.slot_partials import SlotPartials
 # The ids vector of one call fits a program's registers up to here (T = 64 at top-10: 640 pairs).
 MAX_PAIRS = 1024
 _BLOCK_M = 16  # rows (pairs of one expert) per MMA tile: the smallest `tl.dot` takes
+GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels (prefill)
 _SUM_BLOCK = 512
 
 
@@ -65,6 +66,14 @@ _SUM_BLOCK = 512
 # results batch invariant.
 GATE_UP_TILES = {1: Tiles(32, 128, 4, 4), 2: Tiles(32, 64, 4, 4), 4: Tiles(32, 32, 4, 4)}
 DOWN_TILES = {1: Tiles(128, 128, 4, 3), 2: Tiles(128, 64, 4, 3), 4: Tiles(128, 32, 4, 3)}
+# The grouped mode's (gate_up, down) tiles, by element size: tl.dot over GROUPED_BLOCK_M rows of one
+# expert (untuned: `--moe-kernel triton` runs them past MAX_PAIRS, the default keeps torch's grouped GEMMs
+# until the H200 shows them faster).
+GROUPED_TILES = {
+    1: (Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3)),
+    2: (Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3)),
+    4: (Tiles(32, 32, 4, 2), Tiles(64, 32, 4, 2)),
+}
 
 
 @triton.jit
@@ -92,6 +101,40 @@ def _group_rows(match, rank, start, count, BLOCK_P: tl.constexpr, BLOCK_M: tl.co
     chosen = match[None, :] & (rank[None, :] == rows[:, None])
     pairs = tl.sum(tl.where(chosen, offs[None, :], 0), axis=1)
     return pairs, rows < count
+
+
+@triton.jit
+def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This program's expert, its first row and row count, and what `_rows_at` finds its rows with:
+    grouped, tile program_id(0) of the table (expert, first row, end row) over the pairs sorted by expert
+    (an unused tile has no rows; `match` and `rank` unused); else the decode kernels' leader group (a
+    count only for the expert's first pair)."""
+    if GROUPED:
+        tile = tl.program_id(0)
+        expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        count = tl.load(tiles_ptr + tile * 3 + 2) - first
+        match = first
+        rank = first
+    else:
+        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+        first = 0
+    return expert, first, count, match, rank
+
+
+@triton.jit
+def _rows_at(
+    order_ptr, first, match, rank, start, count,
+    GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The pairs of the expert's rows start .. start + BLOCK_M - 1, and which of those rows exist."""
+    if GROUPED:
+        rows = start + tl.arange(0, BLOCK_M)
+        rows_ok = rows < count
+        pairs = tl.load(order_ptr + first + rows, mask=rows_ok, other=0)
+    else:
+        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+    return pairs, rows_ok
 
 
 # How a tile multiplies its rows by the weights (`Tiles.mma`): tl.dot with the rows as the MMA's M side;
@@ -126,12 +169,14 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, B
 
 
 @triton.jit
-def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_SUMS: tl.constexpr = False):
     """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]: by tl.dot, by tl.dot
     as w^T @ a^T into the transposed accumulator (not with FP8 weights: `exact_mma`), or as fp32
     products summed over K (e4m3 and bf16 products are exact in fp32, so only the summation order
     differs from the MMA's). Each row's result is its own dot products in every mode, independent of
-    the other rows."""
+    the other rows. FP32_SUMS (the grouped kernels, whose 64-row tiles make Hopper's wgmma): FP8 products
+    are added into fp32 after every MMA instruction (`max_num_imprecise_acc=0`), not in the tensor
+    core's reduced-precision accumulator over all of K (Triton's default on sm_90)."""
     if MMA == MMA_GEMV:
         products = tl.cast(a, tl.float32)[:, :, None] * tl.cast(w, tl.float32)[None, :, :]
         acc = acc + tl.sum(products, axis=1)
@@ -139,6 +184,8 @@ def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
         acc = acc + tl.cast(tl.trans(a), tl.float32) * tl.cast(w, tl.float32)
     elif MMA == MMA_SWAPPED:
         acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
+    elif FP32_SUMS:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=0)
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     return acc
@@ -160,21 +207,21 @@ def _rows_first(acc, MMA: tl.constexpr):
 # the H200: a 4.1 s TTFT); one variant serves every batch. runner/warmup.py compiles the rest.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, act_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
-    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
-    expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
     w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     w_up = w_gate + inter_size * stride_wn
     for start in range(0, count, BLOCK_M):
-        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
@@ -187,8 +234,8 @@ def _gate_up_kernel(
             w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
             x = tl.cast(x, w_g.dtype)
-            acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION)
-            acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION)
+            acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION, GROUPED)
+            acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION, GROUPED)
         acc_gate = _rows_first(acc_gate, MMA)
         acc_up = _rows_first(acc_up, MMA)
         if FP8:
@@ -203,20 +250,20 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_weights_ptr, pair_out_ptr,
+    act_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, topk_weights_ptr, pair_out_ptr,
     num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
-    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SINGLE_PASS: tl.constexpr, MMA: tl.constexpr,
+    GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, MMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
-    expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     for start in range(0, count, BLOCK_M):
-        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
+        pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         act_rows = act_ptr + pairs[:, None] * inter_size
         if SINGLE_PASS:
             # BLOCK_K spans all I columns: the weight tile and the activation rows are loaded at once,
@@ -229,7 +276,7 @@ def _down_kernel(
                 a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
                 a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION)
+            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION, GROUPED)
             acc = _rows_first(acc, MMA)
         elif FP8:
             # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
@@ -252,7 +299,7 @@ def _down_kernel(
                 if FP8:
                     a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                     a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-                acc = _mma(a, w, acc, MMA, DOT_PRECISION)
+                acc = _mma(a, w, acc, MMA, DOT_PRECISION, GROUPED)
             acc = _rows_first(acc, MMA)
         if FP8:
             w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
@@ -287,6 +334,30 @@ def _sum_slots_kernel(
     tl.store(out_ptr + token * stride_out + cols, tl.cast(acc, out_ptr.dtype.element_ty), mask=cols_ok)
 
 
+def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles int32 [cdiv(P, block_m) + min(E, P), 3], order int32 [P]): `order` lists the pairs p = t * k
+    + j sorted by expert (stable); tile i covers rows tiles[i, 1] .. tiles[i, 2] - 1 of that order, at
+    most block_m, all routed to expert tiles[i, 0]. Tiles past the last expert's are empty (end = first
+    row). Device-side torch ops, no host sync: the table's size depends only on P and E."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles_per_expert, 0)
+    tile = torch.arange(
+        triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs), device=flat.device, dtype=torch.int64
+    )
+    expert = torch.searchsorted(tile_ends, tile, right=True)  # the first expert whose tiles end after it
+    used = expert < num_experts
+    expert = expert.clamp_(max=num_experts - 1)
+    first = ends[expert] - counts[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
+    end = torch.where(used, torch.minimum(first + block_m, ends[expert]), first)
+    return torch.stack((expert, first, end), dim=1).to(torch.int32), order.to(torch.int32)
+
+
 def exact_mma(tiles: Tiles, fp8: bool) -> bool:
     """Whether `tiles` keeps every product in a full fp32 sum. Swapped FP8 operands do not on Hopper: the
     weight columns fill wgmma's M side, and Triton lets FP8 wgmma add all of K in the tensor core's
@@ -318,6 +389,7 @@ def moe_expert_partials(
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
     quantized: QuantizedRows | None = None,
+    grouped: bool = False,
 ) -> SlotPartials:
     """The contract of `moe_experts_reference` up to its last step, each token's sum over its slots: the
     weighted output of every (token, slot) pair, [T, k, H] fp32 (`SlotPartials`; `moe_experts_triton`
@@ -327,10 +399,15 @@ def moe_expert_partials(
     topk_weights, topk_ids [T, k] with T * k <= MAX_PAIRS. Tiles: the device's tuned file for this shape
     (ops/moe_tiles.py), else the defaults; `*_tiles` override both (the tuner's sweep). FP8 experts read
     hidden's rows from `quantized` where given (`quantize_fp8(hidden, per_row=True)`'s values, made by the
-    norm before: its kernel does it), else quantize them here."""
+    norm before: its kernel does it), else quantize them here.
+
+    `grouped`: any number of tokens (prefill): each program a tile of GROUPED_BLOCK_M rows of one expert
+    over the pairs sorted by expert on the device (`expert_tiles`), tl.dot tiles (GROUPED_TILES unless
+    given) with FP8 products summed in fp32; the same contract, the results within rounding of the
+    decode kernels' (another summation order)."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
-    if num_pairs > MAX_PAIRS:
+    if not grouped and num_pairs > MAX_PAIRS:
         raise ValueError(f"{tokens} tokens x top-{top_k} = {num_pairs} pairs, more than {MAX_PAIRS}")
     hidden_size, inter_size = down_proj.shape[1], down_proj.shape[2]
     if tokens == 0:
@@ -338,11 +415,15 @@ def moe_expert_partials(
     fp8 = gate_up_scale is not None and down_scale is not None
     width = gate_up_proj.element_size()
     tuned = None
-    if hidden.is_cuda:
+    if grouped:
+        tuned = GROUPED_TILES[width]
+    elif hidden.is_cuda:
         index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
         tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
     gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else GATE_UP_TILES[width])
     down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
+    if grouped and (gate_up_tiles.mma != "dot" or down_tiles.mma != "dot"):
+        raise ValueError("the grouped MoE kernels take tl.dot tiles (mma 'dot') only")
     if fp8:
         # A kernel of its own (or the norm's before: `quantized`), not the gate_up prologue: there every
         # (pair, N tile) program re-quantized its rows for each K block, spilling registers; with it, the
@@ -357,26 +438,33 @@ def moe_expert_partials(
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
+    if grouped:
+        tiles, order = expert_tiles(topk_ids, gate_up_proj.shape[0], GROUPED_BLOCK_M)
+        programs, block_p, rows = tiles.shape[0], 1, {"BLOCK_M": GROUPED_BLOCK_M}
+    else:
+        tiles = order = ids  # unread
+        programs, block_p, rows = num_pairs, triton.next_power_of_2(num_pairs), {}
     common = dict(
+        GROUPED=grouped,
         FP8=fp8,
         DOT_PRECISION="ieee" if gate_up_proj.dtype == torch.float32 else "tf32",
-        BLOCK_P=triton.next_power_of_2(num_pairs),
+        BLOCK_P=block_p,
     )
     t = gate_up_tiles
-    _gate_up_kernel[(num_pairs, triton.cdiv(inter_size, t.block_n))](
-        x, x_scale, gate_up_proj, gate_up_scale, ids, act,
+    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n))](
+        x, x_scale, gate_up_proj, gate_up_scale, ids, tiles, order, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-        **common, **_mma_options(t, fp8, _DECODE_MMA_MODES), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
+        **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     t = down_tiles
-    _down_kernel[(num_pairs, triton.cdiv(hidden_size, t.block_n))](
-        act, down_proj, down_scale, ids, routing, pair_out,
+    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
+        act, down_proj, down_scale, ids, tiles, order, routing, pair_out,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, **_mma_options(t, fp8, _DECODE_MMA_MODES), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, **launch_options(),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 

@@ -61,13 +61,15 @@ import triton
 import triton.language as tl
 
 from morion.ops.moe_decode_triton import (
+    GROUPED_BLOCK_M,
     MAX_PAIRS,
     MMA_GEMV,
-    _expert_group,
-    _group_rows,
+    _expert_rows,
     _mma,
+    _rows_at,
     _rows_first,
     _zero_acc,
+    expert_tiles,
     sum_slots,
 )
 from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
@@ -86,7 +88,6 @@ EXPAND_BYTE = tl.constexpr(0)
 EXPAND_GROUP = tl.constexpr(1)
 _EXPAND_MODES = {"byte": EXPAND_BYTE.value, "group": EXPAND_GROUP.value}
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
-GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels
 # Columns per program of `_split_k_sum_kernel`: 4 fp32 a thread at 2 warps (16-byte loads); at one token
 # of Flash-Next's shapes 11 x 3 programs for act, 11 x 10 for pair_out.
 _SPLIT_SUM_BLOCK = 256
@@ -315,40 +316,6 @@ def _down_rows(
         _store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, hidden_size, 0)
 
 
-@triton.jit
-def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr):
-    """This program's expert, its first row and row count, and what `_rows_at` finds its rows with:
-    grouped, tile program_id(0) of the table (expert, first row, end row) over the pairs sorted by expert
-    (an unused tile has no rows; `match` and `rank` unused); else the decode kernels' leader group (a
-    count only for the expert's first pair)."""
-    if GROUPED:
-        tile = tl.program_id(0)
-        expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
-        first = tl.load(tiles_ptr + tile * 3 + 1)
-        count = tl.load(tiles_ptr + tile * 3 + 2) - first
-        match = first
-        rank = first
-    else:
-        expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
-        first = 0
-    return expert, first, count, match, rank
-
-
-@triton.jit
-def _rows_at(
-    order_ptr, first, match, rank, start, count,
-    GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """The pairs of the expert's rows start .. start + BLOCK_M - 1, and which of those rows exist."""
-    if GROUPED:
-        rows = start + tl.arange(0, BLOCK_M)
-        rows_ok = rows < count
-        pairs = tl.load(order_ptr + first + rows, mask=rows_ok, other=0)
-    else:
-        pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
-    return pairs, rows_ok
-
-
 # Batch-dependent counts are not specialized on (see ops/moe_decode_triton.py): one variant serves all.
 # The grouped kernels' loops over an expert's rows run once (a tile has at most BLOCK_M rows) or not at
 # all (an unused tile).
@@ -429,30 +396,6 @@ def _split_k_sum_kernel(
     else:
         acc = _sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, width, SPLIT_K, BLOCK_N)
         _routed_store(acc, global_ptr, expert, routing_ptr, out_ptr, pairs, rows_ok, cols, cols_ok, width)
-
-
-def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tiles int32 [cdiv(P, block_m) + min(E, P), 3], order int32 [P]): `order` lists the pairs p = t * k
-    + j sorted by expert (stable); tile i covers rows tiles[i, 1] .. tiles[i, 2] - 1 of that order, at
-    most block_m, all routed to expert tiles[i, 0]. Tiles past the last expert's are empty (end = first
-    row). Device-side torch ops, no host sync: the table's size depends only on P and E."""
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    ends = torch.cumsum(counts, 0)
-    tiles_per_expert = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles_per_expert, 0)
-    tile = torch.arange(
-        triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs), device=flat.device, dtype=torch.int64
-    )
-    expert = torch.searchsorted(tile_ends, tile, right=True)  # the first expert whose tiles end after it
-    used = expert < num_experts
-    expert = expert.clamp_(max=num_experts - 1)
-    first = ends[expert] - counts[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
-    end = torch.where(used, torch.minimum(first + block_m, ends[expert]), first)
-    return torch.stack((expert, first, end), dim=1).to(torch.int32), order.to(torch.int32)
 
 
 def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """`--moe-kernel auto|grouped|triton`: the flag reaches EngineConfig, `set_moe_kernel` reaches every
 routed-experts module, and (on a GPU) the layer runs the fused kernels up to AUTO_TRITON_MAX_TOKENS under
-auto, and as far as their pair limit goes under triton."""
+auto, and under triton as far as their pair limit goes, their grouped mode past it."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_triton_runs_up_to_the_threshold_on_cuda():
     set_moe_kernel(moe, "triton")
     large = torch.randn(AUTO_TRITON_MAX_TOKENS * 2, 64, device="cuda")
     assert experts._path(large, large.shape[0] * 2) == "triton"
-    assert experts._path(large, MAX_PAIRS + 1) == "grouped"  # past what the fused kernels hold
+    assert experts._path(large, MAX_PAIRS + 1) == "triton-grouped"  # past what the fused kernels hold
     set_moe_kernel(moe, "auto")
     small = large[:AUTO_TRITON_MAX_TOKENS]
     assert experts._path(small, AUTO_TRITON_MAX_TOKENS * 2) == "triton"
@@ -103,3 +103,15 @@ def test_nvfp4_experts_never_take_a_dequantizing_path_on_cuda(kernel):
         expected = "triton" if fused and pairs <= MAX_PAIRS else "grouped"
         assert experts._path(_CudaRows(tokens), pairs) == expected
     assert experts._path(torch.zeros(1, 48), 2) == "reference"
+
+
+@pytest.mark.parametrize("weights", ("model", "fp8"))
+def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(weights):
+    """Under triton, FP8 and unquantized experts past MAX_PAIRS run the fused kernels' grouped mode
+    (prefill), not torch's grouped GEMMs, whatever their shape; auto keeps torch's there."""
+    experts = StackedExperts(8, 48, 32, weights)
+    experts.kernel = "triton"
+    assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
+    assert experts._path(_CudaRows(4), 8) == "triton"
+    experts.kernel = "auto"
+    assert experts._path(_CudaRows(600), 1200) != "triton-grouped"

@@ -134,6 +134,8 @@ KERNELS = {
                 "w_ptr": "*fp8e4nv",
                 "w_scale_ptr": "*fp32",
                 "ids_ptr": "*i64",
+                "tiles_ptr": "*i64",
+                "order_ptr": "*i64",
                 "act_ptr": "*fp32",
                 "num_pairs": "i32",
                 "top_k": "i32",
@@ -145,6 +147,7 @@ KERNELS = {
                 "stride_se": "i32",
             },
             {
+                "GROUPED": False,
                 "FP8": True,
                 "DOT_PRECISION": "tf32",
                 "BLOCK_P": 16,

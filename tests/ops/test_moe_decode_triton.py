@@ -14,7 +14,7 @@ import torch
 
 from morion.ops.fp8 import QuantizedRows, quantize_fp8
 from morion.ops.moe import moe_experts_reference
-from morion.ops.moe_decode_triton import MAX_PAIRS, moe_experts_triton
+from morion.ops.moe_decode_triton import MAX_PAIRS, moe_expert_partials, moe_experts_triton
 from morion.ops.moe_tiles import Tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,3 +240,48 @@ def test_an_unknown_mma_mode_is_refused():
     case = on_device(*make_case(2, torch.float32))
     with pytest.raises(ValueError, match="unknown MoE tile mma 'wgmma'"):
         moe_experts_triton(*case, gate_up_tiles=Tiles(32, 32, 4, 2, "wgmma"))
+
+
+# Past MAX_PAIRS (prefill): 600 tokens x top-2, tiles of 64 rows of one expert (~150 pairs an expert).
+GROUPED_TOKENS = (5, 600)
+
+
+@pytest.mark.parametrize("tokens", GROUPED_TOKENS)
+def test_the_grouped_mode_equals_the_reference_past_the_fused_kernels_pairs(tokens):
+    """The fused kernels' grouped mode (`--moe-kernel triton` past MAX_PAIRS): fp32 experts against the
+    reference loop (only summation orders differ), and FP8 experts against the FP8 reference."""
+    case = make_case(tokens, torch.float32, seed=30 + tokens)
+    out = moe_experts_triton(*on_device(*case), grouped=True)
+    torch.testing.assert_close(out.cpu(), moe_experts_reference(*case), atol=1e-5, rtol=0)
+    hidden, gate_up, down, weights, ids = case
+    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
+    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    out = moe_experts_triton(
+        *on_device(hidden, gate_up_q, down_q, weights, ids), **device_scales, grouped=True
+    )
+    expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert rel_l2(out, expected) < 1e-3
+
+
+def test_a_token_result_in_the_grouped_mode_does_not_depend_on_the_batch():
+    """A token's slots, bit for bit, alone, in a small batch and among 600 tokens: a tile's rows never mix
+    and its shape is fixed, whichever other pairs share the expert's tiles."""
+    hidden, gate_up, down, weights, ids = on_device(*make_case(600, torch.float32, seed=41))
+    gate_up_q, down_q, scales = fp8_experts(gate_up.cpu(), down.cpu())
+    experts = on_device(gate_up_q, down_q)
+    options = {k: v.to(DEVICE) for k, v in scales.items()}
+
+    def partials(rows: slice) -> torch.Tensor:
+        return moe_expert_partials(
+            hidden[rows], *experts, weights[rows], ids[rows], **options, grouped=True
+        ).values
+
+    whole = partials(slice(0, 600))
+    assert torch.equal(partials(slice(7, 8))[0], whole[7])
+    assert torch.equal(partials(slice(0, 9))[7], whole[7])
+
+
+def test_the_grouped_mode_takes_dot_tiles_only():
+    case = on_device(*make_case(3, torch.float32))
+    with pytest.raises(ValueError, match=r"tl\.dot tiles"):
+        moe_experts_triton(*case, grouped=True, gate_up_tiles=Tiles(32, 32, 4, 2, "gemv"))

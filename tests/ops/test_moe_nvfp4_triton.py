@@ -17,7 +17,8 @@ import torch
 
 from morion.ops import moe_tiles
 from morion.ops.moe import moe_experts_reference
-from morion.ops.moe_nvfp4_triton import expert_tiles, moe_experts_nvfp4
+from morion.ops.moe_decode_triton import expert_tiles
+from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 from morion.ops.moe_tiles import ExpertShape, Tiles
 from morion.ops.nvfp4 import quantize_nvfp4_parts
 
