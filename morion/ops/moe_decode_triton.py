@@ -18,6 +18,11 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
    for the kernel after the block to add (`slot_sum`: Qwen3-Next's residual add + norm, Flash-Next's
    hyper-connection inject).
 
+Past MAX_PAIRS (prefill, `--moe-kernel triton`) the same kernels run grouped (`grouped=True`): the pairs
+sorted by expert on the device (`expert_tiles`, no host sync, a table whose size follows T, k and E only),
+a program per (tile of GROUPED_BLOCK_M rows of one expert, column block), tl.dot tiles whose FP8 products
+are summed in fp32 after every MMA instruction. A row's result still ignores its batch.
+
 Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
 P expert ids and goes on only if p is the first pair routed to its expert (the expert's leader); the
 leader then computes all of that expert's pairs, BLOCK_M rows at a time, so each weight tile is read
