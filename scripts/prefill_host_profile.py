@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from morion.bench.invariance_probe import (
-    OUR_CODE,
+    is_our_code,
     prefill_once,
     probe_config,
     probe_parser,
     probe_prompts,
+    source_path,
     write_probe_result,
 )
 from morion.engine.engine import Engine
@@ -39,9 +40,7 @@ def _name(file: str, line: int, function: str) -> str:
     what follows site-packages/); built-ins as cProfile names them ("{method 'replay' of ...}")."""
     if file == "~":
         return function
-    starts = [file.rfind(part) + 1 for part in OUR_CODE if part in file]
-    path = file[max(starts) :] if starts else file.split("/site-packages/")[-1]
-    return f"{path}:{line} {function}"
+    return f"{source_path(file)}:{line} {function}"
 
 
 def _rows(stats: pstats.Stats, prefills: int) -> list[dict[str, Any]]:
@@ -51,7 +50,7 @@ def _rows(stats: pstats.Stats, prefills: int) -> list[dict[str, Any]]:
         rows.append(
             {
                 "function": _name(file, line, function),
-                "ours": any(part in file for part in OUR_CODE),
+                "ours": is_our_code(file),
                 "calls": calls / prefills,
                 "own_ms": own * 1e3 / prefills,
                 "cumulative_ms": cumulative * 1e3 / prefills,

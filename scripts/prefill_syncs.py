@@ -21,11 +21,12 @@ import warnings
 import torch
 
 from morion.bench.invariance_probe import (
-    OUR_CODE,
+    is_our_code,
     prefill_once,
     probe_config,
     probe_parser,
     probe_prompts,
+    source_path,
     write_probe_result,
 )
 from morion.engine.engine import Engine
@@ -34,9 +35,8 @@ from morion.engine.engine import Engine
 def _site(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frame of our code (or fla's) on a warning's stack, as file:line function."""
     for frame in reversed(stack):
-        if any(part in frame.filename for part in OUR_CODE) and "warnings" not in frame.filename:
-            path = frame.filename.split("/site-packages/")[-1]
-            return f"{path}:{frame.lineno} {frame.name}"
+        if is_our_code(frame.filename) and "warnings" not in frame.filename:
+            return f"{source_path(frame.filename)}:{frame.lineno} {frame.name}"
     return "(outside morion and fla)"
 
 

@@ -47,6 +47,17 @@ def probe_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[l
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def is_our_code(file: str) -> bool:
+    """Whether a source file is morion's or fla-core's (`OUR_CODE`)."""
+    return any(part in file for part in OUR_CODE)
+
+
+def source_path(file: str) -> str:
+    """A source file's path from its package on: morion/..., fla/..., or what follows site-packages/."""
+    starts = [file.rfind(part) + 1 for part in OUR_CODE if part in file]
+    return file[max(starts) :] if starts else file.split("/site-packages/")[-1]
+
+
 def prefill_once(engine: Engine, prompt: list[int]) -> None:
     """`prompt` prefilled to its first token (greedy), the engine stepped until it is done."""
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
