@@ -38,7 +38,7 @@ Two paths (ops/qsa.py):
   lower block index, except on the CPU, where both paths break them exactly as transformers does there
   (`exact_ties_on_cpu`).
 - prefill chunks and mixed batches: on CUDA, the static path again, one sequence's rows at a time in
-  tiles of `PREFILL_TILE_ROWS` queries (`static_prefill`); on the CPU the per-sequence reference (shapes
+  tiles of up to `PREFILL_TILE_ROWS` queries (`static_prefill`); on the CPU the per-sequence reference (shapes
   that follow the data, host syncs) over the cached block keys. Either way the step first computes and
   stores the keys of the blocks its tokens complete.
 """
@@ -67,8 +67,17 @@ from morion.ops.qsa import (
 )
 from morion.ops.skinny_tiles import linear_forward
 
-# Prefill queries per static-path tile: bounds its scores to this many rows x the sequence's blocks.
-PREFILL_TILE_ROWS = 256
+# Prefill queries per static-path tile: as many as keep the tile's scratch (its rows' block scores, token
+# slots and split-KV partials, `_prefill_tile_rows`) within PREFILL_TILE_BYTES, at least the first and at
+# most the second of PREFILL_TILE_ROWS, in multiples of PREFILL_TILE_ALIGN. The budget is what tiles of
+# 256 rows took at the longest context (Flash-Next at 256K: ~125 MB), so no context needs more scratch
+# than before, and the warm-up forward (a long prompt at a short context) now meets the budget it
+# reserves for; at short contexts a tile holds more rows: a 1K Flash-Next prefill runs 2 tiles a QSA
+# layer, not 4, and each tile costs the engine thread ~0.5 ms of launches (the prefill is host-bound:
+# results/2026-12-03-h200-session-notes-23.md).
+PREFILL_TILE_BYTES = 128 << 20
+PREFILL_TILE_ROWS = (256, 4096)
+PREFILL_TILE_ALIGN = 64
 INDEX_KEYS = "qsa_index_keys"  # the token component holding each token's raw index key [Di]
 BLOCK_KEYS = "qsa_block_keys"  # the token component holding the block keys, ceil(Di / r) per token
 
@@ -150,10 +159,10 @@ class QSAAttention(GatedAttentionProjections):
     # Off: ties go to the lower block on every path, as on CUDA (ops/qsa.py), with the fixed-size top-k
     # a graph captures (tests switch it off to check that path syncs nothing, and to compare devices).
     exact_ties_on_cpu: ClassVar[bool] = True
-    # Prefill chunks through the static selection and attention too, PREFILL_TILE_ROWS rows at a time
-    # (None: on CUDA, where the per-sequence reference's host syncs and small ops cost the most; tests
-    # switch it on for the CPU). The tile bounds the scores (tile x the sequence's blocks, fp32), and the
-    # attention's split count is fixed, so a row's result does not depend on how its prompt is chunked.
+    # Prefill chunks through the static selection and attention too, in tiles of rows (None: on CUDA,
+    # where the per-sequence reference's host syncs and small ops cost the most; tests switch it on for
+    # the CPU). The tile bounds the scratch (`_prefill_tile_rows`), and the attention's split count is
+    # fixed, so a row's result does not depend on how its prompt is chunked or tiled.
     static_prefill: ClassVar[bool | None] = None
 
     def __init__(
@@ -312,15 +321,34 @@ class QSAAttention(GatedAttentionProjections):
         self, q: torch.Tensor, index_q: torch.Tensor, positions: torch.Tensor, backend: TokenCacheBackend
     ) -> torch.Tensor:
         """Prefill / mixed batches on the static path: each sequence's rows in tiles of at most
-        PREFILL_TILE_ROWS consecutive queries, each tile one sequence of the static path."""
+        `_prefill_tile_rows` consecutive queries, each tile one sequence of the static path. Every
+        kernel of it computes a row alone, so the tiling never changes a row's result."""
         out = torch.zeros_like(q)
+        tile_rows = self._prefill_tile_rows(q, backend)
         for n, (start, length) in enumerate(backend.query_ranges):
-            for tile in range(start, start + length, PREFILL_TILE_ROWS):
-                rows = slice(tile, min(tile + PREFILL_TILE_ROWS, start + length))
+            for tile in range(start, start + length, tile_rows):
+                rows = slice(tile, min(tile + tile_rows, start + length))
                 out[rows] = self._attend_static(
                     q[rows], index_q[rows], positions[rows], backend.page_table[n : n + 1], backend
                 )
         return out
+
+    def _prefill_tile_rows(self, q: torch.Tensor, backend: TokenCacheBackend) -> int:
+        """Rows of a prefill tile (PREFILL_TILE_BYTES' rule) from what one row of `_attend_static`
+        allocates: fp32 scores over the page table's blocks, int32 token slots of the selection's fixed
+        width and their count, and on CUDA the split-KV kernel's fp32 partials and log-sum-exps per
+        (query head, split)."""
+        blocks = backend.page_table.shape[1] * backend.page_size // self.compress_ratio
+        width = self.block_topk * self.compress_ratio + self.compress_ratio - 1
+        splits = 1
+        if q.is_cuda:
+            from morion.ops.paged_attention_triton import kv_split_count
+
+            splits = kv_split_count(self.num_kv_heads, width, q.device)
+        row_bytes = 4 * (blocks + width + 1 + self.num_heads * splits * (self.head_dim + 1))
+        fewest, most = PREFILL_TILE_ROWS
+        rows = PREFILL_TILE_BYTES // row_bytes // PREFILL_TILE_ALIGN * PREFILL_TILE_ALIGN
+        return max(fewest, min(most, rows))
 
     def _attend_reference(
         self, q: torch.Tensor, index_q: torch.Tensor, backend: TokenCacheBackend

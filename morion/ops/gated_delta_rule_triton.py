@@ -425,7 +425,8 @@ def gdn_prefill_(
     [T, HV, V] in q's dtype.
     """
     # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     num_seqs = state_indices.shape[0]
     if cu_seqlens.shape != (num_seqs + 1,):
@@ -439,12 +440,19 @@ def gdn_prefill_(
     # The forward's varlen metadata, the same tensors for every layer (ops/fla_varlen.py): keyed by the
     # bounds' values, never by a caller's buffer, whose contents may change while fla memoises by identity.
     varlen = fla_varlen(cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu, cu_seqlens.device)
-    out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None],
-        scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
-        chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
+    # fla's forward without its public entry's layers (backend dispatch, torch.compiler.disable, the
+    # contiguity guard, autocast, autograd.Function): the kernels and arguments of
+    # `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)` in fla-core 0.6.0 (pinned), for
+    # ~0.2 ms less Python per layer (36 layers of a prefill, on the engine thread's critical path:
+    # results/2026-12-03-h200-session-notes-23.md). The guard's job, contiguous inputs, is done here.
+    q_normed, _ = l2norm_fwd(q[None].contiguous())
+    k_normed, _ = l2norm_fwd(k[None].contiguous())
+    _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
+        q_normed, k_normed, v[None].contiguous(), g[None].contiguous(), beta[None].contiguous(),
+        scale=scale, initial_state=initial.contiguous(), output_final_state=True,
+        cu_seqlens=varlen.cu_seqlens, chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
     )  # fmt: skip
+    out = out.to(q.dtype)
     # Empty sequences keep their initial state bit for bit (a device-side select: no host sync).
     has_tokens = (varlen.cu_seqlens[1:] > varlen.cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
     final = torch.where(has_tokens, final, initial)

@@ -136,7 +136,7 @@ def test_prefill_on_the_static_path_equals_the_reference(
     logits and greedy output: prompts of 40 to 70 tokens (selection happens: budget 16), chunks of 22
     that split blocks, three sequences per step, then follow-ups that hit the prefix cache."""
     monkeypatch.setattr(QSAAttention, "exact_ties_on_cpu", exact_ties)
-    monkeypatch.setattr(qsa_attention, "PREFILL_TILE_ROWS", 8)
+    monkeypatch.setattr(qsa_attention, "PREFILL_TILE_ROWS", (8, 8))
     prompts = qwen4_exp_prompts(3, seed=9, lengths=(40, 70))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs, logits = {}, {}

@@ -192,6 +192,32 @@ def test_fla_prefill_at_qwen3_next_shape(state_dtype):
     assert others_untouched(pool, before, SLOTS)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
+def test_prefill_equals_fla_s_public_entry_bit_for_bit(state_dtype):
+    """`gdn_prefill_` calls fla's forward below its public entry (for less Python a layer): the same
+    kernels with the same arguments, so the same bits as `chunk_gated_delta_rule` with the in-kernel
+    q/k L2 norm, output and final states alike."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v, a, b, a_log, dt_bias = gdn_inputs(sum(LENGTHS), seed=40)
+    pool = device_randn(NUM_SLOTS, HV, K, V, seed=41, scale=0.3, dtype=state_dtype)
+    before = pool.clone()
+    cu_seqlens = cu_seqlens_of(LENGTHS)
+    indices = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    out = gdn_prefill_(q, k, v, a, b, a_log, dt_bias, pool, indices, cu_seqlens, SCALE)
+    varlen = fla_varlen(cu_seqlens.cpu(), cu_seqlens.device)
+    g, beta = log_decay(a, a_log, dt_bias), b.sigmoid()
+    public_out, public_state = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], scale=SCALE, initial_state=before[SLOTS].float(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen.cu_seqlens,
+        cu_seqlens_cpu=varlen.cu_seqlens_cpu, chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
+    )  # fmt: skip
+    assert torch.equal(out, public_out[0])
+    has_tokens = [i for i, length in enumerate(LENGTHS) if length]
+    expected = public_state[has_tokens].to(state_dtype)
+    assert torch.equal(pool[[SLOTS[i] for i in has_tokens]], expected)
+
+
 def test_decode_step_replays_in_a_cuda_graph():
     """conv update -> GDN decode captured once, replayed with other slots (and new inputs) each time:
     bit for bit what the same kernels do eagerly on a copy of the pools."""

@@ -26,6 +26,7 @@ from morion.ops.causal_conv1d_triton import (
 from morion.ops.fla_varlen import fla_varlen
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
+    l2_normalize,
     recurrent_gated_delta_rule_reference,
 )
 from morion.ops.gated_delta_rule_triton import (
@@ -381,26 +382,34 @@ def test_varlen_metadata_is_fla_s_built_once_per_bounds():
 
 @pytest.fixture
 def reference_fla(monkeypatch):
-    """Stands fla's `chunk_gated_delta_rule` (it does not run in the interpreter as shipped) in with the
-    chunk reference, so the rest of `gdn_prefill_` (gate, gather, scatter, empty sequences) and the
-    layer's prefill wiring run here; fla itself is checked on the GPU (test_gdn_gpu.py)."""
+    """Stands fla's forward (`l2norm_fwd` and `chunk_gated_delta_rule_fwd`, which `gdn_prefill_` calls
+    directly; they do not run in the interpreter as shipped) in with the references, so the rest of
+    `gdn_prefill_` (gate, gather, scatter, empty sequences) and the layer's prefill wiring run here; fla
+    itself is checked on the GPU (test_gdn_gpu.py)."""
     calls = []
 
-    def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                               use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-                               chunk_size):  # fmt: skip
-        assert cu_seqlens.dtype == torch.int64 and g.dtype == torch.float32
-        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-        assert chunk_indices.tolist() == chunk_pairs(cu_seqlens_cpu.tolist(), chunk_size)
-        calls.append(cu_seqlens)
-        return chunk_gated_delta_rule_reference(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        )  # fmt: skip
+    def l2norm_fwd(x):
+        assert x.is_contiguous()  # fla's kernels index rows of a contiguous layout
+        return l2_normalize(x.float()).to(x.dtype), None
 
-    fake = types.ModuleType("fla.ops.gated_delta_rule")
-    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                                   cu_seqlens, chunk_indices, chunk_size):  # fmt: skip
+        assert all(x.is_contiguous() for x in (q, k, v, g, beta, initial_state))
+        assert cu_seqlens.dtype == torch.int64 and g.dtype == torch.float32
+        assert chunk_indices.tolist() == chunk_pairs(cu_seqlens.tolist(), chunk_size)
+        calls.append(cu_seqlens)
+        out, final = chunk_gated_delta_rule_reference(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=False,
+        )  # fmt: skip
+        return g, out, None, final, initial_state, None
+
+    norm = types.ModuleType("fla.modules.norm.l2norm")
+    norm.l2norm_fwd = l2norm_fwd
+    chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    chunk.chunk_gated_delta_rule_fwd = chunk_gated_delta_rule_fwd
+    monkeypatch.setitem(sys.modules, "fla.modules.norm.l2norm", norm)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule.chunk", chunk)
     return calls
 
 
