@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from morion.layers.grouped_norm import GroupedRMSNorm
-from morion.layers.host_table import FetchedRows, HostRowTable, shard_name
+from morion.layers.host_table import HostRowTable, shard_name
 from morion.layers.hybrid_backend import HybridBackend
 from morion.layers.ngram_hash import NGramHash
 from morion.ops.skinny_tiles import linear_forward
@@ -50,9 +50,9 @@ class NGramEmbedding(nn.Module):
         self.hash = ngram_hash
         self.table = table
 
-    def fetch(self, input_ids: torch.Tensor, ple_ordinal: int, backend: HybridBackend) -> FetchedRows:
-        """Hashes this step's tokens of every sequence (advancing their n-gram history state) and starts
-        copying their table rows [T * heads, dim] to the model's device."""
+    def rows_on_host(self, input_ids: torch.Tensor, ple_ordinal: int, backend: HybridBackend) -> torch.Tensor:
+        """Hashes this step's tokens of every sequence on the host (advancing their n-gram history state):
+        their table rows [T * heads] (int64, host), for `ple_static.fetch_prefill` to gather."""
         tokens = input_ids.cpu()
         stored = backend.read_state(NGRAM_HISTORY, ple_ordinal)
         history = torch.where(stored == 0, self.hash.eos_token_id, stored - 1).cpu()
@@ -63,7 +63,7 @@ class NGramEmbedding(nn.Module):
             rows.append(self.hash.rows(self.hash.contexts(history[n], new)))
             new_history.append(torch.cat((history[n], new))[-context_len:])
         backend.write_state(NGRAM_HISTORY, ple_ordinal, (torch.stack(new_history) + 1).to(stored.device))
-        return self.table.fetch(torch.cat(rows).reshape(-1), input_ids.device)
+        return torch.cat(rows).reshape(-1)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """The constants and the table's shards appear under their checkpoint names (host tensors), so
@@ -106,9 +106,6 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(
             width, width, conv_kernel_size, groups=width, dilation=self.dilation, bias=False
         )
-
-    def fetch(self, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
-        return self.ple_embedding.fetch(input_ids, self.ple_ordinal, backend)
 
     def forward(self, streams: torch.Tensor, embedded: torch.Tensor, backend: HybridBackend) -> torch.Tensor:
         """streams [T, n*H] and this step's tokens' table rows side by side [T, E] (`FetchedRows.wait`, in

@@ -1,10 +1,10 @@
 """PLE (layers/ple.py) for decode and speculative verify steps and prompt tails: static shapes, no host
 work, so the step can be captured in a CUDA graph; and per-position state for verify forwards.
 
-`PLELayer.fetch` hashes on the host and gathers rows there (a sync per step, fine for prefill). In a
-step where every sequence has the same n new tokens (decode n = 1, verify n = 1 + drafts, and a short
-forward of prompt tails of one length, n <= SHORT_CHUNK_TOKENS: models/qwen4_exp._fetch_ple_rows),
-`fetch_static` instead:
+`fetch_prefill` hashes on the host (a sync per step, fine for prefill) and gathers the rows on the
+device where it can. In a step where every sequence has the same n new tokens (decode n = 1, verify
+n = 1 + drafts, and a short forward of prompt tails of one length, n <= SHORT_CHUNK_TOKENS:
+models/qwen4_exp._fetch_ple_rows), `fetch_static` instead:
 
 - hashes on the device: contexts from each sequence's n-gram history state and its n tokens (the same
   EOS cut as `NGramHash.contexts`), rows by `NGramHash.rows` (int64 wrap-around and true modulo behave
@@ -128,9 +128,9 @@ def gather_rows(table: HostRowTable, rows: torch.Tensor) -> torch.Tensor:
 
 
 def fetch_static(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
-    """`PLELayer.fetch` for a step of B sequences with n new tokens each (rows b * n .. b * n + n - 1),
-    advancing the n-gram history state as described above. Raises while a CUDA graph is captured if the
-    device cannot gather the rows itself (a memory-mapped table)."""
+    """`fetch_prefill`'s rows for a step of B sequences with n new tokens each (rows b * n .. b * n +
+    n - 1), advancing the n-gram history state as described above. Raises while a CUDA graph is captured
+    if the device cannot gather the rows itself (a memory-mapped table)."""
     embedding = ple.ple_embedding
     ngram_hash, table = embedding.hash, embedding.table
     host_gather = not device_gather_ok(table, input_ids.device)
@@ -158,6 +158,26 @@ def fetch_static(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend)
     if host_gather:
         return table.fetch(flat.cpu(), input_ids.device)  # memory-mapped table: a host gather (syncs)
     return FetchedRows(gather_rows(table, flat), None, None, scale)
+
+
+def fetch_prefill(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
+    """The rows of a prefill step (any number of tokens a sequence), hashed on the host
+    (`NGramEmbedding.rows_on_host`, which advances the n-gram history state). On CUDA with the table in
+    page-locked RAM the device gathers them (the row ids copied over from pinned memory, then one launch
+    of the kernel decode steps use): the host's gather took the engine thread ~17 ms of a 1K prefill on
+    the H200 (16K rows over 128 shards, results/2026-12-03-h200-session-notes-23.md), while the device
+    reads the 2.6 MB in microseconds. Elsewhere (the CPU, a memory-mapped table) the host gathers and
+    copies them. The same table bytes either way."""
+    embedding = ple.ple_embedding
+    table = embedding.table
+    rows = embedding.rows_on_host(input_ids, ple.ple_ordinal, backend)
+    device = input_ids.device
+    if device.type != "cuda" or not device_gather_ok(table, device):
+        return table.fetch(rows, device)
+    # Pinned, so the copy is asynchronous; the caching host allocator keeps the source until it is done.
+    on_device = rows.pin_memory().to(device, non_blocking=True)
+    scale = table.scale if table.dtype == FP8_DTYPE else None
+    return FetchedRows(gather_rows(table, on_device), None, None, scale)
 
 
 class _VerifyColumn:

@@ -49,7 +49,7 @@ from morion.layers.hyper_connection import HyperConnection, inject
 from morion.layers.ngram_hash import CONSTANTS, NGramHash
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.ple import NGRAM_HISTORY, PLE_CONV, TABLE, NGramEmbedding, PLELayer
-from morion.layers.ple_static import fetch_static, forward_verify
+from morion.layers.ple_static import fetch_prefill, fetch_static, forward_verify
 from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, Rotation, block_key_slice
 from morion.layers.rotary import RotaryEmbedding
 from morion.layers.token_cache_backend import TokenCacheBackend
@@ -104,14 +104,15 @@ def _fetch_ple_rows(
     """The table rows of this step's tokens [T, E] in `dtype`, advancing the n-gram history state: hashed
     and gathered on the device where every sequence has the same number of new tokens, at most
     SHORT_CHUNK_TOKENS (decode and verify steps, and short forwards of prompt tails of one length:
-    layers/ple_static.py, no host work, capturable), on the host otherwise (prefill; a sync). Both give
-    the same rows and state (integer hashing of the same tokens, the same table bytes), so a tail answers
-    alike either way. It reads the batch's layout and the state: a piecewise prefill graph runs it eagerly
+    layers/ple_static.py, no host work, capturable), hashed on the host otherwise (prefill; a sync) and
+    gathered by the device where the table is page-locked (`fetch_prefill`). Both give the same rows and
+    state (integer hashing of the same tokens, the same table bytes), so a tail answers alike either way.
+    It reads the batch's layout and the state: a piecewise prefill graph runs it eagerly
     (`HybridBackend.outside_graph`)."""
     lengths = {length for _, length in backend.query_ranges}
     uniform_short = len(lengths) == 1 and max(lengths) <= SHORT_CHUNK_TOKENS
     static = uniform_short or backend.verify_slots is not None
-    rows = fetch_static(ple, input_ids, backend) if static else ple.fetch(input_ids, backend)
+    rows = fetch_static(ple, input_ids, backend) if static else fetch_prefill(ple, input_ids, backend)
     return rows.wait(dtype).view(input_ids.shape[0], -1)
 
 
