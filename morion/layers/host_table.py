@@ -175,7 +175,7 @@ class HostRowTable:
         The rows are sorted by shard once, so each shard's rows are one slice of the sorted order: a
         1K-token prefill of Qwen3.8-Flash-Next asks for 16K rows spread over all 128 shards, and a mask
         and a nonzero per shard took the engine thread ~6 ms of its ~17 ms gather on the H200
-        (results/2026-12-03-h200-session-notes-23.md)."""
+        (results/2026-12-04-h200-session-notes-8cbb9bd.md)."""
         dtype = self.dtype
         if dtype is None or self.missing():
             raise RuntimeError(f"host table is not loaded: lacks {self.missing() or 'every shard'}")

@@ -165,7 +165,7 @@ def fetch_prefill(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend
     (`NGramEmbedding.rows_on_host`, which advances the n-gram history state). On CUDA with the table in
     page-locked RAM the device gathers them (the row ids copied over from pinned memory, then one launch
     of the kernel decode steps use): the host's gather took the engine thread ~17 ms of a 1K prefill on
-    the H200 (16K rows over 128 shards, results/2026-12-03-h200-session-notes-23.md), while the device
+    the H200 (16K rows over 128 shards, results/2026-12-04-h200-session-notes-8cbb9bd.md), while the device
     reads the 2.6 MB in microseconds. Elsewhere (the CPU, a memory-mapped table) the host gathers and
     copies them. The same table bytes either way."""
     embedding = ple.ple_embedding

@@ -74,7 +74,7 @@ from morion.ops.skinny_tiles import linear_forward
 # than before, and the warm-up forward (a long prompt at a short context) now meets the budget it
 # reserves for; at short contexts a tile holds more rows: a 1K Flash-Next prefill runs 2 tiles a QSA
 # layer, not 4, and each tile costs the engine thread ~0.5 ms of launches (the prefill is host-bound:
-# results/2026-12-03-h200-session-notes-23.md).
+# results/2026-12-04-h200-session-notes-8cbb9bd.md).
 PREFILL_TILE_BYTES = 128 << 20
 PREFILL_TILE_ROWS = (256, 4096)
 PREFILL_TILE_ALIGN = 64

@@ -444,7 +444,7 @@ def gdn_prefill_(
     # contiguity guard, autocast, autograd.Function): the kernels and arguments of
     # `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)` in fla-core 0.6.0 (pinned), for
     # ~0.2 ms less Python per layer (36 layers of a prefill, on the engine thread's critical path:
-    # results/2026-12-03-h200-session-notes-23.md). The guard's job, contiguous inputs, is done here.
+    # results/2026-12-04-h200-session-notes-8cbb9bd.md). The guard's job, contiguous inputs, is done here.
     q_normed, _ = l2norm_fwd(q[None].contiguous())
     k_normed, _ = l2norm_fwd(k[None].contiguous())
     _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
