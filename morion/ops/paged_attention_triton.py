@@ -451,10 +451,10 @@ def _launch(
 ) -> None:
     """Launches `kernel` with the config's warps and stages. The configs are not autotuned: should one
     need more shared memory than the GPU has, say so once and use a single pipeline stage for that key
-    (kernel, constexprs, dtypes) from then on, instead of failing the request. The PDL launch options
+    (kernel, config, constexprs, dtypes) from then on, instead of failing the request. The PDL launch options
     (ops/pdl.py) join `meta` here."""
     meta = {**meta, **launch_options()}
-    key = (kernel.__name__, *sorted(meta.items()), *key)
+    key = (kernel.__name__, config, *sorted(meta.items()), *key)
     stages = 1 if key in _SINGLE_STAGE else config.num_stages
     try:
         kernel[grid](*args, **meta, num_warps=config.num_warps, num_stages=stages)
@@ -520,6 +520,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     split_kv: bool | None = None,
+    extend_tiles: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Paged causal attention (same semantics as `paged_attention_reference`), in Triton.
 
@@ -533,6 +534,8 @@ def paged_attention(
     callers whose rows must not depend on their batch pass the count for their longest context) and workspace
     (default: allocated with torch.empty per call, which inside CUDA-graph capture comes from the graph's
     pool; shapes are static, so that is valid too). No host sync on either path.
+    extend_tiles: the extend kernel's tiles instead of `extend_config(head_dim)` (the tuner's candidates,
+    bench/attention_tune.py).
     """
     if out is None:
         out = torch.empty_like(q)
@@ -560,7 +563,7 @@ def paged_attention(
 
     dtypes = (q.dtype, kv_layer.dtype, out.dtype)
     if not (max_query_len <= MAX_SPLIT_QUERY_LEN if split_kv is None else split_kv):
-        config = extend_config(head_dim)
+        config = extend_tiles or extend_config(head_dim)
         block_m = max(config.block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         # Sum over sequences of ceil(qlen / block_q) is at most both of these.
