@@ -34,6 +34,7 @@ from morion.ops.gated_delta_rule_triton import (
     fused_gdn_decode_,
     fused_gdn_steps_,
     gdn_prefill_,
+    gdn_prefill_padded_,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -395,8 +396,12 @@ def reference_fla(monkeypatch):
     def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                    cu_seqlens, chunk_indices, chunk_size):  # fmt: skip
         assert all(x.is_contiguous() for x in (q, k, v, g, beta, initial_state))
-        assert cu_seqlens.dtype == torch.int64 and g.dtype == torch.float32
-        assert chunk_indices.tolist() == chunk_pairs(cu_seqlens.tolist(), chunk_size)
+        assert g.dtype == torch.float32
+        if cu_seqlens is None:  # one sequence (gdn_prefill_padded_)
+            assert chunk_indices is None and q.shape[0] == 1
+        else:
+            assert cu_seqlens.dtype == torch.int64
+            assert chunk_indices.tolist() == chunk_pairs(cu_seqlens.tolist(), chunk_size)
         calls.append(cu_seqlens)
         out, final = chunk_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -437,6 +442,31 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
     assert torch.equal(pool[0], before[0])  # the empty sequence's slot
     assert untouched(pool, before, slots)
     assert len(reference_fla) == 1
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="test_gdn_gpu.py runs the real fla kernel")
+@pytest.mark.parametrize("real", [8, 5, 1])
+def test_padded_prefill_is_the_real_rows_alone(reference_fla, real):
+    """One sequence in the first `real` of 8 rows, the rest padding with inputs of their own: the real
+    rows' output and the slot's state as the recurrence over the real rows alone (the padding rows' zero
+    gate and beta leave the state as it was), padding rows' output zero, other slots untouched."""
+    q, k, v, a, b, a_log, dt_bias = decode_inputs(8, 2, 4, 16, 16, torch.float32)
+    pool = randn(4, 4, 16, 16, gen=torch.Generator().manual_seed(7), scale=0.5)
+    before = pool.clone()
+    out = gdn_prefill_padded_(
+        q, k, v, a, b, a_log, dt_bias, pool, torch.tensor([2], dtype=torch.int32), torch.tensor(real),
+        16**-0.5,
+    )  # fmt: skip
+    g = -a_log.exp() * F.softplus(a[:real] + dt_bias)
+    ref_out, ref_state = recurrent_gated_delta_rule_reference(
+        q[None, :real], k[None, :real], v[None, :real], g[None], b[:real].sigmoid()[None], scale=16**-0.5,
+        initial_state=before[[2]], output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:real], ref_out[0], atol=1e-5, rtol=0)
+    assert torch.count_nonzero(out[real:]) == 0
+    torch.testing.assert_close(pool[2], ref_state[0], atol=1e-5, rtol=0)
+    assert untouched(pool, before, [2])
+    assert reference_fla == [None]
 
 
 @pytest.mark.skipif(
