@@ -86,14 +86,18 @@ def decode_config(head_dim: int) -> KernelConfig:
 
 
 def extend_config(head_dim: int) -> KernelConfig:
-    """Extend is compute bound: 128-row tiles on wgmma, 8 warps (two warpgroups). ptxas, Triton 3.7.1,
-    sm_90, bf16 / fp8 KV: D=64 128 / 128 registers, D=128 180 / 193, D=256 (32-key blocks) 253 / 252,
-    no spills; shared memory 49-131 KB. Not yet timed on the H200."""
+    """Extend is compute bound: 128-row tiles on wgmma, 8 warps (two warpgroups). D=256 (Qwen3-Next's
+    attention) timed on the H200 over 27 tiles (bench/attention_tune.py, FP8 K/V, 16 query heads on 2
+    K/V heads: results/2026-12-04-h200-attention-tune-h16-kv2-d256-fp8.md): 128-key blocks, 2 stages, the
+    fastest at every shape, 1.4-1.6x the 32-key blocks chosen before from register counts (an agent
+    turn's 1K queries over 33K keys: 1.92 ms against 3.07 a layer; 290-303 TFLOP/s). D <= 128 (ptxas,
+    Triton 3.7.1, sm_90, bf16 / fp8 KV: D=64 128 / 128 registers, D=128 180 / 193, no spills) not yet
+    timed."""
     if _INTERPRET:
         return KernelConfig(32, 16, 1, 1)
     if head_dim <= 128:
         return KernelConfig(128, 64, 8, 3)
-    return KernelConfig(128, 32, 8, 2)
+    return KernelConfig(128, 128, 8, 2)
 
 
 @functools.cache

@@ -93,6 +93,7 @@ class ReferenceHybridBackend:
         return self._state_indices
 
     verify_slots = None  # never a speculative verify forward
+    padded_prefill = None  # no padding rows
 
     def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
         return op(self, *inputs)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from morion.layers.gated_delta_net import GatedDeltaNet
+from morion.layers.hybrid_backend import PaddedPrefill
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from morion.ops.causal_conv1d_triton import (
     causal_conv1d_steps_,
@@ -469,6 +470,55 @@ def test_padded_prefill_is_the_real_rows_alone(reference_fla, real):
     assert reference_fla == [None]
 
 
+def small_layer_and_pools(seed: int, num_slots: int) -> tuple[GatedDeltaNet, dict[str, torch.Tensor]]:
+    """A small Gated DeltaNet layer (2 key heads, 4 value heads of 16) with random decays, conv and norm,
+    and random conv and recurrent pools of `num_slots` slots."""
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(0, 32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+                          conv_kernel_size=WIDTH, rms_norm_eps=1e-6)  # fmt: skip
+    with torch.no_grad():
+        layer.A_log.uniform_(-3.0, 0.5)
+        layer.dt_bias.normal_(0.0, 0.5)
+        layer.conv1d.weight.normal_(0.0, 0.4)
+        layer.norm.weight.normal_(1.0, 0.2)
+    gen = torch.Generator().manual_seed(seed + 100)
+    pools = {
+        "conv": torch.randn(num_slots, WIDTH - 1, layer.conv_dim, generator=gen),
+        "recurrent": torch.randn(num_slots, 4, 16, 16, generator=gen) * 0.5,
+    }
+    return layer, pools
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="test_prefill_graph_gpu.py runs it inside CUDA graphs")
+def test_layer_padded_prefill_is_the_real_rows_alone(reference_fla, pool_backend):
+    """A single-sequence prefill graph's Gated DeltaNet (`_mix_padded`: `HybridBackend.padded_prefill`)
+    over 13 real rows of 20, continuing a slot's conv window and state: the real rows' output, the slot's
+    window and state as the reference layer over the 13 rows alone; padding rows zero; the padding's conv
+    window in the scratch slot, no other slot touched."""
+    layer, reference_pools = small_layer_and_pools(seed=1, num_slots=4)
+    pools = {c: p.clone() for c, p in reference_pools.items()}
+    gen = torch.Generator().manual_seed(5)
+    slot, scratch, real = 2, 3, 13
+    x = torch.randn(20, 32, generator=gen)
+    backend = pool_backend(pools, [slot], [20])
+    backend.padded_prefill = PaddedPrefill(
+        torch.tensor([slot, scratch], dtype=torch.int32), torch.tensor([0, real, 20], dtype=torch.int32)
+    )
+    with torch.no_grad():
+        ref_out = layer(x[:real], pool_backend(reference_pools, [slot], [real]))
+        out = layer._forward_mixing(layer._mix_cuda, x, backend)
+    torch.testing.assert_close(out[:real], ref_out, atol=1e-5, rtol=0)
+    assert torch.count_nonzero(out[real:]) == 0
+    for component in ("conv", "recurrent"):
+        torch.testing.assert_close(
+            pools[component][slot], reference_pools[component][slot], atol=1e-5, rtol=0
+        )
+        assert untouched(pools[component], reference_pools[component], [slot, scratch])
+    assert torch.equal(pools["recurrent"][scratch], reference_pools["recurrent"][scratch])
+    assert not torch.equal(pools["conv"][scratch], reference_pools["conv"][scratch])
+    assert reference_fla == [None]  # one fla call, for one sequence (no varlen)
+
+
 @pytest.mark.skipif(
     DEVICE == "cuda", reason="on a GPU, test_gdn_gpu.py runs the layer against the CPU reference"
 )
@@ -477,19 +527,8 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     for here) against the reference path on one pool: a prefill of 20, 0, 2 and 1 tokens (fla's chunked
     kernel; the 2- and 1-token ones keep part of their conv window), 3 decode steps, then short chunks
     continuing all four (our token-by-token kernel)."""
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(0, 32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
-                          conv_kernel_size=WIDTH, rms_norm_eps=1e-6)  # fmt: skip
-    with torch.no_grad():
-        layer.A_log.uniform_(-3.0, 0.5)
-        layer.dt_bias.normal_(0.0, 0.5)
-        layer.conv1d.weight.normal_(0.0, 0.4)
-        layer.norm.weight.normal_(1.0, 0.2)
+    layer, reference_pools = small_layer_and_pools(seed=0, num_slots=6)
     gen = torch.Generator().manual_seed(4)
-    reference_pools = {
-        "conv": torch.randn(6, WIDTH - 1, layer.conv_dim, generator=gen),
-        "recurrent": torch.randn(6, 4, 16, 16, generator=gen) * 0.5,
-    }
     fast_pools = {c: p.clone() for c, p in reference_pools.items()}
     slots = [4, 0, 2, 5]
     with torch.no_grad():
