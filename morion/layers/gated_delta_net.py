@@ -11,10 +11,7 @@ backend, so a chunk of any length continues exactly where the previous one stopp
 
 On CUDA the layer runs in-place kernels on the backend's state pools (`state_pool` + `state_indices`,
 see hybrid_backend.py): our Triton conv and decode kernels (ops/*_triton.py) and fla-core's chunked
-prefill. Elsewhere it runs the pure-torch references through `read_state` / `write_state`. The conv and
-the delta rule read the batch's sequence layout, so a piecewise prefill graph runs them between its
-pieces (`outside_graph`), except in a single-sequence graph (`HybridBackend.padded_prefill`), where they
-run inside it over the padded rows (`_mix_padded`).
+prefill. Elsewhere it runs the pure-torch references through `read_state` / `write_state`.
 
 The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
 layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
@@ -37,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend, PaddedPrefill
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
 from morion.layers.linear_fp8 import Fp8Linear, all_fp8, linears_of_one_input
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
 from morion.ops.causal_conv1d import (
@@ -178,53 +175,10 @@ class GatedDeltaNet(nn.Module):
         qkv (Qwen3-Next's z columns stay with the output gate)."""
         projections = self.project(x, quantized)
         qkv = projections.qkv
+        op = functools.partial(mix, qkv.key_width, qkv.value_width)
         conv_input = qkv.x[..., : 2 * qkv.key_width + qkv.value_width]
-        padded = backend.padded_prefill
-        if padded is not None and mix == self._mix_cuda:  # the references run between the pieces
-            conv_qkv = GroupedChannels(conv_input, qkv.key_width, qkv.value_width)
-            out = self._mix_padded(backend, padded, conv_qkv, projections.b, projections.a)
-        else:
-            op = functools.partial(mix, qkv.key_width, qkv.value_width)
-            out = backend.outside_graph(op, conv_input, projections.b, projections.a)
+        out = backend.outside_graph(op, conv_input, projections.b, projections.a)
         return self._gate_and_project(out, projections.z)
-
-    def _mix_padded(
-        self,
-        backend: HybridBackend,
-        padded: PaddedPrefill,
-        qkv: GroupedChannels,
-        b: torch.Tensor,
-        a: torch.Tensor,
-    ) -> torch.Tensor:
-        """`_mix_cuda`'s prefill inside a single-sequence prefill graph (`PaddedPrefill`): the varlen conv
-        with the padding rows as a second sequence (their window goes to the scratch slot), then the delta
-        rule over all rows with the padding rows' gate and beta zeroed (`gdn_prefill_padded_`). Nothing
-        reads a device value on the host, so the graph captures it; the sequence's slot and length are
-        the tensors the replay fills."""
-        from morion.ops.causal_conv1d_triton import causal_conv1d_varlen_
-        from morion.ops.gated_delta_rule_triton import gdn_prefill_padded_
-
-        log_once(logger, "Gated DeltaNet prefill inside single-sequence prefill graphs (padded rows)")
-        conv_pool = backend.state_pool("conv", self.linear_ordinal)
-        recurrent_pool = backend.state_pool("recurrent", self.linear_ordinal)
-        weight = self.conv1d.weight[:, 0, :]
-        indices, cu_seqlens = padded.state_indices, padded.cu_seqlens
-        mixed_qkv = causal_conv1d_varlen_(qkv, conv_pool, weight, indices, cu_seqlens, "silu")
-        q, k, v = self._heads(mixed_qkv)
-        return gdn_prefill_padded_(
-            q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, indices[:1], cu_seqlens[1],
-            self.head_k_dim**-0.5,
-        )  # fmt: skip
-
-    def _heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [T, conv_dim] as q, k [T, H, K] and v [T, HV, V] views."""
-        tokens = mixed_qkv.shape[0]
-        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (
-            q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-            k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-            v.reshape(tokens, self.num_v_heads, self.head_v_dim),
-        )
 
     def _mix_reference(
         self,
@@ -316,7 +270,10 @@ class GatedDeltaNet(nn.Module):
             log_once(logger, "Gated DeltaNet prefill: Triton varlen conv + fla-core chunk_gated_delta_rule")
             cu_seqlens = backend.cu_seqlens
             mixed_qkv = causal_conv1d_varlen_(qkv, conv_pool, weight, state_indices, cu_seqlens, "silu")
-        q, k, v = self._heads(mixed_qkv)
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
         if decode_only:
             return fused_gdn_decode_(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, state_indices, scale

@@ -18,7 +18,7 @@ and live on the model's device, so a captured CUDA graph replays them without ho
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -29,18 +29,6 @@ from morion.layers.attention import AttentionBackend
 # same way in any batch (Gated DeltaNet token by token, attention through the split-KV kernels, whose
 # query limit this equals: ops/paged_attention_triton.MAX_SPLIT_QUERY_LEN). Longer chunks are prefill.
 SHORT_CHUNK_TOKENS = 16
-
-
-class PaddedPrefill(NamedTuple):
-    """A forward of R rows whose first T are one sequence's prefill chunk and the rest padding (a
-    single-sequence piecewise prefill graph, runner/prefill_graph.py), described by device tensors its
-    replay fills, so that Gated DeltaNet's conv and delta rule run inside the graph over all R rows
-    (`GatedDeltaNet._mix_padded`): `state_indices` [2] int32, the sequence's slot, then a scratch slot
-    that the padding rows' conv window goes to (held by nobody); `cu_seqlens` [3] int32, (0, T, R): the
-    padding rows as a second sequence for the conv, whose windows must not run across them."""
-
-    state_indices: torch.Tensor
-    cu_seqlens: torch.Tensor
 
 
 class HybridBackend(AttentionBackend, Protocol):
@@ -89,13 +77,6 @@ class HybridBackend(AttentionBackend, Protocol):
         eagerly between its captured pieces, with the live batch's metadata and its tokens' rows of the
         inputs; its result is valid until the next call, and `op` may read from the backend only what it
         is given as `self` (never a backend it closed over)."""
-        ...
-
-    @property
-    def padded_prefill(self) -> PaddedPrefill | None:
-        """None, except in a single-sequence prefill graph's forward (`PaddedPrefill`): then the rows past
-        its T real ones are padding, and a layer may update the sequence's state inside the graph through
-        `state_pool` with these device tensors instead of `outside_graph`."""
         ...
 
     @property

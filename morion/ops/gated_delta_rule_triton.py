@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from morion.ops.fla_varlen import FLA_CHUNK_SIZE, FlaVarlen, fla_varlen
+from morion.ops.fla_varlen import FLA_CHUNK_SIZE, fla_varlen
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 
 # Same epsilon as `l2_normalize` in ops/gated_delta_rule.py and fla's `l2norm_fwd`.
@@ -424,94 +424,37 @@ def gdn_prefill_(
     state after its tokens; a sequence with no tokens keeps its slot exactly as it was. Returns out
     [T, HV, V] in q's dtype.
     """
+    # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
     num_seqs = state_indices.shape[0]
     if cu_seqlens.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not fit {num_seqs} state indices")
-    g, beta = _gate_and_beta(a, b, A_log, dt_bias, v.shape[1])
+    # As the reference layer: the log-decay in fp32 (bf16 loses the decay's precision), beta in b's dtype.
+    num_v_heads = v.shape[1]
+    g = -A_log.float().exp() * F.softplus(a.float().reshape(-1, num_v_heads) + dt_bias.float())
+    beta = b.sigmoid().reshape(-1, num_v_heads)
     rows = state_indices.long()
     initial = state_pool[rows].float()
     # The forward's varlen metadata, the same tensors for every layer (ops/fla_varlen.py): keyed by the
     # bounds' values, never by a caller's buffer, whose contents may change while fla memoises by identity.
     varlen = fla_varlen(cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu, cu_seqlens.device)
-    out, final = _fla_forward(q, k, v, g, beta, initial, scale, varlen)
-    # Empty sequences keep their initial state bit for bit (a device-side select: no host sync).
-    has_tokens = (varlen.cu_seqlens[1:] > varlen.cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
-    final = torch.where(has_tokens, final, initial)
-    state_pool[rows] = final.to(state_pool.dtype)
-    return out
-
-
-def gdn_prefill_padded_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_pool: torch.Tensor,
-    state_index: torch.Tensor,
-    length: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One sequence's prefill chunk in the first `length` of R rows, the rest padding, through fla-core's
-    chunked kernel over all R rows as one sequence (not varlen): nothing here reads a device value on the
-    host or depends on `length` but through device tensors, so a CUDA graph of R rows can capture it
-    (runner/prefill_graph.py's single-sequence graphs) and replay it for any length <= R.
-
-    Shapes as `gdn_prefill_` with T = R; state_index: [1] int32 on the device, the sequence's slot, which
-    it continues from and is left holding the state after its `length` tokens; length: a 0-dim int tensor
-    on the device. Padding rows take g = 0 (no decay) and beta = 0 (no update), so the state after all R
-    rows is the state after the real ones: each padding row's contribution is an exact zero, added after
-    the real rows in fla's chunk order (padding only ever follows the real rows). Their q, k, v must be
-    finite (0 * inf would not vanish). Returns out [R, HV, V] in q's dtype with the padding rows zeroed.
-    """
-    real = (torch.arange(q.shape[0], device=q.device) < length)[:, None]
-    g, beta = _gate_and_beta(a, b, A_log, dt_bias, v.shape[1])
-    g = torch.where(real, g, 0.0)
-    beta = torch.where(real, beta, 0.0)
-    slot = state_index.long()
-    out, final = _fla_forward(q, k, v, g, beta, state_pool[slot].float(), scale, None)
-    state_pool[slot] = final.to(state_pool.dtype)
-    return out * real[:, :, None]
-
-
-def _gate_and_beta(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_v_heads: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """g = -exp(A_log) * softplus(a + dt_bias) in fp32 (bf16 loses the decay's precision) and beta =
-    sigmoid(b) in b's dtype, both [T, HV], as the reference layer computes them."""
-    g = -A_log.float().exp() * F.softplus(a.float().reshape(-1, num_v_heads) + dt_bias.float())
-    return g, b.sigmoid().reshape(-1, num_v_heads)
-
-
-def _fla_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial: torch.Tensor,
-    scale: float,
-    varlen: FlaVarlen | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's forward without its public entry's layers (backend dispatch, torch.compiler.disable, the
-    contiguity guard, autocast, autograd.Function): the kernels and arguments of
-    `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)` in fla-core 0.6.0 (pinned), for ~0.2 ms
-    less Python per layer (36 layers of a prefill, on the engine thread's critical path:
-    results/2026-12-04-h200-session-notes-8cbb9bd.md). The guard's job, contiguous inputs, is done here.
-    `varlen` None: the T rows are one sequence. Returns (out [T, HV, V] in q's dtype, the final states
-    [N, HV, K, V] fp32)."""
-    # Lazy: fla imports Triton and probes the device at import; the CPU path never needs it.
-    from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-
+    # fla's forward without its public entry's layers (backend dispatch, torch.compiler.disable, the
+    # contiguity guard, autocast, autograd.Function): the kernels and arguments of
+    # `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)` in fla-core 0.6.0 (pinned), for
+    # ~0.2 ms less Python per layer (36 layers of a prefill, on the engine thread's critical path:
+    # results/2026-12-04-h200-session-notes-8cbb9bd.md). The guard's job, contiguous inputs, is done here.
     q_normed, _ = l2norm_fwd(q[None].contiguous())
     k_normed, _ = l2norm_fwd(k[None].contiguous())
     _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q_normed, k_normed, v[None].contiguous(), g[None].contiguous(), beta[None].contiguous(),
         scale=scale, initial_state=initial.contiguous(), output_final_state=True,
-        cu_seqlens=None if varlen is None else varlen.cu_seqlens,
-        chunk_indices=None if varlen is None else varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
+        cu_seqlens=varlen.cu_seqlens, chunk_indices=varlen.chunk_indices, chunk_size=FLA_CHUNK_SIZE,
     )  # fmt: skip
-    return out[0].to(q.dtype), final
+    out = out.to(q.dtype)
+    # Empty sequences keep their initial state bit for bit (a device-side select: no host sync).
+    has_tokens = (varlen.cu_seqlens[1:] > varlen.cu_seqlens[:-1]).view(num_seqs, 1, 1, 1)
+    final = torch.where(has_tokens, final, initial)
+    state_pool[rows] = final.to(state_pool.dtype)
+    return out[0]

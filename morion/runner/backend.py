@@ -44,7 +44,6 @@ class PagedAttentionBackend:
     ) -> None:
         self._kv = pool.storage("kv")
         self.verify_slots = verify_slots  # speculative verify forwards only (HybridBackend.verify_slots)
-        self.padded_prefill = None  # every row is real (HybridBackend.padded_prefill)
         self._page_size = pool.page_size
         self._batch = batch
         self._state_slots = state_slots

@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from morion.layers.hybrid_backend import HybridBackend, PaddedPrefill
+from morion.layers.hybrid_backend import HybridBackend
 
 EagerOp = Callable[..., torch.Tensor]  # op(backend, *inputs) -> result, rows first (`outside_graph`'s)
 # What a traced forward does at a break point with the call's op and its input bridges (cut to the
@@ -144,41 +144,20 @@ def _attend(
     return backend.attend(layer_index, q, k, v, scale)
 
 
-class InlineStates(NamedTuple):
-    """What a single-sequence forward's pieces may touch beyond their rows: the padding's description
-    (`PaddedPrefill`, device tensors the replay fills) and the state pools (static storage), through
-    which Gated DeltaNet runs inside the pieces instead of between them."""
-
-    padded: PaddedPrefill
-    state_pool: Callable[[str, int], torch.Tensor]
-
-
 class PieceBackend:
     """What the layers see while a forward of `rows` tokens is traced: `attend` and `outside_graph` are
     break points (their inputs copied into bridges inside the piece that ends there, `at_break` called,
     the output bridge returned to the next piece); it is never a verify forward; anything else a layer
     asks of it raises, so per-sequence metadata or cache memory can never be read inside a piece (a model
-    that needs more runs its prefill eagerly: the capture fails and says which). The one exception is a
-    single-sequence forward's `inline` states: `padded_prefill` and `state_pool`."""
+    that needs more runs its prefill eagerly: the capture fails and says which)."""
 
     verify_slots = None
 
-    def __init__(
-        self, bridges: Bridges, rows: int, at_break: AtBreak, inline: InlineStates | None = None
-    ) -> None:
+    def __init__(self, bridges: Bridges, rows: int, at_break: AtBreak) -> None:
         self._bridges = bridges
         self._rows = rows
         self._at_break = at_break
-        self._inline = inline
-        self.padded_prefill = None if inline is None else inline.padded
         self.calls: list[EagerCall] = []
-
-    def state_pool(self, component: str, linear_ordinal: int) -> torch.Tensor:
-        """A single-sequence forward's state pools (`InlineStates`); no other forward's pieces touch
-        state."""
-        if self._inline is None:
-            raise _not_given("state_pool")
-        return self._inline.state_pool(component, linear_ordinal)
 
     def attend(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -198,14 +177,10 @@ class PieceBackend:
         return output[:rows]
 
     def __getattr__(self, name: str) -> object:
-        raise _not_given(name)
-
-
-def _not_given(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"a piecewise prefill graph gives its pieces no {name!r}, only attend and outside_graph (run "
-        "eagerly between the pieces): a layer reads the batch's metadata or cache memory elsewhere"
-    )
+        raise RuntimeError(
+            f"a piecewise prefill graph gives its pieces no {name!r}, only attend and outside_graph (run "
+            "eagerly between the pieces): a layer reads the batch's metadata or cache memory elsewhere"
+        )
 
 
 def capture_cuda_pieces(forward: PieceForward, pool: object, device: torch.device) -> CapturedForward:

@@ -36,9 +36,8 @@ import torch
 
 from morion.cache.page_pool import PagePool
 from morion.cache.state_slots import StateSlots
-from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, PaddedPrefill
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.runner.backend import KVScales, PagedAttentionBackend
-from morion.runner.capture_failure import report_capture_failure
 from morion.runner.forward_batch import ForwardBatch, build_forward_batch
 from morion.runner.piecewise_graph import (
     AtBreak,
@@ -46,7 +45,6 @@ from morion.runner.piecewise_graph import (
     CapturedForward,
     CapturePieces,
     EagerOp,
-    InlineStates,
     PieceBackend,
     PieceForward,
     Traced,
@@ -86,17 +84,7 @@ class PrefillGraphRunner:
         self._positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.bridges = Bridges(rows)
         self._captured: dict[int, CapturedForward] = {}
-        # A second forward per bucket for one sequence's chunk, with Gated DeltaNet inside its pieces
-        # (`PaddedPrefill`); models without state, or without a scratch slot for the padding, have none.
-        self._padded: PaddedPrefill | None = None
-        if state_slots is not None and scratch_slot is not None:
-            self._padded = PaddedPrefill(
-                torch.full((2,), scratch_slot, dtype=torch.int32, device=device),
-                torch.zeros(3, dtype=torch.int32, device=device),
-            )
-        self._captured_single: dict[int, CapturedForward] = {}
         self.replays = 0  # prefill forwards served from graphs
-        self.single_replays = 0  # of them, one sequence's with Gated DeltaNet inside the graphs
 
     def bucket(self, tokens: int) -> int:
         """The bucket a forward of `tokens` tokens replays: the smallest that holds it."""
@@ -122,20 +110,7 @@ class PrefillGraphRunner:
         backend = PagedAttentionBackend(
             self._pool, batch, self._state_slots, self._kv_scales, restore_waits=restore_waits
         )
-        captured = self._captured[bucket]
-        single = self._captured_single.get(bucket) if len(batch.query_ranges) == 1 else None
-        if single is not None and self._padded is not None and batch.state_indices is not None:
-            # Device-side writes only (no host sync): the sequence's slot, then (0, T, R).
-            self._padded.state_indices[:1].copy_(batch.state_indices[:1])
-            self._padded.cu_seqlens[1].fill_(rows)
-            self._padded.cu_seqlens[2].fill_(bucket)
-            if restore_waits is not None and self._state_slots is not None:
-                # The pieces now update state: its restores land before the first piece, not per layer.
-                components = self._state_slots.spec.state_components
-                restore_waits.components([(c.name, c.num_layers) for c in components])
-            captured = single
-            self.single_replays += 1
-        hidden = captured.replay(backend, rows, bucket)
+        hidden = self._captured[bucket].replay(backend, rows, bucket)
         self.replays += 1
         return hidden
 
@@ -152,66 +127,32 @@ class PrefillGraphRunner:
             def capture_pieces(forward: PieceForward) -> CapturedForward:
                 return capture_cuda_pieces(forward, memory_pool, device)
 
-        single_failed = None
         for bucket in reversed(self.buckets):
+            forward = self._traced_forward(bucket)
             warm_up = self._warm_up(bucket)
-            self._captured[bucket] = self._capture_one(self._traced_forward(bucket), warm_up, capture_pieces)
-            if self._padded is None or single_failed is not None:
-                continue
-            try:
-                # The warm-ups' sequence: all rows real, in the scratch slot (set here, never in a piece).
-                self._padded.state_indices.fill_(self._scratch_slot)
-                self._padded.cu_seqlens.copy_(torch.tensor([0, bucket, bucket], dtype=torch.int32))
-                forward = self._traced_forward(bucket, self._padded)
-                self._captured_single[bucket] = self._capture_one(forward, warm_up, capture_pieces)
-            except RuntimeError as error:  # the general graphs stay: one sequence's chunks use them
-                single_failed = error
-                self._captured_single.clear()
-        if single_failed is not None:
-            report_capture_failure(
-                "single-sequence prefill graph capture FAILED, Gated DeltaNet runs between the pieces",
-                single_failed,
-            )
+            forward(warm_up)  # compiles and autotunes every kernel at these shapes; capture must not
+            forward(warm_up)
+            self._captured[bucket] = capture_pieces(forward)
         calls = len(self._captured[self.buckets[-1]].calls)
         used = ""
         if self._capture_pieces is None:
             torch.cuda.synchronize(device)
             free_after, _ = torch.cuda.mem_get_info(device)
             used = f", {(free_before - free_after) / 2**30:.2f} GiB"
-        single = ""
-        if self._captured_single:
-            single_calls = len(self._captured_single[self.buckets[-1]].calls)
-            single = f"; for one sequence {single_calls} eager calls (Gated DeltaNet inside the graphs)"
         print(
             f"morion: captured piecewise prefill CUDA graphs for {len(self.buckets)} token buckets "
-            f"{list(self.buckets)}, {calls + 1} pieces and {calls} eager calls each{single}, in "
+            f"{list(self.buckets)}, {calls + 1} pieces and {calls} eager calls each, in "
             f"{time.perf_counter() - started:.1f} s (bridges {self.bridges.num_bytes / 2**30:.2f} GiB{used})",
             file=sys.stderr,
         )
 
-    @staticmethod
-    def _capture_one(
-        forward: PieceForward, warm_up: AtBreak, capture_pieces: CapturePieces
-    ) -> CapturedForward:
-        forward(warm_up)  # compiles and autotunes every kernel at these shapes; capture must not
-        forward(warm_up)
-        return capture_pieces(forward)
-
-    def _traced_forward(self, bucket: int, padded: PaddedPrefill | None = None) -> PieceForward:
+    def _traced_forward(self, bucket: int) -> PieceForward:
         """The model over the bucket's static inputs, with a `PieceBackend` that does `at_break` at each
-        break point; with `padded`, one sequence's forward, whose pieces update state through it."""
+        break point."""
         input_ids, positions = self._input_ids[:bucket], self._positions[:bucket]
-        inline = None
-        if padded is not None and self._state_slots is not None:
-            storages = self._state_slots
-
-            def state_pool(component: str, linear_ordinal: int) -> torch.Tensor:
-                return storages.storage(component)[linear_ordinal]
-
-            inline = InlineStates(padded, state_pool)
 
         def forward(at_break: AtBreak) -> Traced:
-            backend = PieceBackend(self.bridges, bucket, at_break, inline)
+            backend = PieceBackend(self.bridges, bucket, at_break)
             hidden = self._model(input_ids, positions, backend)
             return Traced(hidden, backend.calls)
 

@@ -28,10 +28,3 @@ class RestoreWaits:
         """The copies of one (component, layer): a side cache, or a linear layer's state."""
         for restore in self._restores:
             restore.wait(component, ordinal)
-
-    def components(self, counts: Sequence[tuple[str, int]]) -> None:
-        """The copies of every layer of each (component, number of layers): what a graph that updates
-        those components inside it waits for before its replay starts."""
-        for component, layers in counts:
-            for ordinal in range(layers):
-                self.component(component, ordinal)

@@ -137,9 +137,6 @@ def test_trace_breaks_at_every_attention_and_gated_delta_net_core(engine):
     for bucket in (32, 64):
         assert len(captured[bucket].calls) == num_layers  # one break per mixer
         assert len(captured[bucket].pieces) == num_layers + 1
-    # One sequence's graphs: on the CPU its Gated DeltaNet (the references) breaks as well.
-    assert sorted(runner.prefill_graphs._captured_single) == [32, 64]
-    assert len(runner.prefill_graphs._captured_single[64].calls) == num_layers
     # Every bucket's calls read and write the same bridges (rows of the largest bucket).
     for small, large in zip(captured[32].calls, captured[64].calls, strict=True):
         assert small.output is large.output and small.output.shape[0] == 64
@@ -175,23 +172,6 @@ def test_one_bucket_replays_forwards_of_other_lengths_and_the_same_one_identical
     assert_replays_repeat(engine, runner, runs)
 
 
-def test_one_sequence_replays_its_own_graphs_with_its_slot_and_length(engine):
-    runner = graph_runner(engine)
-    graphs = runner.prefill_graphs
-    for lengths, single in (([40], True), ([17, 16], False), ([23], True)):
-        batch = batch_of(engine, lengths, seed=len(lengths), starts=[5] * len(lengths))
-        before = graphs.single_replays
-        eager, eager_memory, replayed, replayed_memory = run_both(engine, runner, batch)
-        torch.testing.assert_close(replayed, eager, atol=2e-5, rtol=0)
-        for got, want in zip(replayed_memory, eager_memory, strict=True):
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
-        assert (graphs.single_replays == before + 1) is single, lengths
-    # What the last replay's pieces read (on the GPU): the sequence's slot, then the scratch slot for the
-    # padding rows' conv window; (0, T, R).
-    assert graphs._padded.state_indices.tolist() == [int(batch.state_indices[0]), runner.scratch_slots[0]]
-    assert graphs._padded.cu_seqlens.tolist() == [0, 23, 32]
-
-
 def assert_replays_repeat(engine, runner, runs) -> None:
     """Each forward of `runs` ((batch, memory before, replayed hidden, memory after)) again, from the same
     memory, after the others left their rows in the bridges and static inputs: the same bits (what a
@@ -222,12 +202,9 @@ def test_model_runner_replays_only_prefill_forwards_within_the_buckets(engine):
 def test_pieces_get_no_batch_metadata():
     backend = PieceBackend(None, 8, lambda op, inputs: None)
     assert backend.verify_slots is None
-    assert backend.padded_prefill is None
-    for name in ("query_ranges", "state_indices", "cu_seqlens", "token_pool"):
+    for name in ("query_ranges", "state_indices", "cu_seqlens", "state_pool", "token_pool"):
         with pytest.raises(RuntimeError, match=f"no '{name}'"):
             getattr(backend, name)
-    with pytest.raises(RuntimeError, match="no 'state_pool'"):  # only a single sequence's pieces have it
-        backend.state_pool("conv", 0)
 
 
 def test_a_failed_capture_leaves_prefill_eager(engine, monkeypatch, capsys):

@@ -93,7 +93,6 @@ class ReferenceHybridBackend:
         return self._state_indices
 
     verify_slots = None  # never a speculative verify forward
-    padded_prefill = None  # no padding rows
 
     def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
         return op(self, *inputs)

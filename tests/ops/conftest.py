@@ -39,7 +39,6 @@ class PoolBackend:
         self.pools[component][self._rows] = value.to(self.pools[component].dtype)
 
     verify_slots = None  # never a speculative verify forward
-    padded_prefill = None  # no padding rows
 
     def outside_graph(self, op, *inputs: torch.Tensor) -> torch.Tensor:
         return op(self, *inputs)

@@ -10,8 +10,6 @@ use the same shapes and dtypes, so it tunes once). What each test pins down:
 - conv: our update and varlen kernels vs the references (bf16 in and out);
 - prefill: fla's varlen chunk kernel through `gdn_prefill_`, 3 sequences: a new one (zero state), an
   empty one (its slot must stay bit for bit) and one continuing from a non-zero state;
-- padded prefill: one sequence in the first rows of a bucket, padding after it (`gdn_prefill_padded_`),
-  equals the varlen path over the real rows alone, and replays in a CUDA graph for other lengths and slots;
 - CUDA graphs: a captured decode step (conv + GDN, then the whole layer) replayed with other slots
   equals eager execution, i.e. the path has no host sync and reads slots from device memory only;
 - the whole GatedDeltaNet layer on CUDA (bf16) vs the same weights on the CPU reference path (fp32):
@@ -34,7 +32,7 @@ from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
-from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, gdn_prefill_, gdn_prefill_padded_
+from morion.ops.gated_delta_rule_triton import fused_gdn_decode_, gdn_prefill_
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -218,64 +216,6 @@ def test_prefill_equals_fla_s_public_entry_bit_for_bit(state_dtype):
     has_tokens = [i for i, length in enumerate(LENGTHS) if length]
     expected = public_state[has_tokens].to(state_dtype)
     assert torch.equal(pool[[SLOTS[i] for i in has_tokens]], expected)
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
-def test_padded_prefill_equals_the_real_rows_alone(state_dtype):
-    """200 real rows of a 256-row bucket (the last chunk partly padding), the padding rows random but
-    finite: the output's real rows and the slot's final state as `gdn_prefill_` over the 200 rows alone
-    (fla's one-sequence and varlen kernels may tile differently: close, not bit for bit), padding rows
-    zero, no other slot touched."""
-    rows, real, slot = 256, 200, 3
-    q, k, v, a, b, a_log, dt_bias = gdn_inputs(rows, seed=70)
-    pool = device_randn(NUM_SLOTS, HV, K, V, seed=71, scale=0.3, dtype=state_dtype)
-    before = pool.clone()
-    expected_pool = pool.clone()
-    indices = torch.tensor([slot], dtype=torch.int32, device=DEVICE)
-    expected = gdn_prefill_(
-        q[:real], k[:real], v[:real], a[:real], b[:real], a_log, dt_bias, expected_pool, indices,
-        cu_seqlens_of([real]), SCALE,
-    )  # fmt: skip
-    length = torch.tensor(real, device=DEVICE)
-    out = gdn_prefill_padded_(q, k, v, a, b, a_log, dt_bias, pool, indices, length, SCALE)
-    errors = dict(out_rel=rel_l2(out[:real], expected), state_rel=rel_l2(pool[slot], expected_pool[slot]))
-    report(f"padded prefill vs varlen, state {state_dtype}", **errors)
-    assert errors["out_rel"] < 1e-3 and errors["state_rel"] < 1e-3
-    assert torch.count_nonzero(out[real:]) == 0
-    assert others_untouched(pool, before, [slot])
-
-
-def test_padded_prefill_replays_in_a_cuda_graph():
-    """`gdn_prefill_padded_` captured once at 256 rows, replayed with other lengths, slots and inputs:
-    bit for bit what it does eagerly on a copy of the pool (no host sync, no host-side length)."""
-    rows = 256
-    q, k, v, a, b, a_log, dt_bias = gdn_inputs(rows, seed=80)
-    static = [x.clone() for x in (q, k, v, a, b)]
-    pool = device_randn(NUM_SLOTS, HV, K, V, seed=81, scale=0.3)
-    index = torch.tensor([0], dtype=torch.int32, device=DEVICE)
-    length = torch.tensor(rows, device=DEVICE)
-
-    def step(pool: torch.Tensor) -> torch.Tensor:
-        return gdn_prefill_padded_(*static, a_log, dt_bias, pool, index, length, SCALE)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(pool.clone())  # compiles and autotunes at these shapes
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step(pool)
-
-    for i, (real, slot) in enumerate(((256, 2), (130, 5), (65, 2))):
-        for target, fresh in zip(static, gdn_inputs(rows, seed=90 + i)[:5], strict=True):
-            target.copy_(fresh)
-        index.fill_(slot)
-        length.fill_(real)
-        eager_pool = pool.clone()
-        eager_out = step(eager_pool)
-        graph.replay()
-        assert torch.equal(graph_out, eager_out) and torch.equal(pool, eager_pool)
 
 
 def test_decode_step_replays_in_a_cuda_graph():

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from morion.layers.gated_delta_net import GatedDeltaNet
-from morion.layers.hybrid_backend import PaddedPrefill
 from morion.ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from morion.ops.causal_conv1d_triton import (
     causal_conv1d_steps_,
@@ -35,7 +34,6 @@ from morion.ops.gated_delta_rule_triton import (
     fused_gdn_decode_,
     fused_gdn_steps_,
     gdn_prefill_,
-    gdn_prefill_padded_,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -397,12 +395,8 @@ def reference_fla(monkeypatch):
     def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                    cu_seqlens, chunk_indices, chunk_size):  # fmt: skip
         assert all(x.is_contiguous() for x in (q, k, v, g, beta, initial_state))
-        assert g.dtype == torch.float32
-        if cu_seqlens is None:  # one sequence (gdn_prefill_padded_)
-            assert chunk_indices is None and q.shape[0] == 1
-        else:
-            assert cu_seqlens.dtype == torch.int64
-            assert chunk_indices.tolist() == chunk_pairs(cu_seqlens.tolist(), chunk_size)
+        assert cu_seqlens.dtype == torch.int64 and g.dtype == torch.float32
+        assert chunk_indices.tolist() == chunk_pairs(cu_seqlens.tolist(), chunk_size)
         calls.append(cu_seqlens)
         out, final = chunk_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -445,80 +439,6 @@ def test_prefill_wrapper_continues_each_slot(reference_fla, state_dtype):
     assert len(reference_fla) == 1
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="test_gdn_gpu.py runs the real fla kernel")
-@pytest.mark.parametrize("real", [8, 5, 1])
-def test_padded_prefill_is_the_real_rows_alone(reference_fla, real):
-    """One sequence in the first `real` of 8 rows, the rest padding with inputs of their own: the real
-    rows' output and the slot's state as the recurrence over the real rows alone (the padding rows' zero
-    gate and beta leave the state as it was), padding rows' output zero, other slots untouched."""
-    q, k, v, a, b, a_log, dt_bias = decode_inputs(8, 2, 4, 16, 16, torch.float32)
-    pool = randn(4, 4, 16, 16, gen=torch.Generator().manual_seed(7), scale=0.5)
-    before = pool.clone()
-    out = gdn_prefill_padded_(
-        q, k, v, a, b, a_log, dt_bias, pool, torch.tensor([2], dtype=torch.int32), torch.tensor(real),
-        16**-0.5,
-    )  # fmt: skip
-    g = -a_log.exp() * F.softplus(a[:real] + dt_bias)
-    ref_out, ref_state = recurrent_gated_delta_rule_reference(
-        q[None, :real], k[None, :real], v[None, :real], g[None], b[:real].sigmoid()[None], scale=16**-0.5,
-        initial_state=before[[2]], output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
-    torch.testing.assert_close(out[:real], ref_out[0], atol=1e-5, rtol=0)
-    assert torch.count_nonzero(out[real:]) == 0
-    torch.testing.assert_close(pool[2], ref_state[0], atol=1e-5, rtol=0)
-    assert untouched(pool, before, [2])
-    assert reference_fla == [None]
-
-
-def small_layer_and_pools(seed: int, num_slots: int) -> tuple[GatedDeltaNet, dict[str, torch.Tensor]]:
-    """A small Gated DeltaNet layer (2 key heads, 4 value heads of 16) with random decays, conv and norm,
-    and random conv and recurrent pools of `num_slots` slots."""
-    torch.manual_seed(seed)
-    layer = GatedDeltaNet(0, 32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
-                          conv_kernel_size=WIDTH, rms_norm_eps=1e-6)  # fmt: skip
-    with torch.no_grad():
-        layer.A_log.uniform_(-3.0, 0.5)
-        layer.dt_bias.normal_(0.0, 0.5)
-        layer.conv1d.weight.normal_(0.0, 0.4)
-        layer.norm.weight.normal_(1.0, 0.2)
-    gen = torch.Generator().manual_seed(seed + 100)
-    pools = {
-        "conv": torch.randn(num_slots, WIDTH - 1, layer.conv_dim, generator=gen),
-        "recurrent": torch.randn(num_slots, 4, 16, 16, generator=gen) * 0.5,
-    }
-    return layer, pools
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="test_prefill_graph_gpu.py runs it inside CUDA graphs")
-def test_layer_padded_prefill_is_the_real_rows_alone(reference_fla, pool_backend):
-    """A single-sequence prefill graph's Gated DeltaNet (`_mix_padded`: `HybridBackend.padded_prefill`)
-    over 13 real rows of 20, continuing a slot's conv window and state: the real rows' output, the slot's
-    window and state as the reference layer over the 13 rows alone; padding rows zero; the padding's conv
-    window in the scratch slot, no other slot touched."""
-    layer, reference_pools = small_layer_and_pools(seed=1, num_slots=4)
-    pools = {c: p.clone() for c, p in reference_pools.items()}
-    gen = torch.Generator().manual_seed(5)
-    slot, scratch, real = 2, 3, 13
-    x = torch.randn(20, 32, generator=gen)
-    backend = pool_backend(pools, [slot], [20])
-    backend.padded_prefill = PaddedPrefill(
-        torch.tensor([slot, scratch], dtype=torch.int32), torch.tensor([0, real, 20], dtype=torch.int32)
-    )
-    with torch.no_grad():
-        ref_out = layer(x[:real], pool_backend(reference_pools, [slot], [real]))
-        out = layer._forward_mixing(layer._mix_cuda, x, backend)
-    torch.testing.assert_close(out[:real], ref_out, atol=1e-5, rtol=0)
-    assert torch.count_nonzero(out[real:]) == 0
-    for component in ("conv", "recurrent"):
-        torch.testing.assert_close(
-            pools[component][slot], reference_pools[component][slot], atol=1e-5, rtol=0
-        )
-        assert untouched(pools[component], reference_pools[component], [slot, scratch])
-    assert torch.equal(pools["recurrent"][scratch], reference_pools["recurrent"][scratch])
-    assert not torch.equal(pools["conv"][scratch], reference_pools["conv"][scratch])
-    assert reference_fla == [None]  # one fla call, for one sequence (no varlen)
-
-
 @pytest.mark.skipif(
     DEVICE == "cuda", reason="on a GPU, test_gdn_gpu.py runs the layer against the CPU reference"
 )
@@ -527,8 +447,19 @@ def test_layer_fast_path_matches_reference_path(reference_fla, pool_backend):
     for here) against the reference path on one pool: a prefill of 20, 0, 2 and 1 tokens (fla's chunked
     kernel; the 2- and 1-token ones keep part of their conv window), 3 decode steps, then short chunks
     continuing all four (our token-by-token kernel)."""
-    layer, reference_pools = small_layer_and_pools(seed=0, num_slots=6)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(0, 32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+                          conv_kernel_size=WIDTH, rms_norm_eps=1e-6)  # fmt: skip
+    with torch.no_grad():
+        layer.A_log.uniform_(-3.0, 0.5)
+        layer.dt_bias.normal_(0.0, 0.5)
+        layer.conv1d.weight.normal_(0.0, 0.4)
+        layer.norm.weight.normal_(1.0, 0.2)
     gen = torch.Generator().manual_seed(4)
+    reference_pools = {
+        "conv": torch.randn(6, WIDTH - 1, layer.conv_dim, generator=gen),
+        "recurrent": torch.randn(6, 4, 16, 16, generator=gen) * 0.5,
+    }
     fast_pools = {c: p.clone() for c, p in reference_pools.items()}
     slots = [4, 0, 2, 5]
     with torch.no_grad():
