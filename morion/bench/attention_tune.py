@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.runtime.errors import OutOfResources
 
 from morion.ops.moe_tune import graph_microseconds
@@ -134,38 +135,40 @@ class _StageFallbacks(logging.Handler):
         self.count += 1
 
 
+def _time_candidate(
+    case: Case, config: KernelConfig, reference: torch.Tensor, fallbacks: _StageFallbacks
+) -> dict:
+    """One candidate's row: its microseconds and TFLOP/s, or why it could not run or was refused."""
+    out = torch.empty_like(case.q)
+    try:
+        run_kernel(case, config, out)
+        torch.cuda.synchronize()
+        micros = graph_microseconds(lambda: run_kernel(case, config, out), calls=1)
+    except (OutOfResources, RuntimeError, ValueError) as error:
+        return {"config": config._asdict(), "error": str(error).splitlines()[0][:160]}
+    off = (out.float() - reference.float()).abs().max().item() / reference.abs().max().item()
+    row = {"config": config._asdict(), "us": micros, "tflops": case.flops / micros / 1e6, "rel_error": off}
+    if fallbacks.count:
+        row["refused"] = "its stages did not fit in shared memory (ran with 1)"
+    elif off > AGREEMENT:
+        row["refused"] = f"disagrees with the default tiles by {off:.3g} (> {AGREEMENT})"
+    print(f"  {tuple(config)} {micros:9.1f} us {row['tflops']:6.1f} TFLOP/s", file=sys.stderr)
+    return row
+
+
 def tune_shape(shape: Shape, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> dict:
     case = make_case(shape, heads, kv_heads, head_dim, kv_dtype)
     reference = run_kernel(case, None, torch.empty_like(case.q)).clone()
-    scale = reference.abs().max().item()
     rows = []
     fallbacks = _StageFallbacks()
-    logging.getLogger("morion.ops.paged_attention_triton").addHandler(fallbacks)
-    for config in CANDIDATES:
-        out = torch.empty_like(case.q)
-        fallbacks.count = 0
-        try:
-            run_kernel(case, config, out)
-            torch.cuda.synchronize()
-            micros = graph_microseconds(lambda c=config, o=out: run_kernel(case, c, o), calls=1)
-        except (OutOfResources, RuntimeError, ValueError) as error:
-            rows.append({"config": config._asdict(), "error": str(error).splitlines()[0][:160]})
-            continue
-        off = (out.float() - reference.float()).abs().max().item() / scale
-        row = {
-            "config": config._asdict(),
-            "us": micros,
-            "tflops": case.flops / micros / 1e6,
-            "rel_error": off,
-        }
-        if fallbacks.count:
-            row["refused"] = "its stages did not fit in shared memory (ran with 1)"
-        elif off > AGREEMENT:
-            row["refused"] = f"disagrees with the default tiles by {off:.3g} (> {AGREEMENT})"
-        rows.append(row)
-        print(
-            f"  {shape.name}: {tuple(config)} {micros:9.1f} us {row['tflops']:6.1f} TFLOP/s", file=sys.stderr
-        )
+    launcher_log = logging.getLogger("morion.ops.paged_attention_triton")
+    launcher_log.addHandler(fallbacks)
+    try:
+        for config in CANDIDATES:
+            fallbacks.count = 0
+            rows.append(_time_candidate(case, config, reference, fallbacks))
+    finally:
+        launcher_log.removeHandler(fallbacks)
     default = extend_config(head_dim)
     anchor = anchor_microseconds(case)
     return {
@@ -231,8 +234,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     kv_dtype = FP8_KV_DTYPE if args.kv_dtype == "fp8" else torch.bfloat16
-    import triton
-
     meta = {
         "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kv_dtype": args.kv_dtype,
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
