@@ -51,8 +51,9 @@ case "$model" in
     # Long replies, few requests: each one leaves two 75 MB snapshots in the host and disk tiers, which must
     # still hold every conversation of restore at its disk step.
     soak=(--soak-clients 8 --soak-minutes 5 --soak-turn-tokens 256 --soak-max-tokens 2048)
+    # Cold prefill at issue #24's lengths: TTFT at 1K, tok/s at 8K and 64K.
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
-        --perf-prefill-lengths 1024)
+        --perf-prefill-lengths 1024,8192,65536)
     # --logprobs 0: the server, serving a preset without a tokenizer, is timed through `logprobs: 0`;
     # the offline engine does the same work (a log-softmax per step), so the ratio compares like with like.
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
@@ -69,7 +70,7 @@ flash-next)
     min_hits=30  # the shorter run: every conversation a hit on every tier
     soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
     perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
-        --perf-prefill-lengths 1024)
+        --perf-prefill-lengths 1024,8192,32768)  # issue #24's lengths for Flash-Next
     offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
         --logprobs 0)  # as for 80b
     turn=(--turn-prefix 32768 --turn-new 1024)

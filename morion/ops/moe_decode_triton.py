@@ -23,10 +23,15 @@ sorted by expert on the device (`expert_tiles`, no host sync, a table whose size
 a program per (tile of GROUPED_BLOCK_M rows of one expert, column block), tl.dot tiles whose FP8 products
 are summed in fp32 after every MMA instruction. A row's result still ignores its batch.
 
-Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). It reads the
-P expert ids and goes on only if p is the first pair routed to its expert (the expert's leader); the
-leader then computes all of that expert's pairs, BLOCK_M rows at a time, so each weight tile is read
-once per call however many tokens chose the expert. Every other program finds no rows and ends.
+Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). With tl.dot
+tiles it reads the P expert ids and goes on only if p is the first pair routed to its expert (the
+expert's leader); the leader then computes all of that expert's pairs, BLOCK_M rows at a time, so each
+weight tile is read once per call however many tokens chose the expert. Every other program finds no
+rows and ends. A GEMV tile takes one row, so a leader would compute its expert's rows one after another:
+a shared expert stacked with the routed ones (every token's slot k - 1) made one program loop over all
+T rows while the rest of the grid had finished. GEMV tiles skip the grouping instead: each program
+computes its own pair, the same arithmetic for the row, and an expert's rows run side by side (its
+weight tile read from L2 after the first).
 
 Invariants:
 - Capturable: every shape and grid depends only on T, k and the weights; nothing is read back on the
@@ -109,11 +114,14 @@ def _group_rows(match, rank, start, count, BLOCK_P: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr):
+def _expert_rows(
+    ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr
+):  # fmt: skip
     """This program's expert, its first row and row count, and what `_rows_at` finds its rows with:
     grouped, tile program_id(0) of the table (expert, first row, end row) over the pairs sorted by expert
-    (an unused tile has no rows; `match` and `rank` unused); else the decode kernels' leader group (a
-    count only for the expert's first pair)."""
+    (an unused tile has no rows; `match` and `rank` unused); one-row (GEMV) tiles, pair program_id(0)
+    alone (`match` holds the pair, `rank` unused); else the decode kernels' leader group (a count only
+    for the expert's first pair)."""
     if GROUPED:
         tile = tl.program_id(0)
         expert = tl.cast(tl.load(tiles_ptr + tile * 3), tl.int64)
@@ -121,6 +129,13 @@ def _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED: tl.constexpr, BLOCK_P: 
         count = tl.load(tiles_ptr + tile * 3 + 2) - first
         match = first
         rank = first
+    elif BLOCK_M == 1:
+        pair = tl.program_id(0)
+        expert = tl.cast(tl.load(ids_ptr + pair), tl.int64)
+        first = 0
+        count = 1
+        match = pair
+        rank = pair
     else:
         expert, count, match, rank = _expert_group(ids_ptr, num_pairs, BLOCK_P)
         first = 0
@@ -137,6 +152,9 @@ def _rows_at(
         rows = start + tl.arange(0, BLOCK_M)
         rows_ok = rows < count
         pairs = tl.load(order_ptr + first + rows, mask=rows_ok, other=0)
+    elif BLOCK_M == 1:
+        pairs = match + tl.arange(0, 1)
+        rows_ok = pairs >= 0
     else:
         pairs, rows_ok = _group_rows(match, rank, start, count, BLOCK_P, BLOCK_M)
     return pairs, rows_ok
@@ -220,7 +238,7 @@ def _gate_up_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
-    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
     w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn
@@ -263,7 +281,7 @@ def _down_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
-    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn

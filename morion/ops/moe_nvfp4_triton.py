@@ -330,7 +330,7 @@ def _gate_up_kernel(
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter_size
-    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         _gate_up_rows(
@@ -351,7 +351,7 @@ def _down_kernel(
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
-    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P)
+    expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         _down_rows(

@@ -271,9 +271,28 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fixed(server.get('engine_decode_step_ms'))} | {_ms(offline.get('step_s'), 2)} | "
                 f"{_fixed(offline.get('engine_decode_step_ms'))} |"
             )
+        lines += _prefill_lines(perf["prefill"])
         lines += _forward_lines(perf.get("forwards"))
     lines += _turn_lines(summary.get("turn"))
     return "\n".join(lines) + "\n"
+
+
+def _prefill_lines(prefill: list[dict[str, Any]]) -> list[str]:
+    """The cold prefill points through the server (issue #24's TTFT at 1K and tok/s at longer prompts)."""
+    if not prefill:
+        return []
+    lines = [
+        "",
+        "Cold prefill through the server (a fresh prompt alone, max_tokens 1; median of runs):",
+        "",
+        "| prompt tokens | TTFT ms | prefill tok/s |",
+        "|---:|---:|---:|",
+    ]
+    for point in prefill:
+        median = point["server"] or {}
+        ttft, rate = _ms(median.get("ttft_s")), _num(median.get("prefill_tok_s"))
+        lines.append(f"| {point['prompt_tokens']:,} | {ttft} | {rate} |")
+    return lines
 
 
 def _forward_lines(forwards: dict[str, int] | None) -> list[str]:

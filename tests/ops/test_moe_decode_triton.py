@@ -166,6 +166,33 @@ def test_an_expert_with_more_pairs_than_a_row_tile():
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ("fp32", "fp8"))
+def test_gemv_tiles_compute_an_expert_every_token_chose_one_pair_a_program(kind):
+    """The last slot of all 12 tokens is expert 7, as a shared expert stacked after the routed ones: GEMV
+    tiles compute its rows in programs of their own, each row as the token alone computes it (bit for
+    bit), all within rounding of the reference."""
+    hidden, gate_up, down, weights, ids = make_case(12, torch.float32, seed=11)
+    ids[:, 0] = torch.arange(12) % 7  # routed: experts 0..6, some chosen twice
+    ids[:, 1] = 7
+    options = {}
+    if kind == "fp8":
+        gate_up, down, options = fp8_experts(gate_up, down)
+        tiles = FP8_TILE_CASES["gemv"]
+    else:
+        tiles = TILE_CASES["gemv"]
+    expected = moe_experts_reference(hidden, gate_up, down, weights, ids, **options)
+    hidden, gate_up, down, weights, ids = on_device(hidden, gate_up, down, weights, ids)
+    options = {k: v.to(DEVICE) for k, v in options.items()}
+    options.update(gate_up_tiles=tiles[0], down_tiles=tiles[1])
+    batched = moe_experts_triton(hidden, gate_up, down, weights, ids, **options)
+    assert rel_l2(batched, expected) < (1e-3 if kind == "fp8" else 1e-5)
+    for t in (0, 11):
+        alone = moe_experts_triton(
+            hidden[t : t + 1], gate_up, down, weights[t : t + 1], ids[t : t + 1], **options
+        )
+        assert torch.equal(alone[0], batched[t])
+
+
 @pytest.mark.parametrize("tiles", ("default", "swapped", "gemv"))
 @pytest.mark.parametrize("kind", ("fp32", "fp8"))
 def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):

@@ -254,3 +254,15 @@ def test_the_perf_servers_forwards_are_reported_by_kind_graph_and_eager(tmp_path
     ) in report
     _, _, without = _run(tmp_path / "none", _validate())
     assert "replayed from a CUDA graph" not in without
+
+
+def test_the_cold_prefill_points_through_the_server_are_tabled(tmp_path):
+    validate = _validate()
+    validate["suites"]["perf"]["prefill"] = [
+        {"prompt_tokens": 1024, "median": {"ttft_s": 0.095, "prefill_tok_s": 10778.9}},
+        {"prompt_tokens": 65536, "median": {"ttft_s": 2.9, "prefill_tok_s": 22598.6}},
+    ]
+    status, result, report = _run(tmp_path, validate)
+    assert status == 0 and [p["prompt_tokens"] for p in result["summary"]["perf"]["prefill"]] == [1024, 65536]
+    assert "| 1,024 | 95 | 10,778.9 |" in report
+    assert "| 65,536 | 2,900 | 22,598.6 |" in report
