@@ -7,15 +7,17 @@ tile in both code expansions (`Tiles.expand`: a block scale per byte or per 16-c
 tiles also with K split over 2, 4 and 8 programs (`Tiles.split_k`).
 
 Random experts of the shape (FP8: quantized per (expert, row); NVFP4: per (expert, projection); as the
-loader does), and for each token
-count of `--tokens` 20 random routings (different experts per call, so weights come from HBM as in a
-decode step, not from L2). A candidate's cost is the sum over those token counts of the microseconds per
-call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with the
-default down tile, then the down tile with the best gate/up one; then each again over warp counts and
+loader does), and for each token count of `--tokens` 20 random routings (different experts per call, so
+weights come from HBM as in a decode step, not from L2); `--shared-expert` routes every token's last slot
+to the last expert, as the presets route their stacked shared expert (E = 513, top-11), whose rows the
+kernels then meet T at a time. A candidate's cost is the sum over those token counts of the microseconds
+per call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with
+the default down tile, then the down tile with the best gate/up one; then each again over warp counts and
 pipeline depths around the chosen block shapes (`launch_variants`). One tile per kernel for every token
 count (batch invariance: see ops/moe_tiles.py). A candidate's output must agree with the default tiles'
 within `AGREEMENT` (another tile sums in another order, nothing else), or it is refused. Prints one line
-per candidate, writes the JSON with the default tiles' and the chosen tiles' timings, and prints its path.
+per candidate, writes the JSON with the default tiles' and the chosen tiles' timings, and prints its
+path.
 """
 
 from __future__ import annotations
@@ -136,13 +138,25 @@ def random_experts(shape: ExpertShape, device: torch.device, seed: int = 0) -> E
     return {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
 
 
-def random_batch(shape: ExpertShape, tokens: int, top_k: int, device: torch.device, seed: int) -> Batch:
-    """hidden [T, H] bf16 and a renormalised softmax top-k routing over random router logits."""
+def random_batch(
+    shape: ExpertShape, tokens: int, top_k: int, device: torch.device, seed: int, shared_expert: bool = False
+) -> Batch:
+    """hidden [T, H] bf16 and a renormalised softmax top-k routing over random router logits. With
+    `shared_expert` the last of the E experts is a shared expert stacked after the routed ones (the
+    presets' layout: layers/moe.py's `shared_slot`): every token's last slot, with a sigmoid-like weight,
+    and the other k - 1 slots routed over the first E - 1."""
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(tokens, shape.hidden, device=device, generator=generator).to(torch.bfloat16)
-    logits = torch.randn(tokens, shape.experts, device=device, generator=generator)
-    weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
-    return hidden, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16), ids
+    routed = shape.experts - 1 if shared_expert else shape.experts
+    chosen = top_k - 1 if shared_expert else top_k
+    logits = torch.randn(tokens, routed, device=device, generator=generator)
+    weights, ids = torch.softmax(logits, dim=-1).topk(chosen, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if shared_expert:
+        gate = torch.rand(tokens, 1, device=device, generator=generator)
+        weights = torch.cat((weights, gate), dim=-1)
+        ids = torch.cat((ids, torch.full_like(ids[:, :1], routed)), dim=-1)
+    return hidden, weights.to(torch.bfloat16), ids
 
 
 def run_experts(
@@ -262,11 +276,14 @@ def _sweep(
     return chosen, times
 
 
-def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device) -> dict:
-    """The tuned config (the JSON written by `main`)."""
+def tune(
+    shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device, shared_expert: bool = False
+) -> dict:
+    """The tuned config (the JSON written by `main`); `shared_expert` as `random_batch`'s."""
     experts = random_experts(shape, device)
     batches = {
-        t: [random_batch(shape, t, top_k, device, seed=1000 * t + i) for i in range(ROUTINGS)] for t in tokens
+        t: [random_batch(shape, t, top_k, device, 1000 * t + i, shared_expert) for i in range(ROUTINGS)]
+        for t in tokens
     }
     if shape.dtype == "nvfp4":
         fn = moe_experts_nvfp4
@@ -292,6 +309,7 @@ def tune(shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.de
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),
         "top_k": top_k,
+        "shared_expert": shared_expert,
         "gate_up": list(gate_up),
         "down": list(down),
         "us_per_call": {str(t): round(us, 2) for t, us in chosen_us.items()},
@@ -318,6 +336,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, required=True)
     parser.add_argument("--dtype", default="fp8", choices=("fp8", "nvfp4", "bfloat16"))
     parser.add_argument("--tokens", default="1,4", help="token counts whose summed time is minimised")
+    parser.add_argument(
+        "--shared-expert",
+        action="store_true",
+        help="the last expert is a shared expert stacked after the routed ones (the presets' E = 513): "
+        "every token's last slot",
+    )
     parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="directory of the JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -325,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     shape = ExpertShape(args.experts, args.hidden, args.intermediate, args.dtype)
     device = torch.device("cuda", torch.cuda.current_device())
-    config = tune(shape, args.top_k, tokens, device)
+    if args.shared_expert and args.top_k < 2:
+        parser.error("--shared-expert needs --top-k of at least 2 (the routed slots and the shared one)")
+    config = tune(shape, args.top_k, tokens, device, args.shared_expert)
     path = config_path(config["device"], shape, args.out)
     chosen = write_tuned(config, path)
     print(f"moe tune: gate_up {config['gate_up']}, down {config['down']}: {chosen}; wrote {path}")

@@ -1,6 +1,8 @@
+import torch
+
 from morion.ops.moe_decode_triton import exact_mma
-from morion.ops.moe_tiles import Tiles
-from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants
+from morion.ops.moe_tiles import ExpertShape, Tiles
+from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch
 
 
 def test_launch_variants_keep_the_block_shape_and_start_with_the_chosen_tile():
@@ -16,3 +18,16 @@ def test_fp8_sweeps_leave_out_swapped_operands_only():
     assert {t.mma for t in kept} == {"dot", "gemv"}
     assert len(kept) == sum(t.mma != "swapped" for t in GATE_UP_CANDIDATES)
     assert all(exact_mma(t, fp8=False) for t in GATE_UP_CANDIDATES)
+
+
+def test_a_stacked_shared_expert_is_every_tokens_last_slot():
+    """`--shared-expert`: as the presets route E = 513, the last expert takes every token's last slot and
+    the k - 1 routed slots stay distinct, among the first E - 1; without it all E are routed at random."""
+    shape = ExpertShape(9, 16, 16, "bfloat16")
+    hidden, weights, ids = random_batch(shape, 6, 3, torch.device("cpu"), seed=0, shared_expert=True)
+    assert hidden.shape == (6, 16) and weights.shape == ids.shape == (6, 3)
+    assert ids[:, -1].eq(8).all() and ids[:, :-1].lt(8).all()
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+    assert weights[:, :-1].float().sum(-1).sub(1).abs().max() < 1e-2 and weights[:, -1].gt(0).all()
+    _, _, routed = random_batch(shape, 64, 3, torch.device("cpu"), seed=0)
+    assert not routed[:, -1].eq(8).all() and routed.eq(8).any()
