@@ -135,18 +135,33 @@ def moe_experts_grouped(
         gate_up = _scaled_grouped_mm(q[token_of], scale[token_of], gate_up_proj, gate_up_scale, offsets)
     else:
         gate_up = torch._grouped_mm(hidden[token_of], gate_up_proj.transpose(-2, -1), offs=offsets)
-    gate, up = gate_up.chunk(2, dim=-1)
     # The routing weight scales the down projection's input (it is linear), I wide instead of H wide.
-    act = F.silu(gate) * up * pair_weights.to(gate_up.dtype)
     if fp8:
-        q, scale = quantize_fp8(act, per_row=True)
+        q, scale = _swiglu_quantized(gate_up, pair_weights)
         expert_out = _scaled_grouped_mm(q, scale, down_proj, down_scale, offsets)
     else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up * pair_weights.to(gate_up.dtype)
         expert_out = torch._grouped_mm(act, down_proj.transpose(-2, -1), offs=offsets)
-    # Back to pair order (a permutation: each row written once), then each token's k outputs summed in
-    # fp32. Unlike index_add_ this has no atomics: the result does not depend on thread scheduling.
+    # Each token's k outputs, back from the sorted layout, summed in fp32 in slot order. Unlike index_add_
+    # this has no atomics: the result does not depend on thread scheduling.
+    if expert_out.is_cuda:
+        from morion.ops.moe_grouped_triton import combine_pairs
+
+        return combine_pairs(expert_out, order, top_k, hidden.dtype)
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
     return unsorted.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+def _swiglu_quantized(gate_up: torch.Tensor, pair_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up * the pair's routing weight (in gate_up's dtype), quantized per row for the FP8 down
+    GEMM: one Triton kernel on CUDA (ops/moe_grouped_triton.py), this torch chain elsewhere."""
+    if gate_up.is_cuda:
+        from morion.ops.moe_grouped_triton import swiglu_quantize
+
+        return swiglu_quantize(gate_up, pair_weights)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return quantize_fp8(F.silu(gate) * up * pair_weights.to(gate_up.dtype), per_row=True)
 
 
 def _scaled_grouped_mm(

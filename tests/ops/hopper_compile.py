@@ -35,6 +35,7 @@ from morion.ops import (
     add_rms_norm_triton,
     hyper_connection_triton,
     moe_decode_triton,
+    moe_grouped_triton,
     qsa_triton,
     router_triton,
     skinny_linear_triton,
@@ -273,6 +274,31 @@ KERNELS = {
             "inv_count": "fp32",
         },
         {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32, "STAGES": 1},
+    ),
+    # The grouped MoE path's elementwise kernels at the 80B's shapes (I = 512, H = 2048, top-10).
+    "moe_grouped_triton._swiglu_quantize_kernel": (
+        moe_grouped_triton._swiglu_quantize_kernel,
+        {
+            "gate_up_ptr": "*bf16",
+            "weights_ptr": "*bf16",
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "inter_size": "i32",
+            "stride_row": "i32",
+        },
+        {"FP8_MAX": 448.0, "MIN_SCALE": 1e-12, "BLOCK": 512},
+    ),
+    "moe_grouped_triton._combine_pairs_kernel": (
+        moe_grouped_triton._combine_pairs_kernel,
+        {
+            "values_ptr": "*bf16",
+            "position_ptr": "*i64",
+            "out_ptr": "*bf16",
+            "hidden_size": "i32",
+            "stride_values": "i32",
+            "stride_out": "i32",
+        },
+        {"TOP_K": 10, "BLOCK": 512},
     ),
 }
 

@@ -6,9 +6,6 @@ they run in Triton's interpreter, compiled on a GPU. Real shapes and timings: te
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 
@@ -21,26 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 64, 2
 
 
-@pytest.fixture(autouse=True)
-def exact_e4m3_casts_in_the_interpreter(monkeypatch):
-    """Triton 3.7's interpreter converts fp32 to e4m3 with a lost carry (127.9 -> 64, not 128) and ties
-    away from zero; the hardware rounds to nearest even. Under the interpreter, e4m3 conversions go
-    through torch's (round to nearest even, as the GPU), so FP8 results can be checked closely here."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
-            return original(self, src, dst_type, rounding_mode)
-        values = torch.from_numpy(np.array(src.data, dtype=np.float32))
-        codes = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return interpreter.TensorHandle(codes, dst_type.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+pytestmark = pytest.mark.usefixtures("exact_e4m3_casts_in_the_interpreter")
 
 
 def make_case(tokens: int, dtype: torch.dtype, seed: int = 0):
