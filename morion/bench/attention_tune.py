@@ -4,14 +4,14 @@
 
 The extend kernel (ops/paged_attention_triton.py) runs every prefill chunk's attention: a fresh prompt's
 tokens over themselves, an agent turn's 1K new tokens over a long cached prefix, the chunks of a long
-prompt over all that came before. Its tiles (`extend_config`) were chosen from register counts, never
-timed. For each shape of `SHAPES` (queries over a context, FP8 or BF16 K/V in a shuffled page table),
-each candidate `KernelConfig` is timed as CUDA-graph replays and reported in TFLOP/s of the causal work
-(4 * head_dim * heads * visible keys, summed over queries); a candidate whose output disagrees with the
-default tiles' beyond `AGREEMENT` is refused. The anchor is torch's scaled_dot_product_attention
-(flash backend where it takes the shape) over the same keys laid out contiguously in BF16 with no mask:
-the same products, no page table, no FP8. Writes `attention-tune-h*-kv*-d*-<dtype>.json` and `.md` to --out
-and prints the Markdown table.
+prompt over all that came before. Its tiles (`extend_config`) are chosen by this sweep's timings (they
+were first chosen from register counts). For each shape of `SHAPES` (queries over a context, FP8 or BF16
+K/V in a shuffled page table), each candidate `KernelConfig` is timed as CUDA-graph replays and reported
+in TFLOP/s of the causal work (4 * head_dim * heads * visible keys, summed over queries); a candidate
+whose output disagrees with the default tiles' beyond `AGREEMENT` is refused. The anchor is torch's
+scaled_dot_product_attention (flash backend where it takes the shape) over the same keys laid out
+contiguously in BF16 with no mask: the same products, no page table, no FP8. Writes
+`attention-tune-h*-kv*-d*-<dtype>.json` and `.md` to --out and prints the Markdown table.
 """
 
 from __future__ import annotations

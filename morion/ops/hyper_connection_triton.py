@@ -56,6 +56,7 @@ from morion.ops.hc_tiles import DEFAULT_MIX_TILES, MixTiles, mix_shape, tuned_mi
 from morion.ops.moe_decode_triton import slot_sum
 from morion.ops.moe_tiles import device_name
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
+from morion.ops.row_kernels_triton import rounded
 from morion.ops.slot_partials import SlotPartials
 
 # The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
@@ -74,16 +75,10 @@ _BLOCK_T = 4  # token rows per program: decode batches are small, and masked row
 
 
 @triton.jit
-def _rounded(x, dtype):
-    """x rounded to `dtype` (as torch stores an op's result), back in fp32."""
-    return tl.cast(tl.cast(x, dtype), tl.float32)
-
-
-@triton.jit
 def _normed(x, rstd, w_norm, dtype):
     """GroupedRMSNorm of fp32 x given its stream's rstd: x * rstd * (1 + w) in fp32, rounded once. Both
     kernels go through here, so kernel 2 recomputes the very bits that kernel 1 multiplied."""
-    return _rounded((x * rstd) * (1.0 + w_norm), dtype)
+    return rounded((x * rstd) * (1.0 + w_norm), dtype)
 
 
 @triton.jit
@@ -200,15 +195,15 @@ def _up_mix_kernel(
             partial_ptr, tokens[:, None], r[None, :], tokens_ok[:, None] & r_ok[None, :],
             num_tokens, hc_count, out_rows, HC_BLOCK if STAGES > 1 else 0,
         )  # fmt: skip
-        scaled = _rounded(_rounded(down, dtype) * inv_count, dtype)
-        act = _rounded(tl.math.div_rn(scaled, 1.0 + tl.exp(-scaled)), dtype)  # silu, as torch's
+        scaled = rounded(rounded(down, dtype) * inv_count, dtype)
+        act = rounded(tl.math.div_rn(scaled, 1.0 + tl.exp(-scaled)), dtype)  # silu, as torch's
         w = tl.load(
             up_w_ptr + up_rows[:, None] * lowrank + r[None, :],
             mask=lanes_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
         acc += act[:, None, :] * tl.cast(w, tl.float32)[None, :, :]
-    gate = _rounded(_sigmoid(_rounded(tl.sum(acc, axis=2), dtype)), dtype)
+    gate = rounded(_sigmoid(rounded(tl.sum(acc, axis=2), dtype)), dtype)
 
     mask = tokens_ok[:, None] & lanes_ok[None, :]
     x = tl.cast(
@@ -218,7 +213,7 @@ def _up_mix_kernel(
     rstd = tl.load(rstd_ptr + tokens[:, None] * hc_count + stream[None, :], mask=mask, other=0.0)
     w_norm = tl.cast(tl.load(norm_w_ptr + up_rows, mask=lanes_ok, other=0.0), tl.float32)
     normed = _normed(x, rstd, w_norm[None, :], dtype)
-    products = tl.where(mask, _rounded(gate * normed, dtype), 0.0)
+    products = tl.where(mask, rounded(gate * normed, dtype), 0.0)
     mixed = tl.sum(tl.reshape(products, (BLOCK_T, HC_BLOCK, BLOCK_C)), axis=1) * inv_count
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     out_mask = tokens_ok[:, None] & (cols[None, :] < hidden)
@@ -237,8 +232,8 @@ def _up_mix_kernel(
             out_rows,
             0,
         )
-        scaled = _rounded(_rounded(logits, dtype) * inv_count, dtype)
-        weights = 2.0 * _rounded(_sigmoid(scaled), dtype)
+        scaled = rounded(rounded(logits, dtype) * inv_count, dtype)
+        weights = 2.0 * rounded(_sigmoid(scaled), dtype)
         tl.store(
             inject_ptr + tokens[:, None] * hc_count + j[None, :],
             tl.cast(weights, dtype),

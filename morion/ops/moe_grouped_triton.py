@@ -25,15 +25,9 @@ import triton.language as tl
 
 from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
-from morion.ops.row_kernels_triton import fp8_row
+from morion.ops.row_kernels_triton import fp8_row, rounded
 
 _COMBINE_BLOCK = 512  # H columns a combine program sums
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """fp32 x rounded to `dtype` and back: one of torch's rounding points."""
-    return tl.cast(tl.cast(x, dtype), tl.float32)
 
 
 @triton.jit
@@ -49,10 +43,10 @@ def _swiglu_quantize_kernel(
     base = gate_up_ptr + row * stride_row
     gate = tl.cast(tl.load(base + cols, mask=mask, other=0.0), tl.float32)
     up = tl.cast(tl.load(base + inter_size + cols, mask=mask, other=0.0), tl.float32)
-    weight = tl.cast(tl.cast(tl.load(weights_ptr + row), dtype), tl.float32)
-    act = _rounded(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # silu, as torch's
-    act = _rounded(act * up, dtype)
-    act = _rounded(act * weight, dtype)
+    weight = rounded(tl.load(weights_ptr + row), dtype)
+    act = rounded(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # silu, as torch's
+    act = rounded(act * up, dtype)
+    act = rounded(act * weight, dtype)
     q, scale = fp8_row(act, tl.max(tl.abs(act), axis=0), q_ptr, FP8_MAX, MIN_SCALE)
     tl.store(q_ptr + row * inter_size + cols, q, mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -118,6 +118,12 @@ def _quantize_fp8_rows_kernel(
 
 
 @triton.jit
+def rounded(x, dtype):
+    """x rounded to `dtype` (as torch stores an op's result), back in fp32."""
+    return tl.cast(tl.cast(x, dtype), tl.float32)
+
+
+@triton.jit
 def fp8_row(x, amax, q_ptr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """(e4m3 codes in q_ptr's dtype, fp32 scale) of the fp32 values x whose absolute maximum is amax:
     `ops.fp8.quantize_fp8`'s per-row values. Every kernel that quantizes a row goes through here."""
