@@ -38,7 +38,7 @@ from triton.runtime.errors import OutOfResources
 from morion.ops.fp8 import quantize_fp8
 from morion.ops.moe_decode_triton import DOWN_TILES, GATE_UP_TILES, exact_mma, moe_experts_triton
 from morion.ops.moe_nvfp4_triton import DECODE_DOWN_TILES, DECODE_GATE_UP_TILES, moe_experts_nvfp4
-from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path
+from morion.ops.moe_tiles import CONFIG_DIR, ExpertShape, Tiles, config_path, tuned_tiles
 from morion.ops.nvfp4 import quantize_nvfp4_parts
 
 # Candidates: BLOCK_N x BLOCK_K x stages, 4 warps, in each of the three MMA modes (Tiles.mma; swapped
@@ -277,9 +277,16 @@ def _sweep(
 
 
 def tune(
-    shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device, shared_expert: bool = False
+    shape: ExpertShape,
+    top_k: int,
+    tokens: Sequence[int],
+    device: torch.device,
+    shared_expert: bool = False,
+    shipped: tuple[Tiles, Tiles] | None = None,
 ) -> dict:
-    """The tuned config (the JSON written by `main`); `shared_expert` as `random_batch`'s."""
+    """The tuned config (the JSON written by `main`); `shared_expert` as `random_batch`'s. `shipped`: the
+    (gate_up, down) tiles of the file that serving reads now, timed on the same batches
+    (`shipped_us_per_call`), so that a new file replaces it only where it is faster."""
     experts = random_experts(shape, device)
     batches = {
         t: [random_batch(shape, t, top_k, device, 1000 * t + i, shared_expert) for i in range(ROUTINGS)]
@@ -293,6 +300,10 @@ def tune(
         width = experts["gate_up"].element_size()
         defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
     default_us = {t: time_in_graph(fn, experts, b, **defaults) for t, b in batches.items()}
+    shipped_us = None
+    if shipped is not None:
+        options = {"gate_up_tiles": shipped[0], "down_tiles": shipped[1]}
+        shipped_us = {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
     reference = {t: run_experts(fn, experts, *b[0], **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
     fp8 = shape.dtype == "fp8"
@@ -314,6 +325,14 @@ def tune(
         "down": list(down),
         "us_per_call": {str(t): round(us, 2) for t, us in chosen_us.items()},
         "default_us_per_call": {str(t): round(us, 2) for t, us in default_us.items()},
+        **(
+            {
+                "shipped": {"gate_up": list(shipped[0]), "down": list(shipped[1])},
+                "shipped_us_per_call": {str(t): round(us, 2) for t, us in shipped_us.items()},
+            }
+            if shipped is not None and shipped_us is not None
+            else {}
+        ),
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
@@ -324,8 +343,13 @@ def write_tuned(config: dict, path: Path) -> str:
     `path`, its folder made; returns those timings as one line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
-    timings = config["us_per_call"].items()
-    return ", ".join(f"T={t} {us} us (default {config['default_us_per_call'][t]})" for t, us in timings)
+    shipped = config.get("shipped_us_per_call", {})
+    return ", ".join(
+        f"T={t} {us} us (default {config['default_us_per_call'][t]}"
+        + (f", shipped file {shipped[t]}" if t in shipped else "")
+        + ")"
+        for t, us in config["us_per_call"].items()
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -351,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     if args.shared_expert and args.top_k < 2:
         parser.error("--shared-expert needs --top-k of at least 2 (the routed slots and the shared one)")
-    config = tune(shape, args.top_k, tokens, device, args.shared_expert)
+    shipped = tuned_tiles(torch.cuda.get_device_name(device), shape)
+    config = tune(shape, args.top_k, tokens, device, args.shared_expert, shipped)
     path = config_path(config["device"], shape, args.out)
     chosen = write_tuned(config, path)
     print(f"moe tune: gate_up {config['gate_up']}, down {config['down']}: {chosen}; wrote {path}")

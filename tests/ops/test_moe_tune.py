@@ -1,8 +1,10 @@
+import json
+
 import torch
 
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import ExpertShape, Tiles
-from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch
+from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch, write_tuned
 
 
 def test_launch_variants_keep_the_block_shape_and_start_with_the_chosen_tile():
@@ -31,3 +33,23 @@ def test_a_stacked_shared_expert_is_every_tokens_last_slot():
     assert weights[:, :-1].float().sum(-1).sub(1).abs().max() < 1e-2 and weights[:, -1].gt(0).all()
     _, _, routed = random_batch(shape, 64, 3, torch.device("cpu"), seed=0)
     assert not routed[:, -1].eq(8).all() and routed.eq(8).any()
+
+
+def test_the_written_line_compares_with_the_shipped_files_tiles(tmp_path):
+    """A tuned file replaces the shipped one only where it is faster: the line names both timings, and
+    the JSON keeps the shipped tiles and their times beside the chosen ones."""
+    config = {
+        "gate_up": [32, 256, 4, 3, "dot"],
+        "us_per_call": {"1": 20.0, "4": 50.0},
+        "default_us_per_call": {"1": 30.0, "4": 70.0},
+        "shipped": {"gate_up": [64, 256, 2, 3, "dot"], "down": [128, 128, 2, 2, "gemv"]},
+        "shipped_us_per_call": {"1": 25.0, "4": 48.0},
+    }
+    line = write_tuned(config, tmp_path / "tiles" / "E.json")
+    assert line == (
+        "T=1 20.0 us (default 30.0, shipped file 25.0), T=4 50.0 us (default 70.0, shipped file 48.0)"
+    )
+    assert json.loads((tmp_path / "tiles" / "E.json").read_text()) == config
+    del config["shipped_us_per_call"]
+    line = write_tuned(config, tmp_path / "E.json")
+    assert line == "T=1 20.0 us (default 30.0), T=4 50.0 us (default 70.0)"
