@@ -68,6 +68,9 @@ class EngineConfig:
     prefill_graph_tokens: tuple[int, ...] | None = None
     activation_reserve_gb: float | None = None  # CUDA memory kept for activations; None: measured
     moe_kernel: str = "auto"  # CUDA: fused Triton kernels to 64 tokens, else grouped GEMMs (layers/moe.py)
+    # CUDA: linear layers of one input (attention's q/k/v, ...) as one weight and one decode launch
+    # (layers/merged_linears.py); False keeps one launch per layer (for A/B measurements)
+    merge_projections: bool = True
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy

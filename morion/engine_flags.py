@@ -183,6 +183,12 @@ ENGINE_FLAGS = (
         "Qwen3.8-Flash-Next's n-gram table: host RAM, pinned on CUDA (ram), or memory-mapped files",
     ),
     _switch("enable_prefix_cache", "--no-prefix-cache", False, "do not reuse cached prompt prefixes"),
+    _switch(
+        "merge_projections",
+        "--no-merged-projections",
+        False,
+        "CUDA: one decode launch per linear layer, not one per group of layers of one input (A/B runs)",
+    ),
     EngineFlag(
         "tensor_parallel_size",
         "split the model over N ranks: one process and device each, NCCL on CUDA, gloo on the CPU (1)",

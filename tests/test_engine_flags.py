@@ -51,6 +51,7 @@ EXAMPLES = {
     "spec_token_map": ("map.json", "map.json", ["--speculative", "mtp"]),
     "ple_placement": ("mmap", "mmap", []),
     "enable_prefix_cache": (None, False, []),
+    "merge_projections": (None, False, []),
     "tensor_parallel_size": ("2", 2, []),
 }
 FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]

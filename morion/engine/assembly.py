@@ -52,6 +52,7 @@ from morion.engine.prefill_graph_memory import affordable_default_buckets, graph
 from morion.engine.scheduler import Scheduler
 from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
+from morion.layers.merged_linears import merge_projections
 from morion.layers.moe import set_moe_kernel
 from morion.loader import LoadedModel, load_model
 from morion.ops.pdl import set_pdl_mode
@@ -125,6 +126,8 @@ def assemble(
     )
     model = loaded.model
     set_moe_kernel(model, config.moe_kernel)
+    if config.merge_projections and device.type == "cuda":
+        merge_projections(model)  # before the warm-up: the merged weights' kernels compile there
     # Before the warm-up and graph capture, which compile and record the kernels' launches.
     if set_pdl_mode(config.pdl, device) != config.pdl and config.pdl != "auto":
         print(
@@ -442,6 +445,10 @@ def _build_tiers(
                 "weight_dtype": config.weight_dtype,
             }
         }
+        if config.merge_projections and device.type == "cuda":
+            # Merged decode projections may round a column differently (layers/merged_linears.py): a
+            # conversation cached by one setting is never restored under the other.
+            identity["model"]["merged_projections"] = True
         if tensor_parallel.size > 1:  # a rank's shard: never read by another layout or another rank
             identity["tensor_parallel"] = {"size": tensor_parallel.size, "rank": tensor_parallel.rank}
         info = {

@@ -18,6 +18,7 @@ from torch import nn
 
 from morion.layers.attention import AttentionBackend
 from morion.layers.linear_fp8 import Fp8Linear, all_fp8, linears_of_one_input
+from morion.layers.merged_linears import MergedLinears
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import apply_rotary
 from morion.ops.fp8 import QuantizedRows, quantize_fp8_sigmoid_gated
@@ -26,6 +27,9 @@ from morion.ops.fp8 import QuantizedRows, quantize_fp8_sigmoid_gated
 class GatedAttentionProjections(nn.Module):
     """The projections, norms and output gate of gated attention, for layers that differ in what they
     attend to: `project` gives the heads, `gate_output` finishes the attention's output."""
+
+    # q, k and v as one weight on CUDA (layers/merged_linears.py, `merge_groups`), set after load.
+    merged_qkv: MergedLinears | None = None
 
     def __init__(
         self,
@@ -58,12 +62,18 @@ class GatedAttentionProjections(nn.Module):
         v [T, Hkv, D] and the output gate [T, H, D]."""
         tokens = x.shape[0]
         # Under FP8 weights x is quantized once for the three projections (or was, by whoever made x).
-        q_gate, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj), quantized)
+        q_gate, k, v = linears_of_one_input(
+            x, (self.q_proj, self.k_proj, self.v_proj), quantized, self.merged_qkv
+        )
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, cos, sin)
         return q, k, v, gate
+
+    def merge_groups(self) -> dict[str, tuple[nn.Module, ...]]:
+        """The layers of one input that `merged_linears.merge_projections` may merge, by attribute."""
+        return {"merged_qkv": (self.q_proj, self.k_proj, self.v_proj)}
 
     def gate_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The attention output [T, H, D] times sigmoid(gate), through o_proj: [T, hidden]."""

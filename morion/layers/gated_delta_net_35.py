@@ -17,12 +17,17 @@ from torch import nn
 
 from morion.layers.gated_delta_net import GatedDeltaNet, Projections
 from morion.layers.linear_fp8 import linears_of_one_input
+from morion.layers.merged_linears import MergedLinears, products_of_one_input
 from morion.ops.causal_conv1d import GroupedChannels
 from morion.ops.fp8 import QuantizedRows
-from morion.ops.skinny_tiles import linear_forward
 
 
 class GatedDeltaNet35(GatedDeltaNet):
+    # in_proj_qkv with in_proj_z, and in_proj_b with in_proj_a, each pair one weight on CUDA
+    # (layers/merged_linears.py, `merge_groups`), set after load.
+    merged_qkvz: MergedLinears | None = None
+    merged_ba: MergedLinears | None = None
+
     def _add_projections(self, hidden_size: int) -> None:
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -32,12 +37,19 @@ class GatedDeltaNet35(GatedDeltaNet):
     def _quantized_projections(self) -> tuple[nn.Module, ...]:
         return (self.in_proj_qkv, self.in_proj_z)
 
+    def merge_groups(self) -> dict[str, tuple[nn.Module, ...]]:
+        """The layers of one input that `merged_linears.merge_projections` may merge, by attribute."""
+        return {
+            "merged_qkvz": (self.in_proj_qkv, self.in_proj_z),
+            "merged_ba": (self.in_proj_b, self.in_proj_a),
+        }
+
     def project(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> Projections:
         """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV].
         Under FP8 weights x is quantized once for in_proj_qkv and in_proj_z (`linears_of_one_input`), or
         read as `quantized`; b and a (kept in the model dtype) take the skinny kernel where the device
         tuned their shape."""
-        qkv, z = linears_of_one_input(x, self._quantized_projections(), quantized)
+        qkv, z = linears_of_one_input(x, self._quantized_projections(), quantized, self.merged_qkvz)
         z = z.view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        b, a = linear_forward(self.in_proj_b, x), linear_forward(self.in_proj_a, x)
+        b, a = products_of_one_input(x, (self.in_proj_b, self.in_proj_a), self.merged_ba)
         return Projections(GroupedChannels.of(qkv), z, b, a)

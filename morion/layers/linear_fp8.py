@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from morion.ops.fp8 import (
     rows_quantized,
 )
 from morion.ops.log_once import log_once
+
+if TYPE_CHECKING:
+    from morion.layers.merged_linears import MergedLinears
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +98,27 @@ def all_fp8(layers: Sequence[nn.Module]) -> bool:
 
 
 def linears_of_one_input(
-    x: torch.Tensor, layers: Sequence[nn.Module], quantized: QuantizedRows | None = None
+    x: torch.Tensor,
+    layers: Sequence[nn.Module],
+    quantized: QuantizedRows | None = None,
+    merged: MergedLinears | None = None,
 ) -> list[torch.Tensor]:
     """`[layer(x) for layer in layers]`, x [..., K]; where every layer is an `Fp8Linear`, x is quantized
     once for all of them (the same values each would quantize on its own: one kernel instead of
     len(layers)), whichever product each layer then runs. `quantized`, x's rows already quantized per row
     (`quantize_fp8(x.reshape(-1, K), per_row=True)`'s values, e.g. by the norm that made x), is read
-    instead of quantizing x again; only FP8 layers take it."""
+    instead of quantizing x again; only FP8 layers take it. `merged`: these layers' `MergedLinears`
+    (layers/merged_linears.py), one launch for all of them where it runs the rows (outputs are then
+    views of its output's columns)."""
     fp8 = all_fp8(layers)
     if quantized is not None and not fp8:
         raise ValueError("pre-quantized rows were given to layers that are not all FP8")
     if x.numel() == 0 or not fp8:
         return [layer(x) for layer in layers]
     q, row_scale = rows_quantized(x.reshape(-1, x.shape[-1]), quantized)
+    outputs = merged.outputs(q, row_scale, x.dtype) if merged is not None else None
+    if outputs is not None:
+        return [out.unflatten(0, x.shape[:-1]) for out in outputs]
     return [
         layer.forward_quantized(q, row_scale, x.dtype).view(*x.shape[:-1], layer.out_features)
         for layer in layers

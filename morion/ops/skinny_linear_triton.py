@@ -51,7 +51,8 @@ MAX_ROWS = 64
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, MMA: tl.constexpr,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
 ):  # fmt: skip
@@ -80,7 +81,11 @@ def _skinny_linear_kernel(
     acc = _rows_first(acc, MMA)
     if SCALED:
         x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
-        acc = acc * x_scale[:, None] * tl.load(w_scale_ptr)
+        if COLUMN_SCALES:  # merged layers (layers/merged_linears.py): each column its own layer's scale
+            w_scale = tl.load(w_scale_ptr + cols, mask=cols_ok, other=0.0)
+            acc = acc * x_scale[:, None] * w_scale[None, :]
+        else:
+            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr)
     if HAS_BIAS:
         acc = acc + tl.cast(tl.load(bias_ptr + cols, mask=cols_ok, other=0.0), tl.float32)[None, :]
     out = out_ptr + tl.cast(rows, tl.int64)[:, None] * stride_out + cols[None, :]
@@ -114,7 +119,8 @@ def skinny_linear(
     """x [M, K] @ weight [N, K].T -> [M, N] in `out_dtype` (default x's dtype), `supports(x, weight)`.
     With e4m3 weights the rows are e4m3 too, quantized per row before the call (`ops.fp8.quantize_fp8(x,
     per_row=True)`: once per input, not in each of this kernel's programs, see above), with `x_scale` [M]
-    (fp32), `weight_scale` (one fp32 element) and `out_dtype` the model dtype. `bias` [N] is added in fp32
+    (fp32), `weight_scale` (one fp32 element, or [N]: one per output column, for layers merged into one
+    weight by layers/merged_linears.py) and `out_dtype` the model dtype. `bias` [N] is added in fp32
     before the one rounding."""
     fp8 = weight.element_size() == 1
     if fp8 and (x.dtype != weight.dtype or x_scale is None or weight_scale is None):
@@ -126,6 +132,11 @@ def skinny_linear(
         raise ValueError("e4m3 rows need an out_dtype (the model dtype)")
     rows, depth = x.shape
     outputs = weight.shape[0]
+    column_scales = fp8 and weight_scale.numel() > 1
+    if column_scales and weight_scale.shape != (outputs,):
+        raise ValueError(
+            f"weight_scale: one element or one per output column ({outputs}), got {tuple(weight_scale.shape)}"
+        )
     out = torch.empty(rows, outputs, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -136,7 +147,7 @@ def skinny_linear(
         x, x_scale if x_scale is not None else x, weight, weight_scale if fp8 else weight,
         bias if bias is not None else x, out, rows, outputs, depth,
         x.stride(0), weight.stride(0), out.stride(0),
-        SCALED=fp8, HAS_BIAS=bias is not None,
+        SCALED=fp8, COLUMN_SCALES=column_scales, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 and not fp8 else "tf32",
         **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PREFETCH_LINE=line, PREFETCH_STEP=max(tiles.block_k, line), **launch_options(),

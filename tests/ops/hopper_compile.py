@@ -47,9 +47,11 @@ from morion.ops.skinny_tiles import INVARIANT_GEMV
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _skinny(mma: str, element: str, block_n: int = 64, block_k: int = 128) -> tuple:
+def _skinny(
+    mma: str, element: str, block_n: int = 64, block_k: int = 128, column_scales: bool = False
+) -> tuple:
     """The skinny kernel for rows and weights of this Triton type ("fp8e4nv" or "bf16"): one type for
-    both, FP8 rows coming quantized."""
+    both, FP8 rows coming quantized; `column_scales`: a weight scale per column (merged FP8 layers)."""
     fp8 = element == "fp8e4nv"
     signature = {
         "x_ptr": f"*{element}",
@@ -67,6 +69,7 @@ def _skinny(mma: str, element: str, block_n: int = 64, block_k: int = 128) -> tu
     }
     constexprs = {
         "SCALED": fp8,
+        "COLUMN_SCALES": column_scales,
         "HAS_BIAS": True,
         "DOT_PRECISION": "tf32",
         "MMA": _MMA_MODES[mma],
@@ -102,6 +105,10 @@ KERNELS = {
         for mma in ("dot", "gemv")
         for element in ("fp8e4nv", "bf16")
     },
+    # FP8 layers of one input merged into one weight (layers/merged_linears.py): a scale per column.
+    "skinny_linear_triton._skinny_linear_kernel[dot, fp8e4nv, column scales]": _skinny(
+        "dot", "fp8e4nv", column_scales=True
+    ),
     # The untuned model-dtype products' tile (router, gates, QSA indexer on every CUDA decode step).
     "skinny_linear_triton._skinny_linear_kernel[INVARIANT_GEMV, bf16]": _skinny(
         INVARIANT_GEMV.mma, "bf16", INVARIANT_GEMV.block_n, INVARIANT_GEMV.block_k
