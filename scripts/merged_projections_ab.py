@@ -67,7 +67,7 @@ def _time_group(widths: tuple[int, ...], depth: int, fp8: bool, rows: int) -> di
 
     separate = graph_microseconds(lambda: [alone(layers) for layers in sets], COPIES)
     merged = [MergedLinears(layers) for layers in sets]
-    if group_tile(q, merged[0].widest) is None:
+    if group_tile(q, merged[0].weight, merged[0].widest) is None:
         return {"separate_us": round(separate, 2), "merged_us": None}
     together = graph_microseconds(lambda: [m.outputs(q, row_scale, torch.bfloat16) for m in merged], COPIES)
     return {"separate_us": round(separate, 2), "merged_us": round(together, 2)}

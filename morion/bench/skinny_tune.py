@@ -3,18 +3,19 @@ and writes ops/skinny_tiles.py's file for each shape where the kernel is faster.
 
     python -m morion.bench.skinny_tune --model preset:qwen3-next-80b-a3b --weight-dtype fp8
 
-The shapes are those of the model built on the meta device with `--weight-dtype` (nothing is loaded):
-every FP8 linear layer (e4m3 rows and weights; the cuBLAS side is `torch._scaled_mm` plus the row-scale
-multiply it needs), and the model-dtype products the decode path sends through `skinny_tiles.product`: the
-MoE router, Gated DeltaNet's gates, QSA's indexer and PLE's projections (cuBLAS side: F.linear). For each
-shape and token count of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies
-to exceed the L2 cache several times over (weights come from HBM, as in a decode step); microseconds per
-call are the median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes
-are swept with 4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). An
-FP8 shape whose best tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. A
-model-dtype product always gets its best tile (`skinny_tiles.INVARIANT_GEMV` among the candidates): it
-never runs cuBLAS at decode sizes, for batch invariance, so the file can only make it faster. Prints one
-line per shape and the files written.
+The shapes are those of the model built on the meta device with `--weight-dtype` (nothing is loaded): every
+FP8 linear layer (e4m3 rows and weights; the cuBLAS side is `torch._scaled_mm` plus the row-scale multiply it
+needs), and the model-dtype products the decode path sends through `skinny_tiles.product`: the MoE router,
+Gated DeltaNet's gates, QSA's indexer and PLE's projections (cuBLAS side: F.linear); and the merged weight of
+each group of layers of one input that CUDA serving runs as one launch (layers/merged_linears.py). For each
+shape and token count of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies to
+exceed the L2 cache several times over (weights come from HBM, as in a decode step); microseconds per call are
+the median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes are swept with
+4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). An FP8 shape whose best
+tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. A model-dtype product
+always gets its best tile (`skinny_tiles.INVARIANT_GEMV` among the candidates): it never runs cuBLAS at decode
+sizes, for batch invariance, so the file can only make it faster. Prints one line per shape and the files
+written.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 from morion.config import WEIGHT_DTYPES
 from morion.layers.gated_delta_net import GatedDeltaNet
 from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.merged_linears import merged_shape
 from morion.layers.moe import SparseMoE
 from morion.layers.ple import PLELayer
 from morion.layers.qsa_attention import QSAIndexer
@@ -72,9 +74,15 @@ def shapes_of(model: nn.Module) -> list[LinearShape]:
     """Each FP8 linear with cuBLASLt shapes and the model-dtype products of a decode step that go through
     `skinny_tiles.product`: each router (a stacked shared expert's gate row included), QSA's indexer
     projection, Gated DeltaNet's plain in_proj_ba (or in_proj_b and in_proj_a), PLE's key and value
-    projections."""
+    projections; and the merged weight of each group of layers of one input that CUDA serving runs as one
+    launch (layers/merged_linears.py: its tuned tile comes before its widest layer's)."""
     shapes = []
     for module in model.modules():
+        groups = getattr(module, "merge_groups", None)
+        for layers in groups().values() if groups is not None else ():
+            shape = merged_shape(layers)
+            if shape is not None:
+                shapes.append(shape)
         if isinstance(module, Fp8Linear) and module.kernel_shapes:
             shapes.append(linear_shape(module.weight))
         elif isinstance(module, SparseMoE) and type(module.gate) is nn.Linear:

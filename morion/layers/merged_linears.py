@@ -11,16 +11,18 @@ module keeps it under the name it gave, and passes it to `linears_of_one_input` 
 `products_of_one_input` (model-dtype weights).
 
 Where the skinny kernel takes the rows (CUDA, at most `skinny_linear_triton.MAX_ROWS`: decode, verify and
-short forwards) the merged weight runs as one launch with the tile of the group's widest layer, and each
+short forwards) the merged weight runs as one launch with the device's tuned tile for the merged shape, or
+else the tile of the group's widest layer (`group_tile`), and each
 layer's output is a view of its columns of that launch's output; elsewhere (prefill chunks, the CPU) and
 for an FP8 group whose widest layer the device has no tuned tile for, each layer runs on its own, as
 before. The consumers read those views in place: every kernel after them takes strided rows.
 
 Bits: each output column is summed over K, scaled and rounded by the same program code whichever
 columns share its launch, so a layer whose own tile is the group's tile gives the same bits merged or
-alone (`tests/layers/test_merged_linears.py`); a layer with another tile of its own sums K in that tile's
-order instead (a last-bit difference, as between any two tiles). Either way a row's bits do not depend on
-its batch (one tile for every M), and cold and cached forwards run the same launch.
+alone (`tests/ops/test_merged_linears.py`, `test_merged_linears_gpu.py`); a layer with another tile of
+its own sums K in that tile's order instead (a last-bit difference, as between any two tiles). Either
+way a row's bits do not depend on its batch (one tile for every M), and cold and cached forwards run the
+same launch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 from morion.layers.linear_fp8 import Fp8Linear, all_fp8
 from morion.ops.log_once import log_once
 from morion.ops.moe_tiles import Tiles
+from morion.ops.skinny_tiles import LinearShape, linear_shape
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,8 @@ class MergedLinears:
                 scales.append(layer.weight_scale.float().reshape(1).expand(width))
         self.weight = merged
         self.column_scale = torch.cat(scales) if scales else None
-        # The tile of the widest layer's shape runs the group: the layer with the most columns keeps its bits.
+        # Without a tuned tile for the merged shape the widest layer's runs the group (`group_tile`): the
+        # layer with the most columns keeps its bits.
         self.widest = max(layers, key=lambda layer: layer.weight.shape[0]).weight
 
     def outputs(
@@ -64,7 +68,7 @@ class MergedLinears:
     ) -> list[torch.Tensor] | None:
         """Each layer's output [M, N_i] for rows [M, K] (e4m3 with `row_scale` [M] for FP8 layers, else in
         the model dtype), views of one launch's output; None where the group runs layer by layer."""
-        tile = group_tile(rows, self.widest)
+        tile = group_tile(rows, self.weight, self.widest)
         if tile is None:
             return None
         from morion.ops.skinny_linear_triton import skinny_linear
@@ -76,30 +80,41 @@ class MergedLinears:
         return list(out.split(self.widths, dim=1))
 
 
-def group_tile(rows: torch.Tensor, widest: torch.Tensor) -> Tiles | None:
-    """The tile a merged group runs with for these rows: the widest layer's tuned tile (FP8: None without
-    one, the layers then take cuBLAS one by one), or for model-dtype weights `skinny_tiles.product_tile`'s
-    (tuned, else the invariant GEMV); None where the kernel does not take the rows."""
+def group_tile(rows: torch.Tensor, merged: torch.Tensor, widest: torch.Tensor) -> Tiles | None:
+    """The tile a merged group runs with for these rows: the device's tuned tile for the merged weight's
+    own shape (`python -m morion.bench.skinny_tune` times the groups too), else its widest layer's; for
+    FP8 weights None without either (the layers then take cuBLAS one by one), for model-dtype weights
+    the invariant GEMV (`skinny_tiles.product_tile`). None where the kernel does not take the rows."""
     from morion.ops import skinny_tiles
 
-    if widest.element_size() == 1:
-        return skinny_tiles.tile_for(rows, widest)
+    tile = skinny_tiles.tile_for(rows, merged) or skinny_tiles.tile_for(rows, widest)
+    if tile is not None or widest.element_size() == 1:
+        return tile
     return skinny_tiles.product_tile(rows, widest)
 
 
-def mergeable(layers: Sequence[nn.Module]) -> bool:
-    """Two or more layers of one input on CUDA, without biases: all `Fp8Linear`s the FP8 kernels take, or
-    all plain nn.Linear of one model dtype."""
+def merged_shape(layers: Sequence[nn.Module]) -> LinearShape | None:
+    """The merged weight's shape (sum of N, K, dtype) where `layers` are of a kind that merges, on any
+    device: two or more layers of one input without biases, all `Fp8Linear`s the FP8 kernels take or all
+    plain nn.Linear of one model dtype; else None."""
     if len(layers) < 2 or any(getattr(layer, "bias", None) is not None for layer in layers):
-        return False
+        return None
     weights = [layer.weight for layer in layers]
-    same = all(
-        w.is_cuda and w.dtype == weights[0].dtype and w.shape[1] == weights[0].shape[1] and w.is_contiguous()
-        for w in weights
-    )
+    if any(w.dtype != weights[0].dtype or w.shape[1] != weights[0].shape[1] for w in weights):
+        return None
     if all_fp8(layers):
-        return same and all(layer.kernel_shapes for layer in layers)
-    return same and all(type(layer) is nn.Linear for layer in layers) and weights[0].element_size() > 1
+        kind_ok = all(layer.kernel_shapes for layer in layers)
+    else:
+        kind_ok = all(type(layer) is nn.Linear for layer in layers) and weights[0].element_size() > 1
+    shape = linear_shape(weights[0])
+    return shape._replace(outputs=sum(w.shape[0] for w in weights)) if kind_ok else None
+
+
+def mergeable(layers: Sequence[nn.Module]) -> bool:
+    """Layers of a kind that merges (`merged_shape`), their weights contiguous on CUDA."""
+    return merged_shape(layers) is not None and all(
+        layer.weight.is_cuda and layer.weight.is_contiguous() for layer in layers
+    )
 
 
 def merge_projections(model: nn.Module) -> int:

@@ -14,7 +14,8 @@ from morion.layers.gated_attention import GatedAttentionProjections
 from morion.layers.gated_delta_net_35 import GatedDeltaNet35
 from morion.layers.linear_fp8 import Fp8Linear, linears_of_one_input
 from morion.layers.merged_linears import MergedLinears, mergeable, products_of_one_input
-from morion.ops.fp8 import quantize_fp8
+from morion.ops import skinny_tiles
+from morion.ops.fp8 import FP8_DTYPE, quantize_fp8
 from morion.ops.moe_tiles import Tiles
 from morion.ops.skinny_linear_triton import skinny_linear
 
@@ -36,8 +37,8 @@ def group_tile(monkeypatch):
     asked = []
     chosen = {"tile": TILES[0]}
 
-    def tile(rows, widest):
-        asked.append(tuple(widest.shape))
+    def tile(rows, merged, widest):
+        asked.append((tuple(merged.shape), tuple(widest.shape)))
         return chosen["tile"]
 
     monkeypatch.setattr(merged_linears, "group_tile", tile)
@@ -65,7 +66,7 @@ def test_merged_fp8_layers_give_each_layer_its_own_launch_bits(group_tile, tile)
         assert layer.weight.data_ptr() == merged.weight[start].data_ptr()
         assert torch.equal(layer.weight.view(torch.uint8), weight.view(torch.uint8))
     outputs = linears_of_one_input(x, layers, merged=merged)
-    assert asked == [(48, 64)]  # the widest layer's tile runs the group
+    assert asked == [((96, 64), (48, 64))]  # the merged shape's tile, else the widest layer's
     for out, expected in zip(outputs, alone, strict=True):
         assert torch.equal(out, expected)
     # Each row alone: the same bits (one tile for every M).
@@ -103,6 +104,7 @@ def test_what_may_merge(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     fp8 = [_fp8_layer(32, 64, seed=7), _fp8_layer(16, 64, seed=8)]
     assert mergeable(fp8)
+    assert merged_linears.merged_shape(fp8) == (48, 64, "fp8")
     assert not mergeable(fp8[:1])
     assert not mergeable([fp8[0], nn.Linear(64, 16, bias=False)])  # FP8 with model-dtype weights
     assert not mergeable([_fp8_layer(32, 64, seed=9), _fp8_layer(16, 48, seed=10)])  # another input width
@@ -146,3 +148,26 @@ def test_flash_next_gated_deltanet_reads_its_projections_from_the_merged_launche
     for got, want in ((after.z, before.z), (after.b, before.b), (after.a, before.a)):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_runs_its_merged_shapes_tile_else_its_widest_layers(monkeypatch):
+    """The tuned tile of the merged weight's shape first (the skinny tuner times the groups), then the
+    widest layer's; without either an FP8 group runs layer by layer and a model-dtype one the invariant
+    GEMV."""
+    tuned: dict[tuple[int, ...], Tiles] = {}
+    monkeypatch.setattr(skinny_tiles, "tile_for", lambda rows, weight: tuned.get(tuple(weight.shape)))
+    monkeypatch.setattr(skinny_tiles, "product_tile", lambda rows, weight: skinny_tiles.INVARIANT_GEMV)
+    rows = torch.empty(1, 64)
+    fp8_merged, fp8_widest = torch.empty(96, 64, dtype=FP8_DTYPE), torch.empty(48, 64, dtype=FP8_DTYPE)
+    assert merged_linears.group_tile(rows, fp8_merged, fp8_widest) is None
+    tuned[(48, 64)] = TILES[1]
+    assert merged_linears.group_tile(rows, fp8_merged, fp8_widest) == TILES[1]
+    tuned[(96, 64)] = TILES[0]
+    assert merged_linears.group_tile(rows, fp8_merged, fp8_widest) == TILES[0]
+    bf16_merged, bf16_widest = (
+        torch.empty(16, 64, dtype=torch.bfloat16),
+        torch.empty(8, 64, dtype=torch.bfloat16),
+    )
+    assert merged_linears.group_tile(rows, bf16_merged, bf16_widest) == skinny_tiles.INVARIANT_GEMV
+    tuned[(8, 64)] = TILES[1]
+    assert merged_linears.group_tile(rows, bf16_merged, bf16_widest) == TILES[1]

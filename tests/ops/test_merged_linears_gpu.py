@@ -46,7 +46,7 @@ def test_fp8_groups_match_each_layers_own_launch(name):
     own_tiles = [tile_for(q, layer.weight) for layer in layers]
     assert mergeable(layers)
     merged = MergedLinears(layers)
-    tile = group_tile(q, merged.widest)
+    tile = group_tile(q, merged.weight, merged.widest)
     if tile is None:
         pytest.skip(f"no tuned tile on this device for {name}'s widest layer: the group runs layer by layer")
     together = linears_of_one_input(x, layers, merged=merged)

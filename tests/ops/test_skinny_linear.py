@@ -182,6 +182,9 @@ def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
     # The router (4 experts and the stacked shared gate's row, hidden 64) and in_proj_ba (2 x 4 value
     # heads) in the model dtype.
     assert {(5, 64, "bfloat16"), (8, 64, "bfloat16")} <= set(shapes)
+    # Gated attention's q/k/v as the one weight CUDA serving merges them into (q with its gate 128, k and v
+    # 32 each): the tuner times the group's own shape.
+    assert (192, 64, "fp8") in set(shapes)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             skinny_tune.main(["--model", "preset:qwen3-next-tiny"])
