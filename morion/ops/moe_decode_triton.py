@@ -12,7 +12,9 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
    in the weights' dtype (where the reference rounds it too).
 2. down: pair_out[p] = w[t, j] * (act[p] Wd^T), [P, H] fp32; with FP8 experts act[p] is quantized per row
    in the prologue, exactly as `quantize_fp8` does: in registers when one BLOCK_K spans all I values
-   (one pass, weights and rows loaded together), else in two passes over them.
+   (one pass, weights and rows loaded together), else with the row's amax taken from gate_up's epilogue
+   (each program writes its column block's amax of each row: the max of those is the row's, exactly),
+   one load before the loop where a pass over the row used to come first.
 3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype
    (`moe_experts_triton`). `moe_expert_partials` stops before it and returns pair_out as `SlotPartials`,
    for the kernel after the block to add (`slot_sum`: Qwen3-Next's residual add + norm, Flash-Next's
@@ -230,7 +232,7 @@ def _rows_first(acc, MMA: tl.constexpr):
 # the H200: a 4.1 s TTFT); one variant serves every batch. runner/warmup.py compiles the rest.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr, amax_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -269,15 +271,20 @@ def _gate_up_kernel(
         act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
         tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+        if FP8:
+            # This column block's share of each row's amax ([P, column blocks]): the down kernel takes the
+            # row's amax as their max (exact, in any order) instead of a pass over the row before its loop.
+            part = tl.max(tl.where(rows_ok[:, None] & cols_ok[None, :], tl.abs(act), 0.0), axis=1)
+            tl.store(amax_ptr + pairs * tl.num_programs(1) + tl.program_id(1), part, mask=rows_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, topk_weights_ptr, pair_out_ptr,
-    num_pairs, hidden_size, inter_size, stride_we, stride_wn, stride_se,
+    act_ptr, amax_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, topk_weights_ptr, pair_out_ptr,
+    num_pairs, hidden_size, inter_size, amax_blocks, stride_we, stride_wn, stride_se,
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, MMA: tl.constexpr, AMAX_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
@@ -302,14 +309,15 @@ def _down_kernel(
             acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION, GROUPED)
             acc = _rows_first(acc, MMA)
         elif FP8:
-            # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`.
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, inter_size, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(
-                    act_rows + ks[None, :], mask=rows_ok[:, None] & (ks < inter_size)[None, :], other=0.0
-                )
-                amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+            # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`:
+            # the max of the gate_up programs' amax over their column blocks, one load a row.
+            blocks = tl.arange(0, AMAX_BLOCK)
+            parts = tl.load(
+                amax_ptr + pairs[:, None] * amax_blocks + blocks[None, :],
+                mask=rows_ok[:, None] & (blocks < amax_blocks)[None, :],
+                other=0.0,
+            )
+            amax = tl.max(parts, axis=1)
             # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
             a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
         if not SINGLE_PASS:
@@ -458,6 +466,9 @@ def moe_expert_partials(
     # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).
     act_dtype = torch.float32 if fp8 else gate_up_proj.dtype
     act = torch.empty(num_pairs, inter_size, dtype=act_dtype, device=hidden.device)
+    # FP8: each act row's amax per gate_up column block, for the down kernel's row scale.
+    amax_blocks = triton.cdiv(inter_size, gate_up_tiles.block_n) if fp8 else 1
+    amax = torch.empty(num_pairs, amax_blocks, dtype=torch.float32, device=hidden.device) if fp8 else act
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
@@ -475,7 +486,7 @@ def moe_expert_partials(
     )
     t = gate_up_tiles
     _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n))](
-        x, x_scale, gate_up_proj, gate_up_scale, ids, tiles, order, act,
+        x, x_scale, gate_up_proj, gate_up_scale, ids, tiles, order, act, amax,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
         **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, BLOCK_N=t.block_n,
@@ -483,10 +494,12 @@ def moe_expert_partials(
     )  # fmt: skip
     t = down_tiles
     _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
-        act, down_proj, down_scale, ids, tiles, order, routing, pair_out,
-        num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
+        act, amax, down_proj, down_scale, ids, tiles, order, routing, pair_out,
+        num_pairs, hidden_size, inter_size, amax_blocks,
+        down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
         **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, FP8_MAX=FP8_MAX,
         MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        AMAX_BLOCK=triton.next_power_of_2(amax_blocks),
         **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)

@@ -145,6 +145,7 @@ KERNELS = {
                 "tiles_ptr": "*i64",
                 "order_ptr": "*i64",
                 "act_ptr": "*fp32",
+                "amax_ptr": "*fp32",
                 "num_pairs": "i32",
                 "top_k": "i32",
                 "hidden_size": "i32",
