@@ -126,7 +126,7 @@ def assemble(
     )
     model = loaded.model
     set_moe_kernel(model, config.moe_kernel)
-    if config.merge_projections and device.type == "cuda":
+    if _merges_projections(config):
         merge_projections(model)  # before the warm-up: the merged weights' kernels compile there
     # Before the warm-up and graph capture, which compile and record the kernels' launches.
     if set_pdl_mode(config.pdl, device) != config.pdl and config.pdl != "auto":
@@ -241,6 +241,12 @@ def assemble(
         loaded, kv_scales, pool, state_slots, runner, speculative, prefix_cache, cache_stats, tiers,
         scheduler, weight_bytes, pool_tokens, longest, limit, config,
     )  # fmt: skip
+
+
+def _merges_projections(config: EngineConfig) -> bool:
+    """Whether the engine merges linear layers of one input (layers/merged_linears.py): on CUDA, unless
+    `--no-merged-projections`."""
+    return config.merge_projections and config.torch_device.type == "cuda"
 
 
 def max_model_len(context: int, pool_tokens: int, requested: int | None) -> tuple[int, str]:
@@ -445,7 +451,7 @@ def _build_tiers(
                 "weight_dtype": config.weight_dtype,
             }
         }
-        if config.merge_projections and device.type == "cuda":
+        if _merges_projections(config):
             # Merged decode projections may round a column differently (layers/merged_linears.py): a
             # conversation cached by one setting is never restored under the other.
             identity["model"]["merged_projections"] = True

@@ -47,8 +47,8 @@ class GatedDeltaNet35(GatedDeltaNet):
     def project(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> Projections:
         """qkv [T, conv_dim] (q | k | v, each head-major: one plain group), z [T, HV, Dv], b and a [T, HV].
         Under FP8 weights x is quantized once for in_proj_qkv and in_proj_z (`linears_of_one_input`), or
-        read as `quantized`; b and a (kept in the model dtype) take the skinny kernel where the device
-        tuned their shape."""
+        read as `quantized`; b and a (kept in the model dtype) through `products_of_one_input`. On CUDA
+        each pair is one launch at decode sizes where it was merged (`merge_groups`)."""
         qkv, z = linears_of_one_input(x, self._quantized_projections(), quantized, self.merged_qkvz)
         z = z.view(x.shape[0], self.num_v_heads, self.head_v_dim)
         b, a = products_of_one_input(x, (self.in_proj_b, self.in_proj_a), self.merged_ba)

@@ -299,11 +299,17 @@ def tune(
         fn = moe_experts_triton
         width = experts["gate_up"].element_size()
         defaults = {"gate_up_tiles": GATE_UP_TILES[width], "down_tiles": DOWN_TILES[width]}
-    default_us = {t: time_in_graph(fn, experts, b, **defaults) for t, b in batches.items()}
-    shipped_us = None
+
+    def rounded_times(options: dict[str, Tiles]) -> dict[str, float]:
+        return {str(t): round(time_in_graph(fn, experts, b, **options), 2) for t, b in batches.items()}
+
+    default_us = rounded_times(defaults)
+    shipped_entries = {}
     if shipped is not None:
-        options = {"gate_up_tiles": shipped[0], "down_tiles": shipped[1]}
-        shipped_us = {t: time_in_graph(fn, experts, b, **options) for t, b in batches.items()}
+        shipped_entries = {
+            "shipped": {"gate_up": list(shipped[0]), "down": list(shipped[1])},
+            "shipped_us_per_call": rounded_times({"gate_up_tiles": shipped[0], "down_tiles": shipped[1]}),
+        }
     reference = {t: run_experts(fn, experts, *b[0], **defaults) for t, b in batches.items()}
     fixed_down = {"down_tiles": defaults["down_tiles"]}
     fp8 = shape.dtype == "fp8"
@@ -324,15 +330,8 @@ def tune(
         "gate_up": list(gate_up),
         "down": list(down),
         "us_per_call": {str(t): round(us, 2) for t, us in chosen_us.items()},
-        "default_us_per_call": {str(t): round(us, 2) for t, us in default_us.items()},
-        **(
-            {
-                "shipped": {"gate_up": list(shipped[0]), "down": list(shipped[1])},
-                "shipped_us_per_call": {str(t): round(us, 2) for t, us in shipped_us.items()},
-            }
-            if shipped is not None and shipped_us is not None
-            else {}
-        ),
+        "default_us_per_call": default_us,
+        **shipped_entries,
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
