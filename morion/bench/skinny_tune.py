@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -171,6 +172,21 @@ def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) 
     }
 
 
+def chosen_shapes(spec: str, shapes: Sequence[LinearShape]) -> set[tuple[int, int]]:
+    """`--shapes`' (N, K) pairs, each one of the model's `shapes`; a ValueError names a bad or absent one."""
+    wanted = set()
+    for item in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        if match is None:
+            raise ValueError(f"--shapes: {item!r} is not NxK (e.g. 9216x2048)")
+        pair = (int(match[1]), int(match[2]))
+        if not any((shape.outputs, shape.depth) == pair for shape in shapes):
+            known = ", ".join(sorted({f"{s.outputs}x{s.depth}" for s in shapes}))
+            raise ValueError(f"--shapes: {item.strip()} is not a shape of this model ({known})")
+        wanted.add(pair)
+    return wanted
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m morion.bench.skinny_tune", description=__doc__.split("\n")[0]
@@ -179,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--weight-dtype", default="fp8", choices=WEIGHT_DTYPES)
     parser.add_argument("--tokens", default="1,4,8,16", help="row counts whose summed time is minimised")
     parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="directory of the JSON files")
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="only these of the model's shapes, as NxK (outputs x depth), comma separated: e.g. the merged "
+        "projections' 9216x2048 (default: every shape)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tuning needs a CUDA device")
@@ -187,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--tokens {args.tokens}: each from 1 to {MAX_ROWS}")
     device = torch.device("cuda", torch.cuda.current_device())
     shapes = model_shapes(args.model, args.weight_dtype)
+    if args.shapes:
+        try:
+            wanted = chosen_shapes(args.shapes, shapes)
+        except ValueError as error:
+            parser.error(str(error))
+        shapes = [shape for shape in shapes if (shape.outputs, shape.depth) in wanted]
     print(f"skinny tune: {len(shapes)} shapes of {args.model}", file=sys.stderr)
     for number, shape in enumerate(shapes, 1):
         config = tune_shape(shape, tokens, device)

@@ -190,6 +190,15 @@ def test_the_tuner_lists_a_model_s_decode_shapes_and_needs_a_gpu():
             skinny_tune.main(["--model", "preset:qwen3-next-tiny"])
 
 
+def test_the_tuner_takes_chosen_shapes_of_the_model_and_names_a_bad_one():
+    shapes = skinny_tune.model_shapes("preset:qwen3-next-tiny", "fp8")
+    assert skinny_tune.chosen_shapes("192x64, 5x64", shapes) == {(192, 64), (5, 64)}
+    with pytest.raises(ValueError, match="7x7 is not a shape of this model"):
+        skinny_tune.chosen_shapes("192x64,7x7", shapes)
+    with pytest.raises(ValueError, match="'192-64' is not NxK"):
+        skinny_tune.chosen_shapes("192-64", shapes)
+
+
 @pytest.fixture
 def skinny_calls(monkeypatch, every_shape_tuned):
     """Each skinny kernel call's operands, with every shape tuned. Off CUDA `Fp8Linear.forward_quantized`
