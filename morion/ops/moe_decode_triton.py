@@ -15,6 +15,11 @@ With pair p = t * k + j the j-th routing choice of token t, and P = T * k:
    (one pass, weights and rows loaded together), else with the row's amax taken from gate_up's epilogue
    (each program writes its column block's amax of each row: the max of those is the row's, exactly),
    one load before the loop where a pass over the row used to come first.
+With `Tiles.split_k` = S > 1 (ops/moe_split_k.py) kernel 1 or 2 sums S slices of its K in programs of
+their own into fp32 partials, and `_split_k_sum_kernel` adds them in slice order and applies the
+epilogue above (the SwiGLU and act's amax per its own column block; or the scales and routing weight): one
+launch more for more programs at one token, where a grid of k pairs x N / BLOCK_N is about one wave.
+
 3. sum: out[t] = sum over j of pair_out[t * k + j] in fp32 and in slot order, rounded once to x's dtype
    (`moe_experts_triton`). `moe_expert_partials` stops before it and returns pair_out as `SlotPartials`,
    for the kernel after the block to add (`slot_sum`: Qwen3-Next's residual add + norm, Flash-Next's
@@ -61,6 +66,7 @@ import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, rows_quantized
+from morion.ops.moe_split_k import SPLIT_SUM_BLOCK, k_slice, split_partials, store_partial, sum_slices
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
@@ -230,13 +236,36 @@ def _rows_first(acc, MMA: tl.constexpr):
 # specialized on: Triton would compile a variant per value class (1, a multiple of 16, other) the first
 # time a request brings one, stalling every running request for seconds (seen through the server on
 # the H200: a 4.1 s TTFT); one variant serves every batch. runner/warmup.py compiles the rest.
+@triton.jit
+def _swiglu_epilogue(
+    acc_gate, acc_up, pairs, rows_ok, tokens, expert, cols, cols_ok, x_scale_ptr, w_scale_ptr, act_ptr,
+    amax_ptr, stride_se, inter_size, FP8: tl.constexpr,
+):  # fmt: skip
+    """act[p, cols] = silu(gate) * up for the pairs p of these rows from their sums over all of K (with FP8
+    experts: unscaled, times the row's and the columns' scales here), and with FP8 experts this column
+    block's share of each row's amax at amax[p, program_id(1)] of num_programs(1) blocks: the down kernel
+    takes the row's amax as their max (exact, in any order) instead of a pass over the row before its
+    loop. The gate_up kernel's epilogue, or the split-K sum kernel's."""
+    if FP8:
+        x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
+        scales = w_scale_ptr + expert * stride_se + cols
+        acc_gate = acc_gate * x_scale * tl.load(scales, mask=cols_ok, other=0.0)[None, :]
+        acc_up = acc_up * x_scale * tl.load(scales + inter_size, mask=cols_ok, other=0.0)[None, :]
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
+    tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+    if FP8:
+        part = tl.max(tl.where(rows_ok[:, None] & cols_ok[None, :], tl.abs(act), 0.0), axis=1)
+        tl.store(amax_ptr + pairs * tl.num_programs(1) + tl.program_id(1), part, mask=rows_ok)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr, amax_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, act_ptr, amax_ptr, partial_ptr,
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
+    MMA: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
@@ -245,13 +274,14 @@ def _gate_up_kernel(
     cols_ok = cols < inter_size
     w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     w_up = w_gate + inter_size * stride_wn
+    k_begin, k_end = k_slice(hidden_size, SPLIT_K, BLOCK_K)
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         tokens = pairs // top_k
         x_rows = x_ptr + tokens[:, None] * stride_x
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
         acc_up = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
-        for k0 in range(0, hidden_size, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ks_ok = ks < hidden_size
             w_mask = ks_ok[:, None] & cols_ok[None, :]
@@ -263,38 +293,74 @@ def _gate_up_kernel(
             acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION, GROUPED)
         acc_gate = _rows_first(acc_gate, MMA)
         acc_up = _rows_first(acc_up, MMA)
-        if FP8:
-            x_scale = tl.load(x_scale_ptr + tokens, mask=rows_ok, other=0.0)[:, None]
-            scales = w_scale_ptr + expert * stride_se + cols
-            acc_gate = acc_gate * x_scale * tl.load(scales, mask=cols_ok, other=0.0)[None, :]
-            acc_up = acc_up * x_scale * tl.load(scales + inter_size, mask=cols_ok, other=0.0)[None, :]
-        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-        out = act_ptr + pairs[:, None] * inter_size + cols[None, :]
-        tl.store(out, tl.cast(act, act_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
-        if FP8:
-            # This column block's share of each row's amax ([P, column blocks]): the down kernel takes the
-            # row's amax as their max (exact, in any order) instead of a pass over the row before its loop.
-            part = tl.max(tl.where(rows_ok[:, None] & cols_ok[None, :], tl.abs(act), 0.0), axis=1)
-            tl.store(amax_ptr + pairs * tl.num_programs(1) + tl.program_id(1), part, mask=rows_ok)
+        if SPLIT_K == 1:
+            _swiglu_epilogue(
+                acc_gate, acc_up, pairs, rows_ok, tokens, expert, cols, cols_ok, x_scale_ptr, w_scale_ptr,
+                act_ptr, amax_ptr, stride_se, inter_size, FP8,
+            )  # fmt: skip
+        else:
+            width = 2 * inter_size
+            store_partial(partial_ptr, acc_gate, pairs, rows_ok, cols, cols_ok, num_pairs, width, 0)
+            store_partial(partial_ptr, acc_up, pairs, rows_ok, cols, cols_ok, num_pairs, width, inter_size)
+
+
+@triton.jit
+def _row_scale(
+    amax_ptr,
+    pairs,
+    rows_ok,
+    amax_blocks,
+    AMAX_BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    """The FP8 scale of each act row, as `quantize_fp8(act, per_row=True)`'s: its amax over all I columns
+    is the max of the column blocks' amax that the SwiGLU epilogue wrote, one load a row. IEEE-rounded
+    division (Triton's `/` is approximate on the GPU): torch's scale."""
+    blocks = tl.arange(0, AMAX_BLOCK)
+    parts = tl.load(
+        amax_ptr + pairs[:, None] * amax_blocks + blocks[None, :],
+        mask=rows_ok[:, None] & (blocks < amax_blocks)[None, :],
+        other=0.0,
+    )
+    return tl.maximum(tl.math.div_rn(tl.max(parts, axis=1), FP8_MAX), MIN_SCALE)
+
+
+@triton.jit
+def _routed_epilogue(
+    acc, a_scale, pairs, rows_ok, expert, cols, cols_ok, w_scale_ptr, routing_ptr, pair_out_ptr, stride_se,
+    hidden_size, FP8: tl.constexpr,
+):  # fmt: skip
+    """pair_out[p, cols] = routing[p] * acc in fp32 for the pairs p of these rows, from their sums over all
+    of I (with FP8 experts: unscaled, times the act row's and the columns' scales here). The down kernel's
+    epilogue, or the split-K sum kernel's."""
+    if FP8:
+        w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+    routing = tl.cast(tl.load(routing_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
+    out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
+    tl.store(out, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, amax_ptr, w_ptr, w_scale_ptr, ids_ptr, tiles_ptr, order_ptr, topk_weights_ptr, pair_out_ptr,
-    num_pairs, hidden_size, inter_size, amax_blocks, stride_we, stride_wn, stride_se,
+    partial_ptr, num_pairs, hidden_size, inter_size, amax_blocks, stride_we, stride_wn, stride_se,
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, MMA: tl.constexpr, AMAX_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden_size
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    k_begin, k_end = k_slice(inter_size, SPLIT_K, BLOCK_K)
     for start in range(0, count, BLOCK_M):
         pairs, rows_ok = _rows_at(order_ptr, first, match, rank, start, count, GROUPED, BLOCK_P, BLOCK_M)
         act_rows = act_ptr + pairs[:, None] * inter_size
+        a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)  # unquantized act: unread
         if SINGLE_PASS:
             # BLOCK_K spans all I columns: the weight tile and the activation rows are loaded at once,
             # with no dependent second pass, and the row scale comes from the rows in registers.
@@ -308,21 +374,12 @@ def _down_kernel(
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
             acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION, GROUPED)
             acc = _rows_first(acc, MMA)
-        elif FP8:
-            # The row's scale first (its amax over all I columns), as `quantize_fp8(act, per_row=True)`:
-            # the max of the gate_up programs' amax over their column blocks, one load a row.
-            blocks = tl.arange(0, AMAX_BLOCK)
-            parts = tl.load(
-                amax_ptr + pairs[:, None] * amax_blocks + blocks[None, :],
-                mask=rows_ok[:, None] & (blocks < amax_blocks)[None, :],
-                other=0.0,
-            )
-            amax = tl.max(parts, axis=1)
-            # IEEE-rounded divisions (Triton's `/` is approximate on the GPU): torch's scale and values.
-            a_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-        if not SINGLE_PASS:
+        else:
+            if FP8:
+                # The row's scale first: one load of gate_up's column blocks' amax.
+                a_scale = _row_scale(amax_ptr, pairs, rows_ok, amax_blocks, AMAX_BLOCK, FP8_MAX, MIN_SCALE)
             acc = _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K)
-            for k0 in range(0, inter_size, BLOCK_K):
+            for k0 in range(k_begin, k_end, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ks_ok = ks < inter_size
                 w = tl.load(w_cols + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
@@ -332,12 +389,49 @@ def _down_kernel(
                     a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
                 acc = _mma(a, w, acc, MMA, DOT_PRECISION, GROUPED)
             acc = _rows_first(acc, MMA)
+        if SPLIT_K == 1:
+            _routed_epilogue(
+                acc, a_scale, pairs, rows_ok, expert, cols, cols_ok, w_scale_ptr, topk_weights_ptr,
+                pair_out_ptr, stride_se, hidden_size, FP8,
+            )  # fmt: skip
+        else:
+            store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, hidden_size, 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _split_k_sum_kernel(
+    partial_ptr, x_scale_ptr, amax_in_ptr, w_scale_ptr, ids_ptr, routing_ptr, out_ptr, amax_out_ptr,
+    num_pairs, top_k, width, amax_blocks, stride_se,
+    SWIGLU: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, AMAX_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Split K's epilogue (ops/moe_split_k.py), a program per (pair, column block): the pair's SPLIT_K
+    partials added in slice order, then the fused kernel's epilogue. SWIGLU: partial [S, P, 2I] (gate,
+    then up) into act [P, I] (width I) and, with FP8 experts, act's amax per this kernel's column block
+    (amax_out); else partial [S, P, H] into pair_out [P, H] (width H), the act rows' scales from amax_in."""
+    wait_for_previous_kernel(USE_PDL)
+    pair = tl.program_id(0)
+    pairs = pair + tl.zeros((1,), dtype=tl.int32)  # one row: the [rows, columns] shape the epilogues take
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < width
+    expert = tl.cast(tl.load(ids_ptr + pair), tl.int64)
+    if SWIGLU:
+        gate = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        up = sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        _swiglu_epilogue(
+            gate, up, pairs, rows_ok, pairs // top_k, expert, cols, cols_ok, x_scale_ptr, w_scale_ptr,
+            out_ptr, amax_out_ptr, stride_se, width, FP8,
+        )  # fmt: skip
+    else:
+        acc = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, width, SPLIT_K, BLOCK_N)
+        a_scale = tl.full((1,), 1.0, tl.float32)  # unquantized act: unread
         if FP8:
-            w_scale = tl.load(w_scale_ptr + expert * stride_se + cols, mask=cols_ok, other=0.0)
-            acc = acc * a_scale[:, None] * w_scale[None, :]
-        routing = tl.cast(tl.load(topk_weights_ptr + pairs, mask=rows_ok, other=0.0), tl.float32)
-        out = pair_out_ptr + pairs[:, None] * hidden_size + cols[None, :]
-        tl.store(out, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
+            a_scale = _row_scale(amax_in_ptr, pairs, rows_ok, amax_blocks, AMAX_BLOCK, FP8_MAX, MIN_SCALE)
+        _routed_epilogue(
+            acc, a_scale, pairs, rows_ok, expert, cols, cols_ok, w_scale_ptr, routing_ptr, out_ptr, stride_se,
+            width, FP8,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -408,6 +502,20 @@ def _mma_options(tiles: Tiles, fp8: bool, modes: dict[str, int] = _MMA_MODES) ->
     return {"MMA": modes[tiles.mma], "BLOCK_M": 1 if gemv else _BLOCK_M}
 
 
+def _check_split_k(gate_up_tiles: Tiles, down_tiles: Tiles, inter_size: int, grouped: bool) -> None:
+    """Split K (ops/moe_split_k.py) is for the decode kernels' two-pass tiles: the grouped kernels and a
+    one-pass down tile (BLOCK_K spanning all of I: one K tile, nothing to split) refuse it."""
+    for kernel, tiles in (("gate_up", gate_up_tiles), ("down", down_tiles)):
+        if tiles.split_k < 1:
+            raise ValueError(f"MoE {kernel} tile {tuple(tiles)}: split_k must be at least 1")
+        if tiles.split_k > 1 and grouped:
+            raise ValueError("split_k is for the MoE decode kernels; the grouped kernels take split_k = 1")
+    if down_tiles.split_k > 1 and down_tiles.block_k >= inter_size:
+        raise ValueError(
+            f"MoE down tile {tuple(down_tiles)}: a one-pass tile (BLOCK_K >= I) takes split_k = 1"
+        )
+
+
 def moe_expert_partials(
     hidden: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -455,6 +563,7 @@ def moe_expert_partials(
     down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
     if grouped and (gate_up_tiles.mma != "dot" or down_tiles.mma != "dot"):
         raise ValueError("the grouped MoE kernels take tl.dot tiles (mma 'dot') only")
+    _check_split_k(gate_up_tiles, down_tiles, inter_size, grouped)
     if fp8:
         # A kernel of its own (or the norm's before: `quantized`), not the gate_up prologue: there every
         # (pair, N tile) program re-quantized its rows for each K block, spilling registers; with it, the
@@ -466,8 +575,10 @@ def moe_expert_partials(
     # Where the reference rounds its SwiGLU output (unquantized weights), or what FP8 quantizes (fp32).
     act_dtype = torch.float32 if fp8 else gate_up_proj.dtype
     act = torch.empty(num_pairs, inter_size, dtype=act_dtype, device=hidden.device)
-    # FP8: each act row's amax per gate_up column block, for the down kernel's row scale.
-    amax_blocks = triton.cdiv(inter_size, gate_up_tiles.block_n) if fp8 else 1
+    # FP8: each act row's amax per column block of the kernel that writes act (gate_up, or its split-K
+    # sum), for the down kernel's row scale.
+    act_block = SPLIT_SUM_BLOCK if gate_up_tiles.split_k > 1 else gate_up_tiles.block_n
+    amax_blocks = triton.cdiv(inter_size, act_block) if fp8 else 1
     amax = torch.empty(num_pairs, amax_blocks, dtype=torch.float32, device=hidden.device) if fp8 else act
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.reshape(-1).contiguous()
@@ -484,24 +595,42 @@ def moe_expert_partials(
         DOT_PRECISION="ieee" if gate_up_proj.dtype == torch.float32 else "tf32",
         BLOCK_P=block_p,
     )
+    # The act rows' FP8 scales: the down kernel's and the split-K sum kernel's.
+    scale_rows = dict(FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, AMAX_BLOCK=triton.next_power_of_2(amax_blocks))
     t = gate_up_tiles
-    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n))](
-        x, x_scale, gate_up_proj, gate_up_scale, ids, tiles, order, act, amax,
+    partial = split_partials(t.split_k, num_pairs, 2 * inter_size, act)
+    _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n), t.split_k)](
+        x, x_scale, gate_up_proj, gate_up_scale, ids, tiles, order, act, amax, partial,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
         **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, **launch_options(), num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
+    if t.split_k > 1:
+        _split_k_sum_kernel[(num_pairs, triton.cdiv(inter_size, SPLIT_SUM_BLOCK))](
+            partial, x_scale, amax, gate_up_scale, ids, routing, act, amax,
+            num_pairs, top_k, inter_size, amax_blocks, gate_up_scale.stride(0),
+            SWIGLU=True, FP8=fp8, **scale_rows, SPLIT_K=t.split_k, BLOCK_N=SPLIT_SUM_BLOCK,
+            **launch_options(), num_warps=2,
+        )  # fmt: skip
     t = down_tiles
-    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n))](
-        act, amax, down_proj, down_scale, ids, tiles, order, routing, pair_out,
+    partial = split_partials(t.split_k, num_pairs, hidden_size, pair_out)
+    _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n), t.split_k)](
+        act, amax, down_proj, down_scale, ids, tiles, order, routing, pair_out, partial,
         num_pairs, hidden_size, inter_size, amax_blocks,
         down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
-        **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE, SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        AMAX_BLOCK=triton.next_power_of_2(amax_blocks),
+        **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, **scale_rows,
+        SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
         **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    if t.split_k > 1:
+        _split_k_sum_kernel[(num_pairs, triton.cdiv(hidden_size, SPLIT_SUM_BLOCK))](
+            partial, x_scale, amax, down_scale, ids, routing, pair_out, amax,
+            num_pairs, top_k, hidden_size, amax_blocks, down_scale.stride(0),
+            SWIGLU=False, FP8=fp8, **scale_rows, SPLIT_K=t.split_k, BLOCK_N=SPLIT_SUM_BLOCK,
+            **launch_options(), num_warps=2,
+        )  # fmt: skip
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 
 

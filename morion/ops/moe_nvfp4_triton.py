@@ -41,17 +41,12 @@ Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per
 token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics. PDL
 (ops/pdl.py): each kernel's programs wait for the kernel before it first of all.
 
-Split K (`Tiles.split_k` = S > 1, the decode kernels only; the grouped ones refuse it): at one token the
-decode grid is k pairs x N / BLOCK_N column blocks, ~100 programs on the H200's 132 SMs, each looping over
-all of K (issue #25). The grid gains a slice axis: program s sums K columns s x span .. (s + 1) x span - 1,
-span = cdiv(cdiv(K, BLOCK_K), S) x BLOCK_K (whole K tiles; a slice past K sums nothing), into an fp32
-partial [S, P, N] (N = 2I: gate then up; or H), unscaled. `_split_k_sum_kernel` then adds a pair's S
-partials in slice order and applies what the fused epilogue applies (global scales and SiLU(gate) x up
-into act; global scale and routing weight into pair_out), through the same helpers. A separate kernel, not
-the next kernel's prologue: the down kernel's every (column block, slice) program would redo the SwiGLU
-of its act rows, and its K loop would read S fp32 partials where it reads act. Slices depend only on K,
-S and BLOCK_K, the sums' order on neither P nor the other pairs: deterministic and batch invariant, the
-same products as S = 1 in another fp32 summation order.
+Split K (`Tiles.split_k` = S > 1, the decode kernels only; the grouped ones refuse it: ops/moe_split_k.py,
+shared with the FP8 kernels): `_split_k_sum_kernel` adds a pair's S partials in slice order and applies
+what the fused epilogue applies (global scales and SiLU(gate) x up into act; global scale and routing
+weight into pair_out), through the same helpers. A separate kernel, not the next kernel's prologue: the
+down kernel's every (column block, slice) program would redo the SwiGLU of its act rows, and its K loop
+would read S fp32 partials where it reads act.
 """
 
 from __future__ import annotations
@@ -73,6 +68,7 @@ from morion.ops.moe_decode_triton import (
     sum_slots,
 )
 from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
+from morion.ops.moe_split_k import SPLIT_SUM_BLOCK, k_slice, split_partials, store_partial, sum_slices
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
@@ -88,9 +84,6 @@ EXPAND_BYTE = tl.constexpr(0)
 EXPAND_GROUP = tl.constexpr(1)
 _EXPAND_MODES = {"byte": EXPAND_BYTE.value, "group": EXPAND_GROUP.value}
 _DECODE_BLOCK_M = 16  # rows per MMA tile in the decode kernels: the smallest `tl.dot` takes
-# Columns per program of `_split_k_sum_kernel`: 4 fp32 a thread at 2 warps (16-byte loads); at one token
-# of Flash-Next's shapes 11 x 3 programs for act, 11 x 10 for pair_out.
-_SPLIT_SUM_BLOCK = 256
 
 # Default tiles (ops/moe_tiles.py: a tuned file of this device and shape wins). BLOCK_K counts weight
 # columns: 128 is 64 bytes of codes and 8 block scales per row of the tile.
@@ -160,8 +153,8 @@ def _rows_times_nvfp4(
 ):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N]: the rows at `rows_ptr` ([BLOCK_M, 1] row starts, unit stride along K)
     times the NVFP4 matrix's rows `cols` (code x block scale; the global scale is the caller's), over K
-    columns k_begin .. k_end - 1 (`_k_slice`). "gemv" tiles of the group expansion run `_gemv_group`; the
-    others the MMA mode's `_mma` on half tiles."""
+    columns k_begin .. k_end - 1 (`moe_split_k.k_slice`). "gemv" tiles of the group expansion run
+    `_gemv_group`; the others the MMA mode's `_mma` on half tiles."""
     if EXPAND == EXPAND_GROUP and MMA == MMA_GEMV:
         acc = _gemv_group(
             rows_ptr, rows_ok, codes_ptr, scales_ptr, cols, cols_ok, size_k, k_begin, k_end, stride_cn,
@@ -219,29 +212,6 @@ def _gemv_group(
 
 
 @triton.jit
-def _k_slice(size_k, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(k_begin, k_end): the K columns this program sums, slice program_id(2) of SPLIT_K, each of whole
-    BLOCK_K tiles (a slice past K is empty). They depend on K, SPLIT_K and BLOCK_K only, never on the
-    batch. SPLIT_K = 1: all of K, the loop of the kernels before split K."""
-    if SPLIT_K == 1:
-        k_begin = 0
-        k_end = size_k
-    else:
-        span = tl.cdiv(tl.cdiv(size_k, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_begin = tl.program_id(2) * span
-        k_end = tl.minimum(k_begin + span, size_k)
-    return k_begin, k_end
-
-
-@triton.jit
-def _store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, width, offset):
-    """This program's K-slice sums (unscaled fp32) of the pairs' rows at columns offset + cols of
-    partial [SPLIT_K, P, width], slice program_id(2)."""
-    out = partial_ptr + (tl.program_id(2) * num_pairs + pairs[:, None]) * width + offset + cols[None, :]
-    tl.store(out, acc, mask=rows_ok[:, None] & cols_ok[None, :])
-
-
-@triton.jit
 def _swiglu_store(gate, up, global_ptr, expert, act_ptr, pairs, rows_ok, cols, cols_ok, inter_size):
     """act[p, cols] = silu(gate) * up from the unscaled sums (code x block scale x 2^-14), each times its
     projection's global scale x 2^14, for the pairs p of these rows."""
@@ -277,7 +247,7 @@ def _gate_up_rows(
     gate_scales = scales_ptr + expert * stride_se
     up_codes = gate_codes + inter_size * stride_cn
     up_scales = gate_scales + inter_size * stride_sn
-    k_begin, k_end = _k_slice(hidden_size, SPLIT_K, BLOCK_K)
+    k_begin, k_end = k_slice(hidden_size, SPLIT_K, BLOCK_K)
     gate = _rows_times_nvfp4(
         x_rows, rows_ok, gate_codes, gate_scales, cols, cols_ok, hidden_size, k_begin, k_end, stride_cn,
         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_PRECISION, EXPAND,
@@ -289,8 +259,8 @@ def _gate_up_rows(
     if SPLIT_K == 1:
         _swiglu_store(gate, up, global_ptr, expert, act_ptr, pairs, rows_ok, cols, cols_ok, inter_size)
     else:
-        _store_partial(partial_ptr, gate, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, 0)
-        _store_partial(partial_ptr, up, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, inter_size)
+        store_partial(partial_ptr, gate, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, 0)
+        store_partial(partial_ptr, up, pairs, rows_ok, cols, cols_ok, num_pairs, 2 * inter_size, inter_size)
 
 
 @triton.jit
@@ -302,7 +272,7 @@ def _down_rows(
 ):  # fmt: skip
     """pair_out[p] = routing[p] * (act[p] Wd^T) in fp32 for the pairs p of these rows; with SPLIT_K > 1
     this slice's sums to the partials instead."""
-    k_begin, k_end = _k_slice(inter_size, SPLIT_K, BLOCK_K)
+    k_begin, k_end = k_slice(inter_size, SPLIT_K, BLOCK_K)
     acc = _rows_times_nvfp4(
         act_ptr + pairs[:, None] * inter_size, rows_ok, codes_ptr + expert * stride_ce,
         scales_ptr + expert * stride_se, cols, cols_ok, inter_size, k_begin, k_end, stride_cn, stride_sn,
@@ -313,7 +283,7 @@ def _down_rows(
             acc, global_ptr, expert, routing_ptr, pair_out_ptr, pairs, rows_ok, cols, cols_ok, hidden_size
         )
     else:
-        _store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, hidden_size, 0)
+        store_partial(partial_ptr, acc, pairs, rows_ok, cols, cols_ok, num_pairs, hidden_size, 0)
 
 
 # Batch-dependent counts are not specialized on (see ops/moe_decode_triton.py): one variant serves all.
@@ -361,19 +331,6 @@ def _down_kernel(
         )  # fmt: skip
 
 
-@triton.jit
-def _sum_slices(
-    partial_ptr, pairs, cols, cols_ok, num_pairs, row_width, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """[1, BLOCK_N] fp32: the pair's partials [s, pair, cols] (rows of `row_width`) added for s = 0, 1, ..
-    SPLIT_K - 1, in that order: the same bits in every batch and every run."""
-    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        ptrs = partial_ptr + (s * num_pairs + pairs[:, None]) * row_width + cols[None, :]
-        acc += tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
-    return acc
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _split_k_sum_kernel(
     partial_ptr, global_ptr, ids_ptr, routing_ptr, out_ptr, num_pairs, width,
@@ -390,11 +347,11 @@ def _split_k_sum_kernel(
     cols_ok = cols < width
     expert = tl.load(ids_ptr + pair)
     if SWIGLU:
-        gate = _sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
-        up = _sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        gate = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
+        up = sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
         _swiglu_store(gate, up, global_ptr, expert, out_ptr, pairs, rows_ok, cols, cols_ok, width)
     else:
-        acc = _sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, width, SPLIT_K, BLOCK_N)
+        acc = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, width, SPLIT_K, BLOCK_N)
         _routed_store(acc, global_ptr, expert, routing_ptr, out_ptr, pairs, rows_ok, cols, cols_ok, width)
 
 
@@ -416,13 +373,6 @@ def _mma_options(tiles: Tiles, block_m: int) -> dict[str, int]:
     return {**options, "EXPAND": _EXPAND_MODES[tiles.expand], "SPLIT_K": tiles.split_k}
 
 
-def _partials(tiles: Tiles, num_pairs: int, width: int, out: torch.Tensor) -> torch.Tensor:
-    """A kernel's fp32 partials [split_k, P, width] under split K; without it `out` (unread)."""
-    if tiles.split_k == 1:
-        return out
-    return torch.empty(tiles.split_k, num_pairs, width, dtype=torch.float32, device=out.device)
-
-
 def _sum_split_k(
     partial: torch.Tensor,
     global_scale: torch.Tensor,
@@ -433,9 +383,9 @@ def _sum_split_k(
 ) -> None:
     """`_split_k_sum_kernel` on partial [S, P, N]: act (`swiglu`) or pair_out [P, width] from them."""
     split_k, num_pairs, width = partial.shape[0], out.shape[0], out.shape[1]
-    _split_k_sum_kernel[(num_pairs, triton.cdiv(width, _SPLIT_SUM_BLOCK))](
+    _split_k_sum_kernel[(num_pairs, triton.cdiv(width, SPLIT_SUM_BLOCK))](
         partial, global_scale, ids, routing, out, num_pairs, width,
-        SWIGLU=swiglu, SPLIT_K=split_k, BLOCK_N=_SPLIT_SUM_BLOCK, **launch_options(), num_warps=2,
+        SWIGLU=swiglu, SPLIT_K=split_k, BLOCK_N=SPLIT_SUM_BLOCK, **launch_options(), num_warps=2,
     )  # fmt: skip
 
 
@@ -472,7 +422,7 @@ def _run(
         BLOCK_P=block_p,
     )
     t = gate_up_tiles
-    partial = _partials(t, num_pairs, 2 * inter_size, act)
+    partial = split_partials(t.split_k, num_pairs, 2 * inter_size, act)
     _gate_up_kernel[(programs, triton.cdiv(inter_size, t.block_n), t.split_k)](
         hidden, gate_up_proj, gate_up_scale, gate_up_scale_2, ids, tiles, order, act, partial,
         num_pairs, top_k, hidden_size, inter_size, hidden.stride(0), gate_up_proj.stride(0),
@@ -483,7 +433,7 @@ def _run(
     if t.split_k > 1:
         _sum_split_k(partial, gate_up_scale_2, ids, routing, act, swiglu=True)
     t = down_tiles
-    partial = _partials(t, num_pairs, hidden_size, pair_out)
+    partial = split_partials(t.split_k, num_pairs, hidden_size, pair_out)
     _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n), t.split_k)](
         act, down_proj, down_scale, down_scale_2, ids, tiles, order, routing, pair_out, partial,
         num_pairs, hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1),

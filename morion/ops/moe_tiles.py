@@ -28,10 +28,11 @@ class Tiles(NamedTuple):
     per (K position, column) across the K tiles and summed over K once at the end). `expand`, read by
     the NVFP4 kernels only (ops/moe_nvfp4_triton.py): how 4-bit codes become weights, "byte" (each code
     byte gathers its block scale) or "group" (a tile's block scales loaded once each and broadcast over
-    their 16 columns). `split_k`, read by the NVFP4 decode kernels only: how many programs share a
-    column block's K (each sums a fixed slice of whole BLOCK_K tiles into an fp32 partial, a small kernel
-    adds the partials in slice order), so one token still fills the GPU; 1 runs K in one program. Files
-    written before a field existed list fewer values: the defaults apply."""
+    their 16 columns). `split_k`, read by the decode kernels (FP8, bf16 and NVFP4; the grouped ones
+    refuse it): how many programs share a column block's K (each sums a fixed slice of whole BLOCK_K
+    tiles into an fp32 partial, a small kernel adds the partials in slice order: ops/moe_split_k.py), so
+    one token still fills the GPU; 1 runs K in one program. Files written before a field existed list
+    fewer values: the defaults apply."""
 
     block_n: int
     block_k: int

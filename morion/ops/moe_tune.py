@@ -13,7 +13,8 @@ to the last expert, as the presets route their stacked shared expert (E = 513, t
 kernels then meet T at a time. A candidate's cost is the sum over those token counts of the microseconds
 per call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with
 the default down tile, then the down tile with the best gate/up one; then each again over warp counts and
-pipeline depths around the chosen block shapes (`launch_variants`). One tile per kernel for every token
+pipeline depths around the chosen block shapes (`launch_variants`), FP8 and bf16 experts' also with K
+split over several programs (`split_variants`). One tile per kernel for every token
 count (batch invariance: see ops/moe_tiles.py). A candidate's output must agree with the default tiles'
 within `AGREEMENT` (another tile sums in another order, nothing else), or it is refused. Prints one line
 per candidate, writes the JSON with the default tiles' and the chosen tiles' timings, and prints its
@@ -91,6 +92,23 @@ def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
     # One token is where NVFP4 decodes and where its GEMV tiles won (the 80B's sweep, session 17); the MMA
     # tiles take the longest to compile and time. First, so a sweep cut short has timed the GEMV tiles.
     return sorted(expanded, key=lambda tiles: tiles.mma != "gemv")
+
+
+def split_variants(tiles: Tiles, depth: int, dtype: str) -> list[Tiles]:
+    """FP8 and bf16 experts (`dtype`; NVFP4's first round has split K already, `with_expansions`): `tiles`
+    with K split over 2, 4 and 8 programs (ops/moe_split_k.py) at 2 and 4
+    warps, where its K (`depth`: H for gate_up, I for down) has at least that many BLOCK_K tiles (a
+    one-pass down tile has one). Tried with the second round's launch variants, around the block shape
+    the first chose: at one token its grid is about one wave of the H200's SMs (k pairs x N / BLOCK_N)."""
+    if dtype == "nvfp4":
+        return []
+    k_tiles = -(-depth // tiles.block_k)
+    return [
+        tiles._replace(split_k=split, num_warps=warps)
+        for split in SPLIT_K[1:]
+        if split <= k_tiles
+        for warps in (2, 4)
+    ]
 
 
 def launch_variants(tiles: Tiles) -> list[Tiles]:
@@ -320,8 +338,10 @@ def tune(
     sweep = functools.partial(_sweep, fn, experts=experts, batches=batches, reference=reference)
     gate_up, _ = sweep("gate_up", gate_up_candidates, fixed_down)
     down, _ = sweep("down", down_tiles, {"gate_up_tiles": gate_up})
-    gate_up, _ = sweep("gate_up", launch_variants(gate_up), {"down_tiles": down})
-    down, chosen_us = sweep("down", launch_variants(down), {"gate_up_tiles": gate_up})
+    gate_up_round = launch_variants(gate_up) + split_variants(gate_up, shape.hidden, shape.dtype)
+    gate_up, _ = sweep("gate_up", gate_up_round, {"down_tiles": down})
+    down_round = launch_variants(down) + split_variants(down, shape.intermediate, shape.dtype)
+    down, chosen_us = sweep("down", down_round, {"gate_up_tiles": gate_up})
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),

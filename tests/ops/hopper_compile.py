@@ -134,7 +134,7 @@ KERNELS = {
         for pool in ("fp8e4nv", "bf16")
     },
     **{
-        f"moe_decode_triton._gate_up_kernel[{mma}, fp8]": (
+        f"moe_decode_triton._gate_up_kernel[{mma}, fp8, split_k {split_k}]": (
             moe_decode_triton._gate_up_kernel,
             {
                 "x_ptr": "*fp8e4nv",
@@ -146,6 +146,7 @@ KERNELS = {
                 "order_ptr": "*i64",
                 "act_ptr": "*fp32",
                 "amax_ptr": "*fp32",
+                "partial_ptr": "*fp32",
                 "num_pairs": "i32",
                 "top_k": "i32",
                 "hidden_size": "i32",
@@ -164,9 +165,10 @@ KERNELS = {
                 "BLOCK_N": 32,
                 "BLOCK_K": 256,
                 "MMA": _MMA_MODES[mma],
+                "SPLIT_K": split_k,
             },
         )
-        for mma in ("dot", "gemv")
+        for mma, split_k in (("dot", 1), ("gemv", 1), ("dot", 4))
     },
     "qsa_triton._store_block_keys_kernel": (
         qsa_triton._store_block_keys_kernel,

@@ -223,6 +223,50 @@ def test_gemv_acc_tiles_equal_the_reference_and_are_batch_invariant(tokens, down
     assert torch.equal(moe_experts_triton(*alone_args, **device_scales, **tiles)[0], fp8_out[t])
 
 
+# Split K (ops/moe_split_k.py): K in slices of whole BLOCK_K tiles, a program each, their fp32 partials
+# added in slice order by a sum kernel that applies the epilogue. H = I = 64: gate_up's two 32-column K
+# tiles in 2 slices, or 3 (the third past K: empty); down's four 16-column ones in 2 or 4.
+SPLIT_K_TILES = {
+    "dot-2-gemv-4": (Tiles(32, 32, 4, 3, "dot", split_k=2), Tiles(32, 16, 4, 2, "gemv", split_k=4)),
+    "gemv_acc-3-dot-2": (Tiles(16, 32, 4, 3, "gemv_acc", split_k=3), Tiles(32, 32, 4, 2, "dot", split_k=2)),
+    "gate_up-only": (Tiles(32, 16, 4, 3, "gemv", split_k=4), Tiles(32, 64, 4, 1, "gemv")),
+    "down-only": (Tiles(32, 32, 4, 3, "gemv"), Tiles(64, 16, 4, 2, "gemv_acc", split_k=2)),
+}
+
+
+@pytest.mark.parametrize("tokens", (1, 5))
+@pytest.mark.parametrize("tiles", SPLIT_K_TILES.values(), ids=SPLIT_K_TILES.keys())
+def test_split_k_equals_the_reference_and_is_batch_invariant(tokens, tiles):
+    """FP8 and unquantized experts with K split against the reference, as unsplit tiles are (only the
+    fp32 summation order differs); the FP8 act rows' scales from the sum kernel's column blocks; and the
+    last token alone gives its batched row's bits (slices depend on K, never on the batch)."""
+    hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=30 + tokens)
+    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
+    options = dict(zip(("gate_up_tiles", "down_tiles"), tiles, strict=True))
+    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
+    fp8_out = moe_experts_triton(
+        *on_device(hidden, gate_up_q, down_q, weights, ids), **device_scales, **options
+    )
+    assert rel_l2(fp8_out, moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)) < 1e-3
+    out = moe_experts_triton(*on_device(hidden, gate_up, down, weights, ids), **options)
+    torch.testing.assert_close(
+        out.cpu(), moe_experts_reference(hidden, gate_up, down, weights, ids), atol=1e-5, rtol=0
+    )
+    t = tokens - 1
+    alone = on_device(hidden[t:], gate_up_q, down_q, weights[t:], ids[t:])
+    assert torch.equal(moe_experts_triton(*alone, **device_scales, **options)[0], fp8_out[t])
+
+
+def test_split_k_is_refused_where_there_is_nothing_to_split_or_no_decode_kernel():
+    case = on_device(*make_case(2, torch.float32))
+    with pytest.raises(ValueError, match="one-pass tile"):
+        moe_experts_triton(*case, down_tiles=Tiles(32, 64, 4, 1, "gemv", split_k=2))
+    with pytest.raises(ValueError, match="grouped kernels take split_k = 1"):
+        moe_experts_triton(*case, grouped=True, gate_up_tiles=Tiles(32, 32, 4, 2, split_k=2))
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        moe_experts_triton(*case, gate_up_tiles=Tiles(32, 32, 4, 2, split_k=0))
+
+
 def test_gemv_acc_is_the_moe_decode_kernels_own():
     """The skinny linear and NVFP4 kernels share the MMA helpers but not this mode."""
     from morion.ops.moe_decode_triton import _mma_options

@@ -191,3 +191,33 @@ def test_gemv_acc_against_gemv(moe_experts, kind, capsys):
         lines.append(f"moe {kind} T={tokens}: " + ", ".join(f"{k} {us:.1f} us" for k, us in times.items()))
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("kind", ("bf16", "fp8"))
+def test_split_k_at_the_real_shapes(moe_experts, kind, capsys):
+    """K split over 4 programs in both kernels (ops/moe_split_k.py) at Qwen3-Next's shapes: against the
+    reference as the unsplit tiles, deterministic in a CUDA graph, a token alone its batched row's bits;
+    timed against the same tiles unsplit at T = 1 and 4, printed (never asserted)."""
+    from morion.ops.moe_tiles import Tiles
+
+    unsplit = {"gate_up_tiles": Tiles(32, 128, 4, 5, "dot"), "down_tiles": Tiles(64, 128, 2, 3, "gemv")}
+    split = {name: tiles._replace(split_k=4) for name, tiles in unsplit.items()}
+    weights = moe_experts[kind]
+    batch = make_moe_batch(4, seed=12)
+    out = run_experts(triton_experts, weights, *batch, **split)
+    assert rel_l2(out, run_experts(moe_experts_reference, weights, *batch)) < (
+        1.5e-2 if kind == "bf16" else 1e-2
+    )
+    alone = [t[3:] for t in batch]
+    assert torch.equal(run_experts(triton_experts, weights, *alone, **split)[0], out[3])
+    replays = graph_replays_with_new_routings(lambda b: run_experts(triton_experts, weights, *b, **split))
+    for routed, replayed in replays:
+        assert torch.equal(replayed, run_experts(triton_experts, weights, *routed, **split))
+    lines = []
+    for tokens in (1, 4):
+        batches = [make_moe_batch(tokens, seed=300 + i) for i in range(20)]
+        times = {name: time_in_graph(triton_experts, weights, batches, **tiles) for name, tiles in
+                 (("unsplit", unsplit), ("split 4", split))}  # fmt: skip
+        lines.append(f"moe {kind} T={tokens}: " + ", ".join(f"{k} {us:.1f} us" for k, us in times.items()))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

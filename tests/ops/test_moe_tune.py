@@ -4,7 +4,7 @@ import torch
 
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import ExpertShape, Tiles
-from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch, write_tuned
+from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch, split_variants, write_tuned
 
 
 def test_launch_variants_keep_the_block_shape_and_start_with_the_chosen_tile():
@@ -13,6 +13,17 @@ def test_launch_variants_keep_the_block_shape_and_start_with_the_chosen_tile():
     assert variants[0] == chosen and len(variants) == len(set(variants)) == 12
     assert {(v.block_n, v.block_k, v.mma) for v in variants} == {(32, 256, "gemv")}
     assert {v.num_warps for v in variants} == {2, 4, 8} and {v.num_stages for v in variants} == {2, 3, 4, 5}
+
+
+def test_split_variants_split_only_the_k_tiles_there_are_and_leave_nvfp4_to_its_first_round():
+    """Gate_up at H = 2048 in 128-column tiles (16 K tiles): 2, 4 and 8 slices at 2 and 4 warps; the 80B's
+    down at I = 512 in 256-column tiles: 2 slices only; a one-pass down tile (BLOCK_K = I): none."""
+    variants = split_variants(Tiles(32, 128, 4, 5, "dot"), 2048, "fp8")
+    assert {(v.split_k, v.num_warps) for v in variants} == {(s, w) for s in (2, 4, 8) for w in (2, 4)}
+    assert {(v.block_n, v.block_k, v.num_stages, v.mma) for v in variants} == {(32, 128, 5, "dot")}
+    assert {v.split_k for v in split_variants(Tiles(64, 256, 4, 3, "gemv"), 512, "bfloat16")} == {2}
+    assert split_variants(Tiles(64, 512, 4, 1, "gemv"), 512, "fp8") == []
+    assert split_variants(Tiles(32, 128, 4, 3, "gemv"), 2048, "nvfp4") == []
 
 
 def test_fp8_sweeps_leave_out_swapped_operands_only():
