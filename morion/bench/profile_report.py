@@ -73,9 +73,22 @@ def _point(point: dict[str, Any]) -> list[str]:
             f"kernels, {idle['after_last_ms']:.3f} after its last; while the host ran: {parts}.",
             "",
         ]
-    lines += ["| top ops (as served) | per step | ms/step |", "|---|---:|---:|"]
     lines += [
-        f"| `{op['name']}` | {op['per_step']:.1f} | {op['ms_per_step']:.3f} |"
+        "Top ops by their own device time: from an op's start, or the end of the ops before it if later, to "
+        "its end (with programmatic dependent launch a kernel starts while the one before it runs and waits "
+        "for it: its span counts that time again; own times add up to the busy time).",
+        "",
+        "| top ops (as served) | per step | own ms/step | span ms/step |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| `{op['name']}` | {op['per_step']:.1f} | {_own_ms(op)} | {op['ms_per_step']:.3f} |"
         for op in as_served["top_ops"][:TOP_OPS_SHOWN]
     ]
     return [*lines, ""]
+
+
+def _own_ms(op: dict) -> str:
+    """An op's own ms a step; a JSON written before own times were measured has none (`--plot`)."""
+    own = op.get("own_ms_per_step")
+    return "—" if own is None else f"{own:.3f}"

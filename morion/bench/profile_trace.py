@@ -208,14 +208,38 @@ def _outermost_cpu_ops(events: list[dict[str, Any]], on_thread: Callable[[dict[s
 
 
 def _top_ops(ops: list[Op], steps: int) -> list[dict[str, Any]]:
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for op in ops:
-        by_name[op.name].append(op.duration)
-    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_OPS]
+    """The ops with the most device time a step that is theirs alone (`_own_times`), their count and
+    their whole spans a step beside it."""
+    spans: dict[str, list[float]] = defaultdict(list)
+    owned: dict[str, float] = defaultdict(float)
+    for op, own in zip(ops, _own_times(ops), strict=True):
+        spans[op.name].append(op.duration)
+        owned[op.name] += own
+    ranked = sorted(spans, key=lambda name: -owned[name])[:TOP_OPS]
     return [
-        {"name": name, "per_step": len(times) / steps, "ms_per_step": sum(times) / steps / 1e3}
-        for name, times in ranked
+        {
+            "name": name,
+            "per_step": len(spans[name]) / steps,
+            "ms_per_step": sum(spans[name]) / steps / 1e3,
+            "own_ms_per_step": owned[name] / steps / 1e3,
+        }
+        for name in ranked
     ]
+
+
+def _own_times(ops: list[Op]) -> list[float]:
+    """Each op's own time: from its start, or from the end of the ops that started before it if that is
+    later, to its end (0 if they outlast it). With programmatic dependent launch a kernel starts while the
+    one before it runs and waits for it, so its span counts its predecessor's time again; own times do not
+    overlap, and they add up to the time the device was busy."""
+    own = [0.0] * len(ops)
+    cursor = float("-inf")
+    for index in sorted(range(len(ops)), key=lambda i: ops[i].start):
+        op = ops[index]
+        end = op.start + op.duration
+        own[index] = max(0.0, end - max(op.start, cursor))
+        cursor = max(cursor, end)
+    return own
 
 
 def _device_idle(

@@ -168,7 +168,32 @@ def test_kernels_count_for_the_part_that_launched_them_and_idle_time_is_found_be
     assert "| Gated DeltaNet | 0.020 | 0.015 | 2 |" in text and "CUDA only" not in text
     assert "As served (CUDA graphs as the engine replays them, 0.10 ms per step): 4 CUDA kernels" in text
     assert "Device idle 0.070 ms per step (busy 0.030): 0.020 before its first kernel" in text
-    assert "| `moe_fused` | 1.0 | 0.010 |" in text
+    assert "| `moe_fused` | 1.0 | 0.010 | 0.010 |" in text
+
+
+def test_a_kernel_that_starts_while_the_one_before_it_runs_owns_only_the_time_after_it():
+    """Programmatic dependent launch: `norm` starts at 30 while `down` runs to 40 and waits for it; it owns
+    40-45, `down` 20-40 and the nested `tiny` (25-28, inside `down`) nothing. Own times add up to the busy
+    time (25 us) where the spans add up to 43; the ranking follows own time."""
+    events = [
+        _event("user_annotation", step_range(0), 0, 100),
+        _event("user_annotation", FORWARD, 5, 60),
+        *(_event("cuda_runtime", "cudaLaunchKernel", 10 + i, 1, correlation=i) for i in range(3)),
+        _event("kernel", "down", 20, 20, correlation=0),
+        _event("kernel", "tiny", 25, 3, correlation=1),
+        _event("kernel", "norm", 30, 15, correlation=2),
+    ]
+    summary = summarize({"traceEvents": events}, ["decode"], "decode")
+    top = {op["name"]: op for op in summary["top_ops"]}
+    assert [op["name"] for op in summary["top_ops"]] == ["down", "norm", "tiny"]
+    assert top["norm"]["own_ms_per_step"] == pytest.approx(0.005) and top["norm"][
+        "ms_per_step"
+    ] == pytest.approx(0.015)
+    assert top["down"]["own_ms_per_step"] == pytest.approx(0.020) and top["tiny"]["own_ms_per_step"] == 0
+    busy = summary["host"]["device_idle"]["busy_ms"]
+    assert (
+        sum(op["own_ms_per_step"] for op in summary["top_ops"]) == pytest.approx(busy) == pytest.approx(0.025)
+    )
 
 
 def test_a_prefill_point_is_also_profiled_as_its_piecewise_graphs_replay(tiny_qwen3_next, engine_factory):
