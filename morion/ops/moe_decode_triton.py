@@ -66,7 +66,14 @@ import triton
 import triton.language as tl
 
 from morion.ops.fp8 import FP8_MAX, MIN_SCALE, QuantizedRows, rows_quantized
-from morion.ops.moe_split_k import SPLIT_SUM_BLOCK, k_slice, split_partials, store_partial, sum_slices
+from morion.ops.moe_split_k import (
+    SPLIT_SUM_BLOCK,
+    k_slice,
+    split_partials,
+    split_sum_program,
+    store_partial,
+    sum_slices,
+)
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
@@ -102,7 +109,7 @@ def _expert_group(ids_ptr, num_pairs, BLOCK_P: tl.constexpr):
     pair = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-    expert = tl.load(ids_ptr + pair)
+    expert = tl.load(ids_ptr + tl.program_id(0))
     match = ids == expert
     matched = tl.cast(match, tl.int32)
     first = tl.min(tl.where(match, offs, BLOCK_P), axis=0)
@@ -139,7 +146,7 @@ def _expert_rows(
         rank = first
     elif BLOCK_M == 1:
         pair = tl.program_id(0)
-        expert = tl.cast(tl.load(ids_ptr + pair), tl.int64)
+        expert = tl.cast(tl.load(ids_ptr + tl.program_id(0)), tl.int64)
         first = 0
         count = 1
         match = pair
@@ -410,12 +417,8 @@ def _split_k_sum_kernel(
     then up) into act [P, I] (width I) and, with FP8 experts, act's amax per this kernel's column block
     (amax_out); else partial [S, P, H] into pair_out [P, H] (width H), the act rows' scales from amax_in."""
     wait_for_previous_kernel(USE_PDL)
-    pair = tl.program_id(0)
-    pairs = pair + tl.zeros((1,), dtype=tl.int32)  # one row: the [rows, columns] shape the epilogues take
-    rows_ok = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < width
-    expert = tl.cast(tl.load(ids_ptr + pair), tl.int64)
+    pairs, rows_ok, cols, cols_ok = split_sum_program(num_pairs, width, BLOCK_N)
+    expert = tl.cast(tl.load(ids_ptr + tl.program_id(0)), tl.int64)
     if SWIGLU:
         gate = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
         up = sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
@@ -608,12 +611,7 @@ def moe_expert_partials(
         num_stages=t.num_stages,
     )  # fmt: skip
     if t.split_k > 1:
-        _split_k_sum_kernel[(num_pairs, triton.cdiv(inter_size, SPLIT_SUM_BLOCK))](
-            partial, x_scale, amax, gate_up_scale, ids, routing, act, amax,
-            num_pairs, top_k, inter_size, amax_blocks, gate_up_scale.stride(0),
-            SWIGLU=True, FP8=fp8, **scale_rows, SPLIT_K=t.split_k, BLOCK_N=SPLIT_SUM_BLOCK,
-            **launch_options(), num_warps=2,
-        )  # fmt: skip
+        _sum_split_k(partial, x_scale, amax, gate_up_scale, ids, routing, act, top_k, fp8, scale_rows)
     t = down_tiles
     partial = split_partials(t.split_k, num_pairs, hidden_size, pair_out)
     _down_kernel[(programs, triton.cdiv(hidden_size, t.block_n), t.split_k)](
@@ -625,13 +623,30 @@ def moe_expert_partials(
         **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if t.split_k > 1:
-        _split_k_sum_kernel[(num_pairs, triton.cdiv(hidden_size, SPLIT_SUM_BLOCK))](
-            partial, x_scale, amax, down_scale, ids, routing, pair_out, amax,
-            num_pairs, top_k, hidden_size, amax_blocks, down_scale.stride(0),
-            SWIGLU=False, FP8=fp8, **scale_rows, SPLIT_K=t.split_k, BLOCK_N=SPLIT_SUM_BLOCK,
-            **launch_options(), num_warps=2,
-        )  # fmt: skip
+        _sum_split_k(partial, x_scale, amax, down_scale, ids, routing, pair_out, top_k, fp8, scale_rows)
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
+
+
+def _sum_split_k(
+    partial: torch.Tensor,
+    x_scale: torch.Tensor,
+    amax: torch.Tensor,
+    w_scale: torch.Tensor,
+    ids: torch.Tensor,
+    routing: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    fp8: bool,
+    scale_rows: dict[str, Any],
+) -> None:
+    """`_split_k_sum_kernel` on partial [S, P, N]: act [P, I] (N = 2I: the SwiGLU, with FP8 experts act's
+    amax per column block into `amax`) or pair_out [P, H] (N = H: the act rows' scales from `amax`)."""
+    split_k, num_pairs, width = partial.shape[0], out.shape[0], out.shape[1]
+    _split_k_sum_kernel[(num_pairs, triton.cdiv(width, SPLIT_SUM_BLOCK))](
+        partial, x_scale, amax, w_scale, ids, routing, out, amax, num_pairs, top_k, width, amax.shape[-1],
+        w_scale.stride(0), SWIGLU=partial.shape[2] == 2 * width, FP8=fp8, **scale_rows, SPLIT_K=split_k,
+        BLOCK_N=SPLIT_SUM_BLOCK, **launch_options(), num_warps=2,
+    )  # fmt: skip
 
 
 def moe_experts_triton(*args: Any, **options: Any) -> torch.Tensor:

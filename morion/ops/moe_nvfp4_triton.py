@@ -68,7 +68,14 @@ from morion.ops.moe_decode_triton import (
     sum_slots,
 )
 from morion.ops.moe_decode_triton import _mma_options as decode_mma_options
-from morion.ops.moe_split_k import SPLIT_SUM_BLOCK, k_slice, split_partials, store_partial, sum_slices
+from morion.ops.moe_split_k import (
+    SPLIT_SUM_BLOCK,
+    k_slice,
+    split_partials,
+    split_sum_program,
+    store_partial,
+    sum_slices,
+)
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
@@ -340,12 +347,8 @@ def _split_k_sum_kernel(
     order, then the fused kernels' epilogue. SWIGLU: partial [S, P, 2I] (gate, then up) into act [P, I]
     (width I); else partial [S, P, H] into pair_out [P, H] (width H)."""
     wait_for_previous_kernel(USE_PDL)
-    pair = tl.program_id(0)
-    pairs = pair + tl.zeros((1,), dtype=tl.int32)  # one row: the [rows, columns] shape the epilogues take
-    rows_ok = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < width
-    expert = tl.load(ids_ptr + pair)
+    pairs, rows_ok, cols, cols_ok = split_sum_program(num_pairs, width, BLOCK_N)
+    expert = tl.load(ids_ptr + tl.program_id(0))
     if SWIGLU:
         gate = sum_slices(partial_ptr, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)
         up = sum_slices(partial_ptr + width, pairs, cols, cols_ok, num_pairs, 2 * width, SPLIT_K, BLOCK_N)

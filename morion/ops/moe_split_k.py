@@ -57,6 +57,15 @@ def sum_slices(
     return acc
 
 
+@triton.jit
+def split_sum_program(num_pairs, width, BLOCK_N: tl.constexpr):
+    """A split-K sum kernel's program (pair, column block): the pair, as the one row [1] the fused
+    kernels' epilogues take, whether it exists, and the columns with their mask."""
+    pairs = tl.program_id(0) + tl.zeros((1,), dtype=tl.int32)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, cols, cols < width
+
+
 def split_partials(split_k: int, num_pairs: int, width: int, out: torch.Tensor) -> torch.Tensor:
     """A kernel's fp32 partials [split_k, P, width] under split K; without it `out` (unread)."""
     if split_k == 1:

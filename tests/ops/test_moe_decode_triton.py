@@ -197,64 +197,51 @@ def test_a_token_result_does_not_depend_on_the_batch(kind, tiles):
 # "gemv_acc" (products kept per (K position, column) across K tiles, summed over K once): the down kernel
 # in two passes and in one.
 GEMV_ACC_TILES = {
-    "two-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 32, 4, 2, "gemv_acc")),
-    "one-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 64, 4, 1, "gemv_acc")),
+    "gemv_acc-two-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 32, 4, 2, "gemv_acc")),
+    "gemv_acc-one-pass": (Tiles(32, 32, 4, 3, "gemv_acc"), Tiles(32, 64, 4, 1, "gemv_acc")),
 }
-
-
-@pytest.mark.parametrize(("tokens", "down_pass"), ((1, "one-pass"), (4, "two-pass"), (16, "one-pass")))
-def test_gemv_acc_tiles_equal_the_reference_and_are_batch_invariant(tokens, down_pass):
-    """FP8 and unquantized (fp32: the interpreter has no bf16) experts against the reference, as the
-    other tiles are; with shared experts at T = 4 and 16, and each token alone its batched row's bits."""
-    hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=20 + tokens)
-    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
-    tiles = dict(zip(("gate_up_tiles", "down_tiles"), GEMV_ACC_TILES[down_pass], strict=True))
-    device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
-    fp8_args = on_device(hidden, gate_up_q, down_q, weights, ids)
-    fp8_out = moe_experts_triton(*fp8_args, **device_scales, **tiles)
-    expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
-    assert rel_l2(fp8_out, expected) < 1e-3  # as test_fp8_equals_fp8_reference
-    out = moe_experts_triton(*on_device(hidden, gate_up, down, weights, ids), **tiles)
-    torch.testing.assert_close(
-        out.cpu(), moe_experts_reference(hidden, gate_up, down, weights, ids), atol=1e-5, rtol=0
-    )
-    t = tokens - 1
-    alone_args = on_device(hidden[t:], gate_up_q, down_q, weights[t:], ids[t:])
-    assert torch.equal(moe_experts_triton(*alone_args, **device_scales, **tiles)[0], fp8_out[t])
-
-
 # Split K (ops/moe_split_k.py): K in slices of whole BLOCK_K tiles, a program each, their fp32 partials
-# added in slice order by a sum kernel that applies the epilogue. H = I = 64: gate_up's two 32-column K
-# tiles in 2 slices, or 3 (the third past K: empty); down's four 16-column ones in 2 or 4.
+# added in slice order by a sum kernel that applies the epilogue (the FP8 act rows' scales from that
+# kernel's column blocks). H = I = 64: gate_up's two 32-column K tiles in 2 slices, or 3 (the third past
+# K: empty); down's four 16-column ones in 2 or 4.
 SPLIT_K_TILES = {
-    "dot-2-gemv-4": (Tiles(32, 32, 4, 3, "dot", split_k=2), Tiles(32, 16, 4, 2, "gemv", split_k=4)),
-    "gemv_acc-3-dot-2": (Tiles(16, 32, 4, 3, "gemv_acc", split_k=3), Tiles(32, 32, 4, 2, "dot", split_k=2)),
-    "gate_up-only": (Tiles(32, 16, 4, 3, "gemv", split_k=4), Tiles(32, 64, 4, 1, "gemv")),
-    "down-only": (Tiles(32, 32, 4, 3, "gemv"), Tiles(64, 16, 4, 2, "gemv_acc", split_k=2)),
+    "split-dot-2-gemv-4": (Tiles(32, 32, 4, 3, "dot", split_k=2), Tiles(32, 16, 4, 2, "gemv", split_k=4)),
+    "split-gemv_acc-3-dot-2": (
+        Tiles(16, 32, 4, 3, "gemv_acc", split_k=3),
+        Tiles(32, 32, 4, 2, "dot", split_k=2),
+    ),
+    "split-gate_up-only": (Tiles(32, 16, 4, 3, "gemv", split_k=4), Tiles(32, 64, 4, 1, "gemv")),
+    "split-down-only": (Tiles(32, 32, 4, 3, "gemv"), Tiles(64, 16, 4, 2, "gemv_acc", split_k=2)),
+}
+# (tokens, tiles): shared experts from T = 4 on (8 experts, top-2).
+REFERENCE_CASES = {
+    "gemv_acc-one-pass-1": (1, GEMV_ACC_TILES["gemv_acc-one-pass"]),
+    "gemv_acc-two-pass-4": (4, GEMV_ACC_TILES["gemv_acc-two-pass"]),
+    "gemv_acc-one-pass-16": (16, GEMV_ACC_TILES["gemv_acc-one-pass"]),
+    **{f"{name}-{tokens}": (tokens, tiles) for name, tiles in SPLIT_K_TILES.items() for tokens in (1, 5)},
 }
 
 
-@pytest.mark.parametrize("tokens", (1, 5))
-@pytest.mark.parametrize("tiles", SPLIT_K_TILES.values(), ids=SPLIT_K_TILES.keys())
-def test_split_k_equals_the_reference_and_is_batch_invariant(tokens, tiles):
-    """FP8 and unquantized experts with K split against the reference, as unsplit tiles are (only the
-    fp32 summation order differs); the FP8 act rows' scales from the sum kernel's column blocks; and the
-    last token alone gives its batched row's bits (slices depend on K, never on the batch)."""
-    hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=30 + tokens)
+@pytest.mark.parametrize(("tokens", "tiles"), REFERENCE_CASES.values(), ids=REFERENCE_CASES.keys())
+def test_gemv_acc_and_split_k_tiles_equal_the_reference_and_are_batch_invariant(tokens, tiles):
+    """FP8 and unquantized (fp32: the interpreter has no bf16) experts against the reference, as the
+    other tiles are (only the fp32 summation order differs), and the last token alone its batched row's
+    bits (tiles and K slices never depend on the batch)."""
+    hidden, gate_up, down, weights, ids = make_case(tokens, torch.float32, seed=20 + tokens)
     gate_up_q, down_q, scales = fp8_experts(gate_up, down)
     options = dict(zip(("gate_up_tiles", "down_tiles"), tiles, strict=True))
     device_scales = {k: v.to(DEVICE) for k, v in scales.items()}
-    fp8_out = moe_experts_triton(
-        *on_device(hidden, gate_up_q, down_q, weights, ids), **device_scales, **options
-    )
-    assert rel_l2(fp8_out, moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)) < 1e-3
+    fp8_args = on_device(hidden, gate_up_q, down_q, weights, ids)
+    fp8_out = moe_experts_triton(*fp8_args, **device_scales, **options)
+    expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert rel_l2(fp8_out, expected) < 1e-3  # as test_fp8_equals_fp8_reference
     out = moe_experts_triton(*on_device(hidden, gate_up, down, weights, ids), **options)
     torch.testing.assert_close(
         out.cpu(), moe_experts_reference(hidden, gate_up, down, weights, ids), atol=1e-5, rtol=0
     )
     t = tokens - 1
-    alone = on_device(hidden[t:], gate_up_q, down_q, weights[t:], ids[t:])
-    assert torch.equal(moe_experts_triton(*alone, **device_scales, **options)[0], fp8_out[t])
+    alone_args = on_device(hidden[t:], gate_up_q, down_q, weights[t:], ids[t:])
+    assert torch.equal(moe_experts_triton(*alone_args, **device_scales, **options)[0], fp8_out[t])
 
 
 def test_split_k_is_refused_where_there_is_nothing_to_split_or_no_decode_kernel():
