@@ -40,9 +40,14 @@ def test_tuned_tiles_are_read_once_and_missing_ones_are_none(tmp_path, monkeypat
         moe_tiles.tuned_tiles.cache_clear()
 
 
-def test_the_80b_experts_with_the_shared_expert_stacked_have_the_tuned_tiles():
-    """The 80B preset stacks its shared expert as expert 512 (layers/moe.py): E513 runs the E512 tiles."""
-    stacked = moe_tiles.tuned_tiles("NVIDIA H200", ExpertShape(513, 2048, 512, "fp8"))
-    assert stacked is not None and stacked == moe_tiles.tuned_tiles(
-        "NVIDIA H200", ExpertShape(512, 2048, 512, "fp8")
-    )
+def test_the_presets_experts_with_the_shared_expert_stacked_have_tiles_tuned_as_served():
+    """The presets stack their shared expert as expert 512 (layers/moe.py): each E513 shape has an H200
+    file of its own, tuned with every token's last slot on that expert (`moe_tune --shared-expert`)."""
+    for hidden, inter in ((2048, 512), (2560, 640)):
+        shape = ExpertShape(513, hidden, inter, "fp8")
+        config = json.loads(moe_tiles.config_path("NVIDIA H200", shape).read_text())
+        assert config["shared_expert"] is True and config["top_k"] == 11
+        assert moe_tiles.tuned_tiles("NVIDIA H200", shape) == (
+            Tiles(*config["gate_up"]),
+            Tiles(*config["down"]),
+        )
