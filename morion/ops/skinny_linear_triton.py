@@ -109,7 +109,7 @@ def _skinny_linear_kernel(
 def _skinny_pair_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
     x2_ptr, x2_scale_ptr, w2_ptr, w2_scale_ptr, bias2_ptr, out2_ptr, N2, stride_x2, stride_w2, stride_out2,
-    M, first_programs,
+    M,
     SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
@@ -118,32 +118,32 @@ def _skinny_pair_kernel(
     BLOCK_K2: tl.constexpr, PREFETCH_LINE2: tl.constexpr, PREFETCH_STEP2: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Two products of one input in one launch (`skinny_linear_pair`): column programs 0 .. first_programs
-    - 1 are the first's, the rest the second's, each running `_skinny_tile` as its own launch would; a
-    product with fewer row blocks than the grid leaves its extra ones idle."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    first = pid_n < first_programs
-    pid_n2 = pid_n - first_programs
+    """Two products of one input in one launch (`skinny_linear_pair`), a one-dimensional grid: the first
+    product's (column block, row block) programs, then the second's, each running `_skinny_tile` as its
+    own launch's program would (no idle programs, whichever product has more row blocks)."""
+    pid = tl.program_id(0)
+    columns = tl.cdiv(N, BLOCK_N)
+    first = pid < columns * tl.cdiv(M, BLOCK_M)
+    second = pid - columns * tl.cdiv(M, BLOCK_M)
+    columns2 = tl.cdiv(N2, BLOCK_N2)
     if first:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = (pid % columns) * BLOCK_N + tl.arange(0, BLOCK_N)
         prefetch_columns_to_l2(w_ptr, cols, cols < N, K, stride_w, PREFETCH_LINE, PREFETCH_STEP)
     else:
-        cols2 = pid_n2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+        cols2 = (second % columns2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
         prefetch_columns_to_l2(w2_ptr, cols2, cols2 < N2, K, stride_w2, PREFETCH_LINE2, PREFETCH_STEP2)
     wait_for_previous_kernel(USE_PDL)
     if first:
-        if pid_m * BLOCK_M < M:
-            _skinny_tile(
-                pid_n, pid_m, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x,
-                stride_w, stride_out, SCALED, COLUMN_SCALES, HAS_BIAS, DOT_PRECISION, MMA, BLOCK_M, BLOCK_N,
-                BLOCK_K,
-            )  # fmt: skip
-    elif pid_m * BLOCK_M2 < M:
         _skinny_tile(
-            pid_n2, pid_m, x2_ptr, x2_scale_ptr, w2_ptr, w2_scale_ptr, bias2_ptr, out2_ptr, M, N2, K,
-            stride_x2, stride_w2, stride_out2, SCALED2, COLUMN_SCALES2, HAS_BIAS2, DOT_PRECISION2, MMA2,
-            BLOCK_M2, BLOCK_N2, BLOCK_K2,
+            pid % columns, pid // columns, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+            stride_x, stride_w, stride_out, SCALED, COLUMN_SCALES, HAS_BIAS, DOT_PRECISION, MMA, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        _skinny_tile(
+            second % columns2, second // columns2, x2_ptr, x2_scale_ptr, w2_ptr, w2_scale_ptr, bias2_ptr,
+            out2_ptr, M, N2, K, stride_x2, stride_w2, stride_out2, SCALED2, COLUMN_SCALES2, HAS_BIAS2,
+            DOT_PRECISION2, MMA2, BLOCK_M2, BLOCK_N2, BLOCK_K2,
         )  # fmt: skip
 
 
@@ -227,9 +227,9 @@ def skinny_linear_pair(first: SkinnyProduct, second: SkinnyProduct) -> tuple[tor
         return out, out2
     tensors, strides, constants, blocks = _operands(first, out)
     tensors2, strides2, constants2, blocks2 = _operands(second, out2)
-    _skinny_pair_kernel[(blocks[0] + blocks2[0], max(blocks[1], blocks2[1]))](
+    _skinny_pair_kernel[(blocks[0] * blocks[1] + blocks2[0] * blocks2[1],)](
         *tensors, first.weight.shape[0], depth, *strides, *tensors2, second.weight.shape[0], *strides2, rows,
-        blocks[0], **constants, **{f"{name}2": value for name, value in constants2.items()},
+        **constants, **{f"{name}2": value for name, value in constants2.items()},
         **launch_options(), num_warps=first.tiles.num_warps, num_stages=first.tiles.num_stages,
     )  # fmt: skip
     return out, out2

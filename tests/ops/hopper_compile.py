@@ -101,7 +101,6 @@ def _skinny_pair() -> tuple:
         "N2": "i32",
         **{f"{stride}2": "i32" for stride in strides},
         "M": "i32",
-        "first_programs": "i32",
     }  # fmt: skip
     constexprs = {**first, **{f"{name}2": value for name, value in second.items()}}
     return skinny_linear_triton._skinny_pair_kernel, signature, constexprs

@@ -23,6 +23,7 @@ OPS = Path(pdl.__file__).parent
 # arithmetic.
 ALLOWED_BEFORE_WAIT = {
     "prefetch_to_l2", "prefetch_columns_to_l2", "program_id", "arange", "cast", "where", "minimum", "range",
+    "cdiv",
 }  # fmt: skip
 
 
