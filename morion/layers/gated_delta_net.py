@@ -16,11 +16,11 @@ prefill. Elsewhere it runs the pure-torch references through `read_state` / `wri
 The projections are not rearranged: `project` returns views of the in_proj outputs as the checkpoint's
 layout gives them (`Projections`), and the CUDA kernels read them in place (the conv through
 `GroupedChannels`, the step kernels a and b as [T, H, r], the output norm z as [T, H, r, Dv]). A decode
-step of the 80B model with FP8 weights and the H200's tuned tiles is 6 kernels: in_proj_qkvz (its input
-comes quantized by the decoder layer's add + norm kernel: `reads_fp8_rows`), in_proj_ba, the conv step,
-the gated-delta-rule step (its gates inside), the gated norm with out_proj's activation quantization (one
-kernel), out_proj. The FP8 projections are the skinny kernel each; a shape without a tuned tile takes
-cuBLAS's GEMM and a row-scale kernel, two.
+step of the 80B model with FP8 weights and the H200's tuned tiles is 5 kernels: in_proj_qkvz (its input
+comes quantized by the decoder layer's add + norm kernel: `reads_fp8_rows`) with in_proj_ba in the same
+launch (layers/paired_products.py), the conv step, the gated-delta-rule step (its gates inside), the
+gated norm with out_proj's activation quantization (one kernel), out_proj. The FP8 projections are the
+skinny kernel each; a shape without a tuned tile takes cuBLAS's GEMM and a row-scale kernel, two.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ from torch import nn
 from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS, HybridBackend
 from morion.layers.linear_fp8 import Fp8Linear, all_fp8, linears_of_one_input
 from morion.layers.norm_variants import GatedRMSNorm, SigmoidGatedRMSNorm
+from morion.layers.paired_products import fp8_linear_and_product
 from morion.ops.causal_conv1d import (
     GroupedChannels,
     causal_conv1d_reference,
     causal_conv1d_update_reference,
 )
-from morion.ops.fp8 import QuantizedRows
+from morion.ops.fp8 import QuantizedRows, rows_quantized
 from morion.ops.gated_delta_rule import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
@@ -147,13 +148,26 @@ class GatedDeltaNet(nn.Module):
         """
         tokens = x.shape[0]
         r = self.num_v_heads // self.num_k_heads
-        (qkvz,) = linears_of_one_input(x, self._quantized_projections(), quantized)
+        qkvz, ba = self._project_qkvz_and_ba(x, quantized)
         qkvz = qkvz.view(tokens, self.num_k_heads, -1)
         value_width = r * self.head_v_dim
         z = qkvz[..., 2 * self.head_k_dim + value_width :].unflatten(-1, (r, self.head_v_dim))
-        ba = linear_forward(self.in_proj_ba, x).view(tokens, self.num_k_heads, 2 * r)
+        ba = ba.view(tokens, self.num_k_heads, 2 * r)
         qkv = GroupedChannels(qkvz, self.head_k_dim, value_width)
         return Projections(qkv, z, ba[..., :r], ba[..., r:])
+
+    def _project_qkvz_and_ba(
+        self, x: torch.Tensor, quantized: QuantizedRows | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_qkvz(x) and in_proj_ba(x) for x [T, hidden]: with an FP8 in_proj_qkvz and a plain
+        in_proj_ba, through one launch where both run the skinny kernel (layers/paired_products.py)."""
+        qkvz_layer, ba_layer = self.in_proj_qkvz, self.in_proj_ba
+        plain_ba = type(ba_layer) is nn.Linear and ba_layer.bias is None
+        if isinstance(qkvz_layer, Fp8Linear) and plain_ba and x.shape[0] > 0:
+            q, row_scale = rows_quantized(x, quantized)
+            return fp8_linear_and_product(qkvz_layer, q, row_scale, x.dtype, x, ba_layer.weight)
+        (qkvz,) = linears_of_one_input(x, (qkvz_layer,), quantized)
+        return qkvz, linear_forward(ba_layer, x)
 
     def forward(
         self, x: torch.Tensor, backend: HybridBackend, quantized: QuantizedRows | None = None

@@ -102,3 +102,16 @@ def prefetch_to_l2(pointers):
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def prefetch_columns_to_l2(w_ptr, cols, cols_ok, K, stride_w, LINE: tl.constexpr, STEP: tl.constexpr):
+    """Weight columns `cols` of a [N, K] matrix with row stride `stride_w` into L2, one address per L2
+    line (LINE elements, 0: nothing), STEP depths at a time; out-of-range columns and depths point at the
+    first column and the last element, so every address lies in the tensor. Weights only: the call
+    precedes `wait_for_previous_kernel`."""
+    if LINE > 0:
+        lines = tl.arange(0, STEP // LINE) * LINE
+        first = w_ptr + tl.cast(tl.where(cols_ok, cols, 0), tl.int64)[None, :] * stride_w
+        for start in range(0, K, STEP):
+            prefetch_to_l2(first + tl.minimum(start + lines, K - 1)[:, None])

@@ -35,42 +35,37 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from morion.ops.moe_decode_triton import _mma, _mma_options, _rows_first, _zero_acc
 from morion.ops.moe_tiles import Tiles
-from morion.ops.pdl import launch_options, prefetch_line, prefetch_to_l2, wait_for_previous_kernel
+from morion.ops.pdl import launch_options, prefetch_columns_to_l2, prefetch_line, wait_for_previous_kernel
 
 # Decode and short-chunk forwards (the same bound as the fused MoE kernels' AUTO_TRITON_MAX_TOKENS):
 # up to here a token's projections are the same bits in every batch; larger forwards take cuBLAS.
 MAX_ROWS = 64
 
 
-@triton.jit(do_not_specialize=["M"])
-def _skinny_linear_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+@triton.jit
+def _skinny_tile(
+    pid_n, pid_m, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
+    stride_out,
     SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Output columns pid_n * BLOCK_N.. of rows pid_m * BLOCK_M..: one program's work after its wait, in
+    the plain launch or for either product of a paired one."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < M
     cols_ok = cols < N
     depth = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tl.cast(rows, tl.int64)[:, None] * stride_x
     w_cols = w_ptr + tl.cast(cols, tl.int64)[None, :] * stride_w
-    if PREFETCH_LINE > 0:
-        # This program's weight columns, one address per L2 line (PREFETCH_LINE elements), all in the
-        # tensor: out-of-range columns and depths point at its first column and last element.
-        lines = tl.arange(0, PREFETCH_STEP // PREFETCH_LINE) * PREFETCH_LINE
-        first = w_ptr + tl.cast(tl.where(cols_ok, cols, 0), tl.int64)[None, :] * stride_w
-        for start in range(0, K, PREFETCH_STEP):
-            prefetch_to_l2(first + tl.minimum(start + lines, K - 1)[:, None])
-    wait_for_previous_kernel(USE_PDL)
     acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
     for start in range(0, K, BLOCK_K):
         k = start + depth
@@ -92,6 +87,66 @@ def _skinny_linear_kernel(
     tl.store(out, tl.cast(acc, out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _skinny_linear_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_columns_to_l2(w_ptr, cols, cols < N, K, stride_w, PREFETCH_LINE, PREFETCH_STEP)
+    wait_for_previous_kernel(USE_PDL)
+    _skinny_tile(
+        tl.program_id(0), tl.program_id(1), x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N,
+        K, stride_x, stride_w, stride_out, SCALED, COLUMN_SCALES, HAS_BIAS, DOT_PRECISION, MMA, BLOCK_M,
+        BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_pair_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
+    x2_ptr, x2_scale_ptr, w2_ptr, w2_scale_ptr, bias2_ptr, out2_ptr, N2, stride_x2, stride_w2, stride_out2,
+    M,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    SCALED2: tl.constexpr, COLUMN_SCALES2: tl.constexpr, HAS_BIAS2: tl.constexpr,
+    DOT_PRECISION2: tl.constexpr, MMA2: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_K2: tl.constexpr, PREFETCH_LINE2: tl.constexpr, PREFETCH_STEP2: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Two products of one input in one launch (`skinny_linear_pair`), a one-dimensional grid: the first
+    product's (column block, row block) programs, then the second's, each running `_skinny_tile` as its
+    own launch's program would (no idle programs, whichever product has more row blocks)."""
+    pid = tl.program_id(0)
+    columns = tl.cdiv(N, BLOCK_N)
+    first = pid < columns * tl.cdiv(M, BLOCK_M)
+    second = pid - columns * tl.cdiv(M, BLOCK_M)
+    columns2 = tl.cdiv(N2, BLOCK_N2)
+    if first:
+        cols = (pid % columns) * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_columns_to_l2(w_ptr, cols, cols < N, K, stride_w, PREFETCH_LINE, PREFETCH_STEP)
+    else:
+        cols2 = (second % columns2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+        prefetch_columns_to_l2(w2_ptr, cols2, cols2 < N2, K, stride_w2, PREFETCH_LINE2, PREFETCH_STEP2)
+    wait_for_previous_kernel(USE_PDL)
+    if first:
+        _skinny_tile(
+            pid % columns, pid // columns, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+            stride_x, stride_w, stride_out, SCALED, COLUMN_SCALES, HAS_BIAS, DOT_PRECISION, MMA, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        _skinny_tile(
+            second % columns2, second // columns2, x2_ptr, x2_scale_ptr, w2_ptr, w2_scale_ptr, bias2_ptr,
+            out2_ptr, M, N2, K, stride_x2, stride_w2, stride_out2, SCALED2, COLUMN_SCALES2, HAS_BIAS2,
+            DOT_PRECISION2, MMA2, BLOCK_M2, BLOCK_N2, BLOCK_K2,
+        )  # fmt: skip
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes x [M, K] @ weight [N, K].T: at most MAX_ROWS rows, unit strides on K, and
     one element type (e4m3 rows with e4m3 weights, or one float dtype: FP8 rows come quantized)."""
@@ -104,6 +159,18 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
+
+
+class SkinnyProduct(NamedTuple):
+    """One product's operands, as `skinny_linear` takes them."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    tiles: Tiles
+    x_scale: torch.Tensor | None = None
+    weight_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
 
 
 def skinny_linear(
@@ -122,35 +189,94 @@ def skinny_linear(
     (fp32), `weight_scale` (one fp32 element, or [N]: one per output column, for layers merged into one
     weight by layers/merged_linears.py) and `out_dtype` the model dtype. `bias` [N] is added in fp32
     before the one rounding."""
+    product = SkinnyProduct(x, weight, tiles, x_scale, weight_scale, bias, out_dtype)
+    out = _output(product)
+    if x.shape[0] == 0:
+        return out
+    tensors, strides, constants, blocks = _operands(product, out)
+    rows, depth = x.shape
+    _skinny_linear_kernel[blocks](
+        *tensors, rows, weight.shape[0], depth, *strides, **constants, **launch_options(),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def pairable(first: Tiles, second: Tiles) -> bool:
+    """Whether two products can share a launch with each output the bits of its own: one warp count (a
+    GEMV tile's sums over K are laid out by it). The pipeline depth is the launch's too, but it only
+    decides how far ahead loads are issued, not the order of any sum: the first product's is taken."""
+    return first.num_warps == second.num_warps
+
+
+def skinny_linear_pair(first: SkinnyProduct, second: SkinnyProduct) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both products in one launch, each as `skinny_linear` computes it alone (its own tile, the same
+    bits): two linear layers of one input, e.g. an FP8 projection and a model-dtype one, without a second
+    kernel on the decode step's critical path. The rows (M) and depth (K) are the same; `pairable` tiles."""
+    if first.x.shape[0] != second.x.shape[0] or first.x.shape[1] != second.x.shape[1]:
+        raise ValueError(
+            f"paired products take rows of one shape, got {tuple(first.x.shape)} and {tuple(second.x.shape)}"
+        )
+    if not pairable(first.tiles, second.tiles):
+        raise ValueError(
+            f"paired tiles need one warp count, got {tuple(first.tiles)} and {tuple(second.tiles)}"
+        )
+    out, out2 = _output(first), _output(second)
+    rows, depth = first.x.shape
+    if rows == 0:
+        return out, out2
+    tensors, strides, constants, blocks = _operands(first, out)
+    tensors2, strides2, constants2, blocks2 = _operands(second, out2)
+    _skinny_pair_kernel[(blocks[0] * blocks[1] + blocks2[0] * blocks2[1],)](
+        *tensors, first.weight.shape[0], depth, *strides, *tensors2, second.weight.shape[0], *strides2, rows,
+        **constants, **{f"{name}2": value for name, value in constants2.items()},
+        **launch_options(), num_warps=first.tiles.num_warps, num_stages=first.tiles.num_stages,
+    )  # fmt: skip
+    return out, out2
+
+
+def _output(product: SkinnyProduct) -> torch.Tensor:
+    """The product's [M, N] output, after checking its operands (`skinny_linear`'s contract)."""
+    x, weight, x_scale, weight_scale = product.x, product.weight, product.x_scale, product.weight_scale
     fp8 = weight.element_size() == 1
     if fp8 and (x.dtype != weight.dtype or x_scale is None or weight_scale is None):
         raise ValueError(
             f"e4m3 weights need e4m3 rows with their x_scale (quantized before the call) and weight_scale; "
             f"got {x.dtype} rows, x_scale {'given' if x_scale is not None else 'missing'}"
         )
-    if x.element_size() == 1 and out_dtype is None:
+    if x.element_size() == 1 and product.out_dtype is None:
         raise ValueError("e4m3 rows need an out_dtype (the model dtype)")
-    rows, depth = x.shape
     outputs = weight.shape[0]
-    column_scales = fp8 and weight_scale.numel() > 1
-    if column_scales and weight_scale.shape != (outputs,):
+    if fp8 and weight_scale.numel() > 1 and weight_scale.shape != (outputs,):
         raise ValueError(
             f"weight_scale: one element or one per output column ({outputs}), got {tuple(weight_scale.shape)}"
         )
-    out = torch.empty(rows, outputs, dtype=out_dtype or x.dtype, device=x.device)
-    if rows == 0:
-        return out
+    return torch.empty(x.shape[0], outputs, dtype=product.out_dtype or x.dtype, device=x.device)
+
+
+def _operands(
+    product: SkinnyProduct, out: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int], dict[str, Any], tuple[int, int]]:
+    """A product's kernel arguments: its tensors (unused ones stand in as x), strides, constexprs, and
+    its grid (column blocks, row blocks)."""
+    x, weight, tiles = product.x, product.weight, product.tiles
+    fp8 = weight.element_size() == 1
     options = _mma_options(tiles, fp8)
-    grid = (triton.cdiv(outputs, tiles.block_n), triton.cdiv(rows, options["BLOCK_M"]))
     line = prefetch_line(weight)
-    _skinny_linear_kernel[grid](
-        x, x_scale if x_scale is not None else x, weight, weight_scale if fp8 else weight,
-        bias if bias is not None else x, out, rows, outputs, depth,
-        x.stride(0), weight.stride(0), out.stride(0),
-        SCALED=fp8, COLUMN_SCALES=column_scales, HAS_BIAS=bias is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 and not fp8 else "tf32",
-        **options, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        PREFETCH_LINE=line, PREFETCH_STEP=max(tiles.block_k, line), **launch_options(),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    tensors = (
+        x, product.x_scale if product.x_scale is not None else x, weight,
+        product.weight_scale if fp8 else weight, product.bias if product.bias is not None else x, out,
     )  # fmt: skip
-    return out
+    constants = dict(
+        SCALED=fp8,
+        COLUMN_SCALES=fp8 and product.weight_scale.numel() > 1,
+        HAS_BIAS=product.bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 and not fp8 else "tf32",
+        **options,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        PREFETCH_LINE=line,
+        PREFETCH_STEP=max(tiles.block_k, line),
+    )
+    blocks = (triton.cdiv(weight.shape[0], tiles.block_n), triton.cdiv(x.shape[0], options["BLOCK_M"]))
+    return tensors, (x.stride(0), weight.stride(0), out.stride(0)), constants, blocks

@@ -82,7 +82,33 @@ def _skinny(
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
 
 
+def _skinny_pair() -> tuple:
+    """The paired launch of an FP8 product (a tl.dot tile, a scale per column) and a bf16 one (a GEMV
+    tile): Gated DeltaNet's in_proj_qkvz and in_proj_ba on the 80B preset."""
+    _, _, first = _skinny("dot", "fp8e4nv", 32, 256, column_scales=True)
+    _, _, second = _skinny("gemv", "bf16", 8, 512)
+    pointers = ("x", "x_scale", "w", "w_scale", "bias", "out")
+    fp8 = ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16")
+    bf16 = ("*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16")
+    strides = ("stride_x", "stride_w", "stride_out")
+    signature = {
+        **{f"{name}_ptr": kind for name, kind in zip(pointers, fp8, strict=True)},
+        "N": "i32",
+        "K": "i32",
+        **dict.fromkeys(strides, "i32"),
+        **{f"{name.replace('x_', 'x2_').replace('w_', 'w2_') if '_' in name else name + '2'}_ptr": kind
+           for name, kind in zip(pointers, bf16, strict=True)},
+        "N2": "i32",
+        **{f"{stride}2": "i32" for stride in strides},
+        "M": "i32",
+    }  # fmt: skip
+    constexprs = {**first, **{f"{name}2": value for name, value in second.items()}}
+    return skinny_linear_triton._skinny_pair_kernel, signature, constexprs
+
+
 KERNELS = {
+    # Two linear layers of one input in one launch (layers/paired_products.py).
+    "skinny_linear_triton._skinny_pair_kernel[dot fp8e4nv, gemv bf16]": _skinny_pair(),
     "qsa_triton._select_token_slots_kernel": (
         qsa_triton._select_token_slots_kernel,
         {

@@ -19,8 +19,12 @@ from morion.errors import MorionError
 from morion.ops import pdl
 
 OPS = Path(pdl.__file__).parent
-# Calls a kernel may make before its wait: the L2 prefetch of weights, and pure index arithmetic.
-ALLOWED_BEFORE_WAIT = {"prefetch_to_l2", "program_id", "arange", "cast", "where", "minimum", "range"}
+# Calls a kernel may make before its wait: the L2 prefetch of weights (pdl.py's helpers), and pure index
+# arithmetic.
+ALLOWED_BEFORE_WAIT = {
+    "prefetch_to_l2", "prefetch_columns_to_l2", "program_id", "arange", "cast", "where", "minimum", "range",
+    "cdiv",
+}  # fmt: skip
 
 
 def _triton_kernels() -> list[tuple[str, ast.FunctionDef]]:
@@ -68,6 +72,16 @@ def _invariant_error(kernel: ast.FunctionDef) -> str | None:
             if isinstance(node, ast.Call) and _called_name(node) not in ALLOWED_BEFORE_WAIT:
                 return f"calls {_called_name(node)} before wait_for_previous_kernel(USE_PDL)"
     return "no top-level wait_for_previous_kernel(USE_PDL)"
+
+
+def test_pdl_s_column_prefetch_makes_only_the_calls_a_kernel_may_make_before_its_wait():
+    """`prefetch_columns_to_l2` is allowed before the wait: its own body prefetches and indexes only."""
+    source = ast.parse(Path(pdl.__file__).read_text())
+    (helper,) = [
+        n for n in ast.walk(source) if isinstance(n, ast.FunctionDef) and n.name == "prefetch_columns_to_l2"
+    ]
+    calls = {_called_name(node) for node in ast.walk(helper) if isinstance(node, ast.Call)}
+    assert calls and calls <= ALLOWED_BEFORE_WAIT - {"prefetch_columns_to_l2"}, calls
 
 
 def test_every_kernel_waits_for_the_previous_one_before_it_touches_memory():

@@ -72,6 +72,43 @@ def test_fp8_rows_take_both_scales_and_the_bias_before_one_rounding(tiles):
         skinny_linear(q, weight_q, tiles, x_scale=row_scale, weight_scale=weight_scale)
 
 
+@pytest.mark.parametrize("swap", (False, True), ids=("fp8-first", "fp8-second"))
+@pytest.mark.parametrize("rows", (1, 5, 19))
+def test_a_paired_launch_gives_each_product_the_bits_of_its_own_launch(rows, swap):
+    """An FP8 product (e4m3 rows, a scale per column, a bias; a tl.dot tile: 16-row blocks) and a
+    model-dtype one (a GEMV tile: one-row blocks) of one input in one launch: each output equals its own
+    `skinny_linear` launch bit for bit, with N not a multiple of either tile and the row blocks of one
+    product idle in the other's grid."""
+    x, weight = _operands(rows, 72, 96, seed=4)
+    q, row_scale = quantize_fp8(x, per_row=True)
+    weight_q, _ = quantize_fp8(weight)
+    column_scales = torch.rand(72, generator=torch.Generator().manual_seed(5)) + 0.5
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    fp8_product = skinny_linear_triton.SkinnyProduct(
+        q, weight_q, Tiles(32, 32, 4, 3, "dot"), row_scale, column_scales, bias, torch.float16
+    )
+    _, small = _operands(rows, 24, 96, seed=7)
+    plain = skinny_linear_triton.SkinnyProduct(x.half(), small.half(), Tiles(16, 64, 4, 2, "gemv"))
+    pair = (plain, fp8_product) if swap else (fp8_product, plain)
+    outs = skinny_linear_triton.skinny_linear_pair(*pair)
+    for product, out in zip(pair, outs, strict=True):
+        alone = skinny_linear(
+            product.x, product.weight, product.tiles, x_scale=product.x_scale,
+            weight_scale=product.weight_scale, bias=product.bias, out_dtype=product.out_dtype,
+        )  # fmt: skip
+        assert out.shape == alone.shape and torch.equal(out, alone)
+
+
+def test_a_pair_takes_one_warp_count_and_rows_of_one_shape():
+    x, weight = _operands(3, 32, 64, seed=8)
+    first = skinny_linear_triton.SkinnyProduct(x, weight, Tiles(16, 64, 4, 2, "gemv"))
+    with pytest.raises(ValueError, match="one warp count"):
+        skinny_linear_triton.skinny_linear_pair(first, first._replace(tiles=Tiles(16, 64, 2, 2, "gemv")))
+    with pytest.raises(ValueError, match="rows of one shape"):
+        skinny_linear_triton.skinny_linear_pair(first, first._replace(x=x[:2]))
+    assert skinny_linear_triton.pairable(Tiles(32, 256, 4, 4, "dot"), Tiles(8, 512, 4, 2, "gemv"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_model_dtype_rows_with_fp8_weights_are_refused(dtype):
     """FP8 rows come quantized, once per input: the kernel has no quantization of its own (done in each of

@@ -116,3 +116,47 @@ def test_the_tuner_times_a_shape_against_cublas(monkeypatch):
     assert set(config["us_per_call"]) == set(config["cublas_us_per_call"]) == {"1", "4"}
     assert all(us > 0 for us in [*config["us_per_call"].values(), *config["cublas_us_per_call"].values()])
     print(f"skinny 2048x4096 fp8: {config['us_per_call']} against cuBLAS {config['cublas_us_per_call']}")
+
+
+def test_a_pair_at_the_80b_gated_delta_net_shapes_gives_each_product_its_own_bits(capsys):
+    """in_proj_qkvz (FP8 12288 x 2048) and in_proj_ba (bf16 64 x 2048) with this device's tiles, paired
+    (layers/paired_products.py): each output the bits of its own launch at M = 1, 4 and 16, and replayed
+    in a CUDA graph; the pair's and the two launches' microseconds printed (never asserted)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight, weight_scale = quantize_fp8(torch.randn(12288, 2048, device="cuda", generator=generator) / 45)
+    ba = (torch.randn(64, 2048, device="cuda", generator=generator) / 45).bfloat16()
+    lines = [_paired_at(rows, weight, weight_scale, ba, generator) for rows in (1, 4, 16)]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def _paired_at(
+    rows: int, weight: torch.Tensor, weight_scale: torch.Tensor, ba: torch.Tensor, generator: torch.Generator
+) -> str:
+    """The pair's checks at `rows` rows; its timing line."""
+    from morion.ops.moe_tune import graph_microseconds
+    from morion.ops.skinny_linear_triton import SkinnyProduct, pairable, skinny_linear_pair
+
+    x = torch.randn(rows, 2048, device="cuda", generator=generator).bfloat16()
+    q, row_scale = quantize_fp8(x, per_row=True)
+    fp8_tile, tile = skinny_tiles.tile_for(q, weight), product_tile(x, ba)
+    if fp8_tile is None or not pairable(fp8_tile, tile):
+        pytest.skip(f"no pairable tiles on {torch.cuda.get_device_name()}: {fp8_tile}, {tile}")
+    first = SkinnyProduct(q, weight, fp8_tile, row_scale, weight_scale, None, torch.bfloat16)
+    second = SkinnyProduct(x, ba, tile)
+
+    def alone() -> tuple[torch.Tensor, torch.Tensor]:
+        fp8_out = skinny_linear(
+            q, weight, fp8_tile, x_scale=row_scale, weight_scale=weight_scale, out_dtype=torch.bfloat16
+        )
+        return fp8_out, skinny_linear(x, ba, tile)
+
+    expected = alone()
+    assert all(torch.equal(a, b) for a, b in zip(skinny_linear_pair(first, second), expected, strict=True))
+    replayed = []
+    capture_graph(lambda: replayed.append(skinny_linear_pair(first, second))).replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(replayed[-1], expected, strict=True))
+    pair_us = graph_microseconds(lambda: [skinny_linear_pair(first, second) for _ in range(50)], 50)
+    alone_us = graph_microseconds(lambda: [alone() for _ in range(50)], 50)
+    return f"skinny pair M={rows}: paired {pair_us:.2f} us, two launches {alone_us:.2f} us"
