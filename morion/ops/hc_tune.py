@@ -4,8 +4,7 @@
 
 Random bf16 weights of the shape (fan-in scaled), `ROTATIONS` sets of them: more bytes than L2 holds, so
 each call reads its weights from HBM, as the 96 mixes of a decode step do. A candidate's cost is the sum
-over `--tokens` of the microseconds per mix, timed as CUDA-graph replays with the engine's default PDL mode
-(ops/pdl.py: on Hopper, launches overlapped and weights prefetched to L2). Kernel 1's tile is swept with
+over `--tokens` of the microseconds per mix, timed as CUDA-graph replays. Kernel 1's tile is swept with
 kernel 2's default, then kernel 2's with the chosen kernel-1 tile. A candidate's mix must agree with the
 default tiles' within `TOLERANCE` (another tile sums in another order, nothing else), or it is refused.
 Prints one line per candidate, writes the JSON with the default and the chosen tiles' timings, and prints
@@ -26,7 +25,6 @@ import triton
 from morion.ops.hc_tiles import CONFIG_DIR, DEFAULT_MIX_TILES, MixShape, MixTiles, config_path
 from morion.ops.hyper_connection_triton import mix
 from morion.ops.moe_tune import best_tiles, graph_microseconds, write_tuned
-from morion.ops.pdl import set_pdl_mode
 
 # Kernel 1: rows per program x K step x warps x pipeline stages; kernel 2: hidden columns per program x R
 # step x warps x stages. The accumulators are [4 tokens, rows, step] fp32 (kernel 2: rows of the n streams):
@@ -158,9 +156,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("tuning needs a CUDA device")
     shape = MixShape(args.hidden, args.lowrank, args.streams, args.dtype)
     device = torch.device("cuda", torch.cuda.current_device())
-    # The launches as the engine makes them (`--pdl auto`): on Hopper each kernel overlaps the one before it
-    # and prefetches its weights to L2, which favours other tiles than plain launches do.
-    print(f"hc tune: pdl {set_pdl_mode('auto', device)}")
     config = tune(shape, [int(t) for t in args.tokens.split(",")], device)
     path = config_path(config["device"], shape, args.out)
     print(f"hc tune: {config['tiles']}: {write_tuned(config, path)}; wrote {path}")

@@ -43,10 +43,7 @@ Invariants:
   are summed in a fixed order by one program, without atomics.
 - Capturable: grids and buffers depend only on T and the weights' shapes; nothing is read back on the
   host. T is not specialized on, so every CUDA-graph bucket runs the same compiled kernels.
-- PDL (ops/pdl.py): each program waits for the kernel before it first of all, but for `--pdl prefetch`'s
-  L2 prefetch of its own weight rows (W_down's 6.6 MB and W_up's at Flash-Next's shape; a mix's ~13 MB took
-  ~20 us where HBM streams it in ~3 us: each program's loop waited on its loads step by step, and the up
-  kernel's rows are known before the down kernel ends), which no kernel writes.
+- PDL (ops/pdl.py): each program waits for the kernel before it first of all.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ import triton.language as tl
 from morion.ops.hc_tiles import DEFAULT_MIX_TILES, MixTiles, mix_shape, tuned_mix_tiles
 from morion.ops.moe_decode_triton import slot_sum
 from morion.ops.moe_tiles import device_name
-from morion.ops.pdl import launch_options, prefetch_columns_to_l2, prefetch_line, wait_for_previous_kernel
+from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.row_kernels_triton import rounded
 from morion.ops.slot_partials import SlotPartials
 
@@ -95,19 +92,11 @@ def _down_kernel(
     streams_ptr, norm_w_ptr, down_w_ptr, inject_w_ptr, partial_ptr, rstd_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_hidden, eps,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
     block = tl.program_id(0)
     stream = tl.program_id(1)
-    width = hidden * hc_count
-    # Under `--pdl prefetch` this program's W_down rows (its stream's H columns) go to L2 while the
-    # kernel before it finishes (the inject's few rows are not worth it; their blocks prefetch nothing).
-    prefetched = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    stream_w_ptr = down_w_ptr + stream * hidden
-    prefetch_columns_to_l2(
-        stream_w_ptr, prefetched, prefetched < lowrank, hidden, width, PREFETCH_LINE, PREFETCH_STEP
-    )
-    wait_for_previous_kernel(USE_PDL)
     tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tokens_ok = tokens < num_tokens
     depth = tl.arange(0, BLOCK_K)
@@ -138,6 +127,7 @@ def _down_kernel(
         rows = (block - down_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows_ok = rows < hc_count
         cols = lowrank + rows
+    width = hidden * hc_count
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         k = start + depth
@@ -183,20 +173,18 @@ def _up_mix_kernel(
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_count,
     HAS_INJECT: tl.constexpr, HC_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    dtype = mixed_ptr.dtype.element_ty
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens_ok = tokens < num_tokens
     # Row i of this program's up rows is column c of stream s: W_up row s * H + c.
     lanes = tl.arange(0, HC_BLOCK * BLOCK_C)
     stream = lanes // BLOCK_C
     col = tl.program_id(0) * BLOCK_C + lanes % BLOCK_C
     lanes_ok = (stream < hc_count) & (col < hidden)
     up_rows = stream * hidden + col
-    # Under `--pdl prefetch` those rows go to L2 while the down kernel runs (they do not depend on it).
-    prefetch_columns_to_l2(up_w_ptr, up_rows, lanes_ok, lowrank, lowrank, PREFETCH_LINE, PREFETCH_STEP)
-    wait_for_previous_kernel(USE_PDL)
-    dtype = mixed_ptr.dtype.element_ty
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tokens_ok = tokens < num_tokens
     depth = tl.arange(0, BLOCK_R)
 
     acc = tl.zeros((BLOCK_T, HC_BLOCK * BLOCK_C, BLOCK_R), dtype=tl.float32)
@@ -311,21 +299,18 @@ def mix(
     token_blocks = triton.cdiv(num_tokens, _BLOCK_T)
     block_n = tiles.down_block_n
     row_blocks = triton.cdiv(lowrank, block_n) + (0 if inject is None else triton.cdiv(hc_count, block_n))
-    down_line = prefetch_line(down)
     _down_kernel[(row_blocks, hc_count, token_blocks)](
         streams, norm_weight, down, down if inject is None else inject, partial, rstd,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hidden, eps,
         BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_K=tiles.down_block_k, STAGES=tiles.down_stages,
-        PREFETCH_LINE=down_line, PREFETCH_STEP=max(tiles.down_block_k, down_line), **launch_options(),
+        **launch_options(),
         num_warps=tiles.down_warps,
     )  # fmt: skip
-    up_line = prefetch_line(up)
     _up_mix_kernel[(triton.cdiv(hidden, tiles.up_block_c), token_blocks)](
         streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
         HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
         BLOCK_T=_BLOCK_T, BLOCK_C=tiles.up_block_c, BLOCK_R=tiles.up_block_r, STAGES=tiles.up_stages,
-        PREFETCH_LINE=up_line, PREFETCH_STEP=max(triton.next_power_of_2(lowrank), up_line),
         **launch_options(),
         num_warps=tiles.up_warps,
     )  # fmt: skip

@@ -289,7 +289,7 @@ KERNELS = {
             "inv_hidden": "fp32",
             "eps": "fp32",
         },
-        {"BLOCK_T": 4, "BLOCK_N": 4, "BLOCK_K": 512, "STAGES": 1, "PREFETCH_LINE": 0, "PREFETCH_STEP": 512},
+        {"BLOCK_T": 4, "BLOCK_N": 4, "BLOCK_K": 512, "STAGES": 1},
     ),
     "hyper_connection_triton._up_mix_kernel": (
         hyper_connection_triton._up_mix_kernel,
@@ -309,8 +309,7 @@ KERNELS = {
             "stride_streams": "i32",
             "inv_count": "fp32",
         },
-        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32, "STAGES": 1}
-        | {"PREFETCH_LINE": 0, "PREFETCH_STEP": 512},
+        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32, "STAGES": 1},
     ),
     # The grouped MoE path's elementwise kernels at the 80B's shapes (I = 512, H = 2048, top-10).
     "moe_grouped_triton._swiglu_quantize_kernel": (
@@ -411,7 +410,7 @@ def pdl_order_error(kernel: triton.runtime.jit.JITFunction, signature: dict, con
     before the first global memory access."""
     pdl = {**constexprs, "USE_PDL": True}
     if "PREFETCH_LINE" in pdl:
-        pdl.update(PREFETCH_LINE=128, PREFETCH_STEP=max(128, pdl["PREFETCH_STEP"]))
+        pdl.update(PREFETCH_LINE=128, PREFETCH_STEP=max(128, pdl["BLOCK_K"]))
     ptx = compile_for_hopper(kernel, signature, pdl, {"launch_pdl": True}).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
