@@ -67,7 +67,7 @@ from morion.ops.slot_partials import SlotPartials
 # to 64 rows pay that for invariance until the kernels take larger token tiles.
 MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BLOCK_T = 4  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
+_BLOCK_T = 2  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
 # The other tiles are the device's tuned ones (ops/hc_tiles.py); the defaults: 4 rows of [W_down; W_inject]
 # per kernel-1 program, (R / 4 + 1) * n = 324 programs at Flash-Next's shape, K in steps of 512; 16 hidden
 # columns per kernel-2 program (n * 16 rows of W_up, 40 KiB), 160 programs, R in steps of 32; both loops
