@@ -23,8 +23,15 @@ loop over K (or R) keeps one step's loads in flight per program, each step waiti
 pipeline the loops (cp.async into shared memory, `STAGES - 1` steps ahead; kernel 2's n partial loads
 then unrolled into the loop body, which Triton pipelines only without a nested loop): at Flash-Next's
 shape 6 stages put a program's whole weight slice in flight at once. The tuner chooses (ops/hc_tune.py). The
-token block is small (4 rows) because masked rows still cost FMAs on the CUDA cores; the price is a
-re-read of the weights (mostly from L2) per block, which makes the eager path faster beyond 32 tokens.
+token block is small (2 rows) because masked rows still cost FMAs and registers on the CUDA cores (the
+3-D products are [rows, weight rows, step]); the price is a re-read of the weights (mostly from L2) per
+block, which makes the eager path faster beyond 32 tokens. On the H200 at Flash-Next's shape (shipped tiles,
+CUDA graphs, PDL off) one mix took 20.5 / 20.0 / 18.9 / 27.3 us at T = 1 / 2 / 4 / 8 with 4-row blocks,
+14.4 / 13.9 / 17.5 / 29.4 us with 2, the same bits at each T; 1-row blocks were 12.4 us at T = 1 but 22.9
+at T = 4 and changed bits (`results/2026-12-04-h200-session-notes-86da1b1.md`). Measured unhelpful there:
+an L2 prefetch of each program's weight rows before its PDL wait (23.3 us against 20.5 without PDL): the
+mix is not bound by its weights' 13 MB (~3 us at HBM pace) but by its programs' chains of dependent loads
+and their arithmetic.
 
 Rounding points: those of the eager code in the weights' dtype. normed is computed in fp32 and rounded
 once; each GEMV sums in fp32 and rounds once (as F.linear does); `/ n`, silu, sigmoid, gate * normed and
@@ -67,7 +74,7 @@ from morion.ops.slot_partials import SlotPartials
 # to 64 rows pay that for invariance until the kernels take larger token tiles.
 MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BLOCK_T = 2  # token rows per program: decode batches are small, and masked rows cost FMAs, not bytes
+_BLOCK_T = 2  # token rows per program: decode batches are small, masked rows cost FMAs (module docstring)
 # The other tiles are the device's tuned ones (ops/hc_tiles.py); the defaults: 4 rows of [W_down; W_inject]
 # per kernel-1 program, (R / 4 + 1) * n = 324 programs at Flash-Next's shape, K in steps of 512; 16 hidden
 # columns per kernel-2 program (n * 16 rows of W_up, 40 KiB), 160 programs, R in steps of 32; both loops
@@ -187,6 +194,17 @@ def _up_mix_kernel(
     up_rows = stream * hidden + col
     depth = tl.arange(0, BLOCK_R)
 
+    # The normed streams that the gate multiplies come first: their loads do not depend on the loop, so
+    # they are in flight while it runs rather than after it (one memory round trip less a call).
+    mask = tokens_ok[:, None] & lanes_ok[None, :]
+    x = tl.cast(
+        tl.load(streams_ptr + tokens[:, None] * stride_streams + up_rows[None, :], mask=mask, other=0.0),
+        tl.float32,
+    )
+    rstd = tl.load(rstd_ptr + tokens[:, None] * hc_count + stream[None, :], mask=mask, other=0.0)
+    w_norm = tl.cast(tl.load(norm_w_ptr + up_rows, mask=lanes_ok, other=0.0), tl.float32)
+    normed = _normed(x, rstd, w_norm[None, :], dtype)
+
     acc = tl.zeros((BLOCK_T, HC_BLOCK * BLOCK_C, BLOCK_R), dtype=tl.float32)
     for start in tl.range(0, lowrank, BLOCK_R, num_stages=STAGES):
         r = start + depth
@@ -204,15 +222,6 @@ def _up_mix_kernel(
         )
         acc += act[:, None, :] * tl.cast(w, tl.float32)[None, :, :]
     gate = rounded(_sigmoid(rounded(tl.sum(acc, axis=2), dtype)), dtype)
-
-    mask = tokens_ok[:, None] & lanes_ok[None, :]
-    x = tl.cast(
-        tl.load(streams_ptr + tokens[:, None] * stride_streams + up_rows[None, :], mask=mask, other=0.0),
-        tl.float32,
-    )
-    rstd = tl.load(rstd_ptr + tokens[:, None] * hc_count + stream[None, :], mask=mask, other=0.0)
-    w_norm = tl.cast(tl.load(norm_w_ptr + up_rows, mask=lanes_ok, other=0.0), tl.float32)
-    normed = _normed(x, rstd, w_norm[None, :], dtype)
     products = tl.where(mask, rounded(gate * normed, dtype), 0.0)
     mixed = tl.sum(tl.reshape(products, (BLOCK_T, HC_BLOCK, BLOCK_C)), axis=1) * inv_count
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
