@@ -176,7 +176,7 @@ disk_part() {
 }
 
 profile_server() {  # SECONDS: py-spy samples the server's processes (front end, engine) into $out, if it can
-    command -v py-spy > /dev/null || { echo "profile: no py-spy (scripts/gpu_wheels.sh carries it)"; return 0; }
+    command -v py-spy > /dev/null || { echo "profile: no py-spy (GPU_WHEELS_PROFILER=1 bash scripts/gpu_wheels.sh carries it)"; return 0; }
     py-spy record --pid "$(cat "$out/server.pid")" --subprocesses --threads --nonblocking --rate 250 \
         --duration "$1" --format raw -o "$out/perf-profile.txt" > "$out/perf-profile.log" 2>&1 ||
         echo "profile: py-spy could not sample the server: $(tail -2 "$out/perf-profile.log")"
