@@ -14,8 +14,8 @@ kernels then meet T at a time. A candidate's cost is the sum over those token co
 per call, timed as CUDA-graph replays (what decode and verify steps run). The gate/up tile is swept with
 the default down tile, then the down tile with the best gate/up one; then each again over warp counts and
 pipeline depths around the chosen block shapes (`launch_variants`), FP8 and bf16 experts' also with K
-split over several programs (`split_variants`). One tile per kernel for every token
-count (batch invariance: see ops/moe_tiles.py). A candidate's output must agree with the default tiles'
+split over several programs (`split_variants`). One tile per kernel for every token count (batch
+invariance: see ops/moe_tiles.py). A candidate's output must agree with the default tiles'
 within `AGREEMENT` (another tile sums in another order, nothing else), or it is refused. Prints one line
 per candidate, writes the JSON with the default tiles' and the chosen tiles' timings, and prints its
 path.
@@ -96,10 +96,10 @@ def with_expansions(candidates: Sequence[Tiles], dtype: str) -> list[Tiles]:
 
 def split_variants(tiles: Tiles, depth: int, dtype: str) -> list[Tiles]:
     """FP8 and bf16 experts (`dtype`; NVFP4's first round has split K already, `with_expansions`): `tiles`
-    with K split over 2, 4 and 8 programs (ops/moe_split_k.py) at 2 and 4
-    warps, where its K (`depth`: H for gate_up, I for down) has at least that many BLOCK_K tiles (a
-    one-pass down tile has one). Tried with the second round's launch variants, around the block shape
-    the first chose: at one token its grid is about one wave of the H200's SMs (k pairs x N / BLOCK_N)."""
+    with K split over 2, 4 and 8 programs (ops/moe_split_k.py) at 2 and 4 warps, where its K (`depth`: H
+    for gate_up, I for down) has at least that many BLOCK_K tiles (a one-pass down tile has one). Tried
+    with the second round's launch variants, around the block shape the first chose: at one token its grid
+    is about one wave of the H200's SMs (k pairs x N / BLOCK_N)."""
     if dtype == "nvfp4":
         return []
     k_tiles = -(-depth // tiles.block_k)
