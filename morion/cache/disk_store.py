@@ -1,7 +1,10 @@
-"""The disk tier: one file per object in a namespace directory, written and read by worker threads.
+"""The disk tier: one file per object in a namespace directory, written by a process of its own
+(`disk_writer.py`: in this process, the writes' turns at the GIL held up the engine thread's launches)
+and read by worker threads.
 
 The engine thread owns the index (which objects exist or are being written, least recently used first,
-and their sizes); worker threads only write, read and remove files and report back through `poll`. An
+and their sizes); the writer process and worker threads only write, read and remove files and report
+back through `poll`. An
 object being read or written is pinned against cleanup. Cleanup is LRU down to a low watermark whenever a
 write would pass the budget: the engine thread drops the victims from the index at once, and a worker
 unlinks their files (thousands of them at a time: on the H200 machine's virtual disk, unlinking them on
@@ -50,8 +53,8 @@ from morion.cache.disk_format import (
     read_object,
     temp_file_writer_pid,
     write_manifest,
-    write_object,
 )
+from morion.cache.disk_writer import DiskWriter
 from morion.cache.host_store import ObjectLayout
 from morion.cache.spec import CacheSpec
 
@@ -138,7 +141,8 @@ class DiskStore:
         self._errors_logged = 0
         self.num_evicted = 0
         self.removed_temp_files = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # reads, unlinks, recency stamps
+        self._writer: DiskWriter | None = None  # object writes, in a process of their own
         self._open(info, num_threads, direct_io)
 
     # -- opening ---------------------------------------------------------------------------------------------
@@ -190,6 +194,7 @@ class DiskStore:
             self.budget_bytes = int(automatic_budget(self.dir, self.used_bytes) * self._budget_share)
         self.enabled = True
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="morion-disk")
+        self._writer = DiskWriter(self.namespace, self.direct_io, num_threads)
         if self.used_bytes > self.budget_bytes:  # the budget shrank since the objects were written
             self._cleanup(0)
 
@@ -273,16 +278,9 @@ class DiskStore:
         self._reserved += size
         self._index[object_id] = size
         self._touch(object_id)
-        path = object_path(self.dir, kind, key)
-        future = self._executor.submit(self._write_job, path, kind, key, payload, before)
+        future = self._writer.submit(str(object_path(self.dir, kind, key)), kind, key, payload, before)
         self._track(future, "write", kind, key, size)
         return True
-
-    def _write_job(
-        self, path: Path, kind: int, key: bytes, payload: np.ndarray, before: Callable[[], None]
-    ) -> int:
-        before()
-        return write_object(path, kind, key, self.namespace, payload, self.direct_io)
 
     # -- reads -----------------------------------------------------------------------------------------------
 
@@ -453,8 +451,9 @@ class DiskStore:
         while self._futures:
             results += self.poll(timeout=1.0)
         self._save_recency()  # every write is done: all of the order since the last save goes down
+        self._writer.close()
         self._executor.shutdown(wait=True)
-        self._executor = None
+        self._executor = self._writer = None
         self.enabled = False
         return results
 

@@ -265,13 +265,24 @@ def test_a_trim_takes_chains_from_their_end(tmp_path) -> None:
     trimmed.close()
 
 
+class _FullDisk:
+    """A writer process's stand-in whose every write meets a full disk."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def submit(self, *args) -> Future:
+        future: Future = Future()
+        future.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        return future
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_failed_write_is_counted_and_frees_room(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(disk_store, "DiskWriter", _FullDisk)
     store = _store(tmp_path)
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr("morion.cache.disk_store.write_object", full)
     store.submit_write(KIND_PAGE, _key(1), _payload(1), lambda: None)
     [result] = store.close()
     assert result.error is not None and "No space" in result.error

@@ -245,6 +245,8 @@ def test_disk_budget_evicts_without_errors(tiered, engine_runner, cold):
     for seed in range(20, 23):
         prompt = _prompt(seed)
         assert _run(engine, engine_runner, prompt).token_ids == cold(prompt)
+        while engine.tiers.disk.busy():  # written before the next conversation: a full budget evicts
+            engine.tiers.poll(0.05)
     engine.close()
     stats = engine.cache_stats
     assert stats.disk_evictions > 0 and stats.disk_write_errors == 0

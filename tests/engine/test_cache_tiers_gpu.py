@@ -173,8 +173,8 @@ def test_without_layer_waits_the_forward_reads_too_early(
 
 
 def test_a_backup_is_waited_for_asleep_not_spinning():
-    """The disk writers wait on the CPU for a backup's copy (cache/tiers.py, the write job's `before`): the
-    wait sleeps (a blocking event), so four writers waiting cost the engine thread no CPU. With the copy
+    """The disk writer's sender thread waits on the CPU for a backup's copy (cache/tiers.py, the write's
+    `before`): the wait sleeps (a blocking event), so it costs the engine thread no CPU. With the copy
     stream held back ~0.3 s, the waiting thread's CPU time stays a small part of the wait."""
     spec = CacheSpec(4, (TokenComponent("kv", 2, (8,), torch.float32),), ())
     pool = PagePool(spec, 8, "cuda")
