@@ -184,7 +184,7 @@ def write_object(path: Path, kind: int, key: bytes, namespace: str, payload: np.
         else:
             pad = bytes(size - BLOCK - payload.nbytes)
             parts = [header.ljust(BLOCK, b"\0"), payload, pad]
-            _write_all(fd, [memoryview(part).cast("B") for part in parts])
+            write_all(fd, [memoryview(part).cast("B") for part in parts])
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -197,7 +197,7 @@ def write_object(path: Path, kind: int, key: bytes, namespace: str, payload: np.
 
 def _write_staged(fd: int, header: bytes, payload: np.ndarray, size: int) -> None:
     """The file's bytes through one page-aligned buffer, as O_DIRECT wants (an anonymous mapping: aligned,
-    its unused bytes zeros). Buffered writes skip it (`_write_all` from the payload itself): staging cost
+    its unused bytes zeros). Buffered writes skip it (`write_all` from the payload itself): staging cost
     a copy of every byte and the zeroing of a fresh mapping per object, CPU and memory bandwidth that the
     engine's thread competes for while it launches a prefill's kernels."""
     with mmap.mmap(-1, size) as buffer:
@@ -206,10 +206,10 @@ def _write_staged(fd: int, header: bytes, payload: np.ndarray, size: int) -> Non
         view[BLOCK : BLOCK + payload.nbytes] = payload
         del view  # a live export would keep the mapping from closing
         with memoryview(buffer) as data:
-            _write_all(fd, [data])
+            write_all(fd, [data])
 
 
-def _write_all(fd: int, parts: list[memoryview]) -> None:
+def write_all(fd: int, parts: list[memoryview]) -> None:
     """Every byte of `parts` (byte views), in order: a write may stop short, and the next resumes there."""
     parts = [part for part in parts if part.nbytes]
     while parts:

@@ -30,7 +30,8 @@ from queue import SimpleQueue
 
 import numpy as np
 
-from morion.cache.disk_writer_process import REPLY, REQUEST, write_all
+from morion.cache.disk_format import write_all
+from morion.cache.disk_writer_process import REPLY, REQUEST
 
 PIPE_BYTES = 1 << 20
 _Job = tuple[Future, str, int, bytes, np.ndarray, Callable[[], None]]
@@ -94,9 +95,10 @@ class DiskWriter:
                 self._next_sequence += 1
                 self._pending[sequence] = future
             path_bytes = path.encode()
-            header = REQUEST.pack(sequence, kind, payload.nbytes, len(path_bytes), len(key))
+            request = REQUEST.pack(sequence, kind, payload.nbytes, len(path_bytes), len(key))
+            header = request + path_bytes + key
             try:
-                write_all(self._requests, [header + path_bytes + key, memoryview(payload)])
+                write_all(self._requests, [memoryview(header), memoryview(payload).cast("B")])
             except OSError as error:
                 self._fail_all(f"the disk writer process takes no writes: {error}")
 

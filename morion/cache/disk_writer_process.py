@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from morion.cache.disk_format import write_object
+from morion.cache.disk_format import write_all, write_object
 
 # A request: sequence number, kind, payload bytes, path bytes, key bytes; then path, key and payload.
 REQUEST = struct.Struct("<QIQHH")
@@ -58,18 +58,6 @@ def read_into(fd: int, buffer: np.ndarray) -> None:
         done += count
 
 
-def write_all(fd: int, parts: list[memoryview | bytes]) -> None:
-    """Every byte of `parts`, in order (a write to a pipe may stop short)."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= views[0].nbytes:
-            written -= views[0].nbytes
-            views.pop(0)
-        if views:
-            views[0] = views[0][written:]
-
-
 def reply(fd: int, lock: threading.Lock, sequence: int, size: int, error: BaseException | None) -> None:
     number, message = 0, b""
     if error is not None:
@@ -77,7 +65,7 @@ def reply(fd: int, lock: threading.Lock, sequence: int, size: int, error: BaseEx
         message = (error.strerror or str(error)) if isinstance(error, OSError) else repr(error)
         message = message.encode()
     with lock:
-        write_all(fd, [REPLY.pack(sequence, size, number, len(message)), message])
+        write_all(fd, [memoryview(REPLY.pack(sequence, size, number, len(message)) + message)])
 
 
 def serve(requests: int, replies: int, namespace: str, direct: bool, threads: int) -> None:
