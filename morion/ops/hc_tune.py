@@ -29,11 +29,11 @@ from morion.ops.moe_tune import best_tiles, graph_microseconds, write_tuned
 # Kernel 1: rows per program x K step x warps x pipeline stages; kernel 2: hidden columns per program x R
 # step x warps x stages. The accumulators are [2 tokens, rows, step] fp32 (kernel 2: rows of the n streams):
 # 32 to 64 a thread, fewer for the small tiles allowed at 4 warps (the bounds were drawn for blocks of 4
-# tokens, twice that). Stages 1 (the plain loop), 3 and 6:
-# at Flash-Next's shape 6 puts a whole stream's K (5 steps of 512) or the whole R (5 steps of 64) in flight
-# at once, 3 the whole loop at steps of 1024 or 128. Rows per program from 2 (644 kernel-1 programs, ~5 an
-# SM of the H200's 132) to 8; columns from 4 (640 kernel-2 programs) to 16 (160). Kernel 2 also takes all
-# of R in one step (512 > 320, masked), its loads then all issued together.
+# tokens, twice that). Stages 1 (the plain loop), 3 and 6: at Flash-Next's shape 6 puts a whole stream's K
+# (5 steps of 512) or the whole R (5 steps of 64) in flight at once, 3 the whole loop at steps of 1024 or
+# 128. Rows per program from 2 (644 kernel-1 programs, ~5 an SM of the H200's 132) to 8; columns from 4
+# (640 kernel-2 programs) to 16 (160). Kernel 2 also takes all of R in one step (512 > 320, masked), its
+# loads then all issued together.
 DOWN_CANDIDATES = [
     (n, k, w, s)
     for n in (2, 4, 8)
