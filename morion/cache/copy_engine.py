@@ -33,7 +33,15 @@ class Transfer(ABC):
 
     @abstractmethod
     def synchronize(self) -> None:
-        """Block the calling thread until every copy finished (disk writers use it, the forward never)."""
+        """Block the calling thread until every copy finished (the forward never calls it)."""
+
+    @abstractmethod
+    def completion_waiter(self) -> Callable[[], None]:
+        """`synchronize` without the transfer: a callable that blocks until every copy finished and holds
+        none of the transfer's buffers. A queued disk write keeps it until the writer gets to it, and the
+        device staging of a backup must go back as soon as the copy is done: on the H200 the writes queued
+        behind a burst of prompts held their backups' staging (~115 MiB per Flash-Next snapshot) and the
+        next prefill ran out of device memory."""
 
     @abstractmethod
     def wait(self, component: str, layer: int) -> None:
@@ -52,6 +60,9 @@ class CompletedTransfer(Transfer):
     def synchronize(self) -> None:
         pass
 
+    def completion_waiter(self) -> Callable[[], None]:
+        return _nothing_to_wait_for
+
     def wait(self, component: str, layer: int) -> None:
         pass
 
@@ -60,6 +71,10 @@ class CompletedTransfer(Transfer):
 
 
 COMPLETED = CompletedTransfer()
+
+
+def _nothing_to_wait_for() -> None:
+    pass
 
 
 class CopyEngine(ABC):
@@ -196,6 +211,9 @@ class CudaTransfer(Transfer):
 
     def synchronize(self) -> None:
         self._finished.synchronize()
+
+    def completion_waiter(self) -> Callable[[], None]:
+        return self._finished.synchronize  # the event alone, not the staging buffers in `_keepalive`
 
     def wait(self, component: str, layer: int) -> None:
         event = self._layer_events.get((component, layer))

@@ -354,7 +354,7 @@ class CacheTiers:
             store = self._store(kind)
             entry = store.pin(key)  # rule 1: the writer reads the row until its result comes back
             # Rule 3 (host side): the writer reads the row only after the backup copy has filled it.
-            if not self.disk.submit_write(kind, key, store.row_array(entry), transfer.synchronize):
+            if not self.disk.submit_write(kind, key, store.row_array(entry), transfer.completion_waiter()):
                 store.unpin(key)
             elif self.mirror is not None:
                 self.mirror.send("disk_write", kind, key, entry.row)

@@ -230,11 +230,14 @@ class Engine:
             raise InvalidRequestError("images are not supported with tensor_parallel_size > 1 yet")
         return PromptImages(prompt, images, image_token, encoder.processing.merge_size)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, after_failed_step: bool = False) -> RequestOutput | None:
+        """Ends a request. `after_failed_step`: a step raised, and the request's working state may be
+        half a forward ahead of its tokens; none of it goes to the prefix cache (a cached copy would make
+        every later hit on it a wrong answer)."""
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, "abort")
+        self._finish(request, "abort", working_state_valid=not after_failed_step)
         return _final_output(request)
 
     def has_unfinished(self) -> bool:
@@ -480,8 +483,8 @@ class Engine:
             first_token_times,
         )
 
-    def _finish(self, request: Request, reason: str) -> None:
-        self.scheduler.finish(request, reason)
+    def _finish(self, request: Request, reason: str, working_state_valid: bool = True) -> None:
+        self.scheduler.finish(request, reason, working_state_valid)
         self._requests.pop(request.request_id, None)
         if self.speculative is not None:
             self.speculative.release(request.request_id)

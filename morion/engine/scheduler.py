@@ -96,10 +96,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Ends a request wherever it is and returns its pages (its computed prefix goes to the cache)."""
+    def finish(self, request: Request, reason: str, working_state_valid: bool = True) -> None:
+        """Ends a request wherever it is and returns its pages (its computed prefix goes to the cache).
+        After a failed step, `working_state_valid` is False: the failed forward may have advanced some
+        layers' recurrent state in place, so only snapshots taken before it may go to the cache."""
         if request.status is RequestStatus.RUNNING:
-            self._release(request)
+            self._release(request, working_state_valid)
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
@@ -401,9 +403,9 @@ class Scheduler:
         them, locked. With `snapshot_working_state`, the node at `num_computed` gets the current state
         (a copy, or the working slot itself when `donate`). Under write-through the pages go to the host
         tier too, and the snapshot with them when `snapshot_to_host`."""
-        if not self.enable_prefix_cache:
-            return
         num_tokens = request.num_computed // self.page_size * self.page_size
+        if not self.enable_prefix_cache or num_tokens == 0:
+            return  # (no full page: a request that failed in its first forward)
         snapshot = None
         if self.slots is not None:
             if snapshot_working_state and num_tokens == request.num_computed:
@@ -450,10 +452,10 @@ class Scheduler:
         self.waiting.insert(position, request)
         self.num_retractions += 1
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, working_state_valid: bool = True) -> None:
         # Whatever the request computed stays reusable: full pages (and the latest usable snapshot) go
         # to the cache, the rest is freed.
-        self._cache_computed(request, snapshot_working_state=True, donate=True)
+        self._cache_computed(request, snapshot_working_state=working_state_valid, donate=True)
         self.pool.free(sorted(request.owned_pages))
         for slot in (request.state_slot, request.boundary_slot, *request.draft_slots):
             if slot is not None:

@@ -107,6 +107,8 @@ class EngineLoop:
             return self._fail_all()
         deltas = []
         for step in steps:
+            if step.request_id not in self._live:
+                continue  # failed earlier (`_fail_all`) while the engine still held it: its error is sent
             ending = {}
             if step.final is not None:
                 del self._live[step.request_id]
@@ -137,7 +139,7 @@ class EngineLoop:
         for request_id in list(self._live):
             del self._live[request_id]
             try:
-                self.engine.abort(request_id)
+                self.engine.abort(request_id, after_failed_step=True)
             except Exception:
                 traceback.print_exc()  # the engine is in trouble; the integrity check will say how much
             deltas.append(_error_delta(request_id, internal_error(request_id), internal=True))

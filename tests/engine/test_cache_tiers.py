@@ -8,6 +8,7 @@ in the radix tree and (write-through) in host memory and on disk. A repeat of th
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -16,10 +17,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
 
+from morion.cache.copy_engine import SyncCopyEngine, Transfer
 from morion.cache.disk_format import BLOCK, KIND_PAGE, object_path, verify_object_file
 from morion.cache.host_store import HostObjectStore
 from morion.cache.page_keys import chain_root, page_keys
@@ -237,6 +240,61 @@ def test_host_budget_evicts_least_recently_used(tiered, engine_runner, cold):
     oldest = _run(engine, engine_runner, prompts[0])
     assert oldest.usage.cached_tokens == 0 and oldest.token_ids == cold(prompts[0])
     engine.check_integrity()
+
+
+class _StagedTransfer(Transfer):
+    """A finished backup that holds a staging buffer until it is dropped, as a CUDA one holds its device
+    staging."""
+
+    def __init__(self, staging: torch.Tensor) -> None:
+        self.staging = staging
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def completion_waiter(self):
+        return lambda: None
+
+    def wait(self, component: str, layer: int) -> None:
+        pass
+
+    def wait_all(self) -> None:
+        pass
+
+
+class _StagingCopyEngine(SyncCopyEngine):
+    """Backups as `_StagedTransfer`s; `staging` holds weak references to their buffers."""
+
+    def __init__(self) -> None:
+        self.staging: list[weakref.ref] = []
+
+    def backup(self, *args, **kwargs) -> Transfer:
+        super().backup(*args, **kwargs)
+        buffer = torch.empty(1024)
+        self.staging.append(weakref.ref(buffer))
+        return _StagedTransfer(buffer)
+
+
+def test_a_queued_disk_write_holds_none_of_its_backups_buffers(tiered, engine_runner):
+    """A disk write waits for its backup's copy, and may queue behind others for a long while: what it
+    keeps must not be the transfer (a CUDA backup's device staging, ~115 MiB per Flash-Next snapshot,
+    would stay allocated until the write begins: on the H200 a burst of prompts ran out of memory)."""
+    engine = tiered()
+    engine.tiers.copy_engine = _StagingCopyEngine()
+    queued = []  # the writes' waiters, held as a writer's queue holds them
+
+    def queue_write(kind, key, payload, before) -> bool:
+        queued.append(before)
+        return False  # not written after all: the tier unpins the row
+
+    engine.tiers.disk.submit_write = queue_write
+    _run(engine, engine_runner, _prompt(21))
+    assert queued and engine.tiers.copy_engine.staging, "no backup went to disk: nothing to check"
+    gc.collect()
+    assert all(ref() is None for ref in engine.tiers.copy_engine.staging)
 
 
 def test_disk_budget_evicts_without_errors(tiered, engine_runner, cold):

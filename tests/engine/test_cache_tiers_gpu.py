@@ -5,8 +5,10 @@ and the same runs with the rule's safeguard switched off go wrong (so the tests 
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import time
+import weakref
 
 import pytest
 import torch
@@ -184,7 +186,25 @@ def test_a_backup_is_waited_for_asleep_not_spinning():
         torch.cuda._sleep(500_000_000)  # ~0.3 s at the H200's clock
     transfer = engine.backup(pool, pool.alloc(2), host, [0, 1])
     wall, cpu = time.perf_counter(), time.thread_time()
-    transfer.synchronize()
+    transfer.completion_waiter()()
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     assert wall > 0.05, "the copy stream was not held back: nothing to measure"
     assert cpu < 0.25 * wall, f"the wait spun: {cpu:.3f} s on the CPU in {wall:.3f} s"
+
+
+def test_a_queued_disk_write_holds_no_device_staging():
+    """What a disk write waits on (`completion_waiter`) keeps the backup's event, not its device staging:
+    once the engine drops a finished transfer, its staging goes back to the allocator though writes still
+    queue the waiter (on the H200 they held GiBs through a burst of prompts, and a prefill ran out)."""
+    spec = CacheSpec(4, (TokenComponent("kv", 2, (8,), torch.float32),), ())
+    pool = PagePool(spec, 8, "cuda")
+    host = HostObjectStore(ObjectLayout.for_pages(spec), 4, pin_memory=True)
+    transfer = CudaCopyEngine(torch.device("cuda")).backup(pool, pool.alloc(2), host, [0, 1])
+    staging = [weakref.ref(tensor) for tensor in transfer._keepalive]
+    assert staging, "the backup kept no staging: nothing to check"
+    waiter = transfer.completion_waiter()
+    waiter()
+    del transfer
+    gc.collect()
+    assert all(ref() is None for ref in staging), "the waiter keeps the backup's device buffers alive"
+    waiter()  # still waits (on a finished event) after the transfer is gone

@@ -24,6 +24,7 @@ class StubEngine:
     def __init__(self) -> None:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.fail_next_step = False
+        self.aborted_after_failed_step: dict[str, bool] = {}
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
         self.speculative = None
@@ -36,7 +37,8 @@ class StubEngine:
             raise RuntimeError("boom")
         self.requests[request_id] = (params, [])
 
-    def abort(self, request_id):
+    def abort(self, request_id, after_failed_step=False):
+        self.aborted_after_failed_step[request_id] = after_failed_step
         _, tokens = self.requests.pop(request_id)
         return self._final(request_id, tokens, "abort")
 
@@ -107,6 +109,8 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(l
     assert all(d.finish_reason == "error" and d.internal and "server log" in d.error for d in failed)
     assert not any("kernel" in d.error for d in failed)
     assert not loop.engine.has_unfinished()  # aborted, so their pages went back
+    # ... and their working state, maybe half a forward ahead, not to the cache (engine/test_failed_step.py)
+    assert loop.engine.aborted_after_failed_step == {"a": True, "b": True}
     loop.handle(AddRequest("c", [1], SamplingParams(max_tokens=1)))
     [done] = loop.step()
     assert done.request_id == "c" and done.finish_reason == "length"
