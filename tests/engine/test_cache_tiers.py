@@ -22,7 +22,7 @@ import weakref
 import pytest
 import torch
 
-from morion.cache.copy_engine import SyncCopyEngine, Transfer
+from morion.cache.copy_engine import CompletedTransfer, SyncCopyEngine, Transfer
 from morion.cache.disk_format import BLOCK, KIND_PAGE, object_path, verify_object_file
 from morion.cache.host_store import HostObjectStore
 from morion.cache.page_keys import chain_root, page_keys
@@ -242,27 +242,12 @@ def test_host_budget_evicts_least_recently_used(tiered, engine_runner, cold):
     engine.check_integrity()
 
 
-class _StagedTransfer(Transfer):
+class _StagedTransfer(CompletedTransfer):
     """A finished backup that holds a staging buffer until it is dropped, as a CUDA one holds its device
     staging."""
 
     def __init__(self, staging: torch.Tensor) -> None:
         self.staging = staging
-
-    def done(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def completion_waiter(self):
-        return lambda: None
-
-    def wait(self, component: str, layer: int) -> None:
-        pass
-
-    def wait_all(self) -> None:
-        pass
 
 
 class _StagingCopyEngine(SyncCopyEngine):

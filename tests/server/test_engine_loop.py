@@ -25,6 +25,7 @@ class StubEngine:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.fail_next_step = False
         self.aborted_after_failed_step: dict[str, bool] = {}
+        self.abort_raises_for: str | None = None
         self.cache_stats = CacheStats()
         self.device = torch.device("cpu")
         self.speculative = None
@@ -39,6 +40,8 @@ class StubEngine:
 
     def abort(self, request_id, after_failed_step=False):
         self.aborted_after_failed_step[request_id] = after_failed_step
+        if request_id == self.abort_raises_for:
+            raise RuntimeError("the engine is in trouble")
         _, tokens = self.requests.pop(request_id)
         return self._final(request_id, tokens, "abort")
 
@@ -113,6 +116,21 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(l
     assert loop.engine.aborted_after_failed_step == {"a": True, "b": True}
     loop.handle(AddRequest("c", [1], SamplingParams(max_tokens=1)))
     [done] = loop.step()
+    assert done.request_id == "c" and done.finish_reason == "length"
+
+
+def test_a_request_whose_abort_raised_after_a_failed_step_sends_nothing_more(loop):
+    """The engine kept a request the loop already failed (its abort raised): its later outputs go nowhere,
+    and the loop, which has sent its error, neither fails nor speaks for it again."""
+    loop.handle(AddRequest("a", [1], SamplingParams(max_tokens=3)))
+    loop.handle(AddRequest("b", [1], SamplingParams(max_tokens=3)))
+    loop.engine.fail_next_step = True
+    loop.engine.abort_raises_for = "a"
+    failed = loop.step()
+    assert sorted(d.request_id for d in failed) == ["a", "b"]
+    assert loop.engine.has_unfinished()  # "a" is still in the engine
+    loop.handle(AddRequest("c", [1], SamplingParams(max_tokens=1)))
+    [done] = loop.step()  # the engine stepped "a" too
     assert done.request_id == "c" and done.finish_reason == "length"
 
 
