@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     # take transformers' pure-torch path; morion itself imports fla only on CUDA.
     sys.modules.setdefault("fla", None)
 
+import numpy as np
 import pytest
 import transformers
 
@@ -196,35 +197,46 @@ def full_prefill_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> tor
     return model.compute_logits(hidden)
 
 
-def with_modules_of(model: torch.nn.Module, donor: torch.nn.Module, kind: type) -> torch.nn.Module:
-    """A copy of `model` with every module of type `kind` taken from `donor` (same names)."""
+def with_modules_of(
+    model: torch.nn.Module, donor: torch.nn.Module, kind: type, leaf: str | None = None
+) -> torch.nn.Module:
+    """A copy of `model` with every module of type `kind` (with `leaf`, only those of that attribute
+    name) taken from `donor` (same names)."""
     model = copy.deepcopy(model)
     for name, module in donor.named_modules():
-        if isinstance(module, kind):
+        if isinstance(module, kind) and leaf in (None, name.rpartition(".")[2]):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)
     return model
 
 
-def with_shared_expert_apart(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` (weights in the model dtype) whose stacked shared experts (layers/moe.py) are
-    separate modules again, holding the same weights: the layout `--weight-dtype nvfp4` builds."""
+def with_shared_expert_beside(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` (weights in the model dtype) whose MoE blocks, stacked or separate, hold their
+    shared expert beside the routed ones (layers/moe.py: a one-expert stack of its own, its gate the
+    router's row E) with the same weights: the layout `--weight-dtype nvfp4` builds."""
     model = copy.deepcopy(model)
     for block in model.modules():
-        if not isinstance(block, SparseMoE) or block.shared_slot is None:
+        if not isinstance(block, SparseMoE) or block.shared_experts is not None:
             continue
-        slot, router, experts = block.shared_slot, block.gate.weight, block.experts
-        block.separate_shared_expert()
-        shared = block.shared_expert
-        gate, up = experts.gate_up_proj[slot].chunk(2)
+        experts = block.experts
+        if block.shared_slot is not None:
+            slot = block.shared_slot
+            router = block.gate.weight
+            shared_gate_up, shared_down = experts.gate_up_proj[slot], experts.down_proj[slot]
+            routed_gate_up, routed_down = experts.gate_up_proj[:slot], experts.down_proj[:slot]
+        else:
+            shared = block.shared_expert
+            router = torch.cat((block.gate.weight, block.shared_expert_gate.weight))
+            shared_gate_up = torch.cat((shared.gate_proj.weight, shared.up_proj.weight))
+            shared_down = shared.down_proj.weight
+            routed_gate_up, routed_down = experts.gate_up_proj, experts.down_proj
+        block.set_shared_expert_beside()
         with torch.no_grad():
-            block.gate.weight.copy_(router[:slot])
-            block.shared_expert_gate.weight.copy_(router[slot:])
-            block.experts.gate_up_proj.copy_(experts.gate_up_proj[:slot])
-            block.experts.down_proj.copy_(experts.down_proj[:slot])
-            shared.gate_proj.weight.copy_(gate)
-            shared.up_proj.weight.copy_(up)
-            shared.down_proj.weight.copy_(experts.down_proj[slot])
+            block.gate.weight.copy_(router)
+            block.experts.gate_up_proj.copy_(routed_gate_up)
+            block.experts.down_proj.copy_(routed_down)
+            block.shared_experts.gate_up_proj.copy_(shared_gate_up[None])
+            block.shared_experts.down_proj.copy_(shared_down[None])
     return model.requires_grad_(False)
 
 
@@ -377,3 +389,25 @@ def small_token_map(directory: Path, eos_id: int) -> Path:
     token_map = directory / "map.json"
     write_token_map(build_token_map(Tokenizer(backend, [eos_id]), [corpus], size=64), token_map)
     return token_map
+
+
+@pytest.fixture
+def exact_e4m3_casts_in_the_interpreter(monkeypatch):
+    """Triton 3.7's interpreter converts fp32 to e4m3 with a lost carry (127.9 -> 64, not 128) and ties
+    away from zero; the hardware rounds to nearest even. Under the interpreter, e4m3 conversions go
+    through torch's (round to nearest even, as the GPU), so FP8 results can be checked closely here."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
+            return original(self, src, dst_type, rounding_mode)
+        values = torch.from_numpy(np.array(src.data, dtype=np.float32))
+        codes = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(codes, dst_type.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

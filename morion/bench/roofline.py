@@ -20,7 +20,8 @@ which runs for the last token only). The Gated DeltaNet scan is left out: small,
 peak (performance-anchors.md §3).
 
 A shared expert stacked with the routed ones (layers/moe.py's `shared_slot`) runs for every token: its
-slot counts in W_dense, not as one of the E routed experts.
+slot counts in W_dense, not as one of the E routed experts; so does one beside them in a stack of its
+own (`shared_experts`).
 
 Weights a plain decode step does not read are left out and listed: the input embedding (a gather of B
 rows; unless tied, when the LM head reads it in full) and a speculative draft head (`model.mtp`).
@@ -150,6 +151,9 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
             attention_query_dims.append(module.num_heads * module.head_dim)
         if not _is_expert_stack(module):
             continue
+        block = parents.get(module)
+        if block is not None and getattr(block, "shared_experts", None) is module:
+            continue  # a shared expert's own stack (the beside layout): dense bytes, read every step
         tensors = [(o, t) for o, t in _tensors(module) if id(t) not in counted]
         if not tensors:
             continue  # inside an excluded subtree
@@ -158,7 +162,6 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
         bytes_per_expert = sum(_stored_bytes(o, t, fp8_weights) for o, t in stacked) // num_experts
         params_per_expert = sum(t.numel() for _, t in stacked) // num_experts
         counted.update(id(t) for _, t in stacked)  # anything else (a global scale) stays dense
-        block = parents.get(module)
         shared_slot = getattr(block, "shared_slot", None)
         if shared_slot is not None:  # the stacked shared expert: read every step, like a dense weight
             shared_bytes += bytes_per_expert

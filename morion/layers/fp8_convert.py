@@ -8,8 +8,9 @@ and shapes the FP8 kernels cannot take (a dimension not a multiple of 16). Embed
 are not linear layers and never convert. Dense layers stay FP8 under nvfp4: they are a small share of the
 bytes (the routed experts are 93% of Qwen3.8-Flash-Next's), and the FP8 GEMM is there and exact per row
 where a 4-bit dense GEMM would add NVFP4's error to every token's path for a few GiB. For the same reason
-a shared expert stacked with the routed ones (layers/moe.py) is separated back out under nvfp4 and
-converts with the dense layers; under fp8 it stays stacked and is quantized per (expert, row) with them.
+the shared expert goes beside the routed ones under nvfp4 (layers/moe.py's beside layout: a one-expert
+stack of its own, `shared_experts`, which converts to FP8, while the routed stack converts to NVFP4);
+under fp8 a stacked shared expert stays stacked and is quantized per (expert, row) with the routed ones.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import SparseMoE, StackedExperts
 
 _GIB = 1 << 30
+# The name of a shared expert's own stack in the beside layout (layers/moe.py): FP8 under nvfp4.
+SHARED_STACK = ".shared_experts"
 
 
 class Fp8Conversion(NamedTuple):
@@ -56,7 +59,7 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = 
     if experts == "nvfp4":  # the shared expert is dense traffic on every token: it stays FP8
         for module in model.modules():
             if isinstance(module, SparseMoE):
-                module.separate_shared_expert()
+                module.set_shared_expert_beside()
     modules = tensors = before = after = 0
     kept = []
     for name, module in list(model.named_modules()):
@@ -66,7 +69,7 @@ def convert_to_fp8(model: nn.Module, keep: Collection[str] = (), experts: str = 
             kept.append(name)
             continue
         with torch.device("meta"):
-            replacement = _fp8_form(module, experts)
+            replacement = _fp8_form(module, "fp8" if name.endswith(SHARED_STACK) else experts)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, replacement)
         old, new = _weights(module), _weights(replacement)

@@ -127,9 +127,9 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor | SlotPartials:
         """x [T, H] through the routed experts; `quantized`: FP8 experts only, x's rows already quantized
         per row (`quantize_fp8(x, per_row=True)`'s values), which every FP8 path reads instead of
-        quantizing x again. With `unsummed`, the fused decode kernels (the "triton" path) return each
-        token's slots before their sum (`SlotPartials`) for a caller that adds them in its next kernel;
-        the other paths return [T, H] as always."""
+        quantizing x again. With `unsummed`, the fused decode kernels (the "triton" path, FP8, bf16 or
+        NVFP4) return each token's slots before their sum (`SlotPartials`) for a caller that adds them in
+        its next kernel; the other paths return [T, H] as always."""
         if quantized is not None and not self.fp8:
             raise ValueError(
                 f"pre-quantized rows were given to {self.weights} experts, which do not read them"
@@ -140,7 +140,9 @@ class StackedExperts(nn.Module):
         if self.nvfp4 and path != "reference":
             from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 
-            experts = functools.partial(moe_experts_nvfp4, grouped=path == "grouped")
+            experts = functools.partial(
+                moe_experts_nvfp4, grouped=path == "grouped", unsummed=unsummed and path == "triton"
+            )
         elif path in ("triton", "triton-grouped"):
             from morion.ops import moe_decode_triton as fused
 
@@ -210,7 +212,7 @@ def set_moe_kernel(model: nn.Module, kernel: str) -> None:
 
 
 class SparseMoE(nn.Module):
-    """The routed experts, the router (`gate`) and the gated shared expert, in one of two layouts:
+    """The routed experts, the router (`gate`) and the gated shared expert, in one of three layouts:
 
     - separate: `shared_expert` (a SwiGLU) and `shared_expert_gate` (one output) beside the routed experts,
       `out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)`;
@@ -221,10 +223,17 @@ class SparseMoE(nn.Module):
       only its gate's product (of a decode step's ~12 kernels per layer: docs/models.md). The same sum;
       only the rounding of the final add differs (the experts' kernels accumulate the k + 1 terms
       together).
+    - beside (`set_shared_expert_beside`, built by `--weight-dtype nvfp4`): the shared expert is the one
+      expert of a stack of its own, `shared_experts` (FP8 under nvfp4, while the routed `experts` are
+      NVFP4), its gate row E of the router as when stacked. `route_apart` gives each stack its own
+      columns; on the fused decode kernels each stack leaves its slots unsummed and the block returns
+      the k + 1 slots in the stacked order for the kernel after the block to add. So the shared expert
+      costs three kernels a layer (its row quantization, gate_up, down) instead of a SwiGLU's dozen.
     """
 
     shared_expert: SwiGLU | None
     shared_expert_gate: NarrowLinear | None
+    shared_experts: StackedExperts | None
 
     def __init__(
         self,
@@ -249,33 +258,35 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
-        # Where the shared expert sits in `experts` and its gate's row in `gate`; None: kept separate.
+        # Where the shared expert sits in `experts` and its gate's row in `gate`; None: not stacked.
         self.shared_slot: int | None = num_experts if stack_shared_expert else None
         stacked = int(stack_shared_expert)
         self.gate = nn.Linear(hidden_size, num_experts + stacked, bias=False)  # the router
         self.experts = StackedExperts(num_experts + stacked, hidden_size, intermediate_size)
+        self.shared_experts = None
         if stack_shared_expert:
             self.shared_expert = self.shared_expert_gate = None
         else:
             self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = NarrowLinear(hidden_size, 1, bias=False)  # batch-invariant rows
 
-    def separate_shared_expert(self) -> None:
-        """Rebuilds a stacked block in the separate layout, unfilled, on the same device and dtype (the
-        meta device: called by `--weight-dtype nvfp4`'s conversion, which keeps the shared expert out of
-        the NVFP4 experts). A separate block stays as it is."""
-        if self.shared_slot is None:
+    def set_shared_expert_beside(self) -> None:
+        """Rebuilds the block in the beside layout, unfilled, on the same device and dtype (the meta
+        device: called by `--weight-dtype nvfp4`'s conversion, which makes `shared_experts` FP8 and the
+        routed experts NVFP4). Any width of shared expert goes beside; a beside block stays as it is."""
+        if self.shared_experts is not None:
             return
         weight = self.gate.weight
         with torch.device(weight.device):
-            self.gate = nn.Linear(self.hidden_size, self.num_experts, bias=False, dtype=weight.dtype)
-            self.experts = StackedExperts(
-                self.num_experts, self.hidden_size, self.experts.intermediate_size
+            self.gate = nn.Linear(self.hidden_size, self.num_experts + 1, bias=False, dtype=weight.dtype)
+            if self.shared_slot is not None:  # the routed experts alone
+                self.experts = StackedExperts(
+                    self.num_experts, self.hidden_size, self.experts.intermediate_size
+                ).to(weight.dtype)
+            self.shared_experts = StackedExperts(
+                1, self.hidden_size, self.shared_expert_intermediate_size
             ).to(weight.dtype)
-            self.shared_expert = SwiGLU(self.hidden_size, self.shared_expert_intermediate_size).to(
-                weight.dtype
-            )
-            self.shared_expert_gate = NarrowLinear(self.hidden_size, 1, bias=False, dtype=weight.dtype)
+        self.shared_expert = self.shared_expert_gate = None
         self.shared_slot = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,32 +301,53 @@ class SparseMoE(nn.Module):
                 return router_triton.route(logits, self.top_k, self.norm_topk_prob, shared_logits)
         return route_reference(logits, self.top_k, self.norm_topk_prob, shared_logits)
 
+    def route_apart(
+        self, x: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The beside layout's route: ((weights, ids) [T, k] of the routed experts, (weights, ids) [T, 1]
+        of `shared_experts`, ids 0): `route`'s weights, each stack's columns contiguous."""
+        logits, shared_logits = self.router_logits(x)
+        if shared_logits is None:
+            raise ValueError("route_apart is for a block whose router has the shared expert's gate row")
+        if logits.is_cuda:
+            from morion.ops import router_triton
+
+            if router_triton.supports(logits, self.top_k):
+                return router_triton.route_apart(logits, self.top_k, self.norm_topk_prob, shared_logits)
+        weights, ids = route_reference(logits, self.top_k, self.norm_topk_prob, shared_logits)
+        k = self.top_k
+        shared = (weights[:, k:].contiguous(), torch.zeros_like(ids[:, k:]))
+        return (weights[:, :k].contiguous(), ids[:, :k].contiguous()), shared
+
     def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the routed experts' logits [T, E], the stacked shared expert's gate logit [T, 1] or None): one
-        product over the gate's E (+ 1) rows, its column E the shared gate's logit. At decode sizes on CUDA
-        it is the skinny kernel (`skinny_tiles.product`), each column summed in one fixed order whatever N
-        and M, so a token routes the same in every batch. cuBLAS with N = E + 1 did not (the H200's
-        decode-invariance test failed: `results/2026-12-02-h200-gpu-check-b158263.md`); it now runs only
-        long prefill chunks, which a cache hit never recomputes."""
+        """(the routed experts' logits [T, E], the shared expert's gate logit [T, 1] where the router holds
+        its row (stacked, beside), else None): one product over the gate's E (+ 1) rows, its column E the
+        shared gate's logit. At decode sizes on CUDA it is the skinny kernel (`skinny_tiles.product`),
+        each column summed in one fixed order whatever N and M, so a token routes the same in every batch.
+        cuBLAS with N = E + 1 did not (the H200's decode-invariance test failed:
+        `results/2026-12-02-h200-gpu-check-b158263.md`); it now runs only long prefill chunks, which a
+        cache hit never recomputes."""
         logits = linear_forward(self.gate, x)
-        if self.shared_slot is None:
+        if logits.shape[-1] == self.num_experts:
             return logits, None
-        return logits[:, : self.shared_slot], logits[:, self.shared_slot :]
+        return logits[:, : self.num_experts], logits[:, self.num_experts :]
 
     @property
     def reads_fp8_rows(self) -> bool:
         """Whether `forward` reads x quantized per row (FP8 routed experts, set by `--weight-dtype fp8`'s
-        conversion): then a caller that has the rows quantized passes them (`quantized`). The router reads
-        x itself, in the model dtype."""
-        return self.experts.fp8
+        conversion, or the FP8 shared stack beside NVFP4 experts): then a caller that has the rows
+        quantized passes them (`quantized`). The router reads x itself, in the model dtype."""
+        return self.experts.fp8 or (self.shared_experts is not None and self.shared_experts.fp8)
 
     def forward(
         self, x: torch.Tensor, quantized: QuantizedRows | None = None, unsummed: bool = False
     ) -> torch.Tensor | SlotPartials:
-        """x [T, H]; `quantized`: x's rows quantized per row, for FP8 routed experts (`reads_fp8_rows`).
+        """x [T, H]; `quantized`: x's rows quantized per row, for FP8 experts (`reads_fp8_rows`).
         `unsummed`: the caller adds the output to its residual stream in a kernel that takes the experts'
-        unsummed slots (`SlotPartials`, from the fused decode kernels of a stacked block; any other path
-        returns [T, H])."""
+        unsummed slots (`SlotPartials`, from the fused decode kernels of a stacked or beside block; any
+        other path returns [T, H])."""
+        if self.shared_experts is not None:
+            return self._forward_beside(x, quantized, unsummed)
         if self.shared_expert is None or self.shared_expert_gate is None:
             topk_weights, topk_ids = self.route(x)
             # The shared expert is one of them.
@@ -324,6 +356,30 @@ class SparseMoE(nn.Module):
         topk_weights, topk_ids = self.route(x)
         routed = self.experts(x, topk_weights, topk_ids, quantized)
         return routed + F.sigmoid(self.shared_expert_gate(x)) * shared
+
+    def _forward_beside(
+        self, x: torch.Tensor, quantized: QuantizedRows | None, unsummed: bool
+    ) -> torch.Tensor | SlotPartials:
+        """Each stack on its own columns of the route. Where both return their slots (the fused decode
+        kernels) the block's k + 1 slots are theirs side by side, summed by the caller's kernel, or here
+        by the same sum (so a token's output never depends on which caller reads it); elsewhere the two
+        sums are added."""
+        assert self.shared_experts is not None
+        (routed_weights, routed_ids), (shared_weights, shared_ids) = self.route_apart(x)
+        routed = self.experts(
+            x, routed_weights, routed_ids, quantized if self.experts.fp8 else None, unsummed=True
+        )
+        shared = self.shared_experts(
+            x, shared_weights, shared_ids, quantized if self.shared_experts.fp8 else None, unsummed=True
+        )
+        if isinstance(routed, SlotPartials) and isinstance(shared, SlotPartials):
+            slots = SlotPartials(torch.cat((routed.values, shared.values), dim=1), routed.dtype)
+            return slots if unsummed else slots.summed()
+        return _summed(routed) + _summed(shared)
+
+
+def _summed(output: torch.Tensor | SlotPartials) -> torch.Tensor:
+    return output.summed() if isinstance(output, SlotPartials) else output
 
 
 def route_reference(

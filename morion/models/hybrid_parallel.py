@@ -102,12 +102,14 @@ def shared_rules(config: HybridConfig) -> Rules:
     heads, K/V heads split or shared by consecutive ranks; Gated DeltaNet's conv channels (q | k | v,
     each head-major, cut block by block), decay parameters by value head and out_proj's input by value
     head; the experts by intermediate size (every rank holds every expert, 1/N of each; a shared expert
-    stacked as expert E, layers/moe.py, cut like a routed one from its own checkpoint tensors), the shared
-    expert and dense MLPs column- then row-parallel, the router and the shared expert's gate whole; the
+    stacked as expert E, layers/moe.py, cut like a routed one from its own checkpoint tensors; so is one
+    beside them in a stack of its own), the separate shared expert and dense MLPs column- then
+    row-parallel, the router and the shared expert's gate whole; the
     LM head by vocabulary; the token embedding whole."""
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = config.linear_num_value_heads * config.linear_value_head_dim
     intermediate = config.moe_intermediate_size
+    shared = config.shared_expert_intermediate_size
     kv = ReplicatedHeads(0, config.num_kv_heads)
     return [
         (rf"{LAYER}\.self_attn\.q_proj\.(weight|bias)", Split(0)),
@@ -121,6 +123,8 @@ def shared_rules(config: HybridConfig) -> Rules:
         (rf"{LAYER}\.linear_attn\.norm\.weight", REPLICATED),
         (rf"{LAYER}\.mlp\.experts\.gate_up_proj", Split(1, (intermediate, intermediate))),
         (rf"{LAYER}\.mlp\.experts\.down_proj", Split(2)),
+        (rf"{LAYER}\.mlp\.shared_experts\.gate_up_proj", Split(1, (shared, shared))),
+        (rf"{LAYER}\.mlp\.shared_experts\.down_proj", Split(2)),
         (rf"{LAYER}\.mlp\.(shared_expert\.|experts\.N\.)?(gate|up)_proj\.weight", Split(0)),
         (rf"{LAYER}\.mlp\.(shared_expert\.|experts\.N\.)?down_proj\.weight", Split(1)),
         (rf"{LAYER}\.mlp\.(gate|shared_expert_gate)\.weight", REPLICATED),

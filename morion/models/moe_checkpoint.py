@@ -35,6 +35,8 @@ _SHARED = re.compile(
 _BLOCK_PARAM = re.compile(
     r"^(?P<mlp>.+\.mlp)\.(?P<param>gate\.weight|experts\.gate_up_proj|experts\.down_proj)$"
 )
+# The parameters of a shared expert's own stack (the beside layout, layers/moe.py).
+_SHARED_STACK_PARAM = re.compile(r"^(?P<mlp>.+\.mlp)\.shared_experts\.(?P<param>gate_up_proj|down_proj)$")
 # The checkpoint projections each stacked parameter holds.
 _PROJECTIONS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
@@ -56,11 +58,15 @@ class MoECheckpointLoader:
         self.params = dict(model.named_parameters())
         self.scales = fp8_scales(model)
         self.nvfp4 = nvfp4_scales(model)
-        # The shared slot (= routed count) of each MoE block that stacks its shared expert, by its name.
+        # The router row of the shared expert's gate (= routed count) of each MoE block whose router
+        # holds it, by its name: a stacked shared expert is that expert of `experts` too, one beside
+        # (`beside`) the one expert of `shared_experts`.
+        blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)]
+        self.beside = {name for name, block in blocks if block.shared_experts is not None}
         self.shared_slots = {
-            name: module.shared_slot
-            for name, module in model.named_modules()
-            if isinstance(module, SparseMoE) and module.shared_slot is not None
+            name: block.num_experts
+            for name, block in blocks
+            if block.shared_slot is not None or name in self.beside
         }
         # Checkpoint names still to arrive; a stacked expert tensor counts as its per-expert names.
         self.missing = {
@@ -102,6 +108,8 @@ class MoECheckpointLoader:
             slot = self.shared_slots[shared["mlp"]]
             if shared["proj"] is None:  # the shared expert's gate: the router's last row
                 return _Target(f"{shared['mlp']}.gate.weight", (slice(slot, slot + 1),), (), [name])
+            if shared["mlp"] in self.beside:
+                return self._expert_target(f"{shared['mlp']}.shared_experts", 0, shared["proj"], name)
             return self._expert_target(f"{shared['mlp']}.experts", slot, shared["proj"], name)
         param = self.params.get(name)
         if param is not None:
@@ -136,7 +144,12 @@ class MoECheckpointLoader:
     def _checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
         """The checkpoint names a parameter stands for: a stacked expert parameter its per-expert names,
         and where the block stacks its shared expert, the shared expert's (its projections for the
-        experts, its gate for the router); otherwise its own name."""
+        experts, its gate for the router); a beside block's shared stack its shared expert's projections;
+        otherwise its own name."""
+        stack = _SHARED_STACK_PARAM.match(name)
+        if stack is not None:  # the one expert of a beside block's shared stack
+            projections = _PROJECTIONS[f"experts.{stack['param']}"]
+            return [f"{stack['mlp']}.shared_expert.{proj}.weight" for proj in projections]
         block = _BLOCK_PARAM.match(name)
         if block is None:
             return [name]
@@ -145,6 +158,8 @@ class MoECheckpointLoader:
             return _routed_names(block, param.shape[0])
         if block["param"] == "gate.weight":
             return [name, f"{block['mlp']}.shared_expert_gate.weight"]
+        if block["mlp"] in self.beside:
+            return _routed_names(block, slot)
         projections = _PROJECTIONS[block["param"]]
         shared = [f"{block['mlp']}.shared_expert.{proj}.weight" for proj in projections]
         return _routed_names(block, slot) + shared

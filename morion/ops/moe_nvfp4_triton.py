@@ -38,7 +38,9 @@ Two ways to find a program's rows, the kernels otherwise shared:
   min(E, P) tiles: each expert leaves at most one partial tile), so it is capturable too.
 
 Both write act [P, I] and pair_out [P, H] (fp32, the routing weight applied) per pair, and sum each
-token's k pairs in slot order (`moe_decode_triton.sum_slots`): deterministic, no atomics. PDL
+token's k pairs in slot order (`moe_decode_triton.sum_slots`; with `unsummed`, the decode kernels leave
+that sum to the kernel after the MoE block, as the FP8 ones do: ops/slot_partials.py): deterministic,
+no atomics. PDL
 (ops/pdl.py): each kernel's programs wait for the kernel before it first of all.
 
 Split K (`Tiles.split_k` = S > 1, the decode kernels only; the grouped ones refuse it: ops/moe_split_k.py,
@@ -79,6 +81,7 @@ from morion.ops.moe_split_k import (
 from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
+from morion.ops.slot_partials import SlotPartials
 
 # The half tiles hold code x block scale x 2^-14 (exact in fp16); the epilogue's global scale undoes it.
 GLOBAL_FACTOR = tl.constexpr(2.0**14)
@@ -402,8 +405,10 @@ def _run(
     grouped_block_m: int | None,
     gate_up_tiles: Tiles,
     down_tiles: Tiles,
-) -> torch.Tensor:
-    """The kernels on one batch: grouped with tiles of `grouped_block_m` rows, else the decode ones."""
+    unsummed: bool,
+) -> torch.Tensor | SlotPartials:
+    """The kernels on one batch: grouped with tiles of `grouped_block_m` rows, else the decode ones;
+    `unsummed`: the slots before their sum."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     gate_up_scale, down_scale, gate_up_scale_2, down_scale_2 = scales
@@ -446,7 +451,8 @@ def _run(
     )  # fmt: skip
     if t.split_k > 1:
         _sum_split_k(partial, down_scale_2, ids, routing, pair_out, swiglu=False)
-    return sum_slots(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
+    slots = pair_out.view(tokens, top_k, hidden_size)
+    return SlotPartials(slots, hidden.dtype) if unsummed else sum_slots(slots, hidden.dtype)
 
 
 def moe_experts_nvfp4(
@@ -464,8 +470,11 @@ def moe_experts_nvfp4(
     block_m: int = GROUPED_BLOCK_M,
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
-) -> torch.Tensor:
+    unsummed: bool = False,
+) -> torch.Tensor | SlotPartials:
     """The contract of `moe_experts_reference` with NVFP4 experts; hidden [T, H] in bf16, fp16 or fp32.
+    `unsummed`: each token's slots before their sum (`SlotPartials`, as `moe_expert_partials`), for the
+    kernel after the block to add.
     The decode kernels (at most MAX_PAIRS (token, expert) pairs; tiles: the device's tuned file for this
     shape, else the defaults), or with `grouped` the grouped kernels (any number of tokens: prefill;
     `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES, split_k = 1 only).
@@ -479,7 +488,8 @@ def moe_experts_nvfp4(
     if not grouped and tokens * top_k > MAX_PAIRS:
         raise ValueError(f"{tokens} tokens x top-{top_k} = {tokens * top_k} pairs, more than {MAX_PAIRS}")
     if tokens == 0:
-        return torch.zeros_like(hidden)
+        empty = hidden.new_zeros(0, top_k, hidden.shape[1], dtype=torch.float32)
+        return SlotPartials(empty, hidden.dtype) if unsummed else torch.zeros_like(hidden)
     tuned = None
     if grouped:
         defaults = (GROUPED_TILES, GROUPED_TILES)
@@ -502,4 +512,5 @@ def moe_experts_nvfp4(
         block_m if grouped else None,
         gate_up_tiles,
         down_tiles,
+        unsummed,
     )

@@ -12,7 +12,10 @@ token does all of it:
 - with `normalize`, the k probs divided by their sum (fp32), then cast to the logits' dtype;
 - with `shared_logits` (a stacked shared expert, layers/moe.py: its gate's logit per token, [T, 1]),
   column k gets the shared slot (the routed count E) with weight sigmoid(logit) in fp32, after the
-  renormalisation, which covers the routed k only.
+  renormalisation, which covers the routed k only;
+- `route_apart` (a shared expert beside the routed ones, in a one-expert stack of its own): the same
+  weights, the routed k written as [T, k] and the shared slot as [T, 1] with id 0 (its stack's only
+  expert), each contiguous, so each stack's kernels read their own pairs without a copy.
 
 Same results as the torch route up to the exponential's last bits (Triton's exp is not libm's) and the
 order of exact ties. No host sync, fixed shapes: capturable. The reference is
@@ -32,14 +35,15 @@ MAX_EXPERTS = 4096
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_shared,
+    logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_shared, apart_start,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SHARED: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    APART: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     # With SHARED, shared_ptr holds each row's shared expert gate logit and each row's output has
-    # WIDTH = TOP_K + 1 columns (TOP_K without).
+    # WIDTH = TOP_K + 1 columns (TOP_K without); with APART too, the rows' routed columns are the first
+    # T * TOP_K entries of the outputs and their shared columns the T entries from `apart_start` on.
     row = tl.cast(tl.program_id(0), tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -69,10 +73,17 @@ def _route_kernel(
         gate_logit = tl.cast(tl.load(shared_ptr + row * stride_shared), tl.float32)
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-gate_logit))
         chosen_probs = tl.where(slots == TOP_K, gate, chosen_probs)
-        chosen_ids = tl.where(slots == TOP_K, tl.cast(num_experts, tl.int64), chosen_ids)
+        if APART:  # its one-expert stack's only expert
+            chosen_ids = tl.where(slots == TOP_K, 0, chosen_ids)
+        else:  # the stacked slot
+            chosen_ids = tl.where(slots == TOP_K, tl.cast(num_experts, tl.int64), chosen_ids)
+    if APART:  # noqa: SIM108 (a compile-time branch: Triton takes one side only)
+        where = tl.where(slots < TOP_K, row * TOP_K + slots, apart_start + row)
+    else:
+        where = row * WIDTH + slots
     out = slots < WIDTH
-    tl.store(weights_ptr + row * WIDTH + slots, tl.cast(chosen_probs, weights_ptr.dtype.element_ty), mask=out)
-    tl.store(ids_ptr + row * WIDTH + slots, chosen_ids, mask=out)
+    tl.store(weights_ptr + where, tl.cast(chosen_probs, weights_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + where, chosen_ids, mask=out)
 
 
 def supports(logits: torch.Tensor, top_k: int) -> bool:
@@ -88,16 +99,39 @@ def route(
     """(topk_weights [T, k] in logits' dtype, topk_ids [T, k] int64), as `layers.moe.route_reference`;
     with `shared_logits` [T, 1], [T, k + 1]: the shared expert's slot E and sigmoid(shared_logits) in
     column k."""
+    width = top_k + int(shared_logits is not None)
+    weights, ids = _launch(logits, top_k, normalize, shared_logits, apart=False)
+    return weights.view(-1, width), ids.view(-1, width)
+
+
+def route_apart(
+    logits: torch.Tensor, top_k: int, normalize: bool, shared_logits: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`route` with `shared_logits`, its columns apart: ((routed weights, ids) [T, k], (shared weights
+    [T, 1], ids [T, 1] all 0)), views of one buffer each for the weights and the ids."""
+    tokens = logits.shape[0]
+    weights, ids = _launch(logits, top_k, normalize, shared_logits, apart=True)
+    routed = tokens * top_k
+    return (
+        (weights[:routed].view(tokens, top_k), ids[:routed].view(tokens, top_k)),
+        (weights[routed:].view(tokens, 1), ids[routed:].view(tokens, 1)),
+    )
+
+
+def _launch(
+    logits: torch.Tensor, top_k: int, normalize: bool, shared_logits: torch.Tensor | None, apart: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over every row of `logits`: flat (weights, ids) of T x (k + 1 with a shared column)."""
     tokens, num_experts = logits.shape
     shared = shared_logits is not None
     width = top_k + int(shared)
-    weights = torch.empty(tokens, width, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, width, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens * width, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens * width, dtype=torch.int64, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
             logits, logits if shared_logits is None else shared_logits, weights, ids, num_experts,
-            logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0),
-            TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width,
+            logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0), tokens * top_k,
+            TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width, APART=apart,
             BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(width), **launch_options(), num_warps=4,
         )  # fmt: skip

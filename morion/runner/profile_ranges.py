@@ -26,12 +26,14 @@ DRAFT = f"{PREFIX}draft"  # speculative decoding: proposing, and launching the n
 ACCEPTANCE = f"{PREFIX}acceptance"  # speculative decoding: which drafts a verify accepts
 
 # Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts (a
-# shared expert stacked with them, layers/moe.py, is timed inside it: only a separate one is its own part).
+# shared expert stacked with them, layers/moe.py, is timed inside it: a separate one, or one beside them
+# in a stack of its own, is its own part).
 _KIND_BY_NAME = {
     "self_attn": "full attention",
     "linear_attn": "Gated DeltaNet",
     "shared_expert": "shared expert",
     "shared_expert_gate": "shared expert",
+    "shared_experts": "shared expert",
     "embed_tokens": "embedding",
     "mtp": "MTP head",
 }

@@ -16,10 +16,11 @@ from safetensors.torch import load_file, save_file
 from morion.engine.sampling_params import SamplingParams
 from morion.errors import ModelLoadError
 from morion.layers.linear_fp8 import Fp8Linear
+from morion.layers.moe import StackedExperts
 from morion.loader import LoadedModel, load_model
 from morion.loader.nvfp4 import is_nvfp4_checkpoint, nvfp4_weights
 from morion.ops.nvfp4 import dequantize_nvfp4
-from tests.conftest import TINY_QWEN3_NEXT, full_prefill_logits, with_modules_of, with_shared_expert_apart
+from tests.conftest import TINY_QWEN3_NEXT, full_prefill_logits, with_modules_of, with_shared_expert_beside
 from tests.loader.nvfp4_quantize import quantize_nvfp4
 
 CPU = torch.device("cpu")
@@ -296,7 +297,9 @@ def test_nvfp4_checkpoint_served_as_nvfp4_keeps_its_codes(nvfp4_checkpoints, eng
                 assert global_scale == stored[prefix + projection + ".weight_scale_2"]
 
     dequantized = load_model(str(nvfp4_dir), torch.float32, CPU).model
-    reference = with_modules_of(with_shared_expert_apart(dequantized), served, Fp8Linear)
+    # The served model's FP8 layers: its dense ones and the shared expert's stack beside the experts.
+    reference = with_modules_of(with_shared_expert_beside(dequantized), served, Fp8Linear)
+    reference = with_modules_of(reference, served, StackedExperts, leaf="shared_experts")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = full_prefill_logits(reference, prompt)
     assert torch.allclose(full_prefill_logits(served, prompt), expected, rtol=1e-5, atol=1e-5)

@@ -27,7 +27,6 @@ import torch
 
 from morion.layers.linear_fp8 import Fp8Linear
 from morion.layers.moe import StackedExperts
-from morion.layers.narrow_linear import NarrowLinear
 from morion.loader import load_model
 from morion.ops.nvfp4 import dequantize_parts, quantize_nvfp4_parts
 from tests.conftest import (
@@ -35,7 +34,7 @@ from tests.conftest import (
     full_prefill_logits,
     make_engine,
     with_modules_of,
-    with_shared_expert_apart,
+    with_shared_expert_beside,
 )
 from tests.models.conftest import QWEN4_EXP_TINY_CONFIG, one_shot_logits
 
@@ -47,19 +46,24 @@ PROJECTIONS = (("gate_up_proj", 2), ("down_proj", 1))  # (parameter, parts quant
 @pytest.fixture(scope="module", params=CONFIGS)
 def loaded(request, tmp_path_factory):
     """(name, {weight_dtype: model}) with the same seeded dummy weights under auto and nvfp4, both with
-    the shared expert apart (nvfp4 keeps it out of the NVFP4 experts)."""
+    the shared expert beside the routed ones (nvfp4 keeps it out of the NVFP4 experts, in FP8)."""
     directory = tmp_path_factory.mktemp(request.param)
     (directory / "config.json").write_text(json.dumps(CONFIGS[request.param]))
     models = {
         weights: load_model(str(directory), torch.float32, CPU, "dummy", weight_dtype=weights).model
         for weights in ("auto", "nvfp4")
     }
-    models["auto"] = with_shared_expert_apart(models["auto"])
+    models["auto"] = with_shared_expert_beside(models["auto"])
     return request.param, models
 
 
 def experts_of(model: torch.nn.Module) -> dict[str, StackedExperts]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, StackedExperts)}
+    """The routed experts' stacks (not the shared expert's own, FP8 under nvfp4), by name."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, StackedExperts) and not name.endswith(".shared_experts")
+    }
 
 
 def dequantized(experts: StackedExperts, projection: str, parts: int) -> torch.Tensor:
@@ -131,9 +135,10 @@ def test_logits_within_nvfp4_error(loaded):
     # The reference: the unquantized experts with the NVFP4 build's FP8 dense layers, so that only the
     # experts differ from the NVFP4 build.
     reference = with_modules_of(models["auto"], models["nvfp4"], Fp8Linear)
-    # The shared expert's gate too (random weights: drawn by its own name under nvfp4, as the router's
-    # last row under auto).
-    reference = with_modules_of(reference, models["nvfp4"], NarrowLinear)
+    # The router and the shared expert's FP8 stack too (random weights are drawn by name, and a stacked
+    # or separate block names its shared expert and its gate otherwise).
+    reference = with_modules_of(reference, models["nvfp4"], torch.nn.Linear, leaf="gate")
+    reference = with_modules_of(reference, models["nvfp4"], StackedExperts, leaf="shared_experts")
     nvfp4_experts = experts_of(models["nvfp4"])
     noisy = copy.deepcopy(reference)
     generator = torch.Generator().manual_seed(0)
@@ -156,7 +161,7 @@ def test_logits_within_nvfp4_error(loaded):
     # One MoE layer with fixed routing: the routed experts' output within ~1.9 eps (the module docstring).
     module_name, experts = next(iter(experts_of(reference).items()))
     x = torch.randn(32, experts.hidden_size, generator=generator)
-    topk_weights, topk_ids = reference.get_submodule(module_name.removesuffix(".experts")).route(x)
+    (topk_weights, topk_ids), _ = reference.get_submodule(module_name.removesuffix(".experts")).route_apart(x)
     exact = experts(x, topk_weights, topk_ids)
     quantized = nvfp4_experts[module_name](x, topk_weights, topk_ids)
     layer_error = rel_l2(quantized, exact)

@@ -209,9 +209,18 @@ def _mtp_tensors(config: Qwen3NextConfig) -> dict[str, torch.Tensor]:
     the model's own in the separate layout."""
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
-        for module in model.modules():
-            if isinstance(module, SparseMoE):
-                module.separate_shared_expert()
+        for name, block in list(model.named_modules()):
+            if isinstance(block, SparseMoE):  # the same block in the separate layout
+                parent, _, child = name.rpartition(".")
+                separate = SparseMoE(
+                    block.hidden_size,
+                    block.num_experts,
+                    block.top_k,
+                    block.experts.intermediate_size,
+                    block.shared_expert_intermediate_size,
+                    block.norm_topk_prob,
+                )
+                setattr(model.get_submodule(parent), child, separate)
         shapes = {n: p.shape for n, p in model.named_parameters() if n.startswith("mtp.")}
     gen = torch.Generator().manual_seed(7)
     tensors = {}

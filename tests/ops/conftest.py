@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
 import torch
 
@@ -101,25 +99,3 @@ def graph_replays_with_new_routings(
         if previous is not None:
             assert rel_l2(replayed, previous) > 0.5  # the new routing was used
         previous = replayed.clone()
-
-
-@pytest.fixture
-def exact_e4m3_casts_in_the_interpreter(monkeypatch):
-    """Triton 3.7's interpreter converts fp32 to e4m3 with a lost carry (127.9 -> 64, not 128) and ties
-    away from zero; the hardware rounds to nearest even. Under the interpreter, e4m3 conversions go
-    through torch's (round to nearest even, as the GPU), so FP8 results can be checked closely here."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
-            return original(self, src, dst_type, rounding_mode)
-        values = torch.from_numpy(np.array(src.data, dtype=np.float32))
-        codes = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return interpreter.TensorHandle(codes, dst_type.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

@@ -252,8 +252,17 @@ KERNELS = {
             "num_experts": "i32",
             "stride_logits": "i32",
             "stride_shared": "i32",
+            "apart_start": "i32",
         },
-        {"TOP_K": 10, "NORMALIZE": True, "SHARED": True, "WIDTH": 11, "BLOCK_E": 512, "BLOCK_K": 16},
+        {
+            "TOP_K": 10,
+            "NORMALIZE": True,
+            "SHARED": True,
+            "WIDTH": 11,
+            "APART": False,
+            "BLOCK_E": 512,
+            "BLOCK_K": 16,
+        },
     ),
     "hyper_connection_triton._inject_kernel": (
         hyper_connection_triton._inject_kernel,

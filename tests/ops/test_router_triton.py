@@ -80,3 +80,31 @@ def test_the_shared_column_is_sigmoid_of_its_gate_logit_after_the_routed_k(
     torch.testing.assert_close(
         weights[:, top_k].cpu(), torch.sigmoid(gate_logits[:, 0].to(dtype).float()).to(dtype)
     )
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_route_apart_writes_each_stack_s_columns_contiguous(tokens):
+    """A shared expert beside the routed ones (layers/moe.py): the same weights and routed ids as the
+    stacked route, the routed k as [T, k] and the shared column as [T, 1] with id 0 (its one-expert
+    stack's), each contiguous."""
+    generator = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, 60, generator=generator).to(DEVICE)
+    gate_logits = torch.randn(tokens, 1, generator=generator).to(DEVICE)
+    (routed_weights, routed_ids), (shared_weights, shared_ids) = router_triton.route_apart(
+        logits, 4, True, gate_logits
+    )
+    weights, ids = router_triton.route(logits, 4, True, gate_logits)
+    for tensor in (routed_weights, routed_ids, shared_weights, shared_ids):
+        assert tensor.is_contiguous()
+    assert routed_ids.shape == (tokens, 4) and shared_ids.shape == (tokens, 1)
+    assert torch.equal(routed_ids, ids[:, :4]) and torch.equal(routed_weights, weights[:, :4])
+    assert torch.equal(shared_weights, weights[:, 4:]) and (shared_ids == 0).all()
+    # The block's route_apart takes the kernel on CUDA and the torch code elsewhere: the same columns.
+    moe = SparseMoE(60, 60, 4, 8, 8, True, stack_shared_expert=True)
+    moe.gate = torch.nn.Identity()
+    (reference_weights, reference_ids), (reference_shared, _) = moe.route_apart(
+        torch.cat((logits, gate_logits), dim=1).cpu()
+    )
+    assert torch.equal(routed_ids.cpu(), reference_ids)
+    torch.testing.assert_close(routed_weights.cpu(), reference_weights, rtol=1e-6, atol=0)
+    torch.testing.assert_close(shared_weights.cpu(), reference_shared, rtol=1e-6, atol=0)
