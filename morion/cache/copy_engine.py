@@ -5,7 +5,13 @@ copies on its own stream with events, so the forward overlaps the transfer. Both
 which says when the copies are done and lets a layer wait for its own part of a restore.
 
 The async copy rules of design §3 are enforced here and in `tiers.py`; each is written where it holds:
-1. Hold device and host references on the source and destination of every copy until its finish event.
+1. Hold host references on the source and destination of every copy until its finish event. Device
+   buffers allocated on the copy stream and used by it alone (staging, token slot indices) go back to
+   torch's caching allocator as soon as their copies are queued: it hands a freed block only to later
+   work of the same stream (which the stream orders after those copies) or, short of memory, frees cached
+   blocks to the driver only after synchronizing the device. Holding them until the engine next polled
+   the tiers kept up to ~0.5 GiB of staging through the whole next forward, outside the activation
+   reserve. The pools' own storage is not the transfer's to hold.
 2. A host→device restore into reused pages waits for the forward stream's earlier work on those pages.
 3. A device→host backup completes (event) before anything may overwrite its source.
 4. A layer that reads restored data waits on that layer's copy event on the GPU (`wait_event`), never on
@@ -38,10 +44,10 @@ class Transfer(ABC):
     @abstractmethod
     def completion_waiter(self) -> Callable[[], None]:
         """`synchronize` without the transfer: a callable that blocks until every copy finished and holds
-        none of the transfer's buffers. A queued disk write keeps it until the writer gets to it, and the
-        device staging of a backup must go back as soon as the copy is done: on the H200 the writes queued
-        behind a burst of prompts held their backups' staging (~115 MiB per Flash-Next snapshot) and the
-        next prefill ran out of device memory."""
+        none of the transfer's buffers. A queued disk write keeps it until the writer gets to it, and a
+        backup's buffers must not wait for that: on the H200 the writes queued behind a burst of prompts
+        once held their backups' device staging (~115 MiB per Flash-Next snapshot) and the next prefill ran
+        out of device memory (staging is no longer the transfer's at all: rule 1)."""
 
     @abstractmethod
     def wait(self, component: str, layer: int) -> None:
@@ -193,8 +199,9 @@ class SyncCopyEngine(CopyEngine):
 
 
 class CudaTransfer(Transfer):
-    """Events of copies on the copy stream. `keepalive` holds staging buffers and index tensors until the
-    transfer is dropped, which the engine does only after `done()` (rule 1)."""
+    """Events of copies on the copy stream. `keepalive` holds the pinned host buffers the copies read
+    (index tensors' sources) until the transfer is dropped, which the engine does only after `done()`
+    (rule 1); device staging is not held (rule 1: the copy stream's own allocations)."""
 
     def __init__(
         self,
@@ -213,7 +220,7 @@ class CudaTransfer(Transfer):
         self._finished.synchronize()
 
     def completion_waiter(self) -> Callable[[], None]:
-        return self._finished.synchronize  # the event alone, not the staging buffers in `_keepalive`
+        return self._finished.synchronize  # the event alone, not the host buffers in `_keepalive`
 
     def wait(self, component: str, layer: int) -> None:
         event = self._layer_events.get((component, layer))
@@ -254,7 +261,9 @@ class CudaCopyEngine(CopyEngine):
     A backup gathers the pages (all layers, every token component) into a device staging buffer laid out
     like host rows, then copies it to the host in as few transfers as the host rows allow. A restore does
     the reverse, scattering layer by layer and recording one event per (component, layer) so that each
-    layer of the forward waits only for its own data.
+    layer of the forward waits only for its own data. Staging and index tensors are allocated inside
+    `torch.cuda.stream(self.stream)` and read by the copy stream alone: dropped when the copies are
+    queued (rule 1).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -284,7 +293,6 @@ class CudaCopyEngine(CopyEngine):
                 staging = torch.empty((n, page_store.layout.row_bytes), dtype=torch.uint8, device=self.device)
                 views = page_store.layout.views(staging)
                 token_slots = _token_slots_async(pool, pages, keepalive)
-                keepalive.append(token_slots)
                 for c in pool.spec.token_components:
                     src = pool.storage(c.name).index_select(1, token_slots)
                     views[c.name].copy_(src.view(c.num_layers, n, ps, *c.token_shape).transpose(0, 1))
@@ -300,7 +308,6 @@ class CudaCopyEngine(CopyEngine):
             gathered = torch.cuda.Event()
             gathered.record(self.stream)
             for staging, store, rows in staged:
-                keepalive.append(staging)
                 for start, first, count in _runs(rows):
                     store.arena[first : first + count].copy_(
                         staging[start : start + count], non_blocking=True
@@ -343,9 +350,7 @@ class CudaCopyEngine(CopyEngine):
                         page_store.arena[first : first + count], non_blocking=True
                     )
                 views = page_store.layout.views(staging)
-                keepalive.append(staging)
                 token_slots = _token_slots_async(pool, pages, keepalive)
-                keepalive.append(token_slots)
                 for c in pool.spec.token_components:
                     storage = pool.storage(c.name)
                     for layer in range(c.num_layers):
@@ -364,7 +369,6 @@ class CudaCopyEngine(CopyEngine):
                 )
                 staging.copy_(snapshot_store.arena[snapshot_row : snapshot_row + 1], non_blocking=True)
                 views = snapshot_store.layout.views(staging)
-                keepalive.append(staging)
                 for c in pool.spec.state_components:
                     storage = slots.storage(c.name)
                     for layer in range(c.num_layers):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from morion.cache import CacheSpec, PagePool, TokenComponent
-from morion.cache.copy_engine import CudaCopyEngine, CudaTransfer
+from morion.cache.copy_engine import CudaCopyEngine, CudaTransfer, SyncCopyEngine
 from morion.cache.host_store import HostObjectStore, ObjectLayout
 from morion.cache.testing import flood
 from morion.cache.tiers import CacheTiers
@@ -258,19 +258,53 @@ def test_a_backup_is_waited_for_asleep_not_spinning():
     assert cpu < 0.25 * wall, f"the wait spun: {cpu:.3f} s on the CPU in {wall:.3f} s"
 
 
-def test_a_queued_disk_write_holds_no_device_staging():
-    """What a disk write waits on (`completion_waiter`) keeps the backup's event, not its device staging:
-    once the engine drops a finished transfer, its staging goes back to the allocator though writes still
-    queue the waiter (on the H200 they held GiBs through a burst of prompts, and a prefill ran out)."""
+def test_a_queued_disk_write_holds_none_of_the_backup_s_buffers():
+    """What a disk write waits on (`completion_waiter`) keeps the backup's event, not the buffers the
+    transfer holds (its pinned index sources): once the engine drops a finished transfer they go back
+    though writes still queue the waiter (on the H200 such writes held GiBs of device staging through a
+    burst of prompts, and a prefill ran out)."""
     spec = CacheSpec(4, (TokenComponent("kv", 2, (8,), torch.float32),), ())
     pool = PagePool(spec, 8, "cuda")
     host = HostObjectStore(ObjectLayout.for_pages(spec), 4, pin_memory=True)
     transfer = CudaCopyEngine(torch.device("cuda")).backup(pool, pool.alloc(2), host, [0, 1])
-    staging = [weakref.ref(tensor) for tensor in transfer._keepalive]
-    assert staging, "the backup kept no staging: nothing to check"
+    held = [weakref.ref(tensor) for tensor in transfer._keepalive]
+    assert held, "the backup held nothing: nothing to check"
     waiter = transfer.completion_waiter()
     waiter()
     del transfer
     gc.collect()
-    assert all(ref() is None for ref in staging), "the waiter keeps the backup's device buffers alive"
+    assert all(ref() is None for ref in held), "the waiter keeps the backup's buffers alive"
     waiter()  # still waits (on a finished event) after the transfer is gone
+
+
+def test_a_backup_s_device_staging_goes_back_while_its_copies_wait():
+    """Copy rule 1 for device buffers: a backup's staging and token slot indices are the copy stream's own
+    allocations and go back when the copies are queued, not when the engine next polls. With the copy
+    stream held back, nothing the backup allocated on the device stays allocated; the copy stream's next
+    allocation of the staging's size (the block it freed) is overwritten there, and the host rows still
+    hold the pages, as a synchronous backup writes them: the stream orders the reuse after the copies."""
+    spec = CacheSpec(4, (TokenComponent("kv", 2, (8,), torch.float32),), ())
+    pool, cpu_pool = PagePool(spec, 8, "cuda"), PagePool(spec, 8, "cpu")
+    storage = cpu_pool.storage("kv")
+    storage.copy_(torch.arange(storage.numel(), dtype=torch.float32).view(storage.shape))
+    pool.storage("kv").copy_(storage)
+    pages = pool.alloc(2)
+    assert cpu_pool.alloc(2) == pages
+    layout = ObjectLayout.for_pages(spec)
+    expected = HostObjectStore(layout, 4)
+    SyncCopyEngine().backup(cpu_pool, pages, expected, [0, 1])
+    host = HostObjectStore(layout, 4, pin_memory=True)
+    engine = CudaCopyEngine(torch.device("cuda"))
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(500_000_000)  # ~0.3 s at the H200's clock
+    transfer = engine.backup(pool, pages, host, [0, 1])
+    assert not transfer.done(), "the copy stream was not held back: nothing to check"
+    assert torch.cuda.memory_allocated() == allocated, "the backup holds device memory past its return"
+    with torch.cuda.stream(engine.stream):
+        reuse = torch.empty((2, layout.row_bytes), dtype=torch.uint8, device="cuda")
+        reuse.fill_(255)
+    transfer.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(host.arena[:2], expected.arena[:2])
