@@ -23,6 +23,7 @@ SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 PLE_PLACEMENTS = ("ram", "mmap")
 # Routed-expert kernels on CUDA (layers/moe.py): auto is grouped until H200 measurements favour triton.
 MOE_KERNELS = ("auto", "grouped", "triton")
+QSA_PREFILL_KERNELS = ("split", "selected")
 # Programmatic dependent launch of the Triton kernels (ops/pdl.py): auto (prefetch where the device has
 # PDL, else off, silently), off, the launch overlap, or that and the skinny linears' weights prefetched
 # into L2 before each waits.
@@ -72,6 +73,9 @@ class EngineConfig:
     # (layers/merged_linears.py); False keeps one launch per layer (for A/B measurements)
     merge_projections: bool = True
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
+    # Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel (split), or the selected-blocks
+    # kernel up to a context limit (selected: layers/qsa_attention.py; not yet measured on the H200)
+    qsa_prefill: str = "split"
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy
@@ -149,6 +153,10 @@ class EngineConfig:
             )
         if self.moe_kernel not in MOE_KERNELS:
             raise MorionError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
+        if self.qsa_prefill not in QSA_PREFILL_KERNELS:
+            raise MorionError(
+                f"qsa_prefill must be one of {', '.join(QSA_PREFILL_KERNELS)}, got {self.qsa_prefill!r}"
+            )
         if self.pdl not in PDL_MODES:
             raise MorionError(f"pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
         if self.tensor_parallel_size > 1 and self.spec_token_map is not None:

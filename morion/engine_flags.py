@@ -21,6 +21,7 @@ from morion.config import (
     MOE_KERNELS,
     PDL_MODES,
     PLE_PLACEMENTS,
+    QSA_PREFILL_KERNELS,
     SPECULATIVE_METHODS,
     WEIGHT_DTYPES,
     EngineConfig,
@@ -166,6 +167,13 @@ ENGINE_FLAGS = (
         "programmatic dependent launch of the Triton kernels (Hopper on): each launched while the one "
         "before it drains (launch), and the skinny linears' weights sent to L2 meanwhile (prefetch); "
         "auto: prefetch where the GPU has it, else off",
+    ),
+    _choice(
+        "qsa_prefill",
+        QSA_PREFILL_KERNELS,
+        "Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel, each query row alone "
+        "(split), or its selected-blocks kernel, a tile of queries on tensor cores, up to a context of 8 "
+        "budgets (selected; not yet measured on the H200)",
     ),
     _choice(
         "speculative",

@@ -45,6 +45,7 @@ EXAMPLES = {
     "activation_reserve_gb": ("1.5", 1.5, []),
     "moe_kernel": ("triton", "triton", []),
     "pdl": ("prefetch", "prefetch", []),
+    "qsa_prefill": ("selected", "selected", []),
     "speculative": ("ngram", "ngram", []),
     "spec_policy": ("policy.json", "policy.json", []),
     "spec_width": ("3", 3, []),

@@ -54,6 +54,7 @@ from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.merged_linears import merge_projections
 from morion.layers.moe import set_moe_kernel
+from morion.layers.qsa_attention import QSAAttention, set_qsa_prefill
 from morion.loader import LoadedModel, load_model
 from morion.ops.pdl import set_pdl_mode
 from morion.parallel.group import ONE_RANK, TensorParallel
@@ -128,6 +129,7 @@ def assemble(
     set_moe_kernel(model, config.moe_kernel)
     if _merges_projections(config):
         merge_projections(model)  # before the warm-up: the merged weights' kernels compile there
+    set_qsa_prefill(model, config.qsa_prefill)  # before the warm-up too: its kernels compile there
     # Before the warm-up and graph capture, which compile and record the kernels' launches.
     if set_pdl_mode(config.pdl, device) != config.pdl and config.pdl != "auto":
         print(
@@ -455,6 +457,10 @@ def _build_tiers(
             # Merged decode projections may round a column differently (layers/merged_linears.py): a
             # conversation cached by one setting is never restored under the other.
             identity["model"]["merged_projections"] = True
+        if config.qsa_prefill != "split" and any(isinstance(m, QSAAttention) for m in model.modules()):
+            # Another prefill kernel sums a QSA row's keys in another order: a conversation cached by one
+            # is never restored under the other.
+            identity["model"]["qsa_prefill"] = config.qsa_prefill
         if tensor_parallel.size > 1:  # a rank's shard: never read by another layout or another rank
             identity["tensor_parallel"] = {"size": tensor_parallel.size, "rank": tensor_parallel.rank}
         info = {

@@ -40,7 +40,13 @@ Two paths (ops/qsa.py):
 - prefill chunks and mixed batches: on CUDA, the static path again, one sequence's rows at a time in
   tiles of up to `PREFILL_TILE_ROWS` queries (`static_prefill`); on the CPU the per-sequence reference (shapes
   that follow the data, host syncs) over the cached block keys. Either way the step first computes and
-  stores the keys of the blocks its tokens complete.
+  stores the keys of the blocks its tokens complete. With `selected_prefill` (`--qsa-prefill selected`),
+  a sequence's piece of more than SHORT_CHUNK_TOKENS (a long forward's piece) at a context of at most
+  SELECTED_PREFILL_MAX_BUDGETS budgets attends on tensor cores instead (ops/qsa_prefill_triton.py: the
+  same selection, as bits, a tile of queries per program over the key blocks any of them selected); short
+  pieces (a prompt's tail, which a CUDA graph may replay) and longer contexts keep the split-KV kernel.
+  The choice follows the piece alone, so a prompt sent again computes each row on the path its cold run
+  took.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import torch
 from torch import nn
 
 from morion.layers.gated_attention import GatedAttentionProjections
+from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding, apply_rotary
 from morion.layers.token_cache_backend import TokenCacheBackend
@@ -78,6 +85,11 @@ from morion.ops.skinny_tiles import linear_forward
 PREFILL_TILE_BYTES = 128 << 20
 PREFILL_TILE_ROWS = (256, 4096)
 PREFILL_TILE_ALIGN = 64
+# `--qsa-prefill selected` takes the selected-blocks kernel up to contexts of this many budgets (16K
+# tokens for Flash-Next). Its work follows the context (a program reads the union of its queries'
+# selections), the split-KV kernel's the budget: with random weights, estimated ~25 against 62 ms a
+# 4K-token step at 8K and ~120 against 91 at 32K. An estimate until the H200 measures both.
+SELECTED_PREFILL_MAX_BUDGETS = 8
 INDEX_KEYS = "qsa_index_keys"  # the token component holding each token's raw index key [Di]
 BLOCK_KEYS = "qsa_block_keys"  # the token component holding the block keys, ceil(Di / r) per token
 
@@ -141,6 +153,14 @@ class QSAIndexer(nn.Module):
         return apply_rotary(pooled[:, None], cos, sin)[:, 0]
 
 
+def set_qsa_prefill(model: nn.Module, kernel: str) -> None:
+    """Sets which kernel every QSA layer of `model` runs its long prefill pieces on (CUDA):
+    EngineConfig.qsa_prefill, "split" or "selected" (module docstring)."""
+    for module in model.modules():
+        if isinstance(module, QSAAttention):
+            module.selected_prefill = kernel == "selected"
+
+
 class Rotation(NamedTuple):
     """A forward's rotary angles, [T, rotary_dim] each: at every token's position, and at the position of
     the first token of the block it belongs to (what its block's key is rotated by, once the block is
@@ -164,6 +184,9 @@ class QSAAttention(GatedAttentionProjections):
     # the CPU). The tile bounds the scratch (`_prefill_tile_rows`), and the attention's split count is
     # fixed, so a row's result does not depend on how its prompt is chunked or tiled.
     static_prefill: ClassVar[bool | None] = None
+    # Long prefill pieces on the selected-blocks kernel (the engine's `--qsa-prefill selected`; the
+    # module docstring says which pieces): set per module by the engine's assembly.
+    selected_prefill: bool = False
 
     def __init__(
         self,
@@ -325,13 +348,54 @@ class QSAAttention(GatedAttentionProjections):
         kernel of it computes a row alone, so the tiling never changes a row's result."""
         out = torch.zeros_like(q)
         tile_rows = self._prefill_tile_rows(q, backend)
+        selected = self._selected_pieces(backend)
         for n, (start, length) in enumerate(backend.query_ranges):
+            attend = self._attend_selected if selected[n] else self._attend_static
             for tile in range(start, start + length, tile_rows):
                 rows = slice(tile, min(tile + tile_rows, start + length))
-                out[rows] = self._attend_static(
+                out[rows] = attend(
                     q[rows], index_q[rows], positions[rows], backend.page_table[n : n + 1], backend
                 )
         return out
+
+    def _selected_pieces(self, backend: TokenCacheBackend) -> list[bool]:
+        """Which sequences' pieces take the selected-blocks kernel: long pieces at contexts within the
+        limit, under `selected_prefill` (module docstring). Short ones are a prompt's tail, which a CUDA
+        graph may replay (without the host copy of the lengths read here), and a piece of a few queries
+        gains nothing from sharing key tiles."""
+        if not self.selected_prefill:
+            return [False] * len(backend.query_ranges)
+        limit = SELECTED_PREFILL_MAX_BUDGETS * self.block_topk * self.compress_ratio
+        return [
+            length > SHORT_CHUNK_TOKENS and context <= limit
+            for (_, length), context in zip(backend.query_ranges, backend.context_lens, strict=True)
+        ]
+
+    def _attend_selected(
+        self,
+        q: torch.Tensor,
+        index_q: torch.Tensor,
+        positions: torch.Tensor,
+        page_table: torch.Tensor,
+        backend: TokenCacheBackend,
+    ) -> torch.Tensor:
+        """A tile of one sequence's queries (page_table [1, P]) on the selected-blocks kernel: the static
+        path's block scores and selection, as bits, then the queries' selected blocks and tails on tensor
+        cores (ops/qsa_prefill_triton.py; Triton, so CUDA or the interpreter)."""
+        from morion.ops import qsa_prefill_triton, qsa_triton
+
+        ratio = self.compress_ratio
+        num_complete = torch.div(positions + 1, ratio, rounding_mode="floor")
+        key_rows = self._block_rows(backend)
+        scores = qsa_triton.block_scores(
+            index_q, key_rows, page_table, num_complete, backend.page_size, ratio
+        )
+        bits = qsa_triton.select_block_bits(scores, num_complete, self.block_topk)
+        k_scale, v_scale = backend.kv_scales
+        return qsa_prefill_triton.selected_prefill_attention(
+            q, backend.kv_pool(self.attention_ordinal), page_table[0], positions, bits, ratio,
+            backend.page_size, self.scale, k_scale, v_scale,
+        )  # fmt: skip
 
     def _prefill_tile_rows(self, q: torch.Tensor, backend: TokenCacheBackend) -> int:
         """Rows of a prefill tile (PREFILL_TILE_BYTES' rule) from what one row of `_attend_static`

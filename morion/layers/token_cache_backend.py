@@ -20,6 +20,7 @@ page_size`; this step's new tokens are at `out_slots` (flat batch order).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -51,6 +52,13 @@ class TokenCacheBackend(HybridBackend, Protocol):
         ...
 
     # -- in place: the storage and the step's paging metadata (no host syncs) -------------------------
+
+    @property
+    def context_lens(self) -> Sequence[int]:
+        """Each sequence's length with this step's tokens, on the host (no sync): for choices a layer makes
+        per sequence before launching anything (QSA's prefill kernel by context). Forwards a CUDA graph
+        replays have no host copy and raise."""
+        ...
 
     @property
     def page_size(self) -> int:

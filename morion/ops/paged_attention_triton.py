@@ -176,20 +176,42 @@ def _attend_block(
         qk = tl.where(key_valid[None, :], qk, float("-inf"))
     elif MODE == MODE_CAUSAL:
         qk = tl.where(key_valid[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+    # In MODE_CAUSAL a row may have seen no key yet (a split that starts past its position).
+    return online_softmax_step(
+        acc, m_i, l_i, qk, q, kv_ptr + kv_offsets + stride_kv_kv, kv_mask, MODE == MODE_CAUSAL, DOT_PRECISION
+    )
+
+
+@triton.jit
+def online_softmax_step(
+    acc, m_i, l_i, qk, q, v_ptrs, v_mask, EMPTY_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr
+):  # fmt: skip
+    """acc, m, l after the scores qk [M, N] (log2 domain, -inf where masked) of the keys whose values
+    `v_ptrs` [N, BLOCK_D] point at (loaded where `v_mask`), p x v in q's dtype. EMPTY_ROWS: a row may
+    have seen no key yet (all -inf so far): its shift is 0 then, so exp2 gives 0 rather than NaN and the
+    row stays empty."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if MODE == MODE_CAUSAL:  # noqa: SIM108 (a compile-time branch)
-        # A row that has seen no key yet (a split that starts past its position) keeps m = -inf: shift
-        # by 0 then, so exp2 gives 0 rather than NaN and the row stays empty.
+    if EMPTY_ROWS:  # noqa: SIM108 (a compile-time branch)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(kv_ptr + kv_offsets + stride_kv_kv, mask=kv_mask, other=0.0)
-    pv = tl.dot(tl.cast(p, compute_dtype), tl.cast(v, compute_dtype), input_precision=DOT_PRECISION)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    pv = tl.dot(tl.cast(p, q.dtype), tl.cast(v, q.dtype), input_precision=DOT_PRECISION)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def gqa_rows(q_block, kv_head, num_tokens, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A GQA-packed program's rows: row r is token q_block * BLOCK_Q + r // GROUP (of `num_tokens`) and
+    query head kv_head * GROUP + r % GROUP; (tokens, heads, which rows are real) [BLOCK_M]."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    return tok, heads, (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
 
 
 # Arguments that vary with the batch (sequence and token counts, the page table's width) are not
@@ -396,14 +418,10 @@ def _extend_kernel(
     q_block = block_id - tl.sum(tl.where(is_seq, blocks_end - blocks, 0), 0)
     seq_len = tl.load(seq_lens_ptr + seq)
 
-    # Row r = (token q_block * BLOCK_Q + r // GROUP, query head kv_head * GROUP + r % GROUP).
-    offs_m = tl.arange(0, BLOCK_M)
+    tok, heads, row_valid = gqa_rows(q_block, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    tok = q_block * BLOCK_Q + offs_m // GROUP
-    heads = kv_head * GROUP + offs_m % GROUP
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
     context = seq_len - q_len  # keys cached before this step's first query
     # Padding rows get position seq_len: they see every key, so their max never stays -inf.
     q_pos = tl.where(row_valid, context + tok, seq_len)
@@ -445,7 +463,7 @@ def _extend_kernel(
 _SINGLE_STAGE: set[tuple[Any, ...]] = set()
 
 
-def _launch(
+def launch_kernel(
     kernel: Any,
     grid: tuple[int, ...],
     args: tuple[Any, ...],
@@ -583,7 +601,7 @@ def paged_attention(
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
             DOT_PRECISION=precision,
         )  # fmt: skip
-        _launch(_extend_kernel, (num_blocks, num_kv_heads), args, meta, config, dtypes)
+        launch_kernel(_extend_kernel, (num_blocks, num_kv_heads), args, meta, config, dtypes)
         return out
 
     if num_kv_splits is None:
@@ -620,7 +638,7 @@ def paged_attention(
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_PRECISION=precision,
     )  # fmt: skip
     grid = (num_seqs, num_kv_heads * triton.cdiv(max_query_len, block_q), num_kv_splits)
-    _launch(_split_kernel, grid, args, meta, config, dtypes)
+    launch_kernel(_split_kernel, grid, args, meta, config, dtypes)
     block_s = triton.next_power_of_2(num_kv_splits)
     _merge_kernel[(num_tokens, num_q_heads)](
         partial_out, partial_lse, out, cu_seqlens_q, num_seqs, *scratch_strides, out.stride(0),

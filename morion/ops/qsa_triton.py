@@ -14,6 +14,9 @@
   few hundred entries where torch.topk over the capacity (65,536 blocks at 256K tokens) took 83 us a
   layer on the H200 (`results/2026-12-02-h200-profile-flash-next-12l.md`). A row with at most k complete
   blocks takes all of them without a select.
+- `select_block_bits`: the same choice as a bit per block (a row's words over its complete blocks),
+  for the prefill kernel that attends a tile of queries to their selected blocks on tensor cores
+  (ops/qsa_prefill_triton.py).
 - `store_block_keys_`: one program per new token; where the token completes its block, the block's key
   (the mean of its raw index keys in fp32, rounded, zero-centred RMSNorm and RoPE at the block's first
   position: `QSAIndexer.keys_of_blocks`' rounding points, through the q/k norm + RoPE kernel's head
@@ -130,29 +133,17 @@ def _rank_keys(scores_ptr, blocks, ok):
 
 
 @triton.jit
-def _select_token_slots_kernel(
-    scores_ptr, num_complete_ptr, positions_ptr, page_table_ptr, slots_ptr, counts_ptr,
-    stride_scores, stride_page_table, stride_slots, rows_per_seq, num_blocks,
-    TOP_K: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0)
-    seq = row // rows_per_seq
-    scores_row = scores_ptr + tl.cast(row, tl.int64) * stride_scores
-    table_row = page_table_ptr + tl.cast(seq, tl.int64) * stride_page_table
-    complete = tl.minimum(tl.load(num_complete_ptr + row).to(tl.int32), num_blocks)
-    position = tl.load(positions_ptr + row).to(tl.int32)
-    chosen = tl.minimum(complete, TOP_K)
+def _top_k_threshold(scores_row, complete, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """The TOP_K-th largest rank key of the row's `complete` blocks (`threshold`) and how many keys equal
+    to it are taken (`need_equal`, the lower blocks first), by an 8-pass radix select, 4 bits a pass from
+    the top; with at most TOP_K complete blocks (0, 0): every block is taken (every key exceeds 0)."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 16)
-    # The TOP_K-th largest key (`threshold`) and how many keys equal to it are taken (`need_equal`, the
-    # lower blocks first); with at most TOP_K complete blocks every one is taken (every key exceeds 0).
     threshold = tl.zeros([], dtype=tl.int64)
     need_equal = tl.zeros([], dtype=tl.int32)
     if complete > TOP_K:
         remaining = tl.full([], TOP_K, dtype=tl.int32)
-        for digit_index in tl.static_range(8):  # 4 bits at a time, from the top
+        for digit_index in tl.static_range(8):
             shift = 28 - 4 * digit_index
             counts = tl.zeros([16], dtype=tl.int32)
             for start in range(0, complete, BLOCK):
@@ -169,16 +160,44 @@ def _select_token_slots_kernel(
             remaining -= tl.sum(tl.where(bins > d, counts, 0), axis=0)
             threshold = threshold | (tl.cast(d, tl.int64) << shift)
         need_equal = remaining
+    return threshold, need_equal
+
+
+@triton.jit
+def _picked_blocks(scores_row, blocks, ok, threshold, need_equal, equal_seen):
+    """Which of `blocks` (where `ok`) the row takes, given `_top_k_threshold`'s result and the keys equal
+    to the threshold seen in earlier blocks (`equal_seen`); and how many of these equal it."""
+    keys = _rank_keys(scores_row, blocks, ok)
+    equal = ok & (keys == threshold)
+    equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+    picked = (ok & (keys > threshold)) | (equal & (equal_rank < need_equal))
+    return picked, tl.sum(equal.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _select_token_slots_kernel(
+    scores_ptr, num_complete_ptr, positions_ptr, page_table_ptr, slots_ptr, counts_ptr,
+    stride_scores, stride_page_table, stride_slots, rows_per_seq, num_blocks,
+    TOP_K: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
+    seq = row // rows_per_seq
+    scores_row = scores_ptr + tl.cast(row, tl.int64) * stride_scores
+    table_row = page_table_ptr + tl.cast(seq, tl.int64) * stride_page_table
+    complete = tl.minimum(tl.load(num_complete_ptr + row).to(tl.int32), num_blocks)
+    position = tl.load(positions_ptr + row).to(tl.int32)
+    chosen = tl.minimum(complete, TOP_K)
+    offs = tl.arange(0, BLOCK)
+    threshold, need_equal = _top_k_threshold(scores_row, complete, TOP_K, BLOCK)
     # The chosen blocks in ascending order, each as its RATIO token slots.
     taken = tl.zeros([], dtype=tl.int32)
     equal_seen = tl.zeros([], dtype=tl.int32)
     for start in range(0, complete, BLOCK):
         blocks = start + offs
         ok = blocks < complete
-        keys = _rank_keys(scores_row, blocks, ok)
-        equal = ok & (keys == threshold)
-        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0) - 1
-        picked = (ok & (keys > threshold)) | (equal & (equal_rank < need_equal))
+        picked, equal_count = _picked_blocks(scores_row, blocks, ok, threshold, need_equal, equal_seen)
         column = (taken + tl.cumsum(picked.to(tl.int32), axis=0) - 1) * RATIO
         for j in tl.static_range(RATIO):
             token = blocks * RATIO + j
@@ -186,7 +205,7 @@ def _select_token_slots_kernel(
             slot = page * PAGE_SIZE + token % PAGE_SIZE
             tl.store(slots_ptr + row * stride_slots + column + j, slot.to(tl.int32), mask=picked)
         taken += tl.sum(picked.to(tl.int32), axis=0)
-        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+        equal_seen += equal_count
     # Then the unfinished block's tail, then token 0 (a valid slot, masked by the count) to WIDTH.
     count = chosen * RATIO + position + 1 - complete * RATIO
     for start in range(chosen * RATIO, WIDTH, BLOCK):
@@ -197,6 +216,30 @@ def _select_token_slots_kernel(
         slot = page * PAGE_SIZE + token % PAGE_SIZE
         tl.store(slots_ptr + row * stride_slots + column, slot.to(tl.int32), mask=inside)
     tl.store(counts_ptr + row, count)
+
+
+@triton.jit
+def _select_block_bits_kernel(
+    scores_ptr, num_complete_ptr, bits_ptr, stride_scores, stride_bits, num_blocks,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
+    scores_row = scores_ptr + tl.cast(row, tl.int64) * stride_scores
+    complete = tl.minimum(tl.load(num_complete_ptr + row).to(tl.int32), num_blocks)
+    offs = tl.arange(0, BLOCK)
+    words = tl.arange(0, BLOCK // 32)
+    threshold, need_equal = _top_k_threshold(scores_row, complete, TOP_K, BLOCK)
+    equal_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, complete, BLOCK):  # BLOCK is a multiple of 32: whole words
+        blocks = start + offs
+        ok = blocks < complete
+        picked, equal_count = _picked_blocks(scores_row, blocks, ok, threshold, need_equal, equal_seen)
+        # Distinct bits: their sum is their OR (bit 31 wraps to the sign, as an OR sets it).
+        bits = tl.sum(tl.reshape(picked.to(tl.int32) << (offs % 32), (BLOCK // 32, 32)), axis=1)
+        word = start // 32 + words
+        tl.store(bits_ptr + tl.cast(row, tl.int64) * stride_bits + word, bits, mask=word * 32 < complete)
+        equal_seen += equal_count
 
 
 def select_token_slots(
@@ -231,6 +274,23 @@ def select_token_slots(
             **launch_options(), num_warps=4,
         )  # fmt: skip
     return slots, counts
+
+
+def select_block_bits(scores: torch.Tensor, num_complete: torch.Tensor, block_topk: int) -> torch.Tensor:
+    """scores [rows, NB] from `block_scores`, num_complete [rows] -> bits [rows, ceil(NB / 32)] int32:
+    bit b % 32 of word b // 32 set where the row takes complete block b (`select_token_slots`' choice,
+    by the same select). Only the words of a row's complete blocks are written (the rest is garbage:
+    a reader masks by the row's complete count, `selected_prefill_attention`)."""
+    rows, num_blocks = scores.shape
+    if scores.stride(-1) != 1:
+        raise ValueError("scores must be contiguous in its last dimension")
+    bits = torch.empty(rows, triton.cdiv(num_blocks, 32), dtype=torch.int32, device=scores.device)
+    if rows:
+        _select_block_bits_kernel[(rows,)](
+            scores, num_complete, bits, scores.stride(0), bits.stride(0), num_blocks,
+            TOP_K=block_topk, BLOCK=64 if _INTERPRET else 512, **launch_options(), num_warps=4,
+        )  # fmt: skip
+    return bits
 
 
 @triton.jit

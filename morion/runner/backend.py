@@ -148,6 +148,12 @@ class PagedAttentionBackend:
     # storage is handed out after its copies (rule 4), the metadata as is -----------------------------
 
     @property
+    def context_lens(self) -> list[int]:
+        if not self._batch.host:  # a graph's static batch: its lengths live on the device only
+            raise RuntimeError("a replayed forward's batch has no host copy of its sequence lengths")
+        return [int(length) for length in self._batch.host[5]]
+
+    @property
     def page_size(self) -> int:
         return self._page_size
 

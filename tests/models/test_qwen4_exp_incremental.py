@@ -27,7 +27,7 @@ from morion.engine.sampling_params import SamplingParams
 from morion.errors import MorionError
 from morion.layers import qsa_attention
 from morion.layers.ple import PLELayer
-from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention
+from morion.layers.qsa_attention import BLOCK_KEYS, INDEX_KEYS, QSAAttention, set_qsa_prefill
 from morion.spec.synthetic import SyntheticDrafter
 from tests.models.conftest import QWEN4_EXP_EOS as EOS
 from tests.models.conftest import QWEN4_EXP_TINY, PagedRunner, one_shot_logits, qwen4_exp_prompts
@@ -128,24 +128,39 @@ def test_speculative_verify_gives_the_plain_greedy_output(
 # -- prefill on the static path (what CUDA runs) ------------------------------------------------------
 
 
-@pytest.mark.parametrize("exact_ties", [True, False], ids=["transformers-ties", "lower-block-ties"])
-def test_prefill_on_the_static_path_equals_the_reference(
-    qwen4_exp_tiny, engine_runner, monkeypatch, exact_ties
-):
+@pytest.mark.parametrize(
+    ("path", "exact_ties"),
+    [("static", True), ("static", False), ("selected", False)],
+    ids=["static-transformers-ties", "static-lower-block-ties", "selected-kernel"],
+)
+def test_prefill_paths_equal_the_reference(qwen4_exp_tiny, engine_runner, monkeypatch, path, exact_ties):
     """Prefill chunks through the static selection in tiles of 8 queries give the per-sequence reference's
     logits and greedy output: prompts of 40 to 70 tokens (selection happens: budget 16), chunks of 22
-    that split blocks, three sequences per step, then follow-ups that hit the prefix cache."""
+    that split blocks, three sequences per step, then follow-ups that hit the prefix cache. "selected":
+    long pieces at contexts up to 4 budgets (64 tokens: the logits' one 54-token piece, the engine's
+    first two chunks) on the selected-blocks kernel (the interpreter's Triton), the rest on the split-KV
+    static path: both kernels run, and the answers are the reference's (the kernel breaks ties to the
+    lower block, as CUDA does)."""
     monkeypatch.setattr(QSAAttention, "exact_ties_on_cpu", exact_ties)
     monkeypatch.setattr(qsa_attention, "PREFILL_TILE_ROWS", (8, 8))
     prompts = qwen4_exp_prompts(3, seed=9, lengths=(40, 70))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs, logits = {}, {}
+    kernels = {"_attend_selected": 0, "_attend_static": 0}
+    for name in kernels:
+        monkeypatch.setattr(QSAAttention, name, _counted(kernels, name, getattr(QSAAttention, name)))
+    layers = [m for m in qwen4_exp_tiny.model.modules() if isinstance(m, QSAAttention)]
+    for layer in layers:  # put back after the test: the engine's assembly sets it per layer
+        monkeypatch.setattr(layer, "selected_prefill", False)
+    monkeypatch.setattr(qsa_attention, "SELECTED_PREFILL_MAX_BUDGETS", 4)
     for static in (False, True):
         monkeypatch.setattr(QSAAttention, "static_prefill", static)
+        kernel = "selected" if static and path == "selected" else "split"
         if static:  # the reference must not run at all
             monkeypatch.setattr(QSAAttention, "_attend_reference", _refuse("the reference path"))
+        set_qsa_prefill(qwen4_exp_tiny.model, kernel)
         logits[static] = one_shot_logits(qwen4_exp_tiny.model, prompts[0], page_size=4)
-        engine = _spec_engine(qwen4_exp_tiny, chunk_size=22)
+        engine = _spec_engine(qwen4_exp_tiny, chunk_size=22, qsa_prefill=kernel)
         first = engine_runner(engine, prompts, params)
         follow_ups = [[*p, *o.token_ids, 5, 6, 7] for p, o in zip(prompts, first, strict=True)]
         second = engine_runner(engine, follow_ups, params)
@@ -153,6 +168,40 @@ def test_prefill_on_the_static_path_equals_the_reference(
         outputs[static] = [o.token_ids for o in first + second]
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)
     assert outputs[True] == outputs[False]
+    assert kernels["_attend_static"] > 0  # decode steps, short pieces (and long contexts: "selected")
+    assert (kernels["_attend_selected"] > 0) == (path == "selected")
+
+
+def test_the_disk_tier_keeps_each_qsa_prefill_kernel_s_conversations_apart(
+    qwen4_exp_tiny, monkeypatch, tmp_path
+):
+    """The two prefill kernels sum a row's keys in different orders: a conversation cached under one is
+    never restored under the other (each its own disk namespace; the same one for the same kernel)."""
+    for layer in (m for m in qwen4_exp_tiny.model.modules() if isinstance(m, QSAAttention)):
+        monkeypatch.setattr(layer, "selected_prefill", False)  # the engines below set it
+    directories = []
+    for kernel in ("split", "selected", "split"):
+        engine = _spec_engine(
+            qwen4_exp_tiny,
+            host_cache_gb=0.01,
+            disk_cache_dir=str(tmp_path),
+            disk_cache_gb=0.1,
+            qsa_prefill=kernel,
+        )
+        try:
+            assert engine.tiers.disk.enabled
+            directories.append(engine.tiers.disk.dir)
+        finally:
+            engine.close()
+    assert directories[0] == directories[2] != directories[1]
+
+
+def _counted(calls: dict[str, int], name: str, method):
+    def counted(self, *args):
+        calls[name] += 1
+        return method(self, *args)
+
+    return counted
 
 
 # -- no host sync in decode and verify steps ---------------------------------------------------------

@@ -36,6 +36,7 @@ from morion.ops import (
     hyper_connection_triton,
     moe_decode_triton,
     moe_grouped_triton,
+    qsa_prefill_triton,
     qsa_triton,
     router_triton,
     skinny_linear_triton,
@@ -106,6 +107,16 @@ def _skinny_pair() -> tuple:
     return skinny_linear_triton._skinny_pair_kernel, signature, constexprs
 
 
+SELECTED_STRIDES = (
+    "stride_q_tok",
+    "stride_q_head",
+    "stride_kv_tok",
+    "stride_kv_kv",
+    "stride_kv_head",
+    "stride_o_tok",
+    "stride_o_head",
+    "stride_bits",
+)
 KERNELS = {
     # Two linear layers of one input in one launch (layers/paired_products.py).
     "skinny_linear_triton._skinny_pair_kernel[dot fp8e4nv, gemv bf16]": _skinny_pair(),
@@ -125,6 +136,44 @@ KERNELS = {
             "num_blocks": "i32",
         },
         {"TOP_K": 512, "RATIO": 4, "PAGE_SIZE": 16, "WIDTH": 2051, "BLOCK": 512},
+    ),
+    "qsa_triton._select_block_bits_kernel": (
+        qsa_triton._select_block_bits_kernel,
+        {
+            "scores_ptr": "*fp32",
+            "num_complete_ptr": "*i64",
+            "bits_ptr": "*i32",
+            "stride_scores": "i32",
+            "stride_bits": "i32",
+            "num_blocks": "i32",
+        },
+        {"TOP_K": 512, "BLOCK": 512},
+    ),
+    # Flash-Next's shapes: 24 query heads on 2 K/V heads of 256 (GROUP 12: 10 tokens in 128 rows), FP8 K/V.
+    "qsa_prefill_triton._selected_kernel": (
+        qsa_prefill_triton._selected_kernel,
+        {
+            "q_ptr": "*bf16",
+            "kv_ptr": "*fp8e4nv",
+            "out_ptr": "*bf16",
+            "page_row_ptr": "*i32",
+            "positions_ptr": "*i64",
+            "bits_ptr": "*i32",
+            "rows": "i32",
+            **dict.fromkeys(SELECTED_STRIDES, "i32"),
+            "qk_scale": "fp32",
+            "v_scale": "fp32",
+        },
+        {
+            "GROUP": 12,
+            "BLOCK_Q": 10,
+            "BLOCK_M": 128,
+            "RATIO": 4,
+            "BLOCK_D": 256,
+            "HEAD_DIM": 256,
+            "PAGE_SIZE": 16,
+            "DOT_PRECISION": "tf32",
+        },
     ),
     **{
         f"skinny_linear_triton._skinny_linear_kernel[{mma}, {element}]": _skinny(mma, element)

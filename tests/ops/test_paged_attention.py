@@ -282,9 +282,9 @@ def test_query_length_picks_the_kernel(monkeypatch) -> None:
     from morion.ops import paged_attention_triton as module
 
     launched = []
-    real_launch = module._launch
+    real_launch = module.launch_kernel
     monkeypatch.setattr(
-        module, "_launch", lambda kernel, *args: launched.append(kernel) or real_launch(kernel, *args)
+        module, "launch_kernel", lambda kernel, *args: launched.append(kernel) or real_launch(kernel, *args)
     )
     for query_len in (1, MAX_SPLIT_QUERY_LEN, MAX_SPLIT_QUERY_LEN + 1):
         batch = make_batch([40], [query_len], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
@@ -393,7 +393,7 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(caplog) -> N
             return run
 
     config = module.KernelConfig(64, 64, 8, 3)
-    module._launch(FakeKernel(), (1,), (), {"BLOCK": 64}, config, ("key",))
-    module._launch(FakeKernel(), (1,), (), {"BLOCK": 64}, config, ("key",))
+    module.launch_kernel(FakeKernel(), (1,), (), {"BLOCK": 64}, config, ("key",))
+    module.launch_kernel(FakeKernel(), (1,), (), {"BLOCK": 64}, config, ("key",))
     assert launches == [3, 1, 1]  # the second launch goes straight to one stage
     assert "using 1 stage" in caplog.text
