@@ -4,9 +4,13 @@ with plain shell steps; on the device machine the steps are GPU commands."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import tarfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 
@@ -122,3 +126,27 @@ def test_triton_s_kernels_are_packed_in_parts_and_unpacked_into_an_empty_cache_o
 
     assert "nothing packed" in _triton_cache("pack", str(parts), cache=tmp_path / "absent").stdout
     assert "no parts" in _triton_cache("unpack", str(tmp_path / "none"), cache=fresh).stdout
+
+
+STEP_FILES = sorted((ROOT / "scripts" / "device_steps").glob("*.steps"))
+
+
+@pytest.mark.parametrize("steps", STEP_FILES, ids=[path.name for path in STEP_FILES])
+def test_a_committed_steps_file_is_one_the_chain_runs(steps):
+    """A session's device steps are committed (an untracked file did not outlive its session): each line
+    names a step once, with a time limit a device call allows and a command; the tests and scripts it
+    names exist, and each `morion bench` command parses (its flags are the CLI's)."""
+    from morion.cli import _build_parser
+
+    names = []
+    for line in steps.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, limit, command = line.split(maxsplit=2)
+        names.append(name)
+        assert 0 < int(limit) <= 600, line
+        for path in re.findall(r"\b((?:tests|scripts)/[\w/.-]+\.(?:py|sh))", command):
+            assert (ROOT / path).exists(), f"{steps.name}: {path} does not exist"
+        for bench in re.findall(r"morion bench ([^;&|]+)", command):
+            _build_parser().parse_args(["bench", *shlex.split(bench.replace("$CHAIN_OUT", "/tmp/out"))])
+    assert names and len(names) == len(set(names)), names
