@@ -5,7 +5,9 @@
     out     = sum_top-k p_e * expert_e(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
 When the shared expert is as wide as a routed one it is stacked as one more expert (`SparseMoE`'s
-`shared_slot`), and the last sum is the routed kernels' k + 1-th term.
+`shared_slot`), and the last sum is the routed kernels' k + 1-th term. Under `--weight-dtype nvfp4` it is
+the one expert of an FP8 stack beside the NVFP4 ones (`shared_experts`), its term the k + 1-th slot
+still.
 
 Routed expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down) so a grouped GEMM can take
 them whole; the loader scatters per-expert checkpoint tensors into them. Under `--weight-dtype fp8` they

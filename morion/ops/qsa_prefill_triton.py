@@ -47,7 +47,9 @@ from morion.ops.pdl import wait_for_previous_kernel
 BLOCKS_PER_TILE = 32
 
 
-@triton.jit(do_not_specialize=["rows"])
+# The row count and the bits' width follow the batch: not specialized on (a variant first met in serving
+# would compile while every request waits).
+@triton.jit(do_not_specialize=["rows", "stride_bits"])
 def _selected_kernel(
     q_ptr, kv_ptr, out_ptr, page_row_ptr, positions_ptr, bits_ptr, rows,
     stride_q_tok, stride_q_head, stride_kv_tok, stride_kv_kv, stride_kv_head, stride_o_tok, stride_o_head,

@@ -218,7 +218,9 @@ def _select_token_slots_kernel(
     tl.store(counts_ptr + row, count)
 
 
-@triton.jit
+# The scores' and bits' widths follow the page table's (a prefill batch's): not specialized on, so no
+# batch brings a variant the warm-up did not compile.
+@triton.jit(do_not_specialize=["stride_scores", "stride_bits", "num_blocks"])
 def _select_block_bits_kernel(
     scores_ptr, num_complete_ptr, bits_ptr, stride_scores, stride_bits, num_blocks,
     TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,

@@ -33,7 +33,9 @@ from morion.ops.pdl import launch_options, wait_for_previous_kernel
 MAX_EXPERTS = 4096
 
 
-@triton.jit
+# `apart_start` (T * k, route_apart's only) is not specialized on: its value class would follow the batch
+# size, and a variant first met in serving compiles while every request waits.
+@triton.jit(do_not_specialize=["apart_start"])
 def _route_kernel(
     logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_shared, apart_start,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SHARED: tl.constexpr, WIDTH: tl.constexpr,
@@ -127,10 +129,11 @@ def _launch(
     width = top_k + int(shared)
     weights = torch.empty(tokens * width, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(tokens * width, dtype=torch.int64, device=logits.device)
+    apart_start = tokens * top_k if apart else 0
     if tokens:
         _route_kernel[(tokens,)](
             logits, logits if shared_logits is None else shared_logits, weights, ids, num_experts,
-            logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0), tokens * top_k,
+            logits.stride(0), 0 if shared_logits is None else shared_logits.stride(0), apart_start,
             TOP_K=top_k, NORMALIZE=normalize, SHARED=shared, WIDTH=width, APART=apart,
             BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(width), **launch_options(), num_warps=4,

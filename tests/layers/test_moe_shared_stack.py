@@ -272,4 +272,4 @@ def test_a_beside_block_s_decode_row_launches_a_handful_of_kernels(beside_80b):
             torch.cuda.synchronize()
     kernels = [event.name for event in profile.events() if event.device_type.name == "CUDA"]
     print(f"beside block, one decode row: {len(kernels)} kernels: {kernels}")
-    assert len(kernels) <= 10, kernels
+    assert len(kernels) <= 12, kernels  # 8, and a split-K sum for each of the four expert kernels at most
