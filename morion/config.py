@@ -76,6 +76,9 @@ class EngineConfig:
     # Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel (split), or the selected-blocks
     # kernel up to a context limit (selected: layers/qsa_attention.py; not yet measured on the H200)
     qsa_prefill: str = "split"
+    # Decode steps of plain greedy requests launched before the previous step's tokens reach the host
+    # (engine/overlap.py; not yet measured on the H200)
+    overlap_decode: bool = False
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
     spec_width: int | None = None  # a fixed draft width instead of the policy
@@ -159,6 +162,11 @@ class EngineConfig:
             )
         if self.pdl not in PDL_MODES:
             raise MorionError(f"pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
+        if self.overlap_decode and (self.tensor_parallel_size > 1 or self.speculative != "off"):
+            raise MorionError(
+                "overlap_decode runs on one rank without speculative decoding (engine/overlap.py): set "
+                "tensor_parallel_size 1 and speculative off, or leave overlap_decode off"
+            )
         if self.tensor_parallel_size > 1 and self.spec_token_map is not None:
             # The reduced head takes rows of the LM head, which each rank holds a vocabulary block of.
             raise MorionError(

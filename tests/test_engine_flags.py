@@ -53,6 +53,7 @@ EXAMPLES = {
     "ple_placement": ("mmap", "mmap", []),
     "enable_prefix_cache": (None, False, []),
     "merge_projections": (None, False, []),
+    "overlap_decode": (None, True, []),
     "tensor_parallel_size": ("2", 2, []),
 }
 FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]

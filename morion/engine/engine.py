@@ -34,10 +34,12 @@ from morion.engine.outputs import (
     Usage,
     internal_error,
 )
+from morion.engine.overlap import PLACEHOLDER, PendingTokens, patch_input_ids
+from morion.engine.overlap import eligible as overlap_eligible
 from morion.engine.prompt_logprobs import record_prompt_logprobs
 from morion.engine.ranks import Ranks, rank_config
 from morion.engine.request import Request
-from morion.engine.sampler import RequestSampler, SampleResult, committed_token, sample
+from morion.engine.sampler import RequestSampler, SampleResult, committed_token, greedy_tokens, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk
 from morion.engine.step_timing import StepTimes
@@ -48,9 +50,11 @@ from morion.loader.load import check_tensor_parallel
 from morion.multimodal.image_decode import PreparedImage
 from morion.multimodal.processing import ImageProcessing
 from morion.multimodal.prompt_images import PromptImages
+from morion.ops.log_once import log_once
 from morion.parallel.group import TensorParallel
 from morion.runner.cuda_graph import DecodeGraphRunner
 from morion.runner.forward_batch import build_forward_batch
+from morion.runner.host_to_device import ToHost
 from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.runner.profile_ranges import SAMPLING
 from morion.spec.drafter import Drafter
@@ -114,6 +118,10 @@ class Engine:
             self.speculative.image_encoder = self.image_encoder
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        # Overlapped decode (engine/overlap.py): the launched step whose tokens are not booked yet, and
+        # outputs booked outside a step (an abort reads the pending tokens back first) for the next one.
+        self._pending: PendingTokens | None = None
+        self._ready: list[StepOutput] = []
 
     def _image_encoder(self) -> ImageEncoder | None:
         """Models with a vision tower take images; the processor's settings (the model directory's
@@ -237,11 +245,19 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return None
+        if self._pending is not None and not after_failed_step:
+            # Its placeholders must be tokens before it is cached; the others' tokens go out next step.
+            self._ready += self._resolve_pending()
+            if request.is_finished:  # it ended on the token just read
+                return _final_output(request)
+        if after_failed_step:
+            self._pending = None  # a failed step's tokens are not to be booked
+            _drop_placeholders(request)
         self._finish(request, "abort", working_state_valid=not after_failed_step)
         return _final_output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ready)
 
     def profiled(self, by_module: bool) -> contextlib.AbstractContextManager[None]:
         """Named profiler ranges over each step's parts while it lasts (runner/profile_ranges.py); with
@@ -275,9 +291,21 @@ class Engine:
 
     def _step(self) -> tuple[list[StepOutput], bool]:
         """One step's outputs, and whether it was a decode step (every scheduled request generating, one
-        token each: engine/step_timing.py)."""
+        token each: engine/step_timing.py). Under `overlap_decode` a decode step's outputs come with the
+        next step (engine/overlap.py)."""
+        ready, self._ready = self._ready, []
         if self.tiers is not None:
             self.tiers.poll()  # retire finished copies and disk jobs before scheduling
+        if self.config.overlap_decode and self._overlappable():
+            chunks = self.scheduler.schedule()
+            if chunks:
+                return ready + self._overlapped_decode(chunks), True
+        if self._pending is not None:
+            ready += self._resolve_pending()
+        outputs, decode = self._synchronous_step()
+        return ready + outputs, decode
+
+    def _synchronous_step(self) -> tuple[list[StepOutput], bool]:
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.waiting and self.tiers is not None and self.tiers.loads_in_flight():
@@ -307,6 +335,69 @@ class Engine:
             return outputs, decode
         logits = logit_rows[0] if len(logit_rows) == 1 else torch.cat(logit_rows)
         return outputs + self._sample(logits, sampling), decode
+
+    # ------------------------------------------------------- overlapped decode
+    def _overlappable(self) -> bool:
+        """Whether this step may launch before the pending tokens are booked (engine/overlap.py): every
+        running request decodes one token with plain greedy sampling, nothing waits for admission, and
+        the pool has a free page for every decode (so scheduling retracts nobody)."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        return (
+            bool(running)
+            and not scheduler.waiting
+            and self.pool.num_free >= len(running)
+            and all(r.num_uncomputed == 1 and r.output_token_ids and overlap_eligible(r) for r in running)
+        )
+
+    def _overlapped_decode(self, chunks: list[ScheduledChunk]) -> list[StepOutput]:
+        """Launches this decode step, its inputs patched from the pending step's tokens on the device,
+        leaves a placeholder for each of its tokens, then books the pending step's tokens."""
+        log_once(
+            logger, "decode: overlapped steps (each launched before the last one's tokens are read back)"
+        )
+        requests: list[Request] = []
+        token_rows: list[torch.Tensor] = []
+        restores = self.tiers.take_for_forward() if self.tiers is not None else []
+        for group in forward_groups(chunks, FORWARD_GROUP_MAX_TOKENS):
+            group_requests = [c.request for c in group]
+            batch = build_forward_batch(
+                [(r.token_ids, r.pages, r.num_computed, 1) for r in group_requests],
+                [r.state_slot for r in group_requests],
+                self.config.page_size,
+                self.device,
+            )
+            patch_input_ids(batch, group_requests, self._pending)
+            forward = self.runner.forward(batch, restores)
+            for request in group_requests:
+                self.scheduler.after_forward(request, 1)
+            with self.runner.ranges.region(SAMPLING):
+                token_rows.append(greedy_tokens(self.runner.logits(forward, batch.last_rows)))
+            requests += group_requests
+        tokens = token_rows[0] if len(token_rows) == 1 else torch.cat(token_rows)
+        positions = []
+        for request in requests:
+            positions.append(len(request.output_token_ids))
+            request.output_token_ids.append(PLACEHOLDER)
+        launched = PendingTokens(requests, positions, tokens, ToHost(tokens))
+        outputs = self._resolve_pending() if self._pending is not None else []
+        self._pending = launched
+        return outputs
+
+    def _resolve_pending(self) -> list[StepOutput]:
+        """Reads the pending step's tokens back (waiting for that step only) and books each in place of
+        its placeholder; a request that has finished since drops its token."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        outputs = []
+        for request, position, token in zip(
+            pending.requests, pending.positions, pending.host.tolist(), strict=True
+        ):
+            if request.is_finished:
+                continue
+            request.output_token_ids[position] = token
+            outputs.append(self._append_token(request, 0, SampleResult([token], None, None), position))
+        return outputs
 
     def _speculate(self, chunks: list[ScheduledChunk]) -> tuple[list[StepOutput], list[ScheduledChunk]]:
         """Verify forward for the eligible decoding requests (spec/speculative.py) and the commit of what it
@@ -399,17 +490,25 @@ class Engine:
             return outputs
         return [self._append_token(request, i, result) for i, request in enumerate(requests)]
 
-    def _append_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
+    def _append_token(
+        self, request: Request, index: int, result: SampleResult, placed: int | None = None
+    ) -> StepOutput:
         """Takes the request's sampled token; an error while doing so (its grammar, detokenizer or stop
-        strings) fails this request alone."""
+        strings) fails this request alone. `placed`: the token is already at that index of its output
+        (an overlapped step's placeholder, replaced)."""
         try:
-            return self._take_token(request, index, result)
+            return self._take_token(request, index, result, placed)
         except Exception as error:
+            _drop_placeholders(request)
             return self._fail(request, error)
 
-    def _take_token(self, request: Request, index: int, result: SampleResult) -> StepOutput:
+    def _take_token(
+        self, request: Request, index: int, result: SampleResult, placed: int | None = None
+    ) -> StepOutput:
         token_id = result.token_ids[index]
-        request.output_token_ids.append(token_id)
+        if placed is None:
+            request.output_token_ids.append(token_id)
+        generated = len(request.output_token_ids) if placed is None else placed + 1
         request.sampler.append(token_id)
         if request.params.logprobs is not None and result.logprobs is not None:
             request.output_logprobs.append(result.logprobs[index])
@@ -432,7 +531,7 @@ class Engine:
             if check.stopped:
                 reason = "stop"
                 request.stop_reason = request.stop_matcher.matched
-        if reason is None and len(request.output_token_ids) >= request.max_new_tokens:
+        if reason is None and generated >= request.max_new_tokens:
             reason = "length"
         if reason is not None and request.stop_matcher is not None and not request.stop_matcher.stopped:
             # Text held back as a possible stop-string start is final now.
@@ -440,6 +539,8 @@ class Engine:
         request.text += new_text
         if reason is None:
             return self._output(request, [token_id], new_text)
+        # An overlapped step's token after this one was computed but is not part of the answer.
+        del request.output_token_ids[generated:]
         self._finish(request, reason)
         return self._output(request, [token_id], new_text, _final_output(request))
 
@@ -532,6 +633,14 @@ class Engine:
             self.tiers.close()
         if self._ranks is not None:
             self._ranks.close()
+
+
+def _drop_placeholders(request: Request) -> None:
+    """Removes the tokens of an overlapped step that are still on the device (engine/overlap.py): the
+    output ends at the last booked token, and only its tokens count as computed (what a finish caches)."""
+    while request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+        request.output_token_ids.pop()
+    request.num_computed = min(request.num_computed, request.num_tokens)
 
 
 def _final_output(request: Request, error: str | None = None) -> RequestOutput:

@@ -138,11 +138,11 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
     scores = logits.to(torch.float32, copy=True)
     want_logprobs = any(s.params.logprobs is not None for s in samplers)
     raw_logprobs = scores.log_softmax(dim=-1) if want_logprobs else None
-    if all(_plain_greedy(s) for s in samplers):
+    if all(plain_greedy(s) for s in samplers):
         # Nothing alters the scores: every row's argmax at once, without the row-index tensors of
         # `_sample_rows`, each a host-to-device copy that can wait for the decode graph before the step's
         # last kernels launch.
-        token_ids = scores.argmax(dim=-1)
+        token_ids = greedy_tokens(scores)
     else:
         token_ids = _sample_rows(scores, samplers)
     if raw_logprobs is None:
@@ -150,7 +150,14 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
     return _with_logprobs(raw_logprobs, token_ids, samplers)
 
 
-def _plain_greedy(sampler: RequestSampler) -> bool:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [B] on the logits' device (the lowest id among equal maxima): the token of a
+    plain greedy request, here and in an overlapped decode step (engine/overlap.py)."""
+    return logits.argmax(dim=-1)
+
+
+def plain_greedy(sampler: RequestSampler) -> bool:
+    """Greedy with nothing that alters its scores: its token is the argmax of its logits alone."""
     params = sampler.params
     return (
         params.greedy

@@ -307,7 +307,7 @@ def test_cuda_matches_cpu_for_greedy_and_is_reproducible_when_seeded() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_greedy_batches_take_the_logits_argmax_and_match_the_general_path(dtype):
-    """A batch of plain greedy requests skips the row indexing (sampler._plain_greedy): the same tokens,
+    """A batch of plain greedy requests skips the row indexing (sampler.plain_greedy): the same tokens,
     ties to the lower id, and the same logprobs as a batch the general path samples."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=generator).to(dtype)
