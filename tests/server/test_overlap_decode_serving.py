@@ -34,27 +34,23 @@ def test_overlapped_serving_answers_as_the_synchronous_engine(overlap_server, ti
     ]
     client, model = overlap_server.openai(), str(tiny_qwen3_next_chat_dir)
 
-    def whole(index: int) -> str:
-        completion = client.completions.create(
+    def complete(index: int, stream: bool):
+        return client.completions.create(
             model=model,
             prompt=PROMPTS[index],
             max_tokens=LENGTHS[index],
             temperature=0,
             extra_body=IGNORE_EOS,
+            stream=stream,
         )
+
+    def whole(index: int) -> str:
+        completion = complete(index, stream=False)
         assert completion.usage.completion_tokens == LENGTHS[index]
         return completion.choices[0].text
 
     def streamed(index: int) -> str:
-        chunks = client.completions.create(
-            model=model,
-            prompt=PROMPTS[index],
-            max_tokens=LENGTHS[index],
-            temperature=0,
-            extra_body=IGNORE_EOS,
-            stream=True,
-        )
-        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        return "".join(chunk.choices[0].text for chunk in complete(index, stream=True) if chunk.choices)
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: their decode steps batch together
         assert list(pool.map(whole, range(len(PROMPTS)))) == expected
