@@ -76,8 +76,8 @@ class EngineConfig:
     # Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel (split), or the selected-blocks
     # kernel up to a context limit (selected: layers/qsa_attention.py; not yet measured on the H200)
     qsa_prefill: str = "split"
-    # Decode steps of plain greedy requests launched before the previous step's tokens reach the host
-    # (engine/overlap.py; not yet measured on the H200)
+    # Decode steps launched before the previous step's tokens reach the host, for requests whose sampling
+    # reads only their logits (engine/overlap.py; not yet measured on the H200)
     overlap_decode: bool = False
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy

@@ -195,8 +195,9 @@ ENGINE_FLAGS = (
         "overlap_decode",
         "--overlap-decode",
         True,
-        "launch each decode step of plain greedy requests before the previous step's tokens reach the host "
-        "(one rank, no speculative decoding; outputs arrive a step later; not yet measured on the H200)",
+        "launch each decode step before the previous step's tokens reach the host (requests without "
+        "penalties, logit bias, grammar or logprobs; one rank, no speculative decoding; outputs arrive a "
+        "step later; not yet measured on the H200)",
     ),
     _switch(
         "merge_projections",

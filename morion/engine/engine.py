@@ -39,7 +39,7 @@ from morion.engine.overlap import eligible as overlap_eligible
 from morion.engine.prompt_logprobs import record_prompt_logprobs
 from morion.engine.ranks import Ranks, rank_config
 from morion.engine.request import Request
-from morion.engine.sampler import RequestSampler, SampleResult, committed_token, greedy_tokens, sample
+from morion.engine.sampler import RequestSampler, SampleResult, committed_token, device_tokens, sample
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk
 from morion.engine.step_timing import StepTimes
@@ -339,8 +339,8 @@ class Engine:
     # ------------------------------------------------------- overlapped decode
     def _overlappable(self) -> bool:
         """Whether this step may launch before the pending tokens are booked (engine/overlap.py): every
-        running request decodes one token with plain greedy sampling, nothing waits for admission, and
-        the pool has a free page for every decode (so scheduling retracts nobody)."""
+        running request decodes one token with sampling that reads only its logits, nothing waits for
+        admission, and the pool has a free page for every decode (so scheduling retracts nobody)."""
         scheduler = self.scheduler
         running = scheduler.running
         return (
@@ -372,7 +372,8 @@ class Engine:
             for request in group_requests:
                 self.scheduler.after_forward(request, 1)
             with self.runner.ranges.region(SAMPLING):
-                token_rows.append(greedy_tokens(self.runner.logits(forward, batch.last_rows)))
+                logits = self.runner.logits(forward, batch.last_rows)
+                token_rows.append(device_tokens(logits, [r.sampler for r in group_requests]))
             requests += group_requests
         tokens = token_rows[0] if len(token_rows) == 1 else torch.cat(token_rows)
         positions = []

@@ -15,12 +15,14 @@ it (`after_forward` at the launch), so what the finish caches is consistent; ste
 dropped (its placeholder removed at the finish). The caching, any reuse of its pages and slots, and host
 backups are queued after step k on the device (copy rule 3's event for backups).
 
-Which steps overlap (`overlappable`): every running request decoding one token with plain greedy sampling
-(no penalties, logit bias, grammar or logprobs, whose host state or output needs the previous token),
-nothing waiting, no speculative decoding, one rank, and free pages for every decode (so the step retracts
-nobody). Any other step first reads back the pending tokens (`Engine._resolve_pending`) and runs as
-before. Greedy tokens are each row's argmax, as the synchronous sampler's, so the answers are the same
-tokens; the only difference a client sees is that a step's outputs arrive one step later.
+Which steps overlap (`Engine._overlappable`): every running request decoding one token with sampling that
+reads only its logits and its own generator (greedy or sampled; no penalties, logit bias, grammar or
+logprobs, whose host state or output needs the previous token), nothing waiting, no speculative decoding,
+one rank, and free pages for every decode (so the step retracts nobody). Any other step first reads back
+the pending tokens (`Engine._resolve_pending`) and runs as before. The tokens come from the synchronous
+sampler's code (`sampler.device_tokens`), each request drawing once a step from its own generator as
+before, so the answers are the same tokens, seeded sampling included; the only difference a client sees
+is that a step's outputs arrive one step later.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from morion.engine.request import Request
-from morion.engine.sampler import plain_greedy
+from morion.engine.sampler import reads_only_logits
 from morion.runner.forward_batch import ForwardBatch
 from morion.runner.host_to_device import ToHost, to_device
 
@@ -63,10 +65,11 @@ class PendingTokens:
 
 
 def eligible(request: Request) -> bool:
-    """Whether a request's next decode step may read its last token on the device: plain greedy, no
-    logprobs (the synchronous sampler's fast path, whose token is the argmax alone)."""
+    """Whether a request's next decode step may read its last token on the device: its sampling reads
+    only its logits and its own generator (greedy or sampled; no penalty, logit bias or grammar, whose
+    host state needs the last token), and it wants no logprobs (read back with the tokens)."""
     params = request.params
-    return plain_greedy(request.sampler) and params.logprobs is None and request.prompt_logprobs is None
+    return reads_only_logits(request.sampler) and params.logprobs is None and request.prompt_logprobs is None
 
 
 def patch_input_ids(batch: ForwardBatch, requests: list[Request], pending: PendingTokens | None) -> None:

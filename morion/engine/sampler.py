@@ -152,21 +152,35 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleRe
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax [B] on the logits' device (the lowest id among equal maxima): the token of a
-    plain greedy request, here and in an overlapped decode step (engine/overlap.py)."""
+    plain greedy request."""
     return logits.argmax(dim=-1)
 
 
-def plain_greedy(sampler: RequestSampler) -> bool:
-    """Greedy with nothing that alters its scores: its token is the argmax of its logits alone."""
+def device_tokens(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
+    """`sample`'s tokens [B], left on the logits' device (no host sync): for requests whose sampling
+    reads nothing of their earlier tokens on the host (`reads_only_logits`), as an overlapped decode step
+    samples them (engine/overlap.py). The same tokens as `sample`: the same code on the same scores."""
+    if all(plain_greedy(s) for s in samplers):
+        return greedy_tokens(logits)
+    return _sample_rows(logits.to(torch.float32, copy=True), samplers)
+
+
+def reads_only_logits(sampler: RequestSampler) -> bool:
+    """Its token depends on its logits and its own generator alone: no penalty (they count its earlier
+    tokens), logit bias or grammar."""
     params = sampler.params
     return (
-        params.greedy
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and not params.logit_bias
         and sampler.grammar is None
     )
+
+
+def plain_greedy(sampler: RequestSampler) -> bool:
+    """Greedy with nothing that alters its scores: its token is the argmax of its logits alone."""
+    return sampler.params.greedy and reads_only_logits(sampler)
 
 
 def _sample_rows(scores: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:

@@ -85,19 +85,34 @@ def test_overlapped_decode_gives_the_synchronous_answers(chat_model, engine_runn
         engine.check_integrity()
 
 
-def test_requests_that_need_the_host_take_the_synchronous_step(chat_model, engine_runner, overlapped_steps):
-    """A sampled request (its draw needs no host, but penalties or a grammar would: only plain greedy
-    overlaps) and a greedy one with logprobs: no step overlaps, and the answers are the synchronous
-    engine's."""
-    prompts = _prompts(2, seed=2)
+def test_seeded_sampling_overlaps_and_draws_the_same_tokens(chat_model, engine_runner, overlapped_steps):
+    """Sampled requests (temperature, top-k, top-p, min-p; seeded) overlap too: each draws once a step
+    from its own generator, as the synchronous step, so the tokens are the same."""
+    prompts = _prompts(3, seed=2)
     params = [
-        SamplingParams(max_tokens=6, temperature=0.8, seed=5),
-        SamplingParams(max_tokens=6, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=7, temperature=1.1, top_k=20, top_p=0.9, seed=6),
+        SamplingParams(max_tokens=11, temperature=0.6, min_p=0.05, seed=7),
     ]
     reference = engine_runner(_engine(chat_model, overlap=False), prompts, params)
     outputs = engine_runner(_engine(chat_model, overlap=True), prompts, params)
     assert _answers(outputs) == _answers(reference)
-    assert [o.logprobs for o in outputs] == [o.logprobs for o in reference]
+    assert overlapped_steps
+
+
+def test_requests_that_need_the_host_take_the_synchronous_step(chat_model, engine_runner, overlapped_steps):
+    """A request with a penalty (it counts its earlier tokens on the host) and one with logprobs: no step
+    overlaps while either runs, and the answers are the synchronous engine's."""
+    prompts = _prompts(2, seed=2)
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=2),
+    ]
+    for both in (params, params[:1], params[1:]):
+        reference = engine_runner(_engine(chat_model, overlap=False), prompts[: len(both)], both)
+        outputs = engine_runner(_engine(chat_model, overlap=True), prompts[: len(both)], both)
+        assert _answers(outputs) == _answers(reference)
+        assert [o.logprobs for o in outputs] == [o.logprobs for o in reference]
     assert not overlapped_steps
 
 
