@@ -363,12 +363,14 @@ class QSAAttention(GatedAttentionProjections):
         limit, under `selected_prefill` (module docstring). Short ones are a prompt's tail, which a CUDA
         graph may replay (without the host copy of the lengths read here), and a piece of a few queries
         gains nothing from sharing key tiles."""
-        if not self.selected_prefill:
-            return [False] * len(backend.query_ranges)
+        long = [length > SHORT_CHUNK_TOKENS for _, length in backend.query_ranges]
+        if not self.selected_prefill or not any(long):
+            # Short pieces never read the lengths: a CUDA graph of them has no host copy (the H200's
+            # short-graph capture failed on it, and its short forwards ran eagerly).
+            return [False] * len(long)
         limit = SELECTED_PREFILL_MAX_BUDGETS * self.block_topk * self.compress_ratio
         return [
-            length > SHORT_CHUNK_TOKENS and context <= limit
-            for (_, length), context in zip(backend.query_ranges, backend.context_lens, strict=True)
+            is_long and context <= limit for is_long, context in zip(long, backend.context_lens, strict=True)
         ]
 
     def _attend_selected(

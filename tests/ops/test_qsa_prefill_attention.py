@@ -150,3 +150,35 @@ def test_on_cuda_at_flash_next_s_shapes_it_agrees_with_the_split_kv_path():
         q, kv, page_row, positions, bits, ratio, page_size, 256**-0.5, 0.05, 0.05
     )
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+class _GraphBatchBackend:
+    """What a short-chunk CUDA graph's capture gives a layer: query ranges, and no host copy of the
+    sequences' lengths (reading them raises, as `PagedAttentionBackend.context_lens` does there)."""
+
+    def __init__(self, lengths: list[int], contexts: list[int] | None = None) -> None:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        self.query_ranges = list(zip(starts, lengths, strict=True))
+        self._contexts = contexts
+
+    @property
+    def context_lens(self) -> list[int]:
+        if self._contexts is None:
+            raise RuntimeError("a replayed forward's batch has no host copy of its sequence lengths")
+        return self._contexts
+
+
+def test_short_pieces_never_read_the_lengths_a_graph_lacks():
+    """Under `--qsa-prefill selected` a forward of short pieces (a prompt's tail, which a CUDA graph
+    captures) keeps the split-KV kernel without reading the lengths: on the H200 the short graphs'
+    capture raised on them and their forwards ran eagerly. Long pieces choose by their context."""
+    from morion.layers.qsa_attention import SELECTED_PREFILL_MAX_BUDGETS, QSAAttention
+
+    layer = QSAAttention.__new__(QSAAttention)
+    layer.selected_prefill, layer.block_topk, layer.compress_ratio = True, 4, 4
+    assert layer._selected_pieces(_GraphBatchBackend([2, 16, 9])) == [False, False, False]
+    limit = SELECTED_PREFILL_MAX_BUDGETS * 16
+    long = _GraphBatchBackend([17, 40, 3], contexts=[limit, limit + 1, 60])
+    assert layer._selected_pieces(long) == [True, False, False]
+    layer.selected_prefill = False
+    assert layer._selected_pieces(_GraphBatchBackend([40], contexts=[60])) == [False]
