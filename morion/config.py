@@ -74,10 +74,11 @@ class EngineConfig:
     merge_projections: bool = True
     pdl: str = "auto"  # ops/pdl.py: auto is prefetch on Hopper and later (measured on the H200), else off
     # Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel (split), or the selected-blocks
-    # kernel up to a context limit (selected: layers/qsa_attention.py; not yet measured on the H200)
+    # kernel up to a context limit (selected: layers/qsa_attention.py; H200: +23 % at 8K, +5 % at 32K; not
+    # yet qualified through the server)
     qsa_prefill: str = "split"
     # Decode steps launched before the previous step's tokens reach the host, for requests whose sampling
-    # reads only their logits (engine/overlap.py; not yet measured on the H200)
+    # reads only their logits (engine/overlap.py; H200: no gain on the 80B, whose step is the device's time)
     overlap_decode: bool = False
     speculative: str = "off"  # off | ngram: draft tokens verified in one forward (docs/speculative.md)
     spec_policy: str | None = None  # width policy JSON file; None: the default policy
