@@ -167,3 +167,12 @@ def test_the_prefill_host_profile_times_fresh_prompts_by_function(tmp_path, caps
     assert 0 < forward[0]["cumulative_ms"] <= max(result["wall_ms"])
     with pytest.raises(SystemExit):
         module.main([*flags, "--prompts", "0"])
+
+
+def test_the_tier_first_run_diagnostic_runs_every_variant_on_the_cpu(capsys):
+    """scripts/tier_first_run_diag.py (the H200's question of session 33): on the CPU every variant but
+    the graph ones runs and, with the same cut points, answers alike."""
+    assert _script("tier_first_run_diag").main(["--device", "cpu", "--tokens", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "CPU model, full prefill: top 3" in printed and printed.count(" tokens [") == 5
+    assert "differ from the first variant: none" in printed
