@@ -53,7 +53,7 @@ from morion.multimodal.prompt_images import PromptImages
 from morion.ops.log_once import log_once
 from morion.parallel.group import TensorParallel
 from morion.runner.cuda_graph import DecodeGraphRunner
-from morion.runner.forward_batch import build_forward_batch
+from morion.runner.forward_batch import ForwardBatch, build_forward_batch
 from morion.runner.host_to_device import ToHost
 from morion.runner.image_batch import ImageChunk, ImageEncoder
 from morion.runner.profile_ranges import SAMPLING
@@ -361,12 +361,7 @@ class Engine:
         restores = self.tiers.take_for_forward() if self.tiers is not None else []
         for group in forward_groups(chunks, FORWARD_GROUP_MAX_TOKENS):
             group_requests = [c.request for c in group]
-            batch = build_forward_batch(
-                [(r.token_ids, r.pages, r.num_computed, 1) for r in group_requests],
-                [r.state_slot for r in group_requests],
-                self.config.page_size,
-                self.device,
-            )
+            batch = self._batch(group)
             patch_input_ids(batch, group_requests, self._pending)
             forward = self.runner.forward(batch, restores)
             for request in group_requests:
@@ -432,18 +427,22 @@ class Engine:
                 break
         return outputs
 
+    def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """The forward batch of `chunks`: each request's next `num_tokens` tokens, pages and state slot."""
+        return build_forward_batch(
+            [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
+            [c.request.state_slot for c in chunks],
+            self.config.page_size,
+            self.device,
+        )
+
     def _forward(
         self, chunks: list[ScheduledChunk], restores: list[Transfer]
     ) -> tuple[list[Request], torch.Tensor | None]:
         """One forward over `chunks` (one kind: engine/forward_groups.py) and its bookkeeping. Returns the
         requests whose prompt is now computed and their logits rows [n, vocab] (a copy: a graph's output
         buffer is rewritten by its next replay), in that order; None for no request."""
-        batch = build_forward_batch(
-            [(c.request.token_ids, c.request.pages, c.request.num_computed, c.num_tokens) for c in chunks],
-            [c.request.state_slot for c in chunks],
-            self.config.page_size,
-            self.device,
-        )
+        batch = self._batch(chunks)
         images = None
         if self.image_encoder is not None:
             images = self.image_encoder.rows(
