@@ -173,7 +173,7 @@ ENGINE_FLAGS = (
         QSA_PREFILL_KERNELS,
         "Qwen3.8-Flash-Next's long prefill pieces on CUDA: QSA's split-KV kernel, each query row alone "
         "(split), or its selected-blocks kernel, a tile of queries on tensor cores, up to a context of 8 "
-        "budgets (selected; H200: +23 % prefill at 8K, +5 % at 32K; not yet qualified through the server)",
+        "budgets (selected; H200: +23 %% prefill at 8K, +5 %% at 32K; not yet qualified through the server)",
     ),
     _choice(
         "speculative",

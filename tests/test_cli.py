@@ -81,3 +81,17 @@ def test_corrupt_gguf(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 64)
     _assert_one_line_error(run_morion("generate", "--prompt", "x", "--model", str(path)), "not a valid GGUF")
+
+
+def test_every_command_s_help_renders(capsys):
+    """argparse formats help texts with %: a stray "%" in one flag's help broke `--help` of every command
+    that takes the engine flags."""
+    from morion.cli import _build_parser
+
+    parser = _build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, command in commands.items():
+        text = command.format_help()
+        assert f"morion {name}" in text, name
+    assert "--qsa-prefill" in commands["serve"].format_help()
+    assert "+23 % prefill" in commands["serve"].format_help()
