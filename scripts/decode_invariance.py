@@ -10,8 +10,10 @@ This probe asks the question directly, for many steps (a rare flip per step need
   together: every prompt again, `--batch` at a time (the same hit path, decode beside the others).
 
 `alone` against `together` differs only in the decode's company; `cold` against `alone` only in the
-prefill path (a hit recomputes just its tail). Reported per comparison: the prompts that part and the first
-token where each does. Engine flags (`--no-cuda-graph`, `--moe-kernel grouped`, ...) bisect by kernel.
+prefill path (a hit recomputes just its tail). So both later phases must hit: the engine gets state slots
+for every prompt's snapshots, and a prompt that misses in them is reported and fails the probe (exit 1).
+Reported per comparison: the prompts that part and the first token where each does. Engine flags
+(`--no-cuda-graph`, `--moe-kernel grouped`, ...) bisect by kernel.
 
 The result keeps the cold answers' log probabilities; `--compare-cold FILE` (an earlier run's result, same
 prompts) adds `cold_vs_other_process`: does another process, same flags, compute the same answers? (A
@@ -34,15 +36,25 @@ from morion.engine.engine import Engine
 from morion.engine.sampling_params import SamplingParams
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
-    """Submits `prompts` together and steps until all finish: each one's token log probabilities."""
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[float], int]]:
+    """Submits `prompts` together and steps until all finish: each one's token log probabilities and
+    cached prompt tokens."""
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     finals = {}
     while engine.has_unfinished():
         for step in engine.step():
             if step.final is not None:
                 finals[step.request_id] = step.final
-    return [list(finals[request_id].logprobs) for request_id in ids]
+    return [(list(finals[i].logprobs), finals[i].usage.cached_tokens) for i in ids]
+
+
+def _state_slots(args: argparse.Namespace) -> dict[str, int]:
+    """Room for every prompt's snapshots (its prompt tail's and its finish's) beside a batch's working and
+    boundary states: with the default 4 slots per running request, the least recently used snapshots went
+    first, the alone phase found none of its prompts cached (each evicted its own next ones), and the
+    together phase re-prefilled some prompts side by side, which may change their bits by design
+    (docs/architecture.md: prefill chunks may depend on their batch; hits never recompute them)."""
+    return {} if args.state_slots else {"state_slots": 2 * args.prompts + 4 * args.batch}
 
 
 def _parting(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, object]:
@@ -90,22 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     earlier = _earlier_cold(args) if args.compare_cold else None
-    engine = Engine(probe_config(args, batch=args.batch))
+    engine = Engine(probe_config(args, batch=args.batch, **_state_slots(args)))
     prompts = probe_prompts(engine.model.config.vocab_size, args.prompts, args.prompt_tokens, args.probe_seed)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    # A hit restores up to the prompt's last page boundary and recomputes its tail.
+    boundary = (args.prompt_tokens - 1) // engine.config.page_size * engine.config.page_size
     answers: dict[str, list[list[float]]] = {}
+    misses: dict[str, list[int]] = {}
     for phase in ("cold", "alone", "together"):
         started = time.perf_counter()
         size = args.batch if phase == "together" else 1
-        answers[phase] = [
-            answer
+        runs = [
+            run
             for start in range(0, len(prompts), size)
-            for answer in _run(engine, prompts[start : start + size], params)
+            for run in _run(engine, prompts[start : start + size], params)
         ]
+        answers[phase] = [logprobs for logprobs, _ in runs]
+        if phase != "cold":
+            misses[phase] = [index for index, (_, cached) in enumerate(runs) if cached != boundary]
         print(f"decode_invariance: {phase}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
     result = {
         "settings": vars(args),
         "steps_compared": args.prompts * args.tokens,
+        # Prompts of the hit phases that did not hit their last page boundary (none, or the comparisons
+        # are not what they say: the exit status is then 1).
+        "misses": misses,
         "alone_vs_together": _parting(answers["alone"], answers["together"]),
         "cold_vs_alone": _parting(answers["cold"], answers["alone"]),
         "cold_logprobs": answers["cold"],
@@ -118,6 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"decode_invariance: {name}: {figures['prompts_differing']} of {args.prompts} prompts part")
     write_probe_result(args.out, "decode-invariance", result)
+    missed = {phase: indices for phase, indices in misses.items() if indices}
+    if missed:
+        print(
+            "decode_invariance: not every hit phase hit (prompts that missed, by phase): "
+            + "; ".join(f"{phase} {indices}" for phase, indices in missed.items())
+            + " (--state-slots too few for --prompts?)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -31,6 +31,7 @@ def test_cold_and_alone_agree_and_every_comparison_is_reported(tmp_path):
     [path] = tmp_path.glob("*-decode-invariance.json")
     result = json.loads(path.read_text())
     assert result["steps_compared"] == 12
+    assert result["misses"] == {"alone": [], "together": []}  # the hit phases hit
     assert result["cold_vs_alone"] == {"prompts_differing": 0, "first_differing_token": {}}
     assert set(result["alone_vs_together"]) == {"prompts_differing", "first_differing_token"}
     assert len(result["cold_logprobs"]) == 3 and all(len(answer) == 4 for answer in result["cold_logprobs"])
@@ -45,6 +46,19 @@ def test_cold_and_alone_agree_and_every_comparison_is_reported(tmp_path):
     assert module.main([*argv[:-1], str(again), "--compare-cold", str(path)]) == 0
     parted = json.loads(again_path.read_text())["cold_vs_other_process"]
     assert parted == {"prompts_differing": 1, "first_differing_token": {"1": 2}}
+
+
+def test_hit_phases_that_miss_fail_the_probe(tmp_path, capsys):
+    """Too few state slots for every prompt's snapshots: the least recently used go, and the phases that
+    should compare hits compare cold runs instead; the probe says so and exits 1."""
+    module = _script("decode_invariance")
+    argv = ["--model", "preset:qwen3-next-tiny", "--device", "cpu", "--prompts", "4", "--prompt-tokens", "37",
+            "--tokens", "4", "--batch", "2", "--kv-cache-tokens", "4096", "--state-slots", "4",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert module.main(argv) == 1
+    [path] = tmp_path.glob("*-decode-invariance.json")
+    assert json.loads(path.read_text())["misses"]["alone"]
+    assert "not every hit phase hit" in capsys.readouterr().err
 
 
 def test_cold_answers_of_other_prompts_are_refused(tmp_path):

@@ -63,6 +63,17 @@ class MergedLinears:
         # layer with the most columns keeps its bits.
         self.widest = max(layers, key=lambda layer: layer.weight.shape[0]).weight
 
+    def holds(self, layers: Sequence[nn.Module]) -> bool:
+        """Whether `layers`' weights are still this merge's row blocks, in order."""
+        if tuple(layer.weight.shape[0] for layer in layers) != self.widths:
+            return False
+        start = 0
+        for layer, width in zip(layers, self.widths, strict=True):
+            if layer.weight.data_ptr() != self.weight[start : start + width].data_ptr():
+                return False
+            start += width
+        return True
+
     def outputs(
         self, rows: torch.Tensor, row_scale: torch.Tensor | None, out_dtype: torch.dtype
     ) -> list[torch.Tensor] | None:
@@ -119,14 +130,22 @@ def mergeable(layers: Sequence[nn.Module]) -> bool:
 
 def merge_projections(model: nn.Module) -> int:
     """Merges every qualifying group that the model's modules name (`merge_groups()`: {attribute: layers}),
-    setting each module's attribute to its `MergedLinears`; returns how many groups were merged."""
+    setting each module's attribute to its `MergedLinears`; returns how many groups are merged.
+
+    Idempotent: a group an earlier call merged keeps its `MergedLinears`. Another engine built on the same
+    model (tests, benchmarks, an A/B in one process) merges again, and a new merge would move the weights
+    into new tensors and free the old ones, which the first engine's CUDA graphs still read (they replayed
+    whatever the allocator put there next: garbage tokens, different on every run)."""
     merged = 0
     for module in model.modules():
         groups = getattr(module, "merge_groups", None)
         if groups is None:
             continue
         for name, layers in groups().items():
-            if mergeable(layers):
+            current = getattr(module, name, None)
+            if isinstance(current, MergedLinears) and current.holds(layers):
+                merged += 1
+            elif mergeable(layers):
                 setattr(module, name, MergedLinears(layers))
                 merged += 1
     return merged

@@ -125,6 +125,29 @@ def test_gated_attention_names_its_group_and_the_model_walk_merges_it(monkeypatc
     assert isinstance(attention.merged_qkv, MergedLinears) and attention.merged_qkv.widths == (64, 16, 16)
 
 
+def test_merging_again_keeps_the_first_merge_s_weights(monkeypatch):
+    """A second engine on the same model merges again: the weights stay where the first merge put them
+    (the first engine's CUDA graphs read them there; a new merge freed them, and those graphs replayed
+    garbage), unless a layer's weight has since been replaced, which merges anew."""
+    attention = GatedAttentionProjections(0, 64, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6)
+    monkeypatch.setattr(merged_linears, "mergeable", lambda layers: True)
+    model = nn.ModuleList([attention])
+    assert merged_linears.merge_projections(model) == 1
+    first = attention.merged_qkv
+    address = first.weight.data_ptr()
+    values = first.weight.clone()
+    assert merged_linears.merge_projections(model) == 1
+    assert attention.merged_qkv is first and first.weight.data_ptr() == address
+    assert attention.k_proj.weight.data_ptr() == first.weight[64:80].data_ptr()
+    torch.testing.assert_close(first.weight, values, rtol=0, atol=0)
+    attention.k_proj.weight = nn.Parameter(attention.k_proj.weight.detach().clone())  # e.g. reloaded
+    assert not first.holds((attention.q_proj, attention.k_proj, attention.v_proj))
+    assert merged_linears.merge_projections(model) == 1
+    assert attention.merged_qkv is not first and attention.merged_qkv.holds(
+        (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
+
+
 def test_flash_next_gated_deltanet_reads_its_projections_from_the_merged_launches(group_tile):
     """in_proj_qkv with in_proj_z (FP8) and in_proj_b with in_proj_a (model dtype), merged: the layer's
     projections are the same values, each from its own columns."""
