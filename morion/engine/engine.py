@@ -180,7 +180,7 @@ class Engine:
         vocab_size = self.model.config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
-        if any(not 0 <= t < vocab_size for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= vocab_size:  # C loops: 0.9 ms for 33K ids, a generator 1.5
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(

@@ -41,6 +41,7 @@ from morion.server.engine_messages import (
     Shutdown,
     SpecSnapshot,
 )
+from morion.server.heap_freeze import freeze_startup_heap
 from morion.server.heap_trim import HEAP_TRIM_IDLE_S, release_free_heap
 from morion.spec.speculative import SpeculativeDecoding
 
@@ -320,6 +321,7 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
         # Load and cache figures from the start (/metrics, /v1/server_info), not only after a first request:
         # a soak's starting point needs them.
         outbox.send(EngineOutputs([], loop.stats()))
+        freeze_startup_heap()  # the model, torch and the pool: no full collection walks them mid-step
         try:
             serve(loop, inbox, outbox)
         finally:

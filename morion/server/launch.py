@@ -90,6 +90,7 @@ def serve(options: ServeOptions) -> None:
         from morion.server.app import ServerContext, create_app
         from morion.server.describe import startup_summary
         from morion.server.engine_client import EngineClient
+        from morion.server.heap_freeze import freeze_startup_heap
         from morion.server.http_guards import with_header_deadline
 
         client = EngineClient(options.engine)
@@ -103,6 +104,7 @@ def serve(options: ServeOptions) -> None:
     def on_ready(info: EngineInfo) -> None:
         summary = startup_summary(options, names, info, has_tokenizer=tokenizer is not None)
         print(summary, file=sys.stderr, flush=True)
+        freeze_startup_heap()  # fastapi, the tokenizer, torch's modules: no full collection walks them
 
     def on_fatal(error: str) -> None:
         fatal.append(error)

@@ -211,6 +211,23 @@ def test_the_presets_served_expert_shapes_have_shipped_h200_tiles(preset, weight
     assert moe_tiles.config_path("NVIDIA H200", shape).exists(), shape
 
 
+def test_flash_next_s_shared_stack_beside_the_nvfp4_experts_has_shipped_h200_tiles():
+    """Under nvfp4 the shared expert is the one expert of an FP8 stack of its own: its H200 tiles (tuned
+    14.75 us a call at one token against the defaults' 31.15, 48 calls a decode step) are shipped."""
+    from morion.layers.moe import SparseMoE
+    from morion.models.presets import preset_config
+    from morion.models.registry import build_model
+
+    model = build_model(
+        preset_config("preset:qwen3.8-flash-next"), torch.bfloat16, torch.device("meta"), "nvfp4"
+    )
+    block = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    shared = block.shared_experts
+    shape = moe_tiles.expert_shape(shared.gate_up_proj, shared.down_proj)
+    assert shape == ExpertShape(1, 2560, 640, "fp8")
+    assert moe_tiles.config_path("NVIDIA H200", shape).exists(), shape
+
+
 def test_the_shipped_flash_next_tiles_split_k_and_match_dequantize_then_matmul():
     """Flash-Next's tuned H200 file (512 routed experts: under nvfp4 the shared one is a dense layer,
     hidden 2560, intermediate 640): gate_up splits K over 4 programs, down runs K in one; the same tiles on
