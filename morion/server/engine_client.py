@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -160,7 +161,7 @@ class EngineClient:
         self.open_streams.add(stream)
         for request_id, (prompt, params, images) in zip(stream.request_ids, work, strict=True):
             self._streams[request_id] = stream
-            self._send(AddRequest(request_id, prompt, params, images))
+            self._send(AddRequest(request_id, array("q", prompt), params, images))
         return stream
 
     def release(self, stream: RequestStream, unfinished: list[str]) -> None:

@@ -7,6 +7,7 @@ inbox messages handled while idle), so the front end wakes once per step, not on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,7 +24,9 @@ from morion.multimodal.processing import ImageProcessing
 
 class AddRequest(NamedTuple):
     request_id: str
-    prompt_token_ids: list[int]
+    # Token ids as signed 64-bit machine integers (`array("q")`, or any sequence of ints): pickled as one
+    # buffer, where a list pickles id by id (an agent's 33K-token prompt: 1.2 ms through the pipe as a list).
+    prompt_token_ids: Sequence[int]
     params: SamplingParams
     images: tuple[PreparedImage, ...] = ()  # whose tokens the prompt holds (models with a vision tower)
 

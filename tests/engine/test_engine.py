@@ -136,11 +136,21 @@ def test_requests_that_can_never_fit_are_rejected(tiny, engine_factory, engine_r
         engine.add_request([1, 2, 999], GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request([], GREEDY)
+    with pytest.raises(InvalidRequestError, match="must be integers"):
+        engine.add_request([1, 2.5], GREEDY)  # refused, never rounded
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.add_request([1, -2], GREEDY)
     # The engine is undisturbed, and a generation that reaches the pool's end stops with "length".
     [output] = engine_runner(
         engine, [list(range(50))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     )
     assert output.finish_reason == "length" and len(output.token_ids) == 14
+    # The server's compact prompts (`array("q")`) and tensors answer as a list does.
+    for prompt in (array("q", range(50)), torch.arange(50)):
+        [again] = engine_runner(
+            engine, [prompt], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        )
+        assert again.token_ids == output.token_ids
     engine.check_integrity()
 
 
