@@ -44,6 +44,10 @@ class PrefixMatch(NamedTuple):
     num_tokens: int
     pages: list[int]
     snapshot_slot: int | None
+    # The matched pages' content keys (page_keys.py), where the cache was given them with every page of
+    # the match; else None (hash the tokens). A long conversation's next turn reads them here instead of
+    # hashing its whole prefix again (32K tokens: 2.3 ms on the CPU, 256K: 33 ms).
+    page_keys: list[bytes] | None = None
 
 
 class InsertResult(NamedTuple):

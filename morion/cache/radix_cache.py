@@ -19,6 +19,10 @@ Tree invariants (checked by `check_integrity`):
   The lower half stays the same object, so handles to it (and its locks) survive a split.
 - A node without a snapshot in a state spec is a "tombstone" (or was inserted without one): its pages
   serve deeper snapshots but a match never ends there.
+- `page_keys`, where known, are the content keys of the node's pages (page_keys.py: each a hash of its
+  chain root and every token up to the page's end), one per page; None where no insert gave them. A key
+  is a function of the tokens on the path and the chain root alone, which every sequence through the node
+  shares, so keys given by any insert are right for every later match.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class RadixNode:
         "last_access",
         "node_id",
         "own_locks",
+        "page_keys",
         "pages",
         "parent",
         "ref_count",
@@ -60,6 +65,7 @@ class RadixNode:
     ):
         self.token_ids = token_ids  # packed uint64, TOKEN_BYTES a token
         self.pages = pages
+        self.page_keys: list[bytes] | None = None  # the pages' content keys, where an insert gave them
         self.parent = parent  # None for the root, and for a node after it was evicted
         self.children: dict[bytes, RadixNode] = {}  # by their first page of packed token ids
         self.ref_count = 0
@@ -168,7 +174,10 @@ class RadixCache(PrefixCache):
         for n in path:
             n.last_access = self._clock
         pages = [page for n in path for page in n.pages]
-        return PrefixMatch(node, len(pages) * self.page_size, pages, node.snapshot_slot)
+        keys = None
+        if all(n.page_keys is not None for n in path):
+            keys = [key for n in path for key in n.page_keys]
+        return PrefixMatch(node, len(pages) * self.page_size, pages, node.snapshot_slot, keys)
 
     # -- locks --------------------------------------------------------------------------------------------
 
@@ -201,13 +210,18 @@ class RadixCache(PrefixCache):
         pages: Sequence[int],
         snapshot_slot: int | None = None,
         chain_root: bytes = ROOT_KEY,
+        page_keys: Sequence[bytes] | None = None,
     ) -> InsertResult:
+        """`page_keys`: the content keys of the full pages of `token_ids` in `chain_root`'s chain (at least
+        one per page), for the nodes to keep (`PrefixMatch.page_keys`); None where the caller has none."""
         ps = self.page_size
         tokens = pack_tokens(token_ids)
         num_tokens = len(tokens) // TOKEN_BYTES
         n = num_tokens // ps * ps
         if len(pages) < n // ps:
             raise ValueError(f"{num_tokens} tokens need {n // ps} full pages, got {len(pages)} pages")
+        if page_keys is not None and len(page_keys) < n // ps:
+            raise ValueError(f"{num_tokens} tokens need {n // ps} page keys, got {len(page_keys)}")
         if snapshot_slot is not None:
             if self.state_slots is None:
                 raise ValueError("a snapshot was given but the spec has no state components")
@@ -232,11 +246,15 @@ class RadixCache(PrefixCache):
             # The caller's pages where the cache already has (other) pages: still the caller's to free.
             mine = pages[page : page + num_matched]
             duplicate_pages += [p for p, cached in zip(mine, child.pages, strict=True) if p != cached]
+            if child.page_keys is None and page_keys is not None:
+                child.page_keys = list(page_keys[page : page + num_matched])
             child.last_access = self._clock
             node, pos, page = child, pos + num_matched * page_bytes, page + num_matched
         num_cached_tokens = page * ps
         if pos < end:
             node = self._add_leaf(node, tokens[pos:end], list(pages[page : n // ps]), chain_root)
+            if page_keys is not None:
+                node.page_keys = list(page_keys[page : n // ps])
         unused_snapshot_slot = snapshot_slot
         if snapshot_slot is not None and node.snapshot_slot is None:
             node.snapshot_slot = snapshot_slot
@@ -285,6 +303,8 @@ class RadixCache(PrefixCache):
         total = 0
         for node in self._nodes():
             total += sys.getsizeof(node) + sys.getsizeof(node.token_ids) + sys.getsizeof(node.pages)
+            if node.page_keys is not None:
+                total += sys.getsizeof(node.page_keys) + sum(sys.getsizeof(key) for key in node.page_keys)
             total += sys.getsizeof(node.children) + sum(sys.getsizeof(key) for key in node.children)
         return total
 
@@ -311,6 +331,8 @@ class RadixCache(PrefixCache):
             if node.num_pages == 0 or len(node.token_ids) != node.num_pages * page_bytes:
                 held = f"{len(node.token_ids) / TOKEN_BYTES:g} tokens in {node.num_pages} pages of {ps}"
                 raise CacheIntegrityError(f"{node!r} holds {held}")
+            if node.page_keys is not None and len(node.page_keys) != node.num_pages:
+                raise CacheIntegrityError(f"{node!r} has {len(node.page_keys)} page keys")
             expected_refs = node.own_locks + sum(c.ref_count for c in node.children.values())
             if node.own_locks < 0 or node.ref_count != expected_refs:
                 raise CacheIntegrityError(
@@ -390,6 +412,8 @@ class RadixCache(PrefixCache):
         )
         upper.ref_count = node.ref_count
         upper.last_access = node.last_access
+        if node.page_keys is not None:
+            upper.page_keys, node.page_keys = node.page_keys[:num_pages], node.page_keys[num_pages:]
         parent.children[self._key_in_parent(upper)] = upper  # in node's place: the same key
         node.token_ids, node.pages, node.parent = node.token_ids[cut:], node.pages[num_pages:], upper
         upper.children[node.token_ids[:page_bytes]] = node

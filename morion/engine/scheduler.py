@@ -231,6 +231,8 @@ class Scheduler:
             )
             match_node, matched_tokens, matched_pages = match.node, match.num_tokens, match.pages
             snapshot = match.snapshot_slot
+            if match.page_keys is not None and len(match.page_keys) > len(request.page_keys):
+                request.page_keys = list(match.page_keys)  # the prefix's keys, never hashed again
             if self._shares_prefix_in_prefill(request, matched_tokens):
                 return _Admission.WAITS_FOR_SHARED_PREFIX
             if self.tiers is not None:
@@ -429,7 +431,10 @@ class Scheduler:
         """Inserts the request's first `num_tokens` tokens (page aligned) with `snapshot` at their end, and
         moves the request's lock to the node ending there."""
         pages = request.pages[: num_tokens // self.page_size]
-        result = self.cache.insert(request.packed_token_ids(num_tokens), pages, snapshot, request.chain_root)
+        keys = request.page_keys[: len(pages)] if len(request.page_keys) >= len(pages) else None
+        result = self.cache.insert(
+            request.packed_token_ids(num_tokens), pages, snapshot, request.chain_root, page_keys=keys
+        )
         if snapshot is not None and snapshot == request.state_slot:
             request.state_slot = None  # donated: the cache owns it now (or frees it just below)
         if result.unused_snapshot_slot is not None:

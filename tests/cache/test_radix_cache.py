@@ -18,7 +18,7 @@ from morion.cache import (
     StateSlots,
     TokenComponent,
 )
-from morion.cache.page_keys import chain_root
+from morion.cache.page_keys import ROOT_KEY, chain_root, page_keys
 
 PS = 4
 KV = TokenComponent("kv", 2, (2, 1, 4), torch.float32)
@@ -212,12 +212,68 @@ def test_chains_share_no_node() -> None:
     cache.check_integrity()
 
 
+def test_nodes_keep_the_page_keys_their_inserts_gave() -> None:
+    """A match returns its pages' content keys where every node on its path was given them (a later turn
+    of a conversation does not hash its prefix again), split with their pages, filled in by a later insert
+    that has them, and None where a node has none."""
+    cache, pool, slots = make_cache(state=True)
+    salt = chain_root("tenant")
+    first = seq(16)
+    pages = pool.alloc(4)
+    cache.insert(first, pages, slots.alloc(), salt, page_keys=page_keys(first, PS, salt))
+    match = cache.match_prefix([*first, 7], salt)
+    assert match.num_tokens == 16 and match.page_keys == page_keys(first, PS, salt)
+    # A sequence that parts from it inside its node splits it: both halves keep their own pages' keys.
+    other = [*seq(8), 50, 51, 52, 53]
+    mine = pool.alloc(3)
+    result = cache.insert(other, mine, slots.alloc(), salt, page_keys=page_keys(other, PS, salt))
+    pool.free(result.duplicate_pages)
+    assert cache.match_prefix([*other, 1], salt).page_keys == page_keys(other, PS, salt)
+    assert cache.match_prefix([*first, 1], salt).page_keys == page_keys(first, PS, salt)
+    # Inserted without keys (no tiers): no keys to give; a later insert with keys fills them in.
+    plain = seq(8, start=100)
+    cache.insert(plain, pool.alloc(2), slots.alloc())
+    assert cache.match_prefix([*plain, 1]).page_keys is None
+    cache.insert(plain, cache.match_prefix(plain).pages, None, page_keys=page_keys(plain, PS))
+    assert cache.match_prefix([*plain, 1]).page_keys == page_keys(plain, PS, ROOT_KEY)
+    assert cache.match_prefix([1, 2, 3]).page_keys == []  # nothing matched: no pages, no keys
+    spare = pool.alloc(3)
+    with pytest.raises(ValueError, match="page keys"):
+        cache.insert(seq(12, start=200), spare, None, page_keys=page_keys(seq(8), PS))
+    pool.free(spare)
+    cache.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 24), st.lists(st.integers(0, 1), max_size=12)), min_size=1, max_size=12)
+)
+def test_matched_keys_are_the_hash_of_the_matched_tokens(shapes: list[tuple[int, list[int]]]) -> None:
+    """Whatever inserts, splits and evictions came before, a match's keys are the keys of its tokens.
+    Sequences share prefixes of one conversation and part anywhere, inside nodes too."""
+    cache, pool, _ = make_cache(num_pages=64)
+    for shared, tail in shapes:
+        tokens = seq(shared) + tail
+        if not tokens:
+            continue
+        match = cache.match_prefix(tokens)
+        if match.page_keys is not None:
+            assert match.page_keys == page_keys(tokens[: match.num_tokens], PS)
+        if pool.num_free < -(-len(tokens) // PS):
+            cache.evict(64)
+        pages = match.pages + pool.alloc(len(tokens) // PS - len(match.pages))
+        result = cache.insert(tokens, pages, None, page_keys=page_keys(tokens, PS))
+        pool.free(result.duplicate_pages)
+        assert cache.match_prefix(tokens).page_keys == page_keys(tokens[: len(tokens) // PS * PS], PS)
+        cache.check_integrity()
+
+
 # -- state specs -------------------------------------------------------------------------------------------
 
 
 def test_state_match_ends_at_the_deepest_snapshot() -> None:
     cache, pool, slots = make_cache(state=True)
-    assert cache.match_prefix(seq(16)) == (cache.root, 0, [], None)
+    assert cache.match_prefix(seq(16))[:4] == (cache.root, 0, [], None)
     snap = slots.alloc()
     _, pages = insert_fresh(cache, pool, seq(8), snapshot=snap)
     insert_fresh(cache, pool, seq(16))  # pages up to 16, but no state there

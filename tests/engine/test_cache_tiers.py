@@ -120,6 +120,30 @@ def test_device_host_and_disk_hits_equal_cold(tiered, engine_runner, cold):
     restarted.check_integrity()
 
 
+def test_a_conversation_s_next_turn_hashes_only_its_new_pages(tiered, engine_runner, monkeypatch):
+    """The prefix cache hands a turn the keys of the pages it matched (they were the last turn's): the turn
+    hashes only the pages after them, and every page it backs up is under its true content key."""
+    from morion.engine import scheduler
+
+    engine = tiered(disk_cache_dir=None)
+    prompt = _prompt(3)
+    first = _run(engine, engine_runner, prompt)
+    turn = prompt + first.token_ids + _prompt(4, length=30)
+    hashed_from = []
+    hash_pages = scheduler.extend_page_keys
+
+    def counting(keys, *args, **kwargs):
+        hashed_from.append(len(keys))
+        return hash_pages(keys, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "extend_page_keys", counting)
+    answer = _run(engine, engine_runner, turn)
+    assert answer.usage.cached_tokens == 48  # 45 + 8 computed tokens: 6 whole pages
+    assert min(hashed_from) == 6  # never from page 0
+    assert set(engine.tiers.host) == set(page_keys(turn + answer.token_ids[:-1], PAGE))
+    engine.check_integrity()
+
+
 def test_hit_across_chunk_boundaries(tiered, engine_runner, cold):
     """Pages cached by several prefill chunks (16 tokens each) and a generation come back as one hit, into
     an engine with another chunk size."""
