@@ -52,7 +52,7 @@ from morion.engine.prefill_graph_memory import affordable_default_buckets, graph
 from morion.engine.scheduler import Scheduler
 from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
-from morion.layers.merged_linears import merge_projections
+from morion.layers.merged_linears import merge_projections, merged_groups
 from morion.layers.moe import set_moe_kernel
 from morion.layers.qsa_attention import QSAAttention, set_qsa_prefill
 from morion.loader import LoadedModel, load_model
@@ -453,9 +453,10 @@ def _build_tiers(
                 "weight_dtype": config.weight_dtype,
             }
         }
-        if _merges_projections(config):
+        if merged_groups(model):
             # Merged decode projections may round a column differently (layers/merged_linears.py): a
-            # conversation cached by one setting is never restored under the other.
+            # conversation cached by one setting is never restored under the other. Read off the model,
+            # not the flag: a model an earlier engine merged stays merged under `--no-merged-projections`.
             identity["model"]["merged_projections"] = True
         if config.qsa_prefill != "split" and any(isinstance(m, QSAAttention) for m in model.modules()):
             # Another prefill kernel sums a QSA row's keys in another order: a conversation cached by one

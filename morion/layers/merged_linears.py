@@ -151,6 +151,16 @@ def merge_projections(model: nn.Module) -> int:
     return merged
 
 
+def merged_groups(model: nn.Module) -> int:
+    """How many groups of the model's modules run merged (a `MergedLinears` under their group's name)."""
+    return sum(
+        isinstance(getattr(module, name, None), MergedLinears)
+        for module in model.modules()
+        if hasattr(module, "merge_groups")
+        for name in module.merge_groups()
+    )
+
+
 def products_of_one_input(
     x: torch.Tensor, layers: Sequence[nn.Module], merged: MergedLinears | None
 ) -> list[torch.Tensor]:

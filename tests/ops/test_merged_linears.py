@@ -132,7 +132,9 @@ def test_merging_again_keeps_the_first_merge_s_weights(monkeypatch):
     attention = GatedAttentionProjections(0, 64, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6)
     monkeypatch.setattr(merged_linears, "mergeable", lambda layers: True)
     model = nn.ModuleList([attention])
+    assert merged_linears.merged_groups(model) == 0
     assert merged_linears.merge_projections(model) == 1
+    assert merged_linears.merged_groups(model) == 1  # what the disk tier's namespace reads
     first = attention.merged_qkv
     address = first.weight.data_ptr()
     values = first.weight.clone()
