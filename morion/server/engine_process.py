@@ -316,12 +316,14 @@ def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connecti
             traceback.print_exc()
             outbox.send(EngineFailed(_describe(error)))
             sys.exit(1)
+        # The model, torch and the pool: no full collection walks them mid-step. Before the front end hears
+        # the engine is ready, so that no request waits for the collection this starts with.
+        freeze_startup_heap()
         outbox.send(info)
         loop = EngineLoop(engine)
         # Load and cache figures from the start (/metrics, /v1/server_info), not only after a first request:
         # a soak's starting point needs them.
         outbox.send(EngineOutputs([], loop.stats()))
-        freeze_startup_heap()  # the model, torch and the pool: no full collection walks them mid-step
         try:
             serve(loop, inbox, outbox)
         finally:
