@@ -33,6 +33,7 @@ from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.fp8 import FP8_DTYPE, QuantizedRows
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
+from morion.ops.moe_tiles import device_name, expert_shape, tuned_grouped_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.skinny_tiles import linear_forward
 from morion.ops.slot_partials import SlotPartials
@@ -161,7 +162,9 @@ class StackedExperts(nn.Module):
         """ "triton" on CUDA for at most AUTO_TRITON_MAX_TOKENS tokens under `kernel == "auto"` (any number
         under "triton") within the fused kernels' MAX_PAIRS (token, expert) pairs (any weight dtype and
         shapes); past them under "triton", "triton-grouped" (the same kernels' grouped mode) for all but
-        NVFP4 experts, which have grouped kernels of their own; otherwise "grouped" where a
+        NVFP4 experts, which have grouped kernels of their own, and under "auto" too where this device's
+        tuned file holds grouped tiles measured ahead of torch's grouped GEMMs at this shape
+        (ops/moe_tune_grouped.py); otherwise "grouped" where a
         grouped kernel exists: CUDA with bf16 or FP8 weights (other dtypes take `_grouped_mm`'s per-expert
         loop, which syncs with the host) and 16-byte aligned rows, or NVFP4 weights (their own grouped
         Triton kernels, any shape); "dense" for other unquantized weights on CUDA (no host sync, so decode
@@ -186,6 +189,13 @@ class StackedExperts(nn.Module):
                 logger, "MoE experts on cuda: grouped Triton kernels past the fused ones' pairs (triton)"
             )
             return "triton-grouped"
+        if self.kernel == "auto" and self._tuned_grouped_faster(x):
+            log_once(
+                logger,
+                "MoE experts on cuda: grouped Triton kernels past the fused ones' pairs (auto: this device's "
+                "tuned grouped tiles measured ahead of torch's grouped GEMMs)",
+            )
+            return "triton-grouped"
         # FP8 wants multiples of 16 elements (1 byte each), bf16 multiples of 8 (2 bytes each).
         multiple = 16 if self.fp8 else 8
         aligned = self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0
@@ -201,6 +211,11 @@ class StackedExperts(nn.Module):
             return "reference"
         log_once(logger, f"MoE experts on cuda: every expert on every token, masked ({why})")
         return "dense"
+
+    def _tuned_grouped_faster(self, x: torch.Tensor) -> bool:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        tuned = tuned_grouped_tiles(device_name(index), expert_shape(self.gate_up_proj, self.down_proj))
+        return tuned is not None and tuned.faster
 
 
 def set_moe_kernel(model: nn.Module, kernel: str) -> None:

@@ -28,7 +28,8 @@ launch more for more programs at one token, where a grid of k pairs x N / BLOCK_
 Past MAX_PAIRS (prefill, `--moe-kernel triton`) the same kernels run grouped (`grouped=True`): the pairs
 sorted by expert on the device (`expert_tiles`, no host sync, a table whose size follows T, k and E only),
 a program per (tile of GROUPED_BLOCK_M rows of one expert, column block), tl.dot tiles whose FP8 products
-are summed in fp32 after every MMA instruction. A row's result still ignores its batch.
+join the fp32 sum every GROUPED_PROMOTE_K of them (the device's tuned grouped entry may choose other rows
+and tiles: ops/moe_tune_grouped.py). A row's result still ignores its batch.
 
 Grouping by expert without a sort. A program of kernels 1 and 2 is (pair p, column block). With tl.dot
 tiles it reads the P expert ids and goes on only if p is the first pair routed to its expert (the
@@ -74,7 +75,14 @@ from morion.ops.moe_split_k import (
     store_partial,
     sum_slices,
 )
-from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
+from morion.ops.moe_tiles import (
+    GroupedTiles,
+    Tiles,
+    device_name,
+    expert_shape,
+    tuned_grouped_tiles,
+    tuned_tiles,
+)
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
@@ -82,6 +90,13 @@ from morion.ops.slot_partials import SlotPartials
 MAX_PAIRS = 1024
 _BLOCK_M = 16  # rows (pairs of one expert) per MMA tile: the smallest `tl.dot` takes
 GROUPED_BLOCK_M = 64  # rows (pairs of one expert) per tile of the grouped kernels (prefill)
+# FP8 products of a row that the tensor core sums in its reduced-precision accumulator before they join
+# a grouped tile's fp32 sum (`_mma`'s PROMOTE_K, at most the tile's BLOCK_K): 128, as CUTLASS's FP8 GEMMs
+# promote every four 32-deep MMA instructions (torch._scaled_grouped_mm, what `auto` runs, among them).
+# 0 (every instruction, what these kernels did first) makes each add wait for its wgmma: on the H200 the
+# FP8 grouped mode then took 2,175 us a layer at 1K tokens against torch's 958, where the bf16 one,
+# which has no such wait, streamed its weights at 3 TB/s (results/2026-12-05-session-35-notes.md).
+GROUPED_PROMOTE_K = 128
 _SUM_BLOCK = 512
 
 
@@ -91,9 +106,10 @@ _SUM_BLOCK = 512
 # results batch invariant.
 GATE_UP_TILES = {1: Tiles(32, 128, 4, 4), 2: Tiles(32, 64, 4, 4), 4: Tiles(32, 32, 4, 4)}
 DOWN_TILES = {1: Tiles(128, 128, 4, 3), 2: Tiles(128, 64, 4, 3), 4: Tiles(128, 32, 4, 3)}
-# The grouped mode's (gate_up, down) tiles, by element size: tl.dot over GROUPED_BLOCK_M rows of one
-# expert (untuned: `--moe-kernel triton` runs them past MAX_PAIRS, the default keeps torch's grouped GEMMs
-# until the H200 shows them faster).
+# The grouped mode's (gate_up, down) tiles, by element size, where the device's tuned file has none
+# (ops/moe_tune_grouped.py): tl.dot over GROUPED_BLOCK_M rows of one expert. `--moe-kernel triton` runs
+# the grouped mode past MAX_PAIRS; `auto` runs it where a tuned file measured it ahead of torch's grouped
+# GEMMs (layers/moe.py).
 GROUPED_TILES = {
     1: (Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3)),
     2: (Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3)),
@@ -207,14 +223,15 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, B
 
 
 @triton.jit
-def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_SUMS: tl.constexpr = False):
+def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMOTE_K: tl.constexpr = -1):
     """acc + a @ w for rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_K, BLOCK_N]: by tl.dot, by tl.dot
     as w^T @ a^T into the transposed accumulator (not with FP8 weights: `exact_mma`), or as fp32
     products summed over K (e4m3 and bf16 products are exact in fp32, so only the summation order
     differs from the MMA's). Each row's result is its own dot products in every mode, independent of
-    the other rows. FP32_SUMS (the grouped kernels, whose 64-row tiles make Hopper's wgmma): FP8 products
-    are added into fp32 after every MMA instruction (`max_num_imprecise_acc=0`), not in the tensor
-    core's reduced-precision accumulator over all of K (Triton's default on sm_90)."""
+    the other rows. PROMOTE_K >= 0 (the grouped kernels, whose 64-row tiles make Hopper's wgmma): the
+    tensor core sums at most PROMOTE_K FP8 products of a row in its reduced-precision accumulator before
+    they join the fp32 sum (`max_num_imprecise_acc`; 0: after every MMA instruction), never all of K
+    (Triton's default on sm_90); -1 leaves tl.dot as it is."""
     if MMA == MMA_GEMV:
         products = tl.cast(a, tl.float32)[:, :, None] * tl.cast(w, tl.float32)[None, :, :]
         acc = acc + tl.sum(products, axis=1)
@@ -222,8 +239,8 @@ def _mma(a, w, acc, MMA: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_SUMS: t
         acc = acc + tl.cast(tl.trans(a), tl.float32) * tl.cast(w, tl.float32)
     elif MMA == MMA_SWAPPED:
         acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
-    elif FP32_SUMS:
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=0)
+    elif PROMOTE_K >= 0:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     return acc
@@ -272,7 +289,7 @@ def _gate_up_kernel(
     num_pairs, top_k, hidden_size, inter_size, stride_x, stride_we, stride_wn, stride_se,
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr, SPLIT_K: tl.constexpr,
+    MMA: tl.constexpr, SPLIT_K: tl.constexpr, PROMOTE_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
@@ -296,8 +313,8 @@ def _gate_up_kernel(
             w_u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
             x = tl.cast(x, w_g.dtype)
-            acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION, GROUPED)
-            acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION, GROUPED)
+            acc_gate = _mma(x, w_g, acc_gate, MMA, DOT_PRECISION, PROMOTE_K)
+            acc_up = _mma(x, w_u, acc_up, MMA, DOT_PRECISION, PROMOTE_K)
         acc_gate = _rows_first(acc_gate, MMA)
         acc_up = _rows_first(acc_up, MMA)
         if SPLIT_K == 1:
@@ -356,7 +373,7 @@ def _down_kernel(
     GROUPED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, MMA: tl.constexpr, AMAX_BLOCK: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, PROMOTE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
     expert, first, count, match, rank = _expert_rows(ids_ptr, tiles_ptr, num_pairs, GROUPED, BLOCK_P, BLOCK_M)
@@ -379,7 +396,7 @@ def _down_kernel(
                 a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a), axis=1), FP8_MAX), MIN_SCALE)
                 a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                 a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION, GROUPED)
+            acc = _mma(a, w, _zero_acc(BLOCK_M, BLOCK_N, MMA, BLOCK_K), MMA, DOT_PRECISION, PROMOTE_K)
             acc = _rows_first(acc, MMA)
         else:
             if FP8:
@@ -394,7 +411,7 @@ def _down_kernel(
                 if FP8:
                     a = tl.minimum(tl.maximum(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX), FP8_MAX)
                     a = tl.cast(a, w.dtype, fp_downcast_rounding="rtne")
-                acc = _mma(a, w, acc, MMA, DOT_PRECISION, GROUPED)
+                acc = _mma(a, w, acc, MMA, DOT_PRECISION, PROMOTE_K)
             acc = _rows_first(acc, MMA)
         if SPLIT_K == 1:
             _routed_epilogue(
@@ -532,6 +549,8 @@ def moe_expert_partials(
     down_tiles: Tiles | None = None,
     quantized: QuantizedRows | None = None,
     grouped: bool = False,
+    block_m: int | None = None,
+    promote_k: int | None = None,
 ) -> SlotPartials:
     """The contract of `moe_experts_reference` up to its last step, each token's sum over its slots: the
     weighted output of every (token, slot) pair, [T, k, H] fp32 (`SlotPartials`; `moe_experts_triton`
@@ -543,9 +562,11 @@ def moe_expert_partials(
     hidden's rows from `quantized` where given (`quantize_fp8(hidden, per_row=True)`'s values, made by the
     norm before: its kernel does it), else quantize them here.
 
-    `grouped`: any number of tokens (prefill): each program a tile of GROUPED_BLOCK_M rows of one expert
-    over the pairs sorted by expert on the device (`expert_tiles`), tl.dot tiles (GROUPED_TILES unless
-    given) with FP8 products summed in fp32; the same contract, the results within rounding of the
+    `grouped`: any number of tokens (prefill): each program a tile of `block_m` rows of one expert over
+    the pairs sorted by expert on the device (`expert_tiles`), tl.dot tiles, FP8 products summed in fp32
+    every `promote_k` of them (`_mma`); the tiles, `block_m` and `promote_k` from the device's tuned
+    file's grouped entry where it has one, else GROUPED_TILES, GROUPED_BLOCK_M and GROUPED_PROMOTE_K
+    (arguments override them: the tuner's sweep). The same contract, the results within rounding of the
     decode kernels' (another summation order)."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
@@ -558,7 +579,15 @@ def moe_expert_partials(
     width = gate_up_proj.element_size()
     tuned = None
     if grouped:
-        tuned = GROUPED_TILES[width]
+        choice = _grouped_choice(hidden, gate_up_proj, down_proj)
+        tuned = (choice.gate_up, choice.down)
+        block_m = block_m or choice.block_m
+        promote_k = choice.promote_k if promote_k is None else promote_k
+        if block_m < 16 or block_m & (block_m - 1) or promote_k < 0:
+            raise ValueError(
+                f"grouped MoE tiles take block_m a power of two of at least 16 and promote_k >= 0, got "
+                f"{block_m} and {promote_k}"
+            )
     elif hidden.is_cuda:
         index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
         tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
@@ -587,8 +616,8 @@ def moe_expert_partials(
     ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
     if grouped:
-        tiles, order = expert_tiles(topk_ids, gate_up_proj.shape[0], GROUPED_BLOCK_M)
-        programs, block_p, rows = tiles.shape[0], 1, {"BLOCK_M": GROUPED_BLOCK_M}
+        tiles, order = expert_tiles(topk_ids, gate_up_proj.shape[0], block_m)
+        programs, block_p, rows = tiles.shape[0], 1, {"BLOCK_M": block_m}
     else:
         tiles = order = ids  # unread
         programs, block_p, rows = num_pairs, triton.next_power_of_2(num_pairs), {}
@@ -607,8 +636,8 @@ def moe_expert_partials(
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
         **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, **launch_options(), num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, PROMOTE_K=_promote(grouped, promote_k, t),
+        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if t.split_k > 1:
         _sum_split_k(partial, x_scale, amax, gate_up_scale, ids, routing, act, top_k, fp8, scale_rows)
@@ -620,11 +649,30 @@ def moe_expert_partials(
         down_proj.stride(0), down_proj.stride(1), down_scale.stride(0),
         **common, **{**_mma_options(t, fp8, _DECODE_MMA_MODES), **rows}, **scale_rows,
         SINGLE_PASS=t.block_k >= inter_size, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
-        **launch_options(), num_warps=t.num_warps, num_stages=t.num_stages,
+        PROMOTE_K=_promote(grouped, promote_k, t), **launch_options(), num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
     if t.split_k > 1:
         _sum_split_k(partial, x_scale, amax, down_scale, ids, routing, pair_out, top_k, fp8, scale_rows)
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
+
+
+def _grouped_choice(
+    hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> GroupedTiles:
+    """The grouped kernels' tiles for these experts: the device's tuned ones, else the defaults."""
+    if hidden.is_cuda:
+        index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        tuned = tuned_grouped_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+        if tuned is not None:
+            return tuned
+    return GroupedTiles(GROUPED_BLOCK_M, GROUPED_PROMOTE_K, *GROUPED_TILES[gate_up_proj.element_size()])
+
+
+def _promote(grouped: bool, promote_k: int | None, tiles: Tiles) -> int:
+    """`_mma`'s PROMOTE_K for a kernel of these tiles: -1 (tl.dot as it is) for the decode kernels, else
+    `promote_k` capped at the tile's BLOCK_K (Triton refuses more than the dot's K for FP8)."""
+    return min(promote_k, tiles.block_k) if grouped and promote_k is not None else -1
 
 
 def _sum_split_k(

@@ -79,12 +79,48 @@ def device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+class GroupedTiles(NamedTuple):
+    """The grouped kernels' choice (prefill: ops/moe_decode_triton.py's grouped mode): rows of one expert
+    a tile, how many FP8 products the tensor core sums before they join the fp32 sum (`promote_k`), and
+    each kernel's tile. `faster` (tuned files only): whether the tuner measured them ahead of torch's
+    grouped GEMMs at every token count it timed, which is when `--moe-kernel auto` runs them
+    (layers/moe.py)."""
+
+    block_m: int
+    promote_k: int
+    gate_up: Tiles
+    down: Tiles
+    faster: bool = False
+
+
+def _tuned_config(device: str, shape: ExpertShape) -> dict | None:
+    path = config_path(device, shape)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 @functools.cache
 def tuned_tiles(device: str, shape: ExpertShape) -> tuple[Tiles, Tiles] | None:
-    """(gate_up, down) tiles from the tuned file of this device and shape; None without one. Read once per
-    process (the first call is in a warm-up forward, never inside a CUDA-graph capture)."""
-    path = config_path(device, shape)
-    if not path.exists():
+    """(gate_up, down) decode tiles from the tuned file of this device and shape; None without one (or a
+    file holding grouped tiles only). Read once per process (the first call is in a warm-up forward,
+    never inside a CUDA-graph capture)."""
+    config = _tuned_config(device, shape)
+    if config is None or "gate_up" not in config:
         return None
-    config = json.loads(path.read_text())
     return Tiles(*config["gate_up"]), Tiles(*config["down"])
+
+
+@functools.cache
+def tuned_grouped_tiles(device: str, shape: ExpertShape) -> GroupedTiles | None:
+    """The grouped kernels' tiles from the tuned file's "grouped" entry (ops/moe_tune_grouped.py); None
+    without one. Read once per process, as `tuned_tiles`."""
+    config = _tuned_config(device, shape)
+    grouped = (config or {}).get("grouped")
+    if grouped is None:
+        return None
+    return GroupedTiles(
+        grouped["block_m"],
+        grouped["promote_k"],
+        Tiles(*grouped["gate_up"]),
+        Tiles(*grouped["down"]),
+        faster=all(us < grouped["torch_us_per_call"][t] for t, us in grouped["us_per_call"].items()),
+    )

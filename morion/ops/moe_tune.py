@@ -31,6 +31,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import triton
@@ -229,13 +230,19 @@ def time_in_graph(
     )
 
 
+Candidate = TypeVar("Candidate", bound=tuple)
+
+
 def best_tiles(
-    candidates: Sequence[Tiles], time_of: Callable[[Tiles], dict[int, float]], label: str, rows: str = "T"
-) -> tuple[Tiles, dict[int, float]]:
+    candidates: Sequence[Candidate],
+    time_of: Callable[[Candidate], dict[int, float]],
+    label: str,
+    rows: str = "T",
+) -> tuple[Candidate, dict[int, float]]:
     """The candidate with the least summed time over the row counts (`time_of`: microseconds per row
     count), and its times; one line per candidate on stderr, prefixed by `label`. A candidate that does
     not compile (raised in the warm-up, before any capture) is skipped."""
-    best: tuple[float, Tiles, dict[int, float]] | None = None
+    best: tuple[float, Candidate, dict[int, float]] | None = None
     for tiles in candidates:
         try:
             times = time_of(tiles)
@@ -268,17 +275,17 @@ def disagreement(
     return None
 
 
-def _sweep(
+def sweep_kernel(
     fn: Callable[..., torch.Tensor],
     kernel: str,
     candidates: Sequence[Tiles],
-    fixed: dict[str, Tiles],
+    fixed: dict[str, Any],
     experts: Experts,
     batches: dict[int, list[Batch]],
     reference: dict[int, torch.Tensor],
 ) -> tuple[Tiles, dict[int, float]]:
-    """The best of `candidates` for `kernel` with the other kernel's tile `fixed` (`best_tiles`); one
-    whose output disagrees with `reference` is refused (never chosen)."""
+    """The best of `candidates` for `kernel` with the other kernel's tile (and any other option of `fn`)
+    `fixed` (`best_tiles`); one whose output disagrees with `reference` is refused (never chosen)."""
 
     def time_of(tiles: Tiles) -> dict[int, float]:
         options = {**fixed, f"{kernel}_tiles": tiles}
@@ -335,7 +342,7 @@ def tune(
     down_tiles = with_expansions(
         [t for t in down_candidates(shape.intermediate) if exact_mma(t, fp8)], shape.dtype
     )
-    sweep = functools.partial(_sweep, fn, experts=experts, batches=batches, reference=reference)
+    sweep = functools.partial(sweep_kernel, fn, experts=experts, batches=batches, reference=reference)
     gate_up, _ = sweep("gate_up", gate_up_candidates, fixed_down)
     down, _ = sweep("down", down_tiles, {"gate_up_tiles": gate_up})
     gate_up_round = launch_variants(gate_up) + split_variants(gate_up, shape.hidden, shape.dtype)
@@ -371,14 +378,18 @@ def write_tuned(config: dict, path: Path) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m morion.ops.moe_tune", description=__doc__.split("\n")[0])
+def tuner_arguments(
+    prog: str, doc: str, dtypes: Sequence[str], tokens: str, argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, ExpertShape, list[int]]:
+    """The MoE tuners' command line (this one's, ops/moe_tune_grouped.py's): the expert shape, the token
+    counts (default `tokens`), `--shared-expert` and `--out`; checked, with a CUDA device required."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--intermediate", type=int, required=True)
     parser.add_argument("--top-k", type=int, required=True)
-    parser.add_argument("--dtype", default="fp8", choices=("fp8", "nvfp4", "bfloat16"))
-    parser.add_argument("--tokens", default="1,4", help="token counts whose summed time is minimised")
+    parser.add_argument("--dtype", default="fp8", choices=dtypes)
+    parser.add_argument("--tokens", default=tokens, help="token counts whose summed time is minimised")
     parser.add_argument(
         "--shared-expert",
         action="store_true",
@@ -389,11 +400,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tuning needs a CUDA device")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    shape = ExpertShape(args.experts, args.hidden, args.intermediate, args.dtype)
-    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        token_counts = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        token_counts = []
+    if not token_counts or min(token_counts) < 1:
+        parser.error(f"--tokens must be positive integers separated by commas, got {args.tokens!r}")
     if args.shared_expert and args.top_k < 2:
         parser.error("--shared-expert needs --top-k of at least 2 (the routed slots and the shared one)")
+    shape = ExpertShape(args.experts, args.hidden, args.intermediate, args.dtype)
+    return args, shape, token_counts
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, shape, tokens = tuner_arguments(
+        "python -m morion.ops.moe_tune", __doc__, ("fp8", "nvfp4", "bfloat16"), "1,4", argv
+    )
+    device = torch.device("cuda", torch.cuda.current_device())
     shipped = tuned_tiles(torch.cuda.get_device_name(device), shape)
     config = tune(shape, args.top_k, tokens, device, args.shared_expert, shipped)
     path = config_path(config["device"], shape, args.out)

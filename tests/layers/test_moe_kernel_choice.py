@@ -12,6 +12,7 @@ from morion import cli
 from morion.config import EngineConfig
 from morion.engine_flags import engine_options
 from morion.errors import MorionError
+from morion.layers import moe as moe_layer
 from morion.layers.moe import (
     AUTO_TRITON_MAX_TOKENS,
     SparseMoE,
@@ -19,6 +20,7 @@ from morion.layers.moe import (
     set_moe_kernel,
 )
 from morion.ops.moe_decode_triton import MAX_PAIRS
+from morion.ops.moe_tiles import GroupedTiles, Tiles, expert_shape
 
 
 def small_moe() -> SparseMoE:
@@ -85,7 +87,7 @@ class _CudaRows:
     """What `StackedExperts._path` reads of its input, as a CUDA tensor of `tokens` rows would say it."""
 
     is_cuda = True
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
 
     def __init__(self, tokens: int) -> None:
         self.shape = (tokens, 48)
@@ -106,12 +108,23 @@ def test_nvfp4_experts_never_take_a_dequantizing_path_on_cuda(kernel):
 
 
 @pytest.mark.parametrize("weights", ("model", "fp8"))
-def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(weights):
+def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(weights, monkeypatch):
     """Under triton, FP8 and unquantized experts past MAX_PAIRS run the fused kernels' grouped mode
-    (prefill), not torch's grouped GEMMs, whatever their shape; auto keeps torch's there."""
+    (prefill), not torch's grouped GEMMs, whatever their shape; auto keeps torch's there unless the
+    device's tuned file holds grouped tiles measured faster at this shape (ops/moe_tune_grouped.py)."""
+    tuned: dict[tuple, GroupedTiles] = {}
+    monkeypatch.setattr(moe_layer, "device_name", lambda index: f"GPU {index}")
+    monkeypatch.setattr(moe_layer, "tuned_grouped_tiles", lambda device, shape: tuned.get((device, shape)))
     experts = StackedExperts(8, 48, 32, weights)
     experts.kernel = "triton"
     assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
     assert experts._path(_CudaRows(4), 8) == "triton"
     experts.kernel = "auto"
     assert experts._path(_CudaRows(600), 1200) != "triton-grouped"
+    shape = expert_shape(experts.gate_up_proj, experts.down_proj)
+    tiles = GroupedTiles(32, 128, Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3))
+    tuned[("GPU 0", shape)] = tiles  # measured, not faster
+    assert experts._path(_CudaRows(600), 1200) != "triton-grouped"
+    tuned[("GPU 0", shape)] = tiles._replace(faster=True)
+    assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
+    assert experts._path(_CudaRows(4), 8) == "triton"  # decode sizes keep the fused kernels

@@ -209,7 +209,7 @@ KERNELS = {
         for pool in ("fp8e4nv", "bf16")
     },
     **{
-        f"moe_decode_triton._gate_up_kernel[{mma}, fp8, split_k {split_k}]": (
+        f"moe_decode_triton._gate_up_kernel[{mma}, fp8, split_k {split_k}{', grouped' if grouped else ''}]": (
             moe_decode_triton._gate_up_kernel,
             {
                 "x_ptr": "*fp8e4nv",
@@ -232,18 +232,25 @@ KERNELS = {
                 "stride_se": "i32",
             },
             {
-                "GROUPED": False,
+                "GROUPED": grouped,
                 "FP8": True,
                 "DOT_PRECISION": "tf32",
-                "BLOCK_P": 16,
-                "BLOCK_M": 1 if mma == "gemv" else 16,
-                "BLOCK_N": 32,
-                "BLOCK_K": 256,
+                "BLOCK_P": 1 if grouped else 16,
+                "BLOCK_M": 64 if grouped else 1 if mma == "gemv" else 16,
+                "BLOCK_N": 64 if grouped else 32,
+                "BLOCK_K": 128 if grouped else 256,
                 "MMA": _MMA_MODES[mma],
                 "SPLIT_K": split_k,
+                # The grouped mode's 64-row tiles are Hopper wgmma: FP8 sums promoted every 128 products.
+                "PROMOTE_K": 128 if grouped else -1,
             },
         )
-        for mma, split_k in (("dot", 1), ("gemv", 1), ("dot", 4))
+        for mma, split_k, grouped in (
+            ("dot", 1, False),
+            ("gemv", 1, False),
+            ("dot", 4, False),
+            ("dot", 1, True),
+        )
     },
     "qsa_triton._store_block_keys_kernel": (
         qsa_triton._store_block_keys_kernel,

@@ -321,3 +321,28 @@ def test_the_grouped_mode_takes_dot_tiles_only():
     case = on_device(*make_case(3, torch.float32))
     with pytest.raises(ValueError, match=r"tl\.dot tiles"):
         moe_experts_triton(*case, grouped=True, gate_up_tiles=Tiles(32, 32, 4, 2, "gemv"))
+
+
+@pytest.mark.parametrize("block_m, promote_k", [(16, 128), (32, 0), (64, 32)])
+def test_the_grouped_mode_s_rows_and_promotion_keep_the_fp8_reference(block_m, promote_k):
+    """Rows a tile and the FP8 promotion interval (the grouped tuner's choices, ops/moe_tune_grouped.py):
+    an expert's ~30 pairs spread over tiles of 16 or 32 rows and still equal the FP8 reference (the
+    interpreter sums in fp32 whatever the interval; the GPU test measures the tensor core's)."""
+    hidden, gate_up, down, weights, ids = make_case(120, torch.float32, seed=50 + block_m)
+    gate_up_q, down_q, scales = fp8_experts(gate_up, down)
+    out = moe_experts_triton(
+        *on_device(hidden, gate_up_q, down_q, weights, ids),
+        **{k: v.to(DEVICE) for k, v in scales.items()},
+        grouped=True,
+        block_m=block_m,
+        promote_k=promote_k,
+    )
+    expected = moe_experts_reference(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert rel_l2(out, expected) < 1e-3
+
+
+@pytest.mark.parametrize("options", [{"block_m": 24}, {"block_m": 8}, {"promote_k": -1}])
+def test_the_grouped_mode_refuses_rows_and_promotions_it_cannot_run(options):
+    case = on_device(*make_case(3, torch.float32))
+    with pytest.raises(ValueError, match="block_m a power of two"):
+        moe_experts_triton(*case, grouped=True, **options)

@@ -108,7 +108,14 @@ def test_the_grouped_mode_at_prefill_sizes_against_the_grouped_gemms(moe_experts
         out = run_experts(triton_experts, moe_experts[kind], *batches[0], grouped=True)
         reference = run_experts(moe_experts_grouped, moe_experts[kind], *batches[0])
         assert rel_l2(out, reference) < (1.5e-2 if kind == "bf16" else 4e-2)  # as at decode sizes
+        # FP8 products promoted to fp32 every 128 (the default) against after every MMA instruction: the
+        # tensor core's reduced-precision sums of at most 128 products stay near the exact ones.
+        exact = run_experts(triton_experts, moe_experts[kind], *batches[0], grouped=True, promote_k=0)
+        assert rel_l2(out, exact) < 2**-7
         lines.append(timing_line(kind, moe_experts[kind], batches, grouped=True))
+        if kind == "fp8":
+            line = timing_line(kind, moe_experts[kind], batches, grouped=True, promote_k=0)
+            lines.append(f"{line} [promote_k 0]")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -221,3 +228,37 @@ def test_split_k_at_the_real_shapes(moe_experts, kind, capsys):
         lines.append(f"moe {kind} T={tokens}: " + ", ".join(f"{k} {us:.1f} us" for k, us in times.items()))
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def test_the_grouped_tuner_records_tiles_that_auto_runs_where_they_beat_the_grouped_gemms(
+    moe_experts, tmp_path, monkeypatch, capsys
+):
+    """`python -m morion.ops.moe_tune_grouped` over one candidate a stage at 1,024 tokens: the entry joins
+    a file beside the decode tiles and `tuned_grouped_tiles` hands it to the kernels; `--moe-kernel auto`
+    takes the grouped mode past the fused kernels only where the entry beat torch's grouped GEMMs."""
+    from morion.layers.moe import StackedExperts
+    from morion.ops import moe_tiles, moe_tune_grouped
+
+    monkeypatch.setattr(moe_tune_grouped, "BLOCK_M_CANDIDATES", (32,))
+    monkeypatch.setattr(moe_tune_grouped, "GATE_UP_CANDIDATES", moe_tune_grouped.GATE_UP_CANDIDATES[:1])
+    monkeypatch.setattr(moe_tune_grouped, "DOWN_CANDIDATES", moe_tune_grouped.DOWN_CANDIDATES[:1])
+    monkeypatch.setattr(moe_tune_grouped, "launch_variants", lambda tiles: [tiles])
+    flags = ["--experts", "512", "--hidden", "2048", "--intermediate", "512", "--top-k", "10"]
+    moe_tune_grouped.main([*flags, "--tokens", "1024", "--out", str(tmp_path)])
+    [path] = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())["grouped"]
+    assert entry["block_m"] == 32 and entry["promote_k"] in moe_tune_grouped.PROMOTE_K_CANDIDATES
+    assert set(entry["us_per_call"]) == set(entry["torch_us_per_call"]) == {"1024"}
+    with capsys.disabled():
+        print(f"\nmoe tune grouped: {moe_tune_grouped.summary(entry)}")
+
+    experts = StackedExperts(512, 2048, 512, weights="fp8").cuda()
+    x = torch.zeros(200, 2048, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
+    for torch_us, expected in ((1e9, "triton-grouped"), (1e-3, "grouped")):
+        path.write_text(json.dumps({"grouped": {**entry, "torch_us_per_call": {"1024": torch_us}}}))
+        moe_tiles.tuned_grouped_tiles.cache_clear()
+        try:
+            assert experts._path(x, 200 * 10) == expected
+        finally:
+            moe_tiles.tuned_grouped_tiles.cache_clear()

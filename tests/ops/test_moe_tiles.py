@@ -51,3 +51,36 @@ def test_the_presets_experts_with_the_shared_expert_stacked_have_tiles_tuned_as_
             Tiles(*config["gate_up"]),
             Tiles(*config["down"]),
         )
+
+
+def test_a_grouped_entry_is_read_beside_the_decode_tiles_and_alone(tmp_path, monkeypatch):
+    """ops/moe_tune_grouped.py's entry: its rows, promotion and tiles, and `faster` only where it beat
+    torch's grouped GEMMs at every token count timed; a file holding it alone has no decode tiles."""
+    monkeypatch.setattr(moe_tiles, "CONFIG_DIR", tmp_path)
+    entry = {
+        "block_m": 32,
+        "promote_k": 128,
+        "gate_up": [128, 128, 8, 3],
+        "down": [128, 64, 4, 4],
+        "us_per_call": {"1024": 500.0, "4096": 1100.0},
+        "torch_us_per_call": {"1024": 950.0, "4096": 1050.0},
+    }
+    decode = {"gate_up": [16, 256, 4, 3], "down": [64, 128, 4, 2]}
+    both, alone, faster = (ExpertShape(e, 64, 32, "fp8") for e in (8, 9, 10))
+    moe_tiles.config_path("Some GPU", both).write_text(json.dumps({**decode, "grouped": entry}))
+    moe_tiles.config_path("Some GPU", alone).write_text(json.dumps({"grouped": entry}))
+    quicker = {**entry, "us_per_call": {"1024": 500.0, "4096": 1000.0}}
+    moe_tiles.config_path("Some GPU", faster).write_text(json.dumps({"grouped": quicker}))
+    for cached in (moe_tiles.tuned_tiles, moe_tiles.tuned_grouped_tiles):
+        cached.cache_clear()
+    try:
+        grouped = moe_tiles.tuned_grouped_tiles("Some GPU", both)
+        assert grouped == moe_tiles.GroupedTiles(32, 128, Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), False)
+        assert moe_tiles.tuned_tiles("Some GPU", both) == (Tiles(16, 256, 4, 3), Tiles(64, 128, 4, 2))
+        assert moe_tiles.tuned_tiles("Some GPU", alone) is None
+        assert moe_tiles.tuned_grouped_tiles("Some GPU", alone) == grouped
+        assert moe_tiles.tuned_grouped_tiles("Some GPU", faster).faster
+        assert moe_tiles.tuned_grouped_tiles("Other GPU", both) is None
+    finally:
+        for cached in (moe_tiles.tuned_tiles, moe_tiles.tuned_grouped_tiles):
+            cached.cache_clear()

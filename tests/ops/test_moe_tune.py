@@ -1,10 +1,12 @@
 import json
 
+import pytest
 import torch
 
 from morion.ops.moe_decode_triton import exact_mma
-from morion.ops.moe_tiles import ExpertShape, Tiles
+from morion.ops.moe_tiles import ExpertShape, Tiles, config_path
 from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch, split_variants, write_tuned
+from morion.ops.moe_tune_grouped import record_grouped, summary
 
 
 def test_launch_variants_keep_the_block_shape_and_start_with_the_chosen_tile():
@@ -64,3 +66,66 @@ def test_the_written_line_compares_with_the_shipped_files_tiles(tmp_path):
     del config["shipped_us_per_call"]
     line = write_tuned(config, tmp_path / "E.json")
     assert line == "T=1 20.0 us (default 30.0), T=4 50.0 us (default 70.0)"
+
+
+def test_the_grouped_entry_joins_the_file_and_keeps_its_decode_tiles(tmp_path):
+    shape = ExpertShape(513, 2048, 512, "fp8")
+    path = config_path("Some GPU", shape, tmp_path)
+    path.write_text(json.dumps({"device": "Some GPU", "gate_up": [32, 256, 2, 3], "down": [64, 128, 2, 5]}))
+    entry = {
+        "block_m": 32,
+        "promote_k": 128,
+        "us_per_call": {"1024": 510.5},
+        "default_us_per_call": {"1024": 2175.0},
+        "torch_us_per_call": {"1024": 958.1},
+    }
+    assert record_grouped(entry, "Some GPU", shape, tmp_path) == path
+    config = json.loads(path.read_text())
+    assert config["gate_up"] == [32, 256, 2, 3] and config["grouped"] == entry
+    fresh = record_grouped(entry, "Other GPU", shape, tmp_path / "new")
+    assert json.loads(fresh.read_text()) == {"device": "Other GPU", **shape._asdict(), "grouped": entry}
+    assert summary(entry) == "T=1024 510.5 us (defaults 2175.0, torch 958.1)"
+
+
+def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torch_beside_it(monkeypatch):
+    """`tune_grouped`'s stages on tiny FP8 experts in the interpreter, CUDA-graph timing replaced by a
+    table (no GPU here): rows and promotion first, then each kernel's tiles and launch variants; the
+    entry holds the cheapest, the defaults' and torch's times."""
+    from morion.ops import moe_tune, moe_tune_grouped
+
+    def fake_time(fn, experts, batches, **options) -> float:
+        if fn is not moe_tune_grouped.moe_experts_triton:
+            return 900.0  # torch's grouped GEMMs
+        cost = {16: 300.0, 32: 100.0, 64: 200.0}[options["block_m"]] + (
+            50.0 if options["promote_k"] else 80.0
+        )
+        cost -= options["gate_up_tiles"].block_n / 8 + options["down_tiles"].num_stages
+        return cost
+
+    for module in (moe_tune, moe_tune_grouped):
+        monkeypatch.setattr(module, "time_in_graph", fake_time)
+    monkeypatch.setattr(moe_tune_grouped, "GATE_UP_CANDIDATES", [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3)])
+    monkeypatch.setattr(moe_tune_grouped, "DOWN_CANDIDATES", [Tiles(64, 64, 4, 3)])
+    monkeypatch.setattr(
+        moe_tune_grouped, "launch_variants", lambda tiles: [tiles, tiles._replace(num_stages=4)]
+    )
+    shape = ExpertShape(8, 64, 64, "fp8")
+    entry = moe_tune_grouped.tune_grouped(shape, 2, [40], torch.device("cpu"), shared=False)
+    assert (entry["block_m"], entry["promote_k"]) == (32, 128)
+    assert Tiles(*entry["gate_up"]) == Tiles(128, 64, 4, 3) and Tiles(*entry["down"]) == Tiles(64, 64, 4, 4)
+    assert entry["us_per_call"] == {"40": 100.0 + 50.0 - 16 - 4}
+    assert entry["torch_us_per_call"] == {"40": 900.0}
+    assert entry["default_us_per_call"] == {"40": 200.0 + 50.0 - 8 - 3}
+
+
+def test_the_grouped_tuner_names_what_it_cannot_run(capsys):
+    from morion.ops import moe_tune_grouped
+
+    flags = ["--experts", "8", "--hidden", "64", "--intermediate", "64", "--top-k", "2"]
+    with pytest.raises(SystemExit):
+        moe_tune_grouped.main([*flags, "--dtype", "nvfp4"])
+    assert "invalid choice: 'nvfp4'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            moe_tune_grouped.main(flags)
+        assert "tuning needs a CUDA device" in capsys.readouterr().err
