@@ -53,7 +53,7 @@ from morion.engine.scheduler import Scheduler
 from morion.engine.startup_report import report_startup
 from morion.errors import MorionError
 from morion.layers.merged_linears import merge_projections, merged_groups
-from morion.layers.moe import set_moe_kernel
+from morion.layers.moe import StackedExperts, set_moe_kernel
 from morion.layers.qsa_attention import QSAAttention, set_qsa_prefill
 from morion.loader import LoadedModel, load_model
 from morion.ops.pdl import set_pdl_mode
@@ -462,6 +462,16 @@ def _build_tiers(
             # Another prefill kernel sums a QSA row's keys in another order: a conversation cached by one
             # is never restored under the other.
             identity["model"]["qsa_prefill"] = config.qsa_prefill
+        if config.moe_kernel != "auto":
+            # Another expert kernel for some batch sizes: other bits for the prompts computed there.
+            identity["model"]["moe_kernel"] = config.moe_kernel
+        moe_prefill = {m.prefill_kernel() for m in model.modules() if isinstance(m, StackedExperts)}
+        grouped_modes = sorted(kernel for kernel in moe_prefill if kernel.startswith("triton-grouped"))
+        if grouped_modes:
+            # The fused kernels' grouped mode (a device's tuned entry under auto) computes a prompt's
+            # chunks in other bits than torch's grouped GEMMs, and one entry's tiles in other bits than
+            # another's: a conversation cached under one is never restored under another.
+            identity["model"]["moe_prefill"] = grouped_modes
         if tensor_parallel.size > 1:  # a rank's shard: never read by another layout or another rank
             identity["tensor_parallel"] = {"size": tensor_parallel.size, "rank": tensor_parallel.rank}
         info = {

@@ -212,6 +212,24 @@ class StackedExperts(nn.Module):
         log_once(logger, f"MoE experts on cuda: every expert on every token, masked ({why})")
         return "dense"
 
+    def prefill_kernel(self) -> str:
+        """What this module runs for a prefill chunk past the fused kernels, as `_path` chooses on its
+        weights' device: "reference", "dense", "grouped" (torch's grouped GEMMs, or NVFP4's own), or the
+        fused kernels' grouped mode with the rows, promotion and tiles it runs. The disk tier's namespace
+        names a grouped mode (engine/assembly.py): another kernel computes a prompt's K/V and states in
+        other bits, and a conversation cached under one is never restored under the other."""
+        from morion.ops.moe_decode_triton import MAX_PAIRS, grouped_choice
+
+        rows = self.gate_up_proj.new_empty(AUTO_TRITON_MAX_TOKENS + 1, 0)
+        path = self._path(rows, MAX_PAIRS + 1)
+        if path != "triton-grouped":
+            return path
+        tiles = grouped_choice(rows, self.gate_up_proj, self.down_proj)
+        return (
+            f"triton-grouped block_m={tiles.block_m} promote_k={tiles.promote_k} "
+            f"gate_up={tuple(tiles.gate_up)} down={tuple(tiles.down)}"
+        )
+
     def _tuned_grouped_faster(self, x: torch.Tensor) -> bool:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         tuned = tuned_grouped_tiles(device_name(index), expert_shape(self.gate_up_proj, self.down_proj))

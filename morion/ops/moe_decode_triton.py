@@ -579,7 +579,7 @@ def moe_expert_partials(
     width = gate_up_proj.element_size()
     tuned = None
     if grouped:
-        choice = _grouped_choice(hidden, gate_up_proj, down_proj)
+        choice = grouped_choice(hidden, gate_up_proj, down_proj)
         tuned = (choice.gate_up, choice.down)
         block_m = block_m or choice.block_m
         promote_k = choice.promote_k if promote_k is None else promote_k
@@ -657,10 +657,9 @@ def moe_expert_partials(
     return SlotPartials(pair_out.view(tokens, top_k, hidden_size), hidden.dtype)
 
 
-def _grouped_choice(
-    hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
-) -> GroupedTiles:
-    """The grouped kernels' tiles for these experts: the device's tuned ones, else the defaults."""
+def grouped_choice(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> GroupedTiles:
+    """The grouped kernels' tiles for these experts on hidden's device: the device's tuned ones, else the
+    defaults."""
     if hidden.is_cuda:
         index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
         tuned = tuned_grouped_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from morion.cache.host_store import HostObjectStore
 from morion.cache.page_keys import chain_root, page_keys
 from morion.cache.testing import InFlightCopyEngine, flood
 from morion.engine.sampling_params import SamplingParams
+from morion.layers.moe import StackedExperts
 from morion.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -441,3 +443,34 @@ def test_other_weights_get_their_own_namespace(tiny, tiered, engine_factory, eng
         assert _run(other, engine_runner, prompt).usage.cached_tokens == 0
     finally:
         other.close()
+
+
+def test_another_expert_kernel_gets_its_own_namespace(tiny_qwen3_next, engine_factory, tmp_path, monkeypatch):
+    """`--moe-kernel` other than auto, and under auto a device's tuned grouped mode for prefill
+    (`StackedExperts.prefill_kernel`), compute a prompt's K/V and states in other bits: the disk tier keeps
+    each in a namespace of its own, so a conversation cached under one is never restored under another."""
+
+    def namespace(**options) -> tuple[Path, dict]:
+        engine = engine_factory(
+            tiny_qwen3_next,
+            page_size=PAGE,
+            host_cache_gb=HOST_GB,
+            disk_cache_dir=str(tmp_path / "disk"),
+            disk_cache_gb=1.0,
+            **options,
+        )
+        try:
+            disk = engine.tiers.disk
+            assert disk.enabled
+            return disk.dir, json.loads((disk.dir / "manifest.json").read_text())["identity"]["model"]
+        finally:
+            engine.close()
+
+    default_dir, default = namespace()
+    assert "moe_kernel" not in default and "moe_prefill" not in default
+    triton_dir, triton = namespace(moe_kernel="triton")
+    assert triton["moe_kernel"] == "triton" and triton_dir != default_dir
+    monkeypatch.setattr(StackedExperts, "prefill_kernel", lambda self: "triton-grouped block_m=32")
+    tuned_dir, tuned = namespace()
+    assert tuned["moe_prefill"] == ["triton-grouped block_m=32"]
+    assert tuned_dir not in (default_dir, triton_dir)

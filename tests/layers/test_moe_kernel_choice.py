@@ -128,3 +128,25 @@ def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(we
     tuned[("GPU 0", shape)] = tiles._replace(faster=True)
     assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
     assert experts._path(_CudaRows(4), 8) == "triton"  # decode sizes keep the fused kernels
+
+
+def test_the_prefill_kernel_names_the_grouped_mode_with_its_tiles(monkeypatch):
+    """What a module runs for prefill chunks, as the disk tier's namespace names it: its path on its
+    weights' device, and for the fused kernels' grouped mode the rows, promotion and tiles it runs."""
+    from morion.ops.moe_decode_triton import GROUPED_BLOCK_M, GROUPED_PROMOTE_K, GROUPED_TILES
+
+    experts = StackedExperts(8, 48, 32, "fp8")
+    assert experts.prefill_kernel() == "reference"  # the CPU
+    seen = []
+
+    def grouped_mode(self, x, num_pairs):
+        seen.append((x.shape[0], num_pairs))
+        return "triton-grouped"
+
+    monkeypatch.setattr(StackedExperts, "_path", grouped_mode)
+    gate_up, down = GROUPED_TILES[1]
+    assert experts.prefill_kernel() == (
+        f"triton-grouped block_m={GROUPED_BLOCK_M} promote_k={GROUPED_PROMOTE_K} "
+        f"gate_up={tuple(gate_up)} down={tuple(down)}"
+    )
+    assert seen == [(AUTO_TRITON_MAX_TOKENS + 1, MAX_PAIRS + 1)]  # past the fused kernels' rows and pairs
