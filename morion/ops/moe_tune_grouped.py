@@ -6,7 +6,8 @@ expert shape, against torch's grouped GEMMs, and records it in the device's tune
 
 Random experts and routings as ops/moe_tune.py makes them, GROUPED_ROUTINGS per token count (one call of
 a prefill chunk reads about every expert already). The sweep: rows of one expert per tile (`block_m`)
-with each FP8 promotion interval (`promote_k`: FP8 weights only) on the default tiles; then the gate/up
+with each FP8 promotion interval (`promote_k`: FP8 weights only) on the default tiles (at 8 warps for
+128 rows); then the gate/up
 tiles, the down tiles with the chosen gate/up one, and each kernel's warp counts and pipeline depths
 around its choice. A candidate's cost is its microseconds per call summed over the token counts (CUDA-graph
 replays); its output must agree with the default tiles' with exact fp32 sums (`promote_k` 0) within
@@ -49,7 +50,8 @@ from morion.ops.moe_tune import (
 )
 
 GROUPED_ROUTINGS = 4
-BLOCK_M_CANDIDATES = (16, 32, 64)
+# At 4K tokens an expert of the 80B has ~80 rows: 64-row tiles read its weights twice, 128-row ones once.
+BLOCK_M_CANDIDATES = (16, 32, 64, 128)
 # FP8 products the tensor core sums before they join the fp32 sum: after every MMA instruction (exact),
 # or every 128 (CUTLASS's interval), capped at the tile's BLOCK_K by the kernels.
 PROMOTE_K_CANDIDATES = (0, 128)
@@ -60,6 +62,12 @@ DOWN_CANDIDATES = [Tiles(n, k, 4, s) for n in (64, 128, 256) for k in (64, 128) 
 class RowTiles(NamedTuple):
     block_m: int
     promote_k: int
+
+
+def with_warps_for(tiles: Tiles, block_m: int) -> Tiles:
+    """`tiles` at 8 warps for 128-row tiles, whose two [128, BLOCK_N] fp32 accumulators (gate and up)
+    would spill at 4: the candidates' first rounds then compare such rows at their best warp count."""
+    return tiles._replace(num_warps=8) if block_m >= 128 else tiles
 
 
 def launch_variants(tiles: Tiles) -> list[Tiles]:
@@ -93,7 +101,12 @@ def tune_grouped(
         return {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
 
     def rows_time(rows: RowTiles) -> dict[int, float]:
-        options = {**base, **rows._asdict()}
+        options = {
+            **base,
+            "gate_up_tiles": with_warps_for(gate_up, rows.block_m),
+            "down_tiles": with_warps_for(down, rows.block_m),
+            **rows._asdict(),
+        }
         error = disagreement(moe_experts_triton, experts, batches, exact, **options)
         if error is not None:
             print(f"moe tune grouped {tuple(rows)}: refused, {error}", file=sys.stderr)
@@ -112,8 +125,11 @@ def tune_grouped(
         sweep_kernel, moe_experts_triton, experts=experts, batches=batches, reference=exact
     )
     fixed = {"grouped": True, **rows._asdict()}
-    gate_up, _ = sweep("gate_up", GATE_UP_CANDIDATES, {**fixed, "down_tiles": down})
-    down, _ = sweep("down", DOWN_CANDIDATES, {**fixed, "gate_up_tiles": gate_up})
+    gate_up_candidates = [with_warps_for(t, rows.block_m) for t in GATE_UP_CANDIDATES]
+    down_candidates = [with_warps_for(t, rows.block_m) for t in DOWN_CANDIDATES]
+    down = with_warps_for(down, rows.block_m)
+    gate_up, _ = sweep("gate_up", gate_up_candidates, {**fixed, "down_tiles": down})
+    down, _ = sweep("down", down_candidates, {**fixed, "gate_up_tiles": gate_up})
     gate_up, _ = sweep("gate_up", launch_variants(gate_up), {**fixed, "down_tiles": down})
     down, chosen_us = sweep("down", launch_variants(down), {**fixed, "gate_up_tiles": gate_up})
     return {

@@ -96,12 +96,14 @@ def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torc
     def fake_time(fn, experts, batches, **options) -> float:
         if fn is not moe_tune_grouped.moe_experts_triton:
             return 900.0  # torch's grouped GEMMs
-        cost = {16: 300.0, 32: 100.0, 64: 200.0}[options["block_m"]] + (
-            50.0 if options["promote_k"] else 80.0
-        )
+        if options["block_m"] == 128:  # compared at 8 warps: 4 would spill its accumulators
+            warps_of_128_rows.update((options["gate_up_tiles"].num_warps, options["down_tiles"].num_warps))
+        cost = {16: 300.0, 32: 100.0, 64: 200.0, 128: 400.0}[options["block_m"]]
+        cost += 50.0 if options["promote_k"] else 80.0
         cost -= options["gate_up_tiles"].block_n / 8 + options["down_tiles"].num_stages
         return cost
 
+    warps_of_128_rows = set()
     for module in (moe_tune, moe_tune_grouped):
         monkeypatch.setattr(module, "time_in_graph", fake_time)
     monkeypatch.setattr(moe_tune_grouped, "GATE_UP_CANDIDATES", [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3)])
@@ -116,6 +118,7 @@ def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torc
     assert entry["us_per_call"] == {"40": 100.0 + 50.0 - 16 - 4}
     assert entry["torch_us_per_call"] == {"40": 900.0}
     assert entry["default_us_per_call"] == {"40": 200.0 + 50.0 - 8 - 3}
+    assert warps_of_128_rows == {8}
 
 
 def test_the_grouped_tuner_names_what_it_cannot_run(capsys):
