@@ -88,17 +88,24 @@ def test_the_grouped_entry_joins_the_file_and_keeps_its_decode_tiles(tmp_path):
 
 
 def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torch_beside_it(monkeypatch):
-    """`tune_grouped`'s stages on tiny FP8 experts in the interpreter, CUDA-graph timing replaced by a
-    table (no GPU here): rows and promotion first, then each kernel's tiles and launch variants; the
-    entry holds the cheapest, the defaults' and torch's times."""
+    """`tune_grouped`'s stages with the kernels' outputs and CUDA-graph times replaced by tables (no GPU
+    here; the kernels' own tests cover their results): rows and promotion first, then each kernel's tiles
+    and launch variants; a cheaper candidate whose output is off the exact sums is refused; the entry
+    holds the cheapest agreeing one, the defaults' and torch's times."""
     from morion.ops import moe_tune, moe_tune_grouped
+
+    exact = torch.linspace(1, 2, 40 * 64).view(40, 64)
+
+    def fake_output(fn, experts, hidden, weights, ids, **options) -> torch.Tensor:
+        off = options.get("block_m") == 16 and options.get("promote_k") == 128  # the cheapest rows
+        return exact * (1 + 4 * moe_tune.AGREEMENT) if off else exact
 
     def fake_time(fn, experts, batches, **options) -> float:
         if fn is not moe_tune_grouped.moe_experts_triton:
             return 900.0  # torch's grouped GEMMs
         if options["block_m"] == 128:  # compared at 8 warps: 4 would spill its accumulators
             warps_of_128_rows.update((options["gate_up_tiles"].num_warps, options["down_tiles"].num_warps))
-        cost = {16: 300.0, 32: 100.0, 64: 200.0, 128: 400.0}[options["block_m"]]
+        cost = {16: 10.0, 32: 100.0, 64: 200.0, 128: 400.0}[options["block_m"]]
         cost += 50.0 if options["promote_k"] else 80.0
         cost -= options["gate_up_tiles"].block_n / 8 + options["down_tiles"].num_stages
         return cost
@@ -106,6 +113,7 @@ def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torc
     warps_of_128_rows = set()
     for module in (moe_tune, moe_tune_grouped):
         monkeypatch.setattr(module, "time_in_graph", fake_time)
+        monkeypatch.setattr(module, "run_experts", fake_output)
     monkeypatch.setattr(moe_tune_grouped, "GATE_UP_CANDIDATES", [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3)])
     monkeypatch.setattr(moe_tune_grouped, "DOWN_CANDIDATES", [Tiles(64, 64, 4, 3)])
     monkeypatch.setattr(
@@ -113,9 +121,9 @@ def test_the_grouped_sweep_chooses_the_fastest_agreeing_candidate_and_times_torc
     )
     shape = ExpertShape(8, 64, 64, "fp8")
     entry = moe_tune_grouped.tune_grouped(shape, 2, [40], torch.device("cpu"), shared=False)
-    assert (entry["block_m"], entry["promote_k"]) == (32, 128)
+    assert (entry["block_m"], entry["promote_k"]) == (16, 0)  # 16 rows at 128 disagreed
     assert Tiles(*entry["gate_up"]) == Tiles(128, 64, 4, 3) and Tiles(*entry["down"]) == Tiles(64, 64, 4, 4)
-    assert entry["us_per_call"] == {"40": 100.0 + 50.0 - 16 - 4}
+    assert entry["us_per_call"] == {"40": 10.0 + 80.0 - 16 - 4}
     assert entry["torch_us_per_call"] == {"40": 900.0}
     assert entry["default_us_per_call"] == {"40": 200.0 + 50.0 - 8 - 3}
     assert warps_of_128_rows == {8}
