@@ -465,13 +465,13 @@ def _build_tiers(
         if config.moe_kernel != "auto":
             # Another expert kernel for some batch sizes: other bits for the prompts computed there.
             identity["model"]["moe_kernel"] = config.moe_kernel
-        moe_prefill = {m.prefill_kernel() for m in model.modules() if isinstance(m, StackedExperts)}
-        grouped_modes = sorted(kernel for kernel in moe_prefill if kernel.startswith("triton-grouped"))
-        if grouped_modes:
+        experts = [m.prefill_identity() for m in model.modules() if isinstance(m, StackedExperts)]
+        moe_prefill = sorted({kernel for kernel in experts if kernel is not None})
+        if moe_prefill:
             # The fused kernels' grouped mode (a device's tuned entry under auto) computes a prompt's
             # chunks in other bits than torch's grouped GEMMs, and one entry's tiles in other bits than
             # another's: a conversation cached under one is never restored under another.
-            identity["model"]["moe_prefill"] = grouped_modes
+            identity["model"]["moe_prefill"] = moe_prefill
         if tensor_parallel.size > 1:  # a rank's shard: never read by another layout or another rank
             identity["tensor_parallel"] = {"size": tensor_parallel.size, "rank": tensor_parallel.rank}
         info = {

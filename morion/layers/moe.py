@@ -33,7 +33,7 @@ from morion.layers.narrow_linear import NarrowLinear
 from morion.ops.fp8 import FP8_DTYPE, QuantizedRows
 from morion.ops.log_once import log_once
 from morion.ops.moe import moe_experts_dense, moe_experts_grouped, moe_experts_reference
-from morion.ops.moe_tiles import device_name, expert_shape, tuned_grouped_tiles
+from morion.ops.moe_tiles import tuned_grouped_on
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.skinny_tiles import linear_forward
 from morion.ops.slot_partials import SlotPartials
@@ -212,27 +212,33 @@ class StackedExperts(nn.Module):
         log_once(logger, f"MoE experts on cuda: every expert on every token, masked ({why})")
         return "dense"
 
-    def prefill_kernel(self) -> str:
-        """What this module runs for a prefill chunk past the fused kernels, as `_path` chooses on its
-        weights' device: "reference", "dense", "grouped" (torch's grouped GEMMs, or NVFP4's own), or the
-        fused kernels' grouped mode with the rows, promotion and tiles it runs. The disk tier's namespace
-        names a grouped mode (engine/assembly.py): another kernel computes a prompt's K/V and states in
-        other bits, and a conversation cached under one is never restored under the other."""
+    def prefill_identity(self) -> str | None:
+        """What this module runs for a prefill chunk past the fused kernels (`_path` on its weights'
+        device), where the disk tier's namespace must name it (engine/assembly.py): the fused kernels'
+        grouped mode, or NVFP4's grouped kernels with a device's tuned entry, with their rows, promotion
+        and tiles. Another kernel or tile computes a prompt's K/V and states in other bits, and a
+        conversation cached under one is never restored under another. None where prefill runs what it
+        always has by default (torch's grouped GEMMs, NVFP4's default tiles, the CPU's reference)."""
         from morion.ops.moe_decode_triton import MAX_PAIRS, grouped_choice
 
         rows = self.gate_up_proj.new_empty(AUTO_TRITON_MAX_TOKENS + 1, 0)
         path = self._path(rows, MAX_PAIRS + 1)
-        if path != "triton-grouped":
-            return path
-        tiles = grouped_choice(rows, self.gate_up_proj, self.down_proj)
+        if path == "triton-grouped":
+            tiles = grouped_choice(rows, self.gate_up_proj, self.down_proj)
+        elif path == "grouped" and self.nvfp4:
+            tiles = tuned_grouped_on(rows.device, self.gate_up_proj, self.down_proj)
+            if tiles is None:
+                return None
+            path = "nvfp4-grouped"
+        else:
+            return None
         return (
-            f"triton-grouped block_m={tiles.block_m} promote_k={tiles.promote_k} "
+            f"{path} block_m={tiles.block_m} promote_k={tiles.promote_k} "
             f"gate_up={tuple(tiles.gate_up)} down={tuple(tiles.down)}"
         )
 
     def _tuned_grouped_faster(self, x: torch.Tensor) -> bool:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        tuned = tuned_grouped_tiles(device_name(index), expert_shape(self.gate_up_proj, self.down_proj))
+        tuned = tuned_grouped_on(x.device, self.gate_up_proj, self.down_proj)
         return tuned is not None and tuned.faster
 
 

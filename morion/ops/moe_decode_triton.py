@@ -75,14 +75,7 @@ from morion.ops.moe_split_k import (
     store_partial,
     sum_slices,
 )
-from morion.ops.moe_tiles import (
-    GroupedTiles,
-    Tiles,
-    device_name,
-    expert_shape,
-    tuned_grouped_tiles,
-    tuned_tiles,
-)
+from morion.ops.moe_tiles import GroupedTiles, Tiles, device_name, expert_shape, tuned_grouped_on, tuned_tiles
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
@@ -660,11 +653,9 @@ def moe_expert_partials(
 def grouped_choice(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> GroupedTiles:
     """The grouped kernels' tiles for these experts on hidden's device: the device's tuned ones, else the
     defaults."""
-    if hidden.is_cuda:
-        index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-        tuned = tuned_grouped_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
-        if tuned is not None:
-            return tuned
+    tuned = tuned_grouped_on(hidden.device, gate_up_proj, down_proj)
+    if tuned is not None:
+        return tuned
     return GroupedTiles(GROUPED_BLOCK_M, GROUPED_PROMOTE_K, *GROUPED_TILES[gate_up_proj.element_size()])
 
 

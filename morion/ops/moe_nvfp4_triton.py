@@ -78,7 +78,7 @@ from morion.ops.moe_split_k import (
     store_partial,
     sum_slices,
 )
-from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_tiles
+from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_grouped_on, tuned_tiles
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
@@ -467,7 +467,7 @@ def moe_experts_nvfp4(
     gate_up_scale_2: torch.Tensor,
     down_scale_2: torch.Tensor,
     grouped: bool = False,
-    block_m: int = GROUPED_BLOCK_M,
+    block_m: int | None = None,
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
     unsummed: bool = False,
@@ -477,8 +477,9 @@ def moe_experts_nvfp4(
     kernel after the block to add.
     The decode kernels (at most MAX_PAIRS (token, expert) pairs; tiles: the device's tuned file for this
     shape, else the defaults), or with `grouped` the grouped kernels (any number of tokens: prefill;
-    `block_m` rows of one expert per tile, a power of two of at least 16; GROUPED_TILES, split_k = 1 only).
-    `*_tiles` override either."""
+    `block_m` rows of one expert per tile, a power of two of at least 16; rows and tiles from the tuned
+    file's grouped entry (ops/moe_tune_grouped.py), else GROUPED_BLOCK_M and GROUPED_TILES; split_k = 1
+    only). `block_m` and `*_tiles` override either."""
     scales = (gate_up_scale, down_scale, gate_up_scale_2, down_scale_2)
     if gate_up_proj.dtype != torch.uint8 or any(scale is None for scale in scales):
         raise ValueError("NVFP4 experts need uint8 codes and all four scales")
@@ -492,7 +493,9 @@ def moe_experts_nvfp4(
         return SlotPartials(empty, hidden.dtype) if unsummed else torch.zeros_like(hidden)
     tuned = None
     if grouped:
-        defaults = (GROUPED_TILES, GROUPED_TILES)
+        entry = tuned_grouped_on(hidden.device, gate_up_proj, down_proj)
+        defaults = (entry.gate_up, entry.down) if entry is not None else (GROUPED_TILES, GROUPED_TILES)
+        block_m = block_m or (entry.block_m if entry is not None else GROUPED_BLOCK_M)
     else:
         if hidden.is_cuda:
             index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()

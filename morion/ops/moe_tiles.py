@@ -122,5 +122,18 @@ def tuned_grouped_tiles(device: str, shape: ExpertShape) -> GroupedTiles | None:
         grouped["promote_k"],
         Tiles(*grouped["gate_up"]),
         Tiles(*grouped["down"]),
-        faster=all(us < grouped["torch_us_per_call"][t] for t, us in grouped["us_per_call"].items()),
+        # NVFP4 experts have no torch path to beat: their entry has no torch times, and is never "faster".
+        faster=all(
+            us < grouped.get("torch_us_per_call", {}).get(t, 0.0) for t, us in grouped["us_per_call"].items()
+        ),
     )
+
+
+def tuned_grouped_on(
+    device: torch.device, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> GroupedTiles | None:
+    """The tuned grouped entry for these stacked experts on `device`: its file's, on CUDA; else None."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuned_grouped_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))

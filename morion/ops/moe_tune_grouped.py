@@ -1,5 +1,6 @@
-"""Tunes the fused MoE kernels' grouped mode (prefill chunks: ops/moe_decode_triton.py) for this GPU and one
-expert shape, against torch's grouped GEMMs, and records it in the device's tuned file (ops/moe_tiles.py).
+"""Tunes the MoE grouped kernels (prefill chunks) for this GPU and one expert shape and records them in the
+device's tuned file (ops/moe_tiles.py): the fused kernels' grouped mode (ops/moe_decode_triton.py) for FP8
+and bf16 experts, against torch's grouped GEMMs; NVFP4's grouped kernels (ops/moe_nvfp4_triton.py).
 
     python -m morion.ops.moe_tune_grouped --experts 513 --hidden 2048 --intermediate 512 --top-k 11 \\
         --shared-expert --tokens 1024,4096
@@ -7,14 +8,15 @@ expert shape, against torch's grouped GEMMs, and records it in the device's tune
 Random experts and routings as ops/moe_tune.py makes them, GROUPED_ROUTINGS per token count (one call of
 a prefill chunk reads about every expert already). The sweep: rows of one expert per tile (`block_m`)
 with each FP8 promotion interval (`promote_k`: FP8 weights only) on the default tiles (at 8 warps for
-128 rows); then the gate/up
-tiles, the down tiles with the chosen gate/up one, and each kernel's warp counts and pipeline depths
-around its choice. A candidate's cost is its microseconds per call summed over the token counts (CUDA-graph
-replays); its output must agree with the default tiles' with exact fp32 sums (`promote_k` 0) within
-moe_tune's AGREEMENT, or it is refused. torch's grouped GEMMs (`moe_experts_grouped`, what `--moe-kernel
-auto` runs otherwise) are timed on the same batches: the entry records both, and `auto` runs the grouped
-mode only where it was faster at every token count (`GroupedTiles.faster`). The entry ("grouped") joins
-the file's decode tiles, which stay as they were; prints one line per candidate and the file's path.
+128 rows); then the gate/up tiles (NVFP4: in both code expansions), the down tiles with the chosen gate/up
+one, and each kernel's warp counts and pipeline depths around its choice. A candidate's cost is its
+microseconds per call summed over the token counts (CUDA-graph replays); its output must agree with the
+default tiles' with exact fp32 sums (`promote_k` 0) within moe_tune's AGREEMENT, or it is refused.
+torch's grouped GEMMs (`moe_experts_grouped`, what `--moe-kernel auto` runs otherwise for FP8 and bf16
+experts) are timed on the same batches: the entry records both, and `auto` runs the grouped mode only
+where it was faster at every token count (`GroupedTiles.faster`). NVFP4 experts always run their own
+grouped kernels, with the entry's rows and tiles where there is one. The entry ("grouped") joins the
+file's decode tiles, which stay as they were; prints one line per candidate and the file's path.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,6 +39,8 @@ from morion.ops.moe_decode_triton import (
     GROUPED_TILES,
     moe_experts_triton,
 )
+from morion.ops.moe_nvfp4_triton import GROUPED_TILES as NVFP4_GROUPED_TILES
+from morion.ops.moe_nvfp4_triton import moe_experts_nvfp4
 from morion.ops.moe_tiles import ExpertShape, Tiles, config_path
 from morion.ops.moe_tune import (
     best_tiles,
@@ -77,11 +81,34 @@ def launch_variants(tiles: Tiles) -> list[Tiles]:
     return [tiles, *(v for v in variants if v != tiles)]
 
 
+class Kernels(NamedTuple):
+    """What a sweep runs for one weight format: the op, its default tiles and rows, the promotion
+    intervals and code expansions to try."""
+
+    fn: Callable[..., torch.Tensor]
+    tiles: tuple[Tiles, Tiles]
+    rows: RowTiles
+    promotions: tuple[int, ...]
+    expansions: tuple[str, ...]
+
+
+def kernels_for(shape: ExpertShape) -> Kernels:
+    """The fused kernels' grouped mode for FP8 and bf16 experts; NVFP4's grouped kernels (no promotion:
+    they multiply in BF16; both code expansions, `Tiles.expand`) for NVFP4 ones."""
+    if shape.dtype == "nvfp4":
+        tiles = (NVFP4_GROUPED_TILES, NVFP4_GROUPED_TILES)
+        return Kernels(moe_experts_nvfp4, tiles, RowTiles(GROUPED_BLOCK_M, 0), (0,), ("byte", "group"))
+    promotions = PROMOTE_K_CANDIDATES if shape.dtype == "fp8" else (0,)
+    width = 1 if shape.dtype == "fp8" else torch.finfo(getattr(torch, shape.dtype)).bits // 8
+    rows = RowTiles(GROUPED_BLOCK_M, GROUPED_PROMOTE_K)
+    return Kernels(moe_experts_triton, GROUPED_TILES[width], rows, promotions, ("byte",))
+
+
 def tune_grouped(
     shape: ExpertShape, top_k: int, tokens: Sequence[int], device: torch.device, shared: bool
 ) -> dict:
     """The "grouped" entry of the tuned file: the chosen rows, promotion and tiles, with their times, the
-    defaults' and torch's grouped GEMMs' per token count."""
+    defaults' and (FP8 and bf16 experts) torch's grouped GEMMs' per token count."""
     experts = random_experts(shape, device)
     batches = {
         t: [
@@ -90,49 +117,51 @@ def tune_grouped(
         ]
         for t in tokens
     }
-    fp8 = shape.dtype == "fp8"
-    gate_up, down = GROUPED_TILES[experts["gate_up"].element_size()]
-    base = {"grouped": True, "gate_up_tiles": gate_up, "down_tiles": down}
-    exact = {
-        t: run_experts(moe_experts_triton, experts, *b[0], **base, promote_k=0) for t, b in batches.items()
-    }
+    kernels = kernels_for(shape)
+    nvfp4 = shape.dtype == "nvfp4"
+    gate_up, down = kernels.tiles
+
+    def row_options(rows: RowTiles) -> dict:
+        return {"grouped": True, "block_m": rows.block_m, **({} if nvfp4 else {"promote_k": rows.promote_k})}
 
     def times(**options) -> dict[int, float]:
-        return {t: time_in_graph(moe_experts_triton, experts, b, **options) for t, b in batches.items()}
+        return {t: time_in_graph(kernels.fn, experts, b, **options) for t, b in batches.items()}
+
+    # The reference: the default tiles with exact sums (no FP8 product summed in the tensor core).
+    exact_rows = kernels.rows._replace(promote_k=0)
+    base = {"gate_up_tiles": gate_up, "down_tiles": down}
+    exact = {
+        t: run_experts(kernels.fn, experts, *b[0], **base, **row_options(exact_rows))
+        for t, b in batches.items()
+    }
 
     def rows_time(rows: RowTiles) -> dict[int, float]:
         options = {
-            **base,
             "gate_up_tiles": with_warps_for(gate_up, rows.block_m),
             "down_tiles": with_warps_for(down, rows.block_m),
-            **rows._asdict(),
+            **row_options(rows),
         }
-        error = disagreement(moe_experts_triton, experts, batches, exact, **options)
+        error = disagreement(kernels.fn, experts, batches, exact, **options)
         if error is not None:
             print(f"moe tune grouped {tuple(rows)}: refused, {error}", file=sys.stderr)
             return {t: math.inf for t in batches}
         return times(**options)
 
-    torch_us = {t: time_in_graph(moe_experts_grouped, experts, b) for t, b in batches.items()}
-    default_us = times(**base, block_m=GROUPED_BLOCK_M, promote_k=GROUPED_PROMOTE_K)
-    row_candidates = [
-        RowTiles(block_m, promote_k)
-        for block_m in BLOCK_M_CANDIDATES
-        for promote_k in (PROMOTE_K_CANDIDATES if fp8 else (0,))
-    ]
+    default_us = times(**base, **row_options(kernels.rows))
+    row_candidates = [RowTiles(m, k) for m in BLOCK_M_CANDIDATES for k in kernels.promotions]
     rows, _ = best_tiles(row_candidates, rows_time, "moe tune grouped rows")
-    sweep = functools.partial(
-        sweep_kernel, moe_experts_triton, experts=experts, batches=batches, reference=exact
-    )
-    fixed = {"grouped": True, **rows._asdict()}
-    gate_up_candidates = [with_warps_for(t, rows.block_m) for t in GATE_UP_CANDIDATES]
-    down_candidates = [with_warps_for(t, rows.block_m) for t in DOWN_CANDIDATES]
+    sweep = functools.partial(sweep_kernel, kernels.fn, experts=experts, batches=batches, reference=exact)
+    fixed = row_options(rows)
+
+    def candidates(tiles: Sequence[Tiles]) -> list[Tiles]:
+        return [with_warps_for(t, rows.block_m)._replace(expand=e) for t in tiles for e in kernels.expansions]
+
     down = with_warps_for(down, rows.block_m)
-    gate_up, _ = sweep("gate_up", gate_up_candidates, {**fixed, "down_tiles": down})
-    down, _ = sweep("down", down_candidates, {**fixed, "gate_up_tiles": gate_up})
+    gate_up, _ = sweep("gate_up", candidates(GATE_UP_CANDIDATES), {**fixed, "down_tiles": down})
+    down, _ = sweep("down", candidates(DOWN_CANDIDATES), {**fixed, "gate_up_tiles": gate_up})
     gate_up, _ = sweep("gate_up", launch_variants(gate_up), {**fixed, "down_tiles": down})
     down, chosen_us = sweep("down", launch_variants(down), {**fixed, "gate_up_tiles": gate_up})
-    return {
+    entry = {
         "block_m": rows.block_m,
         "promote_k": rows.promote_k,
         "gate_up": list(gate_up),
@@ -141,10 +170,12 @@ def tune_grouped(
         "shared_expert": shared,
         "us_per_call": _rounded(chosen_us),
         "default_us_per_call": _rounded(default_us),
-        "torch_us_per_call": _rounded(torch_us),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
     }
+    if not nvfp4:  # NVFP4 experts have no torch path: their kernels run whatever the entry says
+        entry["torch_us_per_call"] = _rounded(
+            {t: time_in_graph(moe_experts_grouped, experts, b) for t, b in batches.items()}
+        )
+    return {**entry, "torch": torch.__version__, "triton": triton.__version__}
 
 
 def _rounded(times: dict[int, float]) -> dict[str, float]:
@@ -163,16 +194,18 @@ def record_grouped(entry: dict, device_name: str, shape: ExpertShape, directory:
 
 
 def summary(entry: dict) -> str:
-    """One line: each token count's time against the defaults' and torch's grouped GEMMs'."""
+    """One line: each token count's time against the defaults' and (where timed) torch's grouped GEMMs'."""
+    torch_us = entry.get("torch_us_per_call", {})
     return ", ".join(
-        f"T={t} {us} us (defaults {entry['default_us_per_call'][t]}, torch {entry['torch_us_per_call'][t]})"
+        f"T={t} {us} us (defaults {entry['default_us_per_call'][t]}"
+        + (f", torch {torch_us[t]})" if t in torch_us else ")")
         for t, us in entry["us_per_call"].items()
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args, shape, tokens = tuner_arguments(
-        "python -m morion.ops.moe_tune_grouped", __doc__, ("fp8", "bfloat16"), "1024,4096", argv
+        "python -m morion.ops.moe_tune_grouped", __doc__, ("fp8", "nvfp4", "bfloat16"), "1024,4096", argv
     )
     device = torch.device("cuda", torch.cuda.current_device())
     entry = tune_grouped(shape, args.top_k, tokens, device, args.shared_expert)

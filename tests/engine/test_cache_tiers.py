@@ -447,7 +447,7 @@ def test_other_weights_get_their_own_namespace(tiny, tiered, engine_factory, eng
 
 def test_another_expert_kernel_gets_its_own_namespace(tiny_qwen3_next, engine_factory, tmp_path, monkeypatch):
     """`--moe-kernel` other than auto, and under auto a device's tuned grouped mode for prefill
-    (`StackedExperts.prefill_kernel`), compute a prompt's K/V and states in other bits: the disk tier keeps
+    (`StackedExperts.prefill_identity`), compute a prompt's K/V and states in other bits: the disk tier keeps
     each in a namespace of its own, so a conversation cached under one is never restored under another."""
 
     def namespace(**options) -> tuple[Path, dict]:
@@ -470,7 +470,7 @@ def test_another_expert_kernel_gets_its_own_namespace(tiny_qwen3_next, engine_fa
     assert "moe_kernel" not in default and "moe_prefill" not in default
     triton_dir, triton = namespace(moe_kernel="triton")
     assert triton["moe_kernel"] == "triton" and triton_dir != default_dir
-    monkeypatch.setattr(StackedExperts, "prefill_kernel", lambda self: "triton-grouped block_m=32")
+    monkeypatch.setattr(StackedExperts, "prefill_identity", lambda self: "triton-grouped block_m=32")
     tuned_dir, tuned = namespace()
     assert tuned["moe_prefill"] == ["triton-grouped block_m=32"]
     assert tuned_dir not in (default_dir, triton_dir)

@@ -113,8 +113,11 @@ def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(we
     (prefill), not torch's grouped GEMMs, whatever their shape; auto keeps torch's there unless the
     device's tuned file holds grouped tiles measured faster at this shape (ops/moe_tune_grouped.py)."""
     tuned: dict[tuple, GroupedTiles] = {}
-    monkeypatch.setattr(moe_layer, "device_name", lambda index: f"GPU {index}")
-    monkeypatch.setattr(moe_layer, "tuned_grouped_tiles", lambda device, shape: tuned.get((device, shape)))
+
+    def tuned_grouped_on(device, gate_up, down):
+        return tuned.get((str(device), expert_shape(gate_up, down)))
+
+    monkeypatch.setattr(moe_layer, "tuned_grouped_on", tuned_grouped_on)
     experts = StackedExperts(8, 48, 32, weights)
     experts.kernel = "triton"
     assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
@@ -123,30 +126,42 @@ def test_triton_takes_the_fused_kernels_grouped_mode_past_their_pairs_on_cuda(we
     assert experts._path(_CudaRows(600), 1200) != "triton-grouped"
     shape = expert_shape(experts.gate_up_proj, experts.down_proj)
     tiles = GroupedTiles(32, 128, Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3))
-    tuned[("GPU 0", shape)] = tiles  # measured, not faster
+    tuned[("cuda:0", shape)] = tiles  # measured, not faster
     assert experts._path(_CudaRows(600), 1200) != "triton-grouped"
-    tuned[("GPU 0", shape)] = tiles._replace(faster=True)
+    tuned[("cuda:0", shape)] = tiles._replace(faster=True)
     assert experts._path(_CudaRows(600), 1200) == "triton-grouped"
     assert experts._path(_CudaRows(4), 8) == "triton"  # decode sizes keep the fused kernels
 
 
-def test_the_prefill_kernel_names_the_grouped_mode_with_its_tiles(monkeypatch):
-    """What a module runs for prefill chunks, as the disk tier's namespace names it: its path on its
-    weights' device, and for the fused kernels' grouped mode the rows, promotion and tiles it runs."""
+def test_the_prefill_identity_names_grouped_kernels_with_their_tiles(monkeypatch):
+    """What a module runs for prefill chunks where the disk tier's namespace must name it: the fused
+    kernels' grouped mode with its rows, promotion and tiles, and NVFP4's grouped kernels under a tuned
+    entry; nothing where prefill runs what it always has (the CPU's reference, torch's grouped GEMMs,
+    NVFP4's default tiles)."""
     from morion.ops.moe_decode_triton import GROUPED_BLOCK_M, GROUPED_PROMOTE_K, GROUPED_TILES
 
     experts = StackedExperts(8, 48, 32, "fp8")
-    assert experts.prefill_kernel() == "reference"  # the CPU
+    assert experts.prefill_identity() is None  # the CPU
     seen = []
+    path = "triton-grouped"
 
-    def grouped_mode(self, x, num_pairs):
+    def chosen_path(self, x, num_pairs):
         seen.append((x.shape[0], num_pairs))
-        return "triton-grouped"
+        return path
 
-    monkeypatch.setattr(StackedExperts, "_path", grouped_mode)
+    monkeypatch.setattr(StackedExperts, "_path", chosen_path)
     gate_up, down = GROUPED_TILES[1]
-    assert experts.prefill_kernel() == (
+    assert experts.prefill_identity() == (
         f"triton-grouped block_m={GROUPED_BLOCK_M} promote_k={GROUPED_PROMOTE_K} "
         f"gate_up={tuple(gate_up)} down={tuple(down)}"
     )
-    assert seen == [(AUTO_TRITON_MAX_TOKENS + 1, MAX_PAIRS + 1)]  # past the fused kernels' rows and pairs
+    assert seen[-1] == (AUTO_TRITON_MAX_TOKENS + 1, MAX_PAIRS + 1)  # past the fused kernels' rows and pairs
+    path = "grouped"
+    assert experts.prefill_identity() is None  # torch's grouped GEMMs
+    nvfp4 = StackedExperts(8, 48, 32, "nvfp4")
+    assert nvfp4.prefill_identity() is None  # no tuned entry: the default tiles
+    entry = GroupedTiles(32, 0, Tiles(64, 128, 4, 3, "dot", "group"), Tiles(128, 128, 8, 3))
+    monkeypatch.setattr(moe_layer, "tuned_grouped_on", lambda device, gate_up, down: entry)
+    assert nvfp4.prefill_identity() == (
+        f"nvfp4-grouped block_m=32 promote_k=0 gate_up={tuple(entry.gate_up)} down={tuple(entry.down)}"
+    )

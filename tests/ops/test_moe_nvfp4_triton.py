@@ -294,3 +294,40 @@ def test_inputs_the_kernels_cannot_take_are_refused():
         run(moe_experts_nvfp4, experts, *batch, grouped=True, gate_up_tiles=Tiles(32, 32, 4, 1, split_k=2))
     with pytest.raises(ValueError, match="all four scales"):
         run(moe_experts_nvfp4, {**experts, "down_scale_2": None}, *batch)
+
+
+def test_the_grouped_kernels_run_a_tuned_entry_s_rows_and_tiles(monkeypatch):
+    """A device's grouped entry for NVFP4 experts (ops/moe_tune_grouped.py --dtype nvfp4): the grouped
+    kernels take its rows and tiles (arguments still override them), and give the result those rows and
+    tiles give when asked for directly; without an entry, the defaults."""
+    from morion.ops import moe_nvfp4_triton
+    from morion.ops.moe_tiles import GroupedTiles
+
+    experts = nvfp4_experts(8, seed=9)
+    batch = routing(40, 8, torch.float32, seed=10)
+    entry = GroupedTiles(16, 0, Tiles(32, 64, 4, 2, "dot", "group"), Tiles(32, 64, 4, 2))
+    runs = []
+    real_run = moe_nvfp4_triton._run
+
+    def spy(*args):
+        runs.append(args[6:9])  # block_m, gate_up tiles, down tiles
+        return real_run(*args)
+
+    monkeypatch.setattr(moe_nvfp4_triton, "_run", spy)
+    monkeypatch.setattr(moe_nvfp4_triton, "tuned_grouped_on", lambda device, gate_up, down: entry)
+    tuned = run(moe_experts_nvfp4, experts, *batch, grouped=True)
+    assert runs[-1] == (16, entry.gate_up, entry.down)
+    asked = run(
+        moe_experts_nvfp4, experts, *batch, grouped=True, block_m=16, gate_up_tiles=entry.gate_up,
+        down_tiles=entry.down,
+    )  # fmt: skip
+    assert torch.equal(tuned, asked)
+    run(moe_experts_nvfp4, experts, *batch, grouped=True, block_m=32)
+    assert runs[-1] == (32, entry.gate_up, entry.down)
+    monkeypatch.setattr(moe_nvfp4_triton, "tuned_grouped_on", lambda device, gate_up, down: None)
+    run(moe_experts_nvfp4, experts, *batch, grouped=True)
+    assert runs[-1] == (
+        moe_nvfp4_triton.GROUPED_BLOCK_M,
+        moe_nvfp4_triton.GROUPED_TILES,
+        moe_nvfp4_triton.GROUPED_TILES,
+    )

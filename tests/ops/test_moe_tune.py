@@ -134,9 +134,41 @@ def test_the_grouped_tuner_names_what_it_cannot_run(capsys):
 
     flags = ["--experts", "8", "--hidden", "64", "--intermediate", "64", "--top-k", "2"]
     with pytest.raises(SystemExit):
-        moe_tune_grouped.main([*flags, "--dtype", "nvfp4"])
-    assert "invalid choice: 'nvfp4'" in capsys.readouterr().err
+        moe_tune_grouped.main([*flags, "--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             moe_tune_grouped.main(flags)
         assert "tuning needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_nvfp4_grouped_sweep_tries_both_expansions_and_no_promotion(monkeypatch):
+    """NVFP4 experts: their own grouped kernels, rows without a promotion interval (they multiply in
+    BF16), each tile in both code expansions; no torch times (no torch path to beat)."""
+    from morion.ops import moe_tune, moe_tune_grouped
+
+    out = torch.ones(40, 64)
+    seen = []
+
+    def fake_output(fn, experts, hidden, weights, ids, **options) -> torch.Tensor:
+        assert fn is moe_tune_grouped.moe_experts_nvfp4 and "promote_k" not in options
+        return out
+
+    def fake_time(fn, experts, batches, **options) -> float:
+        assert fn is moe_tune_grouped.moe_experts_nvfp4
+        seen.append(options["gate_up_tiles"].expand)
+        return 100.0 - 10.0 * (options["gate_up_tiles"].expand == "group") + options["block_m"] / 16
+
+    for module in (moe_tune, moe_tune_grouped):
+        monkeypatch.setattr(module, "time_in_graph", fake_time)
+        monkeypatch.setattr(module, "run_experts", fake_output)
+    monkeypatch.setattr(moe_tune_grouped, "GATE_UP_CANDIDATES", [Tiles(64, 64, 4, 3)])
+    monkeypatch.setattr(moe_tune_grouped, "DOWN_CANDIDATES", [Tiles(64, 64, 4, 3)])
+    monkeypatch.setattr(moe_tune_grouped, "launch_variants", lambda tiles: [tiles])
+    entry = moe_tune_grouped.tune_grouped(
+        ExpertShape(8, 64, 64, "nvfp4"), 2, [40], torch.device("cpu"), False
+    )
+    assert (entry["block_m"], entry["promote_k"]) == (16, 0)
+    assert Tiles(*entry["gate_up"]).expand == "group" and {"byte", "group"} <= set(seen)
+    assert "torch_us_per_call" not in entry
+    assert moe_tune_grouped.summary(entry) == "T=40 91.0 us (defaults 104.0)"
