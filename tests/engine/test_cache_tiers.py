@@ -64,15 +64,16 @@ def cold(tiny, engine_factory, engine_runner):
 
 @pytest.fixture
 def tiered(tiny, engine_factory, tmp_path):
-    """`tiered(**options)`: an engine with a host tier and a disk tier in tmp_path (closed at the end)."""
+    """`tiered(model=None, **options)`: an engine (of `tiny` unless another model is given) with a host tier
+    and a disk tier in tmp_path (closed at the end)."""
     engines = []
 
-    def make(**options):
+    def make(model=None, **options):
         options = {"page_size": PAGE, "host_cache_gb": HOST_GB, **options}
         if options.get("disk_cache_dir", "") is not None:
             options.setdefault("disk_cache_dir", str(tmp_path / "disk"))
             options.setdefault("disk_cache_gb", 1.0)
-        engine = engine_factory(tiny, **options)
+        engine = engine_factory(model or tiny, **options)
         engines.append(engine)
         return engine
 
@@ -423,7 +424,7 @@ def test_manifest_of_another_model_skips_the_tier(tiny, tiered, engine_runner, c
     assert output.usage.cached_tokens == 0 and output.token_ids == cold(prompt)
 
 
-def test_other_weights_get_their_own_namespace(tiny, tiered, engine_factory, engine_runner, tmp_path):
+def test_other_weights_get_their_own_namespace(tiny, tiered, engine_runner):
     prompt = _prompt(8)
     engine = tiered()
     _run(engine, engine_runner, prompt)
@@ -431,40 +432,21 @@ def test_other_weights_get_their_own_namespace(tiny, tiered, engine_factory, eng
     other_weights = load_model(str(tiny.path), torch.float32, torch.device("cpu"))
     with torch.no_grad():
         other_weights.model.model.norm.weight.mul_(1.5)
-    other = engine_factory(
-        other_weights,
-        page_size=PAGE,
-        host_cache_gb=HOST_GB,
-        disk_cache_dir=str(tmp_path / "disk"),
-        disk_cache_gb=1.0,
-    )
-    try:
-        assert other.tiers.disk.enabled and other.tiers.disk.dir != engine.tiers.disk.dir
-        assert _run(other, engine_runner, prompt).usage.cached_tokens == 0
-    finally:
-        other.close()
+    other = tiered(other_weights)
+    assert other.tiers.disk.enabled and other.tiers.disk.dir != engine.tiers.disk.dir
+    assert _run(other, engine_runner, prompt).usage.cached_tokens == 0
 
 
-def test_another_expert_kernel_gets_its_own_namespace(tiny_qwen3_next, engine_factory, tmp_path, monkeypatch):
+def test_another_expert_kernel_gets_its_own_namespace(tiny_qwen3_next, tiered, monkeypatch):
     """`--moe-kernel` other than auto, and under auto a device's tuned grouped mode for prefill
-    (`StackedExperts.prefill_identity`), compute a prompt's K/V and states in other bits: the disk tier keeps
-    each in a namespace of its own, so a conversation cached under one is never restored under another."""
+    (`StackedExperts.prefill_identity`), compute a prompt's K/V and states in other bits: the disk tier
+    keeps each in a namespace of its own, so a conversation cached under one is never restored under
+    another."""
 
     def namespace(**options) -> tuple[Path, dict]:
-        engine = engine_factory(
-            tiny_qwen3_next,
-            page_size=PAGE,
-            host_cache_gb=HOST_GB,
-            disk_cache_dir=str(tmp_path / "disk"),
-            disk_cache_gb=1.0,
-            **options,
-        )
-        try:
-            disk = engine.tiers.disk
-            assert disk.enabled
-            return disk.dir, json.loads((disk.dir / "manifest.json").read_text())["identity"]["model"]
-        finally:
-            engine.close()
+        disk = tiered(tiny_qwen3_next, **options).tiers.disk
+        assert disk.enabled
+        return disk.dir, json.loads((disk.dir / "manifest.json").read_text())["identity"]["model"]
 
     default_dir, default = namespace()
     assert "moe_kernel" not in default and "moe_prefill" not in default
