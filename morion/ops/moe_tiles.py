@@ -4,6 +4,8 @@ Tiles are tuned on the device by `python -m morion.ops.moe_tune` and kept as JSO
 `morion/ops/moe_configs/`, one per (device name, E, H, I, weight dtype), as SGLang and vLLM keep their
 fused-MoE configs. A shape without a file runs the kernels' default tiles. One file holds one tile per
 kernel for every token count: tiles never depend on T, so a token's result does not depend on its batch.
+A file may also hold a "grouped" entry (ops/moe_tune_grouped.py): the grouped kernels' rows and tiles for
+prefill chunks, where batch invariance is not asked for (`tuned_grouped_tiles`).
 """
 
 from __future__ import annotations
