@@ -86,20 +86,22 @@ def with_header_deadline(protocol: type[asyncio.Protocol], timeout: float) -> ty
 
     class HeaderDeadline(protocol):  # type: ignore[misc, valid-type]
         _deadline: asyncio.TimerHandle | None = None
+        _armed_for: object = None  # the request cycle before the request the deadline is for
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._deadline is None and self._awaiting_headers():
+            # A next request's first bytes: its own full period, whatever is left of a deadline armed
+            # for an earlier one.
+            if self._awaiting_headers() and (self._deadline is None or self._armed_for is not self.cycle):  # type: ignore[attr-defined]
+                self._disarm()
                 self._arm()
             super().data_received(data)  # type: ignore[misc]
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+            self._disarm()
             super().connection_lost(exc)  # type: ignore[misc]
 
         def _awaiting_headers(self) -> bool:
@@ -107,15 +109,20 @@ def with_header_deadline(protocol: type[asyncio.Protocol], timeout: float) -> ty
             return cycle is None or cycle.response_complete
 
         def _arm(self) -> None:
-            loop = asyncio.get_running_loop()
-            self._deadline = loop.call_later(timeout, self._expire, self.cycle)  # type: ignore[attr-defined]
+            self._armed_for = self.cycle  # type: ignore[attr-defined]
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._expire)
 
-        def _expire(self, cycle_when_armed: object) -> None:
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
             self._deadline = None
-            if not self._awaiting_headers():
-                return  # a request is being answered
-            if self.cycle is not cycle_when_armed:  # type: ignore[attr-defined]
-                self._arm()  # a request came and was answered since: the next one gets a full period
+            # Answered or being answered since it was armed: the connection is idle between requests
+            # (uvicorn's keep-alive timeout rules it) or busy with one; a next request's first byte arms
+            # a deadline of its own. Closing an idle connection here raced clients reusing it.
+            if not self._awaiting_headers() or self.cycle is not self._armed_for:  # type: ignore[attr-defined]
                 return
             transport = self.transport  # type: ignore[attr-defined]
             if not transport.is_closing():
