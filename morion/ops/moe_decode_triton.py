@@ -75,7 +75,7 @@ from morion.ops.moe_split_k import (
     store_partial,
     sum_slices,
 )
-from morion.ops.moe_tiles import GroupedTiles, Tiles, device_name, expert_shape, tuned_grouped_on, tuned_tiles
+from morion.ops.moe_tiles import GroupedTiles, Tiles, tuned_grouped_on, tuned_tiles_on
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
 
@@ -581,9 +581,8 @@ def moe_expert_partials(
                 f"grouped MoE tiles take block_m a power of two of at least 16 and promote_k >= 0, got "
                 f"{block_m} and {promote_k}"
             )
-    elif hidden.is_cuda:
-        index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-        tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+    else:
+        tuned = tuned_tiles_on(hidden.device, gate_up_proj, down_proj)
     gate_up_tiles = gate_up_tiles or (tuned[0] if tuned else GATE_UP_TILES[width])
     down_tiles = down_tiles or (tuned[1] if tuned else DOWN_TILES[width])
     if grouped and (gate_up_tiles.mma != "dot" or down_tiles.mma != "dot"):

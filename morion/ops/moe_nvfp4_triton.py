@@ -78,7 +78,7 @@ from morion.ops.moe_split_k import (
     store_partial,
     sum_slices,
 )
-from morion.ops.moe_tiles import Tiles, device_name, expert_shape, tuned_grouped_on, tuned_tiles
+from morion.ops.moe_tiles import Tiles, tuned_grouped_on, tuned_tiles_on
 from morion.ops.nvfp4 import GROUP_SIZE
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.slot_partials import SlotPartials
@@ -497,9 +497,7 @@ def moe_experts_nvfp4(
         defaults = (entry.gate_up, entry.down) if entry is not None else (GROUPED_TILES, GROUPED_TILES)
         block_m = block_m or (entry.block_m if entry is not None else GROUPED_BLOCK_M)
     else:
-        if hidden.is_cuda:
-            index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-            tuned = tuned_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+        tuned = tuned_tiles_on(hidden.device, gate_up_proj, down_proj)
         defaults = tuned or (DECODE_GATE_UP_TILES, DECODE_DOWN_TILES)
     gate_up_tiles, down_tiles = gate_up_tiles or defaults[0], down_tiles or defaults[1]
     if grouped and (gate_up_tiles.split_k != 1 or down_tiles.split_k != 1):

@@ -131,11 +131,23 @@ def tuned_grouped_tiles(device: str, shape: ExpertShape) -> GroupedTiles | None:
     )
 
 
+def tuned_tiles_on(
+    device: torch.device, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> tuple[Tiles, Tiles] | None:
+    """The tuned decode tiles for these stacked experts on `device`: its file's, on CUDA; else None."""
+    name = _cuda_device_name(device)
+    return None if name is None else tuned_tiles(name, expert_shape(gate_up_proj, down_proj))
+
+
 def tuned_grouped_on(
     device: torch.device, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> GroupedTiles | None:
     """The tuned grouped entry for these stacked experts on `device`: its file's, on CUDA; else None."""
+    name = _cuda_device_name(device)
+    return None if name is None else tuned_grouped_tiles(name, expert_shape(gate_up_proj, down_proj))
+
+
+def _cuda_device_name(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuned_grouped_tiles(device_name(index), expert_shape(gate_up_proj, down_proj))
+    return device_name(device.index if device.index is not None else torch.cuda.current_device())

@@ -92,14 +92,14 @@ class Kernels(NamedTuple):
     expansions: tuple[str, ...]
 
 
-def kernels_for(shape: ExpertShape) -> Kernels:
-    """The fused kernels' grouped mode for FP8 and bf16 experts; NVFP4's grouped kernels (no promotion:
-    they multiply in BF16; both code expansions, `Tiles.expand`) for NVFP4 ones."""
+def kernels_for(shape: ExpertShape, width: int) -> Kernels:
+    """The fused kernels' grouped mode for FP8 and bf16 experts (`width`: bytes a weight element);
+    NVFP4's grouped kernels (no promotion: they multiply in BF16; both code expansions, `Tiles.expand`)
+    for NVFP4 ones."""
     if shape.dtype == "nvfp4":
         tiles = (NVFP4_GROUPED_TILES, NVFP4_GROUPED_TILES)
         return Kernels(moe_experts_nvfp4, tiles, RowTiles(GROUPED_BLOCK_M, 0), (0,), ("byte", "group"))
     promotions = PROMOTE_K_CANDIDATES if shape.dtype == "fp8" else (0,)
-    width = 1 if shape.dtype == "fp8" else torch.finfo(getattr(torch, shape.dtype)).bits // 8
     rows = RowTiles(GROUPED_BLOCK_M, GROUPED_PROMOTE_K)
     return Kernels(moe_experts_triton, GROUPED_TILES[width], rows, promotions, ("byte",))
 
@@ -117,7 +117,7 @@ def tune_grouped(
         ]
         for t in tokens
     }
-    kernels = kernels_for(shape)
+    kernels = kernels_for(shape, experts["gate_up"].element_size())
     nvfp4 = shape.dtype == "nvfp4"
     gate_up, down = kernels.tiles
 
