@@ -1,10 +1,13 @@
 """Where a measured request's time to first token went, by part, where the target tells (issue #24).
 
 A morion server exports each part as a histogram (server/metrics.py): `prepare` in the front end (the
-HTTP request's parsing, template, tokens and checks, to its hand-over to the engine), the engine's `queue`
-(to its first admission) and `prefill` (to the step that sampled its first token), and `handoff`, the
-rest (the pipes both ways and both processes' loops). The offline target counts the engine's two parts
-from its step outputs (engine/outputs.py `FirstTokenTimes`). A target keeps running sums and counts;
+HTTP request's parsing, template, tokens and checks, to its hand-over to the engine), `to_engine` (the
+hand-over's way to the engine: the inbox thread, the pipe, the engine loop), the engine's `queue` (to its
+first admission) and `prefill` (to the step that sampled its first token), and `from_engine` (the first
+token's way back: the rest of that step, the pipe, the front end's loop). Servers from before the two
+legs were told apart export only their sum, `handoff` (LEGACY_PARTS), as results of that time hold it.
+The offline target counts the engine's two parts from its step outputs (engine/outputs.py
+`FirstTokenTimes`). A target keeps running sums and counts;
 the bench reads them before and after a run, and the run's parts are the mean per request between the
 two readings: exact for the prefill, ttft and turn workloads' runs of one request.
 """
@@ -17,7 +20,9 @@ from typing import NamedTuple
 from morion.engine.outputs import FirstTokenTimes
 
 # In the order they happen; the offline target has only the engine's two.
-PARTS = ("prepare_s", "queue_s", "prefill_s", "handoff_s")
+PARTS = ("prepare_s", "to_engine_s", "queue_s", "prefill_s", "from_engine_s")
+# What an older morion server has instead of the two hand-over legs: their sum.
+LEGACY_PARTS = ("handoff_s",)
 
 
 class PartTotals(NamedTuple):
@@ -49,7 +54,7 @@ def mean_parts(before: PartTotals | None, after: PartTotals | None) -> dict[str,
     if before is None or after is None:
         return None
     means = {}
-    for part in PARTS:
+    for part in PARTS + LEGACY_PARTS:
         count = after.counts.get(part, 0) - before.counts.get(part, 0)
         if count > 0:
             means[part] = (after.seconds[part] - before.seconds.get(part, 0.0)) / count

@@ -295,7 +295,9 @@ PART_NAMES = {
     "prepare_s": "front end",
     "queue_s": "engine queue",
     "prefill_s": "engine prefill",
-    "handoff_s": "hand-over (pipes, loops)",
+    "to_engine_s": "to the engine (pipe, loop)",
+    "from_engine_s": "back to the front end (pipe, loops)",
+    "handoff_s": "hand-over (pipes, loops)",  # both legs, as results written before their split hold it
 }
 
 

@@ -36,10 +36,13 @@ class FirstTokenTimes(NamedTuple):
     """Where a request's time to its first token went inside the engine (perf_counter seconds):
     `queued_s` from `Engine.add_request` to its first admission (behind other requests, or waiting for
     pages or a disk prefetch), `prefill_s` from there to the step that sampled its first token (its
-    prompt's forwards, with whatever else those steps ran)."""
+    prompt's forwards, with whatever else those steps ran). `added_at`: when `Engine.add_request` was
+    called (perf_counter seconds: CLOCK_MONOTONIC on Linux, one clock for every process of the machine,
+    so the server's front end places the request's arrival in the engine on its own timeline)."""
 
     queued_s: float
     prefill_s: float
+    added_at: float
 
 
 class StepOutput(NamedTuple):

@@ -86,7 +86,7 @@ class RequestStream:
                 if previous is None:
                     metrics.time_to_first_token.observe(now - self._arrival)
                     if delta.first_token_times is not None:
-                        metrics.first_token_parts(delta.first_token_times, now - self._submitted)
+                        metrics.first_token_parts(delta.first_token_times, self._submitted, now)
                     if self.time_to_first_token is None:
                         self.time_to_first_token = now - self._arrival
                 else:

@@ -36,7 +36,11 @@ _FIRST_TOKEN_PARTS = {
     "queue": "In the engine, from the request's arrival there to its first admission to the running batch",
     "prefill": "In the engine, from the request's first admission to the step that sampled its first token",
     "handoff": "From the hand-over to the engine to the first token's arrival in the front end, less the "
-    "engine's queue and prefill: the pipes both ways and both processes' loops",
+    "engine's queue and prefill: the pipes both ways and both processes' loops (to_engine + from_engine)",
+    "to_engine": "The hand-over's first leg: to the request's arrival in the engine (the inbox thread, the "
+    "pipe, the engine loop's wake and unpickling)",
+    "from_engine": "The hand-over's second leg: from the engine's first token to its arrival in the front "
+    "end (the rest of that step, the pipe, the front end's event loop)",
 }
 
 # The *_created series (a timestamp per counter) only add noise to every scrape.
@@ -97,12 +101,17 @@ class ServerMetrics:
         ProcessCollector(registry=registry)
         ProcessCollector(namespace="morion_engine", pid=engine_pid, registry=registry)
 
-    def first_token_parts(self, times: FirstTokenTimes, since_submitted: float) -> None:
-        """An engine request's first token arrived `since_submitted` seconds after its hand-over."""
+    def first_token_parts(self, times: FirstTokenTimes, submitted: float, arrived: float) -> None:
+        """An engine request handed over at `submitted` had its first token arrive at `arrived` (both the
+        front end's perf_counter seconds, the clock of `times.added_at`: module docstring of outputs)."""
         parts = self.first_token_part
         parts["queue"].observe(times.queued_s)
         parts["prefill"].observe(times.prefill_s)
-        parts["handoff"].observe(max(0.0, since_submitted - times.queued_s - times.prefill_s))
+        handoff = max(0.0, arrived - submitted - times.queued_s - times.prefill_s)
+        to_engine = min(handoff, max(0.0, times.added_at - submitted))
+        parts["handoff"].observe(handoff)
+        parts["to_engine"].observe(to_engine)
+        parts["from_engine"].observe(handoff - to_engine)
 
     def request_finished(self, reason: str, usage: Usage | None, latency: float) -> None:
         self.finished.labels(reason).inc()

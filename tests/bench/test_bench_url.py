@@ -118,10 +118,9 @@ def test_an_agent_turn_through_the_server_reuses_the_conversation(tiny_server, t
     # The turn's TTFT by part, from the server's histograms read around it: every part, which together
     # cannot exceed the client's TTFT (the client's clock starts first and stops last).
     parts = run["turn_parts"]
-    assert list(parts) == ["prepare_s", "queue_s", "prefill_s", "handoff_s"]
+    assert list(parts) == ["prepare_s", "to_engine_s", "queue_s", "prefill_s", "from_engine_s"]
     assert all(seconds >= 0 for seconds in parts.values()) and parts["prefill_s"] > 0
     assert sum(parts.values()) <= run["turn_ttft_s"]
     assert section["turn_parts"] == parts  # the median of one run
-    assert (
-        "The turn's TTFT by part (medians): front end " in markdown and "hand-over (pipes, loops)" in markdown
-    )
+    assert "The turn's TTFT by part (medians): front end " in markdown
+    assert "to the engine (pipe, loop)" in markdown

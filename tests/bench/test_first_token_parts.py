@@ -9,12 +9,18 @@ from morion.engine.outputs import FirstTokenTimes
 
 
 def test_the_mean_per_request_between_two_readings_in_the_order_parts_happen():
-    before = PartTotals({"handoff_s": 1.0, "prepare_s": 2.0}, {"handoff_s": 4, "prepare_s": 4})
+    before = PartTotals({"from_engine_s": 1.0, "prepare_s": 2.0}, {"from_engine_s": 4, "prepare_s": 4})
     after = PartTotals(
-        {"handoff_s": 1.3, "prepare_s": 2.1, "queue_s": 0.5}, {"handoff_s": 6, "prepare_s": 6, "queue_s": 2}
+        {"from_engine_s": 1.3, "prepare_s": 2.1, "queue_s": 0.5, "to_engine_s": 0.2},
+        {"from_engine_s": 6, "prepare_s": 6, "queue_s": 2, "to_engine_s": 2},
     )
-    assert mean_parts(before, after) == pytest.approx({"prepare_s": 0.05, "queue_s": 0.25, "handoff_s": 0.15})
-    assert list(mean_parts(before, after)) == ["prepare_s", "queue_s", "handoff_s"]
+    means = mean_parts(before, after)
+    expected = {"prepare_s": 0.05, "to_engine_s": 0.1, "queue_s": 0.25, "from_engine_s": 0.15}
+    assert means == pytest.approx(expected)
+    assert list(means) == ["prepare_s", "to_engine_s", "queue_s", "from_engine_s"]
+    # An older server's hand-over, both legs in one sum, is kept as it came.
+    legacy = PartTotals({"handoff_s": 0.3, "prepare_s": 0.1}, {"handoff_s": 2, "prepare_s": 2})
+    assert list(mean_parts(PartTotals({}, {}), legacy)) == ["prepare_s", "handoff_s"]
     # No request between the readings, or a target that keeps none: no parts.
     assert mean_parts(after, after) is None
     assert mean_parts(None, after) is None and mean_parts(before, None) is None
@@ -23,8 +29,8 @@ def test_the_mean_per_request_between_two_readings_in_the_order_parts_happen():
 def test_the_offline_totals_and_the_progress_text():
     totals = EngineFirstTokens()
     before = totals.totals()
-    totals.add(FirstTokenTimes(0.002, 0.1))
-    totals.add(FirstTokenTimes(0.004, 0.3))
+    totals.add(FirstTokenTimes(0.002, 0.1, 5.0))
+    totals.add(FirstTokenTimes(0.004, 0.3, 6.0))
     parts = mean_parts(before, totals.totals())
     assert parts == pytest.approx({"queue_s": 0.003, "prefill_s": 0.2})
     assert parts_text(parts) == ", in parts: queue 3 ms, prefill 200 ms"

@@ -295,7 +295,9 @@ def test_metrics(server):
     assert sum(v for name, v in forwards.items() if 'path="eager"' in name) >= 2
     assert sum(v for name, v in forwards.items() if 'path="graph"' in name) == 0
     # The time to first token by part: the front end's once per HTTP request, the engine's queue and
-    # prefill and the hand-over once per engine request that produced a token.
-    parts = ("prepare", "queue", "prefill", "handoff")
+    # prefill and the hand-over (its two legs and their sum) once per engine request that produced a token.
+    parts = ("prepare", "to_engine", "queue", "prefill", "from_engine", "handoff")
     assert all(samples[f"morion_request_{part}_seconds_count"] >= 1 for part in parts)
     assert samples["morion_request_prefill_seconds_sum"] > 0
+    legs = samples["morion_request_to_engine_seconds_sum"] + samples["morion_request_from_engine_seconds_sum"]
+    assert legs == pytest.approx(samples["morion_request_handoff_seconds_sum"])
