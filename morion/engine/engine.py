@@ -184,9 +184,7 @@ class Engine:
         vocab_size = self.model.config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
-        # One pass in torch over the array's buffer: 0.03 ms for an agent's 33K ids, where min() and max()
-        # over the list took 0.8.
-        low, high = (int(bound) for bound in torch.frombuffer(ids, dtype=torch.int64).aminmax())
+        low, high = _id_bounds(ids)
         if low < 0 or high >= vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
         if len(prompt) >= self.max_model_len:
@@ -644,6 +642,21 @@ class Engine:
             self.tiers.close()
         if self._ranks is not None:
             self._ranks.close()
+
+
+# Token ids per torch reduction in `_id_bounds`: below torch's parallel grain (32,768 elements), so that
+# each runs on the calling thread. A larger one goes to torch's thread pool, whose wake-up took 1.8 to 8 ms
+# now and then in a server's engine process on a busy 2-core host, where a slice takes ~0.01 ms here.
+_BOUNDS_SLICE = 16384
+
+
+def _id_bounds(ids: array) -> tuple[int, int]:
+    """The smallest and largest of the (non-empty) `array("q")` ids, in torch over its buffer: 0.02 ms for
+    an agent's 33K ids, where min() and max() over them as Python ints took 0.8."""
+    values = torch.frombuffer(ids, dtype=torch.int64)
+    starts = range(0, len(values), _BOUNDS_SLICE)
+    bounds = [values[start : start + _BOUNDS_SLICE].aminmax() for start in starts]
+    return min(int(low) for low, _ in bounds), max(int(high) for _, high in bounds)
 
 
 def _token_array(token_ids: Sequence[int]) -> array:

@@ -140,6 +140,10 @@ def test_requests_that_can_never_fit_are_rejected(tiny, engine_factory, engine_r
         engine.add_request([1, 2.5], GREEDY)  # refused, never rounded
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         engine.add_request([1, -2], GREEDY)
+    # Checked in slices of 16,384 ids (engine `_id_bounds`): a bad id past the first is found too.
+    for bad in (999, -2):
+        with pytest.raises(InvalidRequestError, match="token ids must be in"):
+            engine.add_request([1] * 40_000 + [bad], GREEDY)
     # The engine is undisturbed, and a generation that reaches the pool's end stops with "length".
     [output] = engine_runner(
         engine, [list(range(50))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
