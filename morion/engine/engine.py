@@ -124,6 +124,7 @@ class Engine:
         # outputs booked outside a step (an abort reads the pending tokens back first) for the next one.
         self._pending: PendingTokens | None = None
         self._ready: list[StepOutput] = []
+        self._tier_jobs_retired = True  # this step's `_retire_tier_jobs` ran (or there are no tiers)
 
     def _image_encoder(self) -> ImageEncoder | None:
         """Models with a vision tower take images; the processor's settings (the model directory's
@@ -292,17 +293,31 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         started = time.perf_counter()
+        self._tier_jobs_retired = self.tiers is None
         outputs, decode = self._step()
+        self._retire_tier_jobs()  # where the step launched no forward of its own
         self.step_times.record(decode, time.perf_counter() - started)
         return outputs
+
+    def _retire_tier_jobs(self) -> None:
+        """Once a step: the tiers retire their finished copies and disk jobs (unpin host objects, count the
+        writes). Called right after the step's first forward is launched, so that the host does it while
+        the device computes: after a long prompt, its pages' thousands of disk writes finish over the next
+        steps, and retiring them took 1-1.6 ms a step on the CPU, which the next request's admission waited
+        for when it came first. The step's backups (`Scheduler.after_forward`) come after it, and so see
+        the host rows it unpinned. Before the scheduling only when disk reads are in flight: a waiting
+        request is admitted on their results (`_step`)."""
+        if not self._tier_jobs_retired:
+            self._tier_jobs_retired = True
+            self.tiers.poll()
 
     def _step(self) -> tuple[list[StepOutput], bool]:
         """One step's outputs, and whether it was a decode step (every scheduled request generating, one
         token each: engine/step_timing.py). Under `overlap_decode` a decode step's outputs come with the
         next step (engine/overlap.py)."""
         ready, self._ready = self._ready, []
-        if self.tiers is not None:
-            self.tiers.poll()  # retire finished copies and disk jobs before scheduling
+        if self.tiers is not None and self.tiers.loads_in_flight():
+            self._retire_tier_jobs()  # a waiting request may be admitted on a read's result
         if self.config.overlap_decode and self._overlappable():
             chunks = self.scheduler.schedule()
             if chunks:
@@ -371,6 +386,7 @@ class Engine:
             batch = self._batch(group)
             patch_input_ids(batch, group_requests, self._pending)
             forward = self.runner.forward(batch, restores)
+            self._retire_tier_jobs()
             for request in group_requests:
                 self.scheduler.after_forward(request, 1)
             with self.runner.ranges.region(SAMPLING):
@@ -456,6 +472,7 @@ class Engine:
                 [ImageChunk(c.request, c.request.num_computed, c.num_tokens) for c in chunks]
             )
         forward = self.runner.forward(batch, restores, images)
+        self._retire_tier_jobs()
         hidden = forward.hidden
         sampled: list[tuple[Request, int]] = []
         for chunk, last_row, (start, length) in zip(chunks, batch.last_rows, batch.query_ranges, strict=True):

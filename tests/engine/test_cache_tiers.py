@@ -147,6 +147,50 @@ def test_a_conversation_s_next_turn_hashes_only_its_new_pages(tiered, engine_run
     engine.check_integrity()
 
 
+def _record_calls(monkeypatch, calls: list[str], *targets: tuple[object, str]) -> None:
+    """Appends each target method's name to `calls` when it is called (then calls it)."""
+    for obj, name in targets:
+        method = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+
+
+def test_tier_jobs_retire_once_a_step_behind_its_forward_launch(tiered, engine_runner, cold, monkeypatch):
+    """A step retires the tiers' finished copies and disk jobs once, right after its first forward is
+    launched (the device computes meanwhile) and before that forward's backups; first of all only while a
+    disk read is in flight, whose result may admit a waiting request. Answers are unchanged."""
+    engine = tiered()
+    calls: list[str] = []
+    targets = ((engine.tiers, "poll"), (engine.runner, "forward"), (engine.scheduler, "after_forward"))
+    _record_calls(monkeypatch, calls, *targets)
+    prompt = _prompt(21)
+    engine.add_request(prompt, GREEDY)
+    steps = []
+    while engine.has_unfinished():
+        calls.clear()
+        engine.step()
+        steps.append(list(calls))
+    assert len(steps) > 2 and all(step[:3] == ["forward", "poll", "after_forward"] for step in steps)
+    assert all(step.count("poll") == 1 for step in steps)
+
+    # A disk read in flight: retired before the scheduling, still once.
+    monkeypatch.setattr(engine.tiers, "loads_in_flight", lambda: True)
+    calls.clear()
+    engine.add_request(_prompt(22), GREEDY)
+    engine.step()
+    assert calls[:2] == ["poll", "forward"] and calls.count("poll") == 1
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+
+    # A step with nothing to run retires them too.
+    _record_calls(monkeypatch, calls, (engine.tiers, "poll"))
+    calls.clear()
+    engine.step()
+    assert calls == ["poll"]
+    assert _run(engine, engine_runner, prompt).token_ids == cold(prompt)
+    engine.check_integrity()
+
+
 def test_hit_across_chunk_boundaries(tiered, engine_runner, cold):
     """Pages cached by several prefill chunks (16 tokens each) and a generation come back as one hit, into
     an engine with another chunk size."""
