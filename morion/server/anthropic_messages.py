@@ -116,7 +116,7 @@ async def _create(request: Request, context: ServerContext) -> Any:
     body: MessagesRequest = await context.read_json(request, MessagesRequest)
     chat = _chat_request(body, body.max_tokens)
     prepared = await context.prepare_chat(chat, info)
-    stream = context.client.submit(prepared.job.submissions(), arrival)
+    stream = context.client.submit(prepared.job.submissions(), arrival, request.scope)
     writer = _MessageWriter(body, context.served_names[0], len(prepared.rendered.token_ids))
     note_generation(request, lambda: stream.time_to_first_token, writer.usage_body)
     events = writer.events(answer_blocks(stream, prepared.new_parser))

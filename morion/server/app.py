@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from morion.multimodal.image_decode import PreparedImage
 from morion.server.anthropic_messages import register_messages_api
+from morion.server.arrivals import ArrivalsMiddleware
 from morion.server.chat_images import chat_images, with_image_tokens
 from morion.server.chat_tools import ChatTooling
 from morion.server.completion_format import CompletionFormat
@@ -179,6 +180,7 @@ class ServerContext:
             ) from None
         parsed = parse_body(body, model)
         check_model(getattr(parsed, "model", None), self.served_names)
+        self.client.arrivals.body_read(request.scope)  # a generation request counts until its hand-over
         return parsed
 
     async def _read_body(self, request: Request) -> bytes:
@@ -213,6 +215,7 @@ def create_app(context: ServerContext) -> FastAPI:
     app.router.redirect_slashes = False
     install_browser_guards(app, context.options.allowed_origins)
     app.add_middleware(_RequestCounter, context=context)  # outside the guards: counts their refusals too
+    app.add_middleware(ArrivalsMiddleware, arrivals=context.client.arrivals)
     if context.options.log_requests:
         app.add_middleware(RequestLogger)
     app.add_exception_handler(APIError, _api_error)

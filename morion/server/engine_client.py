@@ -12,14 +12,16 @@ import asyncio
 import time
 import uuid
 from array import array
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from morion.config import EngineConfig
 from morion.engine.sampling_params import SamplingParams
 from morion.multimodal.image_decode import PreparedImage
+from morion.server.arrivals import Arrivals
 from morion.server.engine_messages import (
     AbortRequest,
     AddRequest,
@@ -126,6 +128,7 @@ class EngineClient:
             lambda: (self.info, self.stats), lambda: self._process.pid if self._process else None
         )
         self.open_streams: set[RequestStream] = set()
+        self.arrivals = Arrivals()
         self._streams: dict[str, RequestStream] = {}
         self._process: BaseProcess | None = None
         self._inbox: Connection | None = None  # the write end
@@ -151,17 +154,25 @@ class EngineClient:
 
     # --------------------------------------------------------------- requests
     def submit(
-        self, work: Sequence[tuple[list[int], SamplingParams, tuple[PreparedImage, ...]]], arrival: float
+        self,
+        work: Sequence[tuple[list[int], SamplingParams, tuple[PreparedImage, ...]]],
+        arrival: float,
+        scope: MutableMapping[str, Any],
     ) -> RequestStream:
-        """Each (prompt token ids, sampling parameters, the prompt's images) as an engine request."""
+        """Each (prompt token ids, sampling parameters, the prompt's images) as an engine request, for the
+        HTTP request of ASGI `scope` (its count among the arrivals ends here: server/arrivals.py)."""
         prefix = uuid.uuid4().hex
         submitted = time.perf_counter()
         self.metrics.first_token_part["prepare"].observe(submitted - arrival)
         stream = RequestStream(self, [f"{prefix}-{i}" for i in range(len(work))], arrival, submitted)
         self.open_streams.add(stream)
-        for request_id, (prompt, params, images) in zip(stream.request_ids, work, strict=True):
+        self.arrivals.handed_over(scope)
+        others = self.arrivals.waiting > 0
+        requests = list(zip(stream.request_ids, work, strict=True))
+        for index, (request_id, (prompt, params, images)) in enumerate(requests):
             self._streams[request_id] = stream
-            self._send(AddRequest(request_id, array("q", prompt), params, images))
+            more = others or index < len(requests) - 1  # other requests, or this one's other choices
+            self._send(AddRequest(request_id, array("q", prompt), params, images, more_coming=more))
         return stream
 
     def release(self, stream: RequestStream, unfinished: list[str]) -> None:

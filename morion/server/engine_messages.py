@@ -29,6 +29,9 @@ class AddRequest(NamedTuple):
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     images: tuple[PreparedImage, ...] = ()  # whose tokens the prompt holds (models with a vision tower)
+    # Whether the front end had more generation requests read and not yet handed over when it sent this
+    # one (or more choices of this one follow): an idle engine waits for them briefly (server/arrivals.py).
+    more_coming: bool = False
 
 
 class AbortRequest(NamedTuple):

@@ -48,6 +48,9 @@ from morion.spec.speculative import SpeculativeDecoding
 _CUDA_ALLOCATED_PERIOD_S = 1.0
 STATS_PERIOD_S = 0.05  # while busy, outputs carry the engine stats at most this often (serve)
 IDLE_CHECK_DELAY_S = 0.1  # the idle integrity check runs once nothing has come for this long (serve)
+# How long an idle engine told that more requests are coming waits for them before its first step
+# (`gather_burst`): the front end hands a burst over within a few ms (a 33K-token prompt's parsing is ~3).
+BURST_WAIT_S = 0.01
 
 
 class EngineLoop:
@@ -63,10 +66,12 @@ class EngineLoop:
         self.replies: list[CacheEvicted] = []  # answers to control messages, sent before the next outputs
         self._cuda_allocated = 0
         self._cuda_allocated_due = 0.0  # time.monotonic() after which the next stats read it again
+        self.more_coming = False  # the last request handled said others were on their way (arrivals.py)
 
     # ----------------------------------------------------------------- inbox
     def handle(self, message: InboxMessage) -> list[RequestDelta]:
         if isinstance(message, AddRequest):
+            self.more_coming = message.more_coming
             return self._add(message)
         if isinstance(message, AbortRequest):
             return self._abort(message.request_id)
@@ -268,11 +273,15 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
                 worked = False
             inbox.poll(None)  # sleep until a message arrives (or the front end's end closes)
         busy_since = time.perf_counter()
+        was_idle = not loop.engine.has_unfinished()
         deltas: list[RequestDelta] = []
         handled = False
+        loop.more_coming = False
         while inbox.poll():
             deltas += loop.handle(inbox.recv())
             handled = True
+        if was_idle:
+            deltas += gather_burst(loop, inbox)
         if loop.stopped:
             break
         for reply in loop.replies:
@@ -295,6 +304,22 @@ def serve(loop: EngineLoop, inbox: Connection, outbox: Connection) -> None:
                 # (above).
                 outbox.send(EngineOutputs([], loop.stats()))
                 unchecked = True
+
+
+def gather_burst(loop: EngineLoop, inbox: Connection) -> list[RequestDelta]:
+    """An idle engine's wait for the rest of a burst (server/arrivals.py): while the last request handled
+    says more are on their way, up to BURST_WAIT_S in all, the inbox's next messages are handled before the
+    first step, so that the burst's prompts share its prefill forward instead of the first one running
+    alone. A busy engine never waits: what comes joins its next step anyway."""
+    deltas: list[RequestDelta] = []
+    deadline = time.perf_counter() + BURST_WAIT_S
+    while loop.more_coming and not loop.stopped:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0 or not inbox.poll(remaining):
+            break
+        while inbox.poll():
+            deltas += loop.handle(inbox.recv())
+    return deltas
 
 
 def run_engine_process(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:

@@ -106,7 +106,7 @@ def register_responses_api(api: APIRouter, context: ServerContext) -> None:
         messages = history + _messages(body.input)
         chat = _chat_request(body, messages)
         prepared = await context.prepare_chat(chat, info)
-        stream = context.client.submit(prepared.job.submissions(), arrival)
+        stream = context.client.submit(prepared.job.submissions(), arrival, request.scope)
         writer = _ResponseWriter(body, chat, context.served_names[0])
         note_generation(request, lambda: stream.time_to_first_token, writer.usage_body)
 

@@ -31,7 +31,7 @@ async def run_job(
     include_usage: bool,
     arrival: float,
 ) -> Response | EventStreamResponse:
-    request_stream = client.submit(job.submissions(), arrival)
+    request_stream = client.submit(job.submissions(), arrival, request.scope)
     usage = UsageTotals(job.n)
     note_generation(request, lambda: request_stream.time_to_first_token, usage.body)
     if stream:

@@ -288,3 +288,50 @@ def test_a_step_without_new_tokens_carries_no_logprobs():
     none, last = Engine._output(request, [], ""), Engine._output(request, [2], "")
     assert (none.logprobs, none.top_logprobs) == ([], [])
     assert (last.logprobs, last.top_logprobs) == ([-0.2], [[(2, -0.2)]])
+
+
+def _steps_seeing(monkeypatch, burst: list, later: list, comes: Callable[[float | None], bool]) -> list[int]:
+    """How many requests the stub engine held at each of its steps, for messages `burst` in the pipe at
+    once and `later` ones arriving during the waits for which `comes(timeout)` holds."""
+    from morion.server import engine_process as process
+
+    monkeypatch.setattr(process, "release_free_heap", lambda: True)
+    engine = StubEngine()
+    seen_by_steps: list[int] = []
+    step = engine.step
+    engine.step = lambda: seen_by_steps.append(len(engine.requests)) or step()
+    inbox = ScriptedInbox(burst, later, comes)
+    process.serve(EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: None))
+    return seen_by_steps
+
+
+def _add(request_id: str, more_coming: bool) -> AddRequest:
+    return AddRequest(request_id, [1, 2], SamplingParams(max_tokens=2), more_coming=more_coming)
+
+
+def test_an_idle_engine_told_more_are_coming_waits_for_them_before_its_first_step(monkeypatch):
+    """A burst's requests are handed over one by one (server/arrivals.py): an idle engine that is told more
+    are on their way waits up to BURST_WAIT_S for them, so that they share its first step's prefill."""
+    from morion.server.engine_process import BURST_WAIT_S
+
+    waits: list[float | None] = []
+
+    def comes(timeout: float | None) -> bool:
+        waits.append(timeout)
+        return timeout is None or 0 < timeout <= BURST_WAIT_S
+
+    later = [_add("b", more_coming=True), _add("c", more_coming=False), Shutdown()]
+    assert _steps_seeing(monkeypatch, [_add("a", more_coming=True)], later, comes) == [3, 3]
+    assert all(0 < wait <= BURST_WAIT_S for wait in waits[:2])  # the gathering's waits, bounded
+
+
+def test_a_request_alone_or_a_busy_engine_does_not_wait(monkeypatch):
+    # Alone (nothing else on its way): its first step runs at once, and the next request joins later.
+    later = [_add("b", more_coming=False), Shutdown()]
+    alone = _steps_seeing(monkeypatch, [_add("a", more_coming=False)], later, lambda timeout: timeout != 0.0)
+    assert alone[0] == 1
+    # Told more are coming, but none comes within BURST_WAIT_S: the step runs after that bound.
+    none_came = _steps_seeing(
+        monkeypatch, [_add("a", more_coming=True)], [Shutdown()], lambda timeout: timeout is None
+    )
+    assert none_came == [1, 1]
