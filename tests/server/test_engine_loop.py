@@ -191,17 +191,8 @@ def _serve_recording_checks(monkeypatch, inbox: ScriptedInbox) -> list[tuple[str
 def test_every_queued_request_is_added_before_the_next_step(monkeypatch):
     """Requests that came while the engine was idle or in a step all join the next step (and so its
     prefill forward), not one per step."""
-    from morion.server import engine_process as process
-
-    monkeypatch.setattr(process, "release_free_heap", lambda: True)
-    engine = StubEngine()
-    seen_by_steps: list[int] = []
-    step = engine.step
-    engine.step = lambda: seen_by_steps.append(len(engine.requests)) or step()
     burst = [AddRequest(r, [1, 2], SamplingParams(max_tokens=2)) for r in "abc"]  # in the pipe together
-    inbox = ScriptedInbox(burst, [Shutdown()], comes=lambda timeout: timeout is None)
-    process.serve(EngineLoop(engine), inbox, SimpleNamespace(send=lambda message: None))
-    assert seen_by_steps == [3, 3]
+    assert _steps_seeing(monkeypatch, burst, [Shutdown()], lambda timeout: timeout is None) == [3, 3]
 
 
 def test_the_idle_integrity_check_waits_for_quiet_after_the_last_answer(monkeypatch):
