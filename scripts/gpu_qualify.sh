@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_qualify.sh MODEL [PART...]
 #
-# MODEL: 80b (preset:qwen3-next-80b-a3b), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
+# MODEL: 80b (preset:qwen3-next-80b-a3b), 80b-12l (its 12-layer preset, for a card the whole model does
+# not fit), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
 # (the default model on a CPU: checks this script itself). PARTs, in the order given (default: all):
 #   restore: restore over generated token-id conversations (cold, device and host hits; every answer
 #            compared with its cold one, logprob for logprob) with soak's clients running beside it; the
@@ -26,7 +27,7 @@
 # arrives without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:?usage: gpu_qualify.sh 80b|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
+model=${1:?usage: gpu_qualify.sh 80b|80b-12l|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
@@ -62,6 +63,23 @@ case "$model" in
     turn=(--turn-prefix 32768 --turn-new 1024)
     turn_target_ms=100
     ;;
+80b-12l)
+    # 12 of the 80B preset's 48 layers (19 GiB of FP8 weights): the same checks on a card that the whole
+    # model does not fit (an H100 when no H200 comes). A check of the serving path's answers; its speed is
+    # not the 80B's.
+    label=gpu-qualify-qwen3-next-80b-a3b-12l
+    engine=(--model preset:qwen3-next-80b-a3b-12l "${fp8[@]}" --host-cache-gb 24 --max-running-requests 16
+        --cuda-graph-max-batch 16)
+    restore=(--restore-conversations 30 --restore-lengths 1024:65536 --restore-group 10)
+    min_hits=30
+    soak=(--soak-clients 8 --soak-minutes 2 --soak-turn-tokens 256 --soak-max-tokens 2048)
+    perf=(--perf-concurrency 1,4,8 --perf-contexts 1024 --perf-output-tokens 256 --perf-repeats 2
+        --perf-prefill-lengths 1024,8192)
+    offline=(--concurrency 1,4,8 --contexts 1024 --output-tokens 256 --repeats 2 --prefill-lengths 1024
+        --logprobs 0)
+    turn=(--turn-prefix 32768 --turn-new 1024)
+    turn_target_ms=
+    ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
     engine=(--model preset:qwen3.8-flash-next "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
@@ -90,7 +108,7 @@ cpu-smoke)
     turn_target_ms=
     ;;
 *)
-    echo "gpu_qualify.sh: unknown model $model (80b, flash-next, cpu-smoke)" >&2
+    echo "gpu_qualify.sh: unknown model $model (80b, 80b-12l, flash-next, cpu-smoke)" >&2
     exit 2
     ;;
 esac
