@@ -14,7 +14,9 @@ with streams [T, n * H], W_down [R, n * H], W_up [n * H, R], W_inject [n, n * H]
    the sum of the n partials in stream order; then for its columns c of every stream s the rows
    s * H + c of W_up: up, sigmoid, times normed (recomputed from streams and rstd, the same bits as in
    kernel 1) and the mean over the streams: mixed [T, H]. The programs of column block 0 also finish
-   the inject weights 2 * sigmoid(inject / n) [T, n] from their partials.
+   the inject weights 2 * sigmoid(inject / n) [T, n] from their partials. With QUANTIZE (the block after
+   the mix reads FP8 rows) the last program of each token block quantizes the block's rows per row
+   (`_quantize_when_last`): the quantize kernel the block would otherwise launch.
 
 Every weight byte is read once per token block (a call at T <= BLOCK_T reads each once), spread over
 hundreds of programs that each stream a few tens of KiB, rather than one program per token row. A plain
