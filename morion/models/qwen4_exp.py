@@ -161,13 +161,12 @@ class Qwen4ExpDecoderLayer(nn.Module):
                 streams = streams + self.ple(streams, ple_rows, backend)
         # A block reading its input quantized per row (FP8 projections or experts) takes the rows that the
         # fused mix quantized in its last program (None elsewhere: the block quantizes them itself).
-        if self.layer_type == SPARSE_ATTENTION:
-            mixer = self.self_attn
-            mixed, weights, quantized = self.attn_hyper_connection.mix(streams, mixer.reads_fp8_rows)
+        sparse = self.layer_type == SPARSE_ATTENTION
+        mixer = self.self_attn if sparse else self.linear_attn
+        mixed, weights, quantized = self.attn_hyper_connection.mix(streams, mixer.reads_fp8_rows)
+        if sparse:
             out = mixer(mixed, positions, rotation, backend, quantized=quantized)
         else:
-            mixer = self.linear_attn
-            mixed, weights, quantized = self.attn_hyper_connection.mix(streams, mixer.reads_fp8_rows)
             out = mixer(mixed, backend, quantized=quantized)
         streams = inject(streams, out, weights)
         mixed, weights, quantized = self.mlp_hyper_connection.mix(streams, self.mlp.reads_fp8_rows)

@@ -225,7 +225,7 @@ def test_pipelined_tiles_at_the_real_shape_within_an_ulp_and_batch_invariant(til
 def test_a_cuda_graph_replays_the_mix_with_new_streams():
     module = random_mix(REAL_SHAPE, torch.bfloat16)
     static = random_streams(module, 8, torch.bfloat16)
-    outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    outputs: list[Mixed] = []
     graph = capture_graph(lambda: outputs.append(module.mix(static, quantize=True)))
     for seed in (2, 3):
         streams = random_streams(module, 8, torch.bfloat16, seed)
