@@ -5,7 +5,7 @@
 #   bash scripts/gpu_qualify.sh MODEL [PART...]
 #
 # MODEL: 80b (preset:qwen3-next-80b-a3b), 80b-12l (its 12-layer preset, for a card the whole model does
-# not fit), flash-next (preset:qwen3.8-flash-next, shorter), or cpu-smoke
+# not fit), flash-next (preset:qwen3.8-flash-next, shorter), flash-next-12l (its 12 layers), or cpu-smoke
 # (the default model on a CPU: checks this script itself). PARTs, in the order given (default: all):
 #   restore: restore over generated token-id conversations (cold, device and host hits; every answer
 #            compared with its cold one, logprob for logprob) with soak's clients running beside it; the
@@ -27,7 +27,7 @@
 # arrives without its history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:?usage: gpu_qualify.sh 80b|80b-12l|flash-next|cpu-smoke [restore|disk|perf|offline|report|all]...}
+model=${1:?usage: gpu_qualify.sh 80b|80b-12l|flash-next|flash-next-12l|cpu-smoke [restore|disk|perf|offline|report|all]...}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
@@ -80,6 +80,22 @@ case "$model" in
     turn=(--turn-prefix 32768 --turn-new 1024)
     turn_target_ms=
     ;;
+flash-next-12l)
+    # 12 of Flash-Next's 48 layers: its serving path's answers (the hyper-connection mix, QSA, the PLE
+    # rows) on a card that the whole model does not fit. A check of answers; its speed is not Flash-Next's.
+    label=gpu-qualify-qwen3.8-flash-next-12l
+    engine=(--model preset:qwen3.8-flash-next-12l "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
+        --cuda-graph-max-batch 8)
+    restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
+    min_hits=30
+    soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 1
+        --perf-prefill-lengths 1024,8192)
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 1 --prefill-lengths 1024
+        --logprobs 0)
+    turn=(--turn-prefix 32768 --turn-new 1024)
+    turn_target_ms=
+    ;;
 flash-next)
     label=h200-qualify-qwen3.8-flash-next
     engine=(--model preset:qwen3.8-flash-next "${fp8[@]}" --host-cache-gb 16 --max-running-requests 8
@@ -108,7 +124,7 @@ cpu-smoke)
     turn_target_ms=
     ;;
 *)
-    echo "gpu_qualify.sh: unknown model $model (80b, 80b-12l, flash-next, cpu-smoke)" >&2
+    echo "gpu_qualify.sh: unknown model $model (80b, 80b-12l, flash-next, flash-next-12l, cpu-smoke)" >&2
     exit 2
     ;;
 esac
