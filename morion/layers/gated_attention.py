@@ -7,8 +7,8 @@ head, and the attention output is multiplied by sigmoid(gate) before o_proj.
 The eager code is the reference and the CPU path. On CUDA the q/k norms and RoPE run as one kernel
 (ops/qk_norm_rope_triton.py), and with FP8 projections x is quantized once for q/k/v and the output gate
 is applied in o_proj's activation quantization (ops/fp8.py), all with the same rounding points. x may
-come quantized already (`reads_fp8_rows`: the decoder layer's norm, or Flash-Next's hyper-connection mix,
-quantizes it in its kernel).
+come quantized already (`GatedAttention.reads_fp8_rows`: the decoder layer's norm quantizes it in its
+kernel).
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ class GatedAttentionProjections(nn.Module):
         q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, cos, sin)
         return q, k, v, gate
 
-    @property
-    def reads_fp8_rows(self) -> bool:
-        """Whether `project` reads x quantized per row (FP8 q/k/v projections, set by `--weight-dtype fp8`'s
-        conversion): then a caller that has the rows quantized passes them (`quantized`)."""
-        return all_fp8((self.q_proj, self.k_proj, self.v_proj))
-
     def merge_groups(self) -> dict[str, tuple[nn.Module, ...]]:
         """The layers of one input that `merged_linears.merge_projections` may merge, by attribute."""
         return {"merged_qkv": (self.q_proj, self.k_proj, self.v_proj)}
@@ -113,6 +107,12 @@ def norm_and_rotate(
 
 
 class GatedAttention(GatedAttentionProjections):
+    @property
+    def reads_fp8_rows(self) -> bool:
+        """Whether `forward` reads x quantized per row (FP8 q/k/v projections, set by `--weight-dtype fp8`'s
+        conversion): then a caller that has the rows quantized passes them (`quantized`)."""
+        return all_fp8((self.q_proj, self.k_proj, self.v_proj))
+
     def forward(
         self,
         x: torch.Tensor,

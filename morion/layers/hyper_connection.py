@@ -27,7 +27,6 @@ from torch import nn
 
 from morion.layers.grouped_norm import GroupedRMSNorm
 from morion.layers.narrow_linear import NarrowLinear
-from morion.ops.hc_mixed import Mixed
 from morion.ops.log_once import log_once
 from morion.ops.slot_partials import SlotPartials
 
@@ -46,11 +45,8 @@ class HyperConnection(nn.Module):
         # None for the final mixer, which feeds the LM head and writes nothing back.
         self.block_inject_weight = NarrowLinear(width, hc_count, bias=False) if inject else None
 
-    def mix(self, streams: torch.Tensor, quantize: bool = False) -> Mixed:
-        """streams [T, n * H] -> (block input [T, H], inject weights [T, n] or None for the final mixer,
-        the block input's rows quantized for FP8 layers or None). `quantize`: the block reads its input
-        quantized per row (`reads_fp8_rows`); the fused kernels then quantize it in their last program
-        (one kernel fewer a mix), elsewhere the block quantizes it itself (the same values)."""
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """streams [T, n * H] -> (block input [T, H], inject weights [T, n] or None for the final mixer)."""
         if streams.is_cuda:
             from morion.ops import hyper_connection_triton
 
@@ -62,14 +58,11 @@ class HyperConnection(nn.Module):
             )
             if hyper_connection_triton.supports(streams, *weights, self.hc_count):
                 log_once(logger, "hyper-connection mix: two fused Triton kernels (decode), batch-invariant")
-                return hyper_connection_triton.mix(
-                    streams, *weights, self.hc_count, self.hc_norm.eps, quantize=quantize
-                )
+                return hyper_connection_triton.mix(streams, *weights, self.hc_count, self.hc_norm.eps)
         return self.mix_reference(streams)
 
-    def mix_reference(self, streams: torch.Tensor) -> Mixed:
-        """`mix` in eager torch at any size, on any device: the reference of the fused kernels (its input
-        left unquantized)."""
+    def mix_reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`mix` in eager torch at any size, on any device: the reference of the fused kernels."""
         normed = self.hc_norm(streams)
         gate = torch.sigmoid(
             self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc_count))
@@ -77,8 +70,8 @@ class HyperConnection(nn.Module):
         per_stream = (self.hc_count, self.hidden_size)
         mixed = (gate.unflatten(-1, per_stream) * normed.unflatten(-1, per_stream)).mean(dim=-2)
         if self.block_inject_weight is None:
-            return Mixed(mixed, None)
-        return Mixed(mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count))
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
 
 
 def inject(

@@ -61,7 +61,6 @@ from morion.layers.hybrid_backend import SHORT_CHUNK_TOKENS
 from morion.layers.norm_variants import ZeroCentredRMSNorm
 from morion.layers.rotary import RotaryEmbedding, apply_rotary
 from morion.layers.token_cache_backend import TokenCacheBackend
-from morion.ops.fp8 import QuantizedRows
 from morion.ops.qsa import (
     block_scores,
     gather_token_kv,
@@ -215,12 +214,10 @@ class QSAAttention(GatedAttentionProjections):
         positions: torch.Tensor,
         rotation: Rotation,
         backend: TokenCacheBackend,
-        quantized: QuantizedRows | None = None,
     ) -> torch.Tensor:
         """x: [T, hidden]; positions [T] (each token's index in its sequence); `rotation` the rotary's
-        cos, sin at each token's position and at its block's first token's; `quantized`: x's rows
-        quantized per row, for FP8 q/k/v projections (`reads_fp8_rows`). Returns [T, hidden]."""
-        q, k, v, gate = self.project(x, rotation.cos, rotation.sin, quantized)
+        cos, sin at each token's position and at its block's first token's. Returns [T, hidden]."""
+        q, k, v, gate = self.project(x, rotation.cos, rotation.sin)
         index_q, raw_keys = self.indexer.project(x, rotation.cos, rotation.sin)
         out = backend.outside_graph(
             self._cache_and_attend, q, k, v, index_q, raw_keys, positions, rotation.block_cos,

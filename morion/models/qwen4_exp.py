@@ -159,19 +159,15 @@ class Qwen4ExpDecoderLayer(nn.Module):
                 streams = streams + forward_verify(self.ple, streams, ple_rows, backend)
             else:
                 streams = streams + self.ple(streams, ple_rows, backend)
-        # A block reading its input quantized per row (FP8 projections or experts) takes the rows that the
-        # fused mix quantized in its last program (None elsewhere: the block quantizes them itself).
-        sparse = self.layer_type == SPARSE_ATTENTION
-        mixer = self.self_attn if sparse else self.linear_attn
-        mixed, weights, quantized = self.attn_hyper_connection.mix(streams, mixer.reads_fp8_rows)
-        if sparse:
-            out = mixer(mixed, positions, rotation, backend, quantized=quantized)
+        mixed, weights = self.attn_hyper_connection.mix(streams)
+        if self.layer_type == SPARSE_ATTENTION:
+            out = self.self_attn(mixed, positions, rotation, backend)
         else:
-            out = mixer(mixed, backend, quantized=quantized)
+            out = self.linear_attn(mixed, backend)
         streams = inject(streams, out, weights)
-        mixed, weights, quantized = self.mlp_hyper_connection.mix(streams, self.mlp.reads_fp8_rows)
+        mixed, weights = self.mlp_hyper_connection.mix(streams)
         # The experts' slots go unsummed to the inject kernel, which adds them itself (fused decode path).
-        return inject(streams, self.mlp(mixed, quantized=quantized, unsummed=True), weights)
+        return inject(streams, self.mlp(mixed, unsummed=True), weights)
 
 
 class Qwen4ExpModel(nn.Module):

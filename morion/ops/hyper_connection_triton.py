@@ -14,9 +14,7 @@ with streams [T, n * H], W_down [R, n * H], W_up [n * H, R], W_inject [n, n * H]
    the sum of the n partials in stream order; then for its columns c of every stream s the rows
    s * H + c of W_up: up, sigmoid, times normed (recomputed from streams and rstd, the same bits as in
    kernel 1) and the mean over the streams: mixed [T, H]. The programs of column block 0 also finish
-   the inject weights 2 * sigmoid(inject / n) [T, n] from their partials. With QUANTIZE (the block after
-   the mix reads FP8 rows) the last program of each token block quantizes the block's rows per row
-   (`_quantize_when_last`): the quantize kernel the block would otherwise launch.
+   the inject weights 2 * sigmoid(inject / n) [T, n] from their partials.
 
 Every weight byte is read once per token block (a call at T <= BLOCK_T reads each once), spread over
 hundreds of programs that each stream a few tens of KiB, rather than one program per token row. A plain
@@ -33,7 +31,9 @@ CUDA graphs, PDL off) one mix took 20.5 / 20.0 / 18.9 / 27.3 us at T = 1 / 2 / 4
 at T = 4 and changed bits (`results/2026-12-04-h200-session-notes-86da1b1.md`). Measured unhelpful there:
 an L2 prefetch of each program's weight rows before its PDL wait (23.3 us against 20.5 without PDL): the
 mix is not bound by its weights' 13 MB (~3 us at HBM pace) but by its programs' chains of dependent loads
-and their arithmetic.
+and their arithmetic. Also slower: the second kernel's last program of each token block (an atomic arrival
+count) quantizing the block's rows for the FP8 layers after it, which saved the rows kernel but took
+kernel 2 from 15 to 23 us on an H100 (`results/2026-12-05-h100-flash-next-12l-decode-ab-*.md`).
 
 Rounding points: those of the eager code in the weights' dtype. normed is computed in fp32 and rounded
 once; each GEMV sums in fp32 and rounds once (as F.linear does); `/ n`, silu, sigmoid, gate * normed and
@@ -61,13 +61,11 @@ import torch
 import triton
 import triton.language as tl
 
-from morion.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows
-from morion.ops.hc_mixed import Mixed
 from morion.ops.hc_tiles import DEFAULT_MIX_TILES, MixTiles, mix_shape, tuned_mix_tiles
 from morion.ops.moe_decode_triton import slot_sum
 from morion.ops.moe_tiles import device_name
 from morion.ops.pdl import launch_options, wait_for_previous_kernel
-from morion.ops.row_kernels_triton import fp8_row, rounded
+from morion.ops.row_kernels_triton import rounded
 from morion.ops.slot_partials import SlotPartials
 
 # The engine's batch-invariant range (the fused MoE kernels' AUTO_TRITON_MAX_TOKENS, docs/architecture.md):
@@ -181,11 +179,9 @@ def _summed_partials(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _up_mix_kernel(
     streams_ptr, norm_w_ptr, up_w_ptr, partial_ptr, rstd_ptr, mixed_ptr, inject_ptr,
-    q_ptr, scale_ptr, arrivals_ptr,
     num_tokens, hidden, lowrank, hc_count, out_rows, stride_streams, inv_count,
     HAS_INJECT: tl.constexpr, HC_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    QUANTIZE: tl.constexpr, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(USE_PDL)
@@ -255,42 +251,6 @@ def _up_mix_kernel(
             mask=inject_mask,
         )
 
-    if QUANTIZE:
-        _quantize_when_last(
-            mixed_ptr, q_ptr, scale_ptr, arrivals_ptr, tokens, tokens_ok, hidden, BLOCK_H, FP8_MAX, MIN_SCALE
-        )
-
-
-@triton.jit
-def _quantize_when_last(
-    mixed_ptr, q_ptr, scale_ptr, arrivals_ptr, tokens, tokens_ok, hidden,
-    BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-):  # fmt: skip
-    """The last program of a token block to store its columns of `mixed` quantizes the block's rows
-    per row: `quantize_fp8(mixed, per_row=True)`'s values (the same `fp8_row` as the rows kernel), so
-    that the FP8 layers reading the mix need no quantizing kernel of their own.
-
-    Which program is last: each counts its arrival in arrivals[token block] after its stores (a barrier,
-    so that every thread's stores come before the count; the count's release makes them visible to the
-    program that sees the last count, whose acquire comes before its loads). That program resets the
-    count to zero for the next call: the counts start at zero (`_arrivals`) and end there, and calls on
-    one device never overlap (each kernel waits for the one before it, PDL included). Its loads bypass
-    L1 (`.cg`), which other SMs' stores do not update. The row's values are the stored ones, in the
-    dtype, as the rows kernel would load them: a row's codes and scale depend on the row alone."""
-    block = tl.program_id(1)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(arrivals_ptr + block, 0)
-        cols = tl.arange(0, BLOCK_H)
-        mask = tokens_ok[:, None] & (cols[None, :] < hidden)
-        offsets = tokens[:, None] * hidden + cols[None, :]
-        x = tl.cast(tl.load(mixed_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg"), tl.float32)
-        amax = tl.max(tl.abs(x), axis=1, keep_dims=True)
-        q, scale = fp8_row(x, amax, q_ptr, FP8_MAX, MIN_SCALE)
-        tl.store(q_ptr + offsets, q, mask=mask)
-        tl.store(scale_ptr + tokens[:, None], scale, mask=tokens_ok[:, None])
-
 
 def supports(
     streams: torch.Tensor,
@@ -319,21 +279,6 @@ def supports(
     )
 
 
-# Per device, one arrival count per token block of `_up_mix_kernel` (`_quantize_when_last`), zeros between
-# calls. Made by an eager call (the warm-up's, before any capture) and kept; one made during a capture is
-# zeroed by that graph's replays only, so it belongs to that graph and is not kept.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    counts = _ARRIVALS.get(device)
-    if counts is None:
-        counts = torch.zeros(triton.cdiv(MAX_TOKENS, _BLOCK_T), dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ARRIVALS[device] = counts
-    return counts
-
-
 def mix(
     streams: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -343,13 +288,10 @@ def mix(
     hc_count: int,
     eps: float,
     tiles: MixTiles | None = None,
-    quantize: bool = False,
-) -> Mixed:
-    """`HyperConnection.mix` for shapes `supports` takes: streams [T, n * H] -> the block input [T, H], the
-    inject weights [T, n] (None for the final mixer, which has none) and with `quantize` the block input
-    quantized per row (`quantize_fp8(mixed, per_row=True)`'s values, by the second kernel's last program
-    of each token block). `tiles`: the kernels' tiles (default: the device's tuned ones for this shape,
-    ops/hc_tiles.py)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`HyperConnection.mix` for shapes `supports` takes: streams [T, n * H] -> (block input [T, H],
+    inject weights [T, n], or None for the final mixer, which has no inject weights). `tiles`: the
+    kernels' tiles (default: the device's tuned ones for this shape, ops/hc_tiles.py)."""
     if tiles is None:  # tuned files are per GPU; the interpreter (CPU) runs the defaults
         tiles = DEFAULT_MIX_TILES
         if streams.is_cuda:
@@ -359,14 +301,8 @@ def mix(
     device, dtype = streams.device, streams.dtype
     mixed = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     weights = None if inject is None else torch.empty(num_tokens, hc_count, dtype=dtype, device=device)
-    quantized = None
-    if quantize:
-        quantized = QuantizedRows(
-            torch.empty(num_tokens, hidden, dtype=FP8_DTYPE, device=device),
-            torch.empty(num_tokens, dtype=torch.float32, device=device),
-        )
     if num_tokens == 0:
-        return Mixed(mixed, weights, quantized)
+        return mixed, weights
     # The down GEMV's columns: R of W_down, then n of W_inject; per stream, fp32.
     out_rows = lowrank + (0 if inject is None else hc_count)
     partial = torch.empty(hc_count, num_tokens, out_rows, dtype=torch.float32, device=device)
@@ -381,18 +317,15 @@ def mix(
         **launch_options(),
         num_warps=tiles.down_warps,
     )  # fmt: skip
-    q, scale = quantized if quantized is not None else (mixed, mixed)  # unread without QUANTIZE
     _up_mix_kernel[(triton.cdiv(hidden, tiles.up_block_c), token_blocks)](
         streams, norm_weight, up, partial, rstd, mixed, mixed if weights is None else weights,
-        q, scale, _arrivals(device) if quantize else rstd,
         num_tokens, hidden, lowrank, hc_count, out_rows, streams.stride(0), 1.0 / hc_count,
         HAS_INJECT=inject is not None, HC_BLOCK=triton.next_power_of_2(hc_count),
         BLOCK_T=_BLOCK_T, BLOCK_C=tiles.up_block_c, BLOCK_R=tiles.up_block_r, STAGES=tiles.up_stages,
-        QUANTIZE=quantize, BLOCK_H=triton.next_power_of_2(hidden), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         **launch_options(),
         num_warps=tiles.up_warps,
     )  # fmt: skip
-    return Mixed(mixed, weights, quantized)
+    return mixed, weights
 
 
 @triton.jit

@@ -45,8 +45,8 @@ def block_key_checks(monkeypatch, qwen4_exp_tiny) -> list[tuple[bool, bool]]:
     forward = QSAAttention.forward
     rotary = qwen4_exp_tiny.model.model.rotary
 
-    def checked(self, x, positions, rotation, backend, quantized=None):
-        out = forward(self, x, positions, rotation, backend, quantized)
+    def checked(self, x, positions, rotation, backend):
+        out = forward(self, x, positions, rotation, backend)
         static = backend.decode_only or backend.verify_slots is not None
         ratio, dim = self.compress_ratio, self.indexer.head_dim
         for n, (_, length) in enumerate(backend.query_ranges):

@@ -326,12 +326,12 @@ def test_after_verify_draft_makes_no_host_sync_in_qsa(qwen4_exp_tiny, engine_run
     monkeypatch.setattr(QSAAttention, "exact_ties_on_cpu", False)
     forward, widths = QSAAttention.forward, []
 
-    def strict(self, x, positions, rotation, backend, quantized=None):
+    def strict(self, x, positions, rotation, backend):
         if not getattr(backend, "uniform_queries", False):
-            return forward(self, x, positions, rotation, backend, quantized)
+            return forward(self, x, positions, rotation, backend)
         widths.append(backend.query_ranges[0][1])
         with _no_host_sync():
-            return forward(self, x, positions, rotation, backend, quantized)
+            return forward(self, x, positions, rotation, backend)
 
     monkeypatch.setattr(QSAAttention, "forward", strict)
     want = [

@@ -366,9 +366,6 @@ KERNELS = {
             "rstd_ptr": "*fp32",
             "mixed_ptr": "*bf16",
             "inject_ptr": "*bf16",
-            "q_ptr": "*bf16",
-            "scale_ptr": "*bf16",
-            "arrivals_ptr": "*fp32",
             "num_tokens": "i32",
             "hidden": "i32",
             "lowrank": "i32",
@@ -377,18 +374,7 @@ KERNELS = {
             "stride_streams": "i32",
             "inv_count": "fp32",
         },
-        {
-            "HAS_INJECT": True,
-            "HC_BLOCK": 4,
-            "BLOCK_T": 4,
-            "BLOCK_C": 16,
-            "BLOCK_R": 32,
-            "STAGES": 1,
-            "QUANTIZE": False,
-            "BLOCK_H": 4096,
-            "FP8_MAX": 448.0,
-            "MIN_SCALE": 1e-12,
-        },
+        {"HAS_INJECT": True, "HC_BLOCK": 4, "BLOCK_T": 4, "BLOCK_C": 16, "BLOCK_R": 32, "STAGES": 1},
     ),
     # The grouped MoE path's elementwise kernels at the 80B's shapes (I = 512, H = 2048, top-10).
     "moe_grouped_triton._swiglu_quantize_kernel": (
@@ -427,12 +413,6 @@ def _variant(name: str, types: dict[str, str], constexprs: dict[str, object]) ->
 # The kernels that take a MoE block's fp32 slot rows (`SlotPartials`: top-10 and the shared expert).
 KERNELS["add_rms_norm_triton._add_rms_norm_kernel[fp32 partials, quantize]"] = _variant(
     "add_rms_norm_triton._add_rms_norm_kernel[bf16, quantize]", {"x_ptr": "*fp32"}, {"SLOTS": 11}
-)
-# The mix that quantizes its rows in the last program of each token block (an atomic count, a barrier).
-KERNELS["hyper_connection_triton._up_mix_kernel[quantize]"] = _variant(
-    "hyper_connection_triton._up_mix_kernel",
-    {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "arrivals_ptr": "*i32"},
-    {"QUANTIZE": True, "BLOCK_T": 2},
 )
 KERNELS["hyper_connection_triton._inject_kernel[fp32 partials]"] = _variant(
     "hyper_connection_triton._inject_kernel", {"block_out_ptr": "*fp32"}, {"SLOTS": 11}

@@ -10,8 +10,6 @@ import torch
 
 from morion.layers.hyper_connection import HyperConnection
 from morion.ops import hyper_connection_triton
-from morion.ops.fp8 import quantize_fp8
-from morion.ops.hc_mixed import Mixed
 from morion.ops.hc_tiles import MixTiles
 from morion.ops.moe_tune import capture_graph
 
@@ -47,8 +45,8 @@ def random_streams(module: HyperConnection, tokens: int, dtype: torch.dtype, see
 
 
 def fused(
-    module: HyperConnection, streams: torch.Tensor, tiles: MixTiles | None = None, quantize: bool = False
-) -> Mixed:
+    module: HyperConnection, streams: torch.Tensor, tiles: MixTiles | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     inject = module.block_inject_weight
     return hyper_connection_triton.mix(
         streams,
@@ -59,7 +57,6 @@ def fused(
         module.hc_count,
         EPS,
         tiles,
-        quantize=quantize,
     )
 
 
@@ -135,38 +132,10 @@ def test_pipelined_tiles_give_the_eager_mix_the_same_in_every_batch(shape, tiles
     assert_rows_invariant(module, streams, prefixes=(5,), tiles=tiles)
 
 
-def assert_quantized_as_the_rows_kernel_would(out: Mixed) -> None:
-    """The mix's rows quantized by its last programs: `quantize_fp8(mixed, per_row=True)`'s codes and
-    scales, bit for bit (the FP8 layers read these instead of quantizing the rows themselves)."""
-    expected_q, expected_scale = quantize_fp8(out.mixed, per_row=True)
-    assert out.quantized is not None
-    assert torch.equal(out.quantized.q.view(torch.uint8), expected_q.view(torch.uint8))
-    assert torch.equal(out.quantized.scale, expected_scale)
-
-
-@pytest.mark.usefixtures("exact_e4m3_casts_in_the_interpreter")
-@pytest.mark.parametrize("shape", SMALL_SHAPES)
-def test_the_mix_quantizes_its_rows_as_the_rows_kernel_would(shape):
-    """With `quantize`, the last program of each token block to store its columns quantizes the block's
-    rows; every call leaves the arrival counts at zero for the next (a graph replays them so), and the
-    rows are the same bits as without quantizing, in every batch."""
-    module = random_mix(shape, torch.float32)
-    streams = random_streams(module, 5, torch.float32)  # three token blocks, the last one partial
-    plain = fused(module, streams)
-    for tokens in (5, 1, 5):  # a second call meets the counts the first left
-        out = fused(module, streams[:tokens], quantize=True)
-        assert torch.equal(out.mixed, plain.mixed[:tokens])
-        assert_quantized_as_the_rows_kernel_would(out)
-        assert not hyper_connection_triton._arrivals(streams.device).any()
-    tiled = fused(module, streams, OTHER_TILES[1], quantize=True)  # 8 hidden columns a program: more programs
-    assert_quantized_as_the_rows_kernel_would(tiled)
-    assert fused(module, streams[:0], quantize=True).quantized.q.shape == (0, shape[0])
-
-
 def test_no_tokens_and_the_dispatch():
     module = random_mix(SMALL_SHAPES[0], torch.float32)
-    mixed, weights, quantized = fused(module, random_streams(module, 0, torch.float32))
-    assert mixed.shape == (0, 64) and weights.shape == (0, 4) and quantized is None
+    mixed, weights = fused(module, random_streams(module, 0, torch.float32))
+    assert mixed.shape == (0, 64) and weights.shape == (0, 4)
     assert set(module.state_dict()) == {
         "hc_norm.weight",
         "input_mix_weight_down.weight",
@@ -186,8 +155,8 @@ def test_no_tokens_and_the_dispatch():
     assert not hyper_connection_triton.supports(streams.half(), *weights, 4)  # weights of another dtype
     assert not hyper_connection_triton.supports(streams.t().contiguous().t(), *weights, 4)  # strided width
     if DEVICE == "cpu":  # off CUDA, `mix` is the eager code itself
-        for got, want in zip(module.mix(streams, quantize=True), module.mix_reference(streams), strict=True):
-            assert got is want is None or torch.equal(got, want)  # the block quantizes its rows itself
+        for got, want in zip(module.mix(streams), module.mix_reference(streams), strict=True):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -201,12 +170,6 @@ def test_real_shape_in_bf16_within_an_ulp_and_batch_invariant(shape):
     for part, full in zip(fused(module, streams), out, strict=True):
         assert part is None or torch.equal(part, full)
     assert_rows_invariant(module, streams, prefixes=(1, 2, 3, 4, 5, 8, 16, 17, 31))
-    # The rows quantized by the last program of each token block, across SMs: the rows kernel's bits.
-    for tokens in (1, 4, hyper_connection_triton.MAX_TOKENS):
-        quantized = module.mix(streams[:tokens], quantize=True)
-        assert torch.equal(quantized.mixed, out.mixed[:tokens])
-        assert_quantized_as_the_rows_kernel_would(quantized)
-    assert not hyper_connection_triton._arrivals(streams.device).any()
 
 
 @pytest.mark.gpu
@@ -225,19 +188,15 @@ def test_pipelined_tiles_at_the_real_shape_within_an_ulp_and_batch_invariant(til
 def test_a_cuda_graph_replays_the_mix_with_new_streams():
     module = random_mix(REAL_SHAPE, torch.bfloat16)
     static = random_streams(module, 8, torch.bfloat16)
-    outputs: list[Mixed] = []
-    graph = capture_graph(lambda: outputs.append(module.mix(static, quantize=True)))
+    outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    graph = capture_graph(lambda: outputs.append(module.mix(static)))
     for seed in (2, 3):
         streams = random_streams(module, 8, torch.bfloat16, seed)
         static.copy_(streams)
         graph.replay()
         torch.cuda.synchronize()
-        replayed, eager = outputs[-1], fused(module, streams, quantize=True)
-        assert torch.equal(replayed.mixed, eager.mixed)
-        assert torch.equal(replayed.inject_weights, eager.inject_weights)
-        assert torch.equal(replayed.quantized.scale, eager.quantized.scale)
-        assert torch.equal(replayed.quantized.q.view(torch.uint8), eager.quantized.q.view(torch.uint8))
-        assert_quantized_as_the_rows_kernel_would(replayed)
+        for replayed, eager in zip(outputs[-1], fused(module, streams), strict=True):
+            assert torch.equal(replayed, eager)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
