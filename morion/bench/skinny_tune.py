@@ -11,7 +11,9 @@ each group of layers of one input that CUDA serving runs as one launch (layers/m
 shape and token count of `--tokens`, one CUDA graph calls the op once per weight copy, with enough copies to
 exceed the L2 cache several times over (weights come from HBM, as in a decode step); microseconds per call are
 the median of 10 replays. A candidate's cost is its sum over the token counts. The block shapes are swept with
-4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`). An FP8 shape whose best
+4 warps, then warps and pipeline depths around the best (`moe_tune.launch_variants`), then that tile with K
+split over 2, 4 and 8 programs (`moe_tune.split_variants`; a narrow product at one row otherwise fills a
+fraction of the SMs, and the split's sum kernel costs a launch: the timing decides). An FP8 shape whose best
 tile loses to cuBLAS gets no file (an earlier one is removed): it stays on cuBLAS. A model-dtype product
 always gets its best tile (`skinny_tiles.INVARIANT_GEMV` among the candidates): it never runs cuBLAS at decode
 sizes, for batch invariance, so the file can only make it faster. Prints one line per shape and the files
@@ -44,7 +46,7 @@ from morion.models.registry import build_model
 from morion.ops.fp8 import quantize_fp8, scaled_mm_rows
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import Tiles
-from morion.ops.moe_tune import best_tiles, graph_microseconds, launch_variants
+from morion.ops.moe_tune import best_tiles, graph_microseconds, launch_variants, split_variants
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 from morion.ops.skinny_tiles import CONFIG_DIR, INVARIANT_GEMV, LinearShape, config_path, linear_shape
 
@@ -159,7 +161,8 @@ def tune_shape(shape: LinearShape, tokens: Sequence[int], device: torch.device) 
     if not fp8:  # what the product runs untuned: the file must beat it, not cuBLAS
         candidates.append(INVARIANT_GEMV)
     tiles, _ = sweep(candidates)
-    tiles, chosen_us = sweep(launch_variants(tiles))
+    tiles, _ = sweep(launch_variants(tiles))
+    tiles, chosen_us = sweep([tiles, *split_variants(tiles, shape.depth, shape.dtype)])
     return {
         "device": torch.cuda.get_device_name(device),
         **shape._asdict(),

@@ -26,7 +26,12 @@ batch invariance.
 Invariants:
 - Batch invariant: a row's result does not depend on M or on the other rows: the tiles are fixed per
   shape (never chosen by M), each row's products meet only its own accumulator (`tl.dot` keeps rows
-  apart, as does the GEMV mode), and K is summed in one fixed order with no split.
+  apart, as does the GEMV mode), and K is summed in one fixed order: in one program, or with the tile's
+  split K (`Tiles.split_k` = S > 1, where the tuner measured it faster) in S fixed slices of whole
+  BLOCK_K tiles, one program each, whose fp32 partials [S, M, N] a second kernel adds in slice order
+  before the epilogue (ops/moe_split_k.py's helpers, as the fused MoE decode kernels split K). A narrow
+  product at one row otherwise runs N / BLOCK_N programs, a fraction of the GPU's SMs, each waiting on
+  its loads over all of K.
 - Capturable: no host sync; M is not specialized on (`do_not_specialize`), so every CUDA-graph bucket
   runs the one compiled variant.
 - PDL (ops/pdl.py): each program waits for the kernel before it first of all, but for `--pdl prefetch`'s
@@ -42,6 +47,14 @@ import triton
 import triton.language as tl
 
 from morion.ops.moe_decode_triton import _mma, _mma_options, _rows_first, _zero_acc
+from morion.ops.moe_split_k import (
+    SPLIT_SUM_BLOCK,
+    k_slice,
+    split_partials,
+    split_sum_program,
+    store_partial,
+    sum_slices,
+)
 from morion.ops.moe_tiles import Tiles
 from morion.ops.pdl import launch_options, prefetch_columns_to_l2, prefetch_line, wait_for_previous_kernel
 
@@ -51,14 +64,14 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _skinny_tile(
-    pid_n, pid_m, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
-    stride_out,
-    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _skinny_sums(
+    pid_n, pid_m, x_ptr, w_ptr, M, N, K, k_begin, k_end, stride_x, stride_w,
+    DOT_PRECISION: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Output columns pid_n * BLOCK_N.. of rows pid_m * BLOCK_M..: one program's work after its wait, in
-    the plain launch or for either product of a paired one."""
+    """The fp32 sums [BLOCK_M, BLOCK_N] of rows pid_m * BLOCK_M.. and output columns pid_n * BLOCK_N.. over
+    K columns k_begin .. k_end - 1 (whole BLOCK_K tiles but for K's last), in K order; with those rows
+    and columns."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < M
@@ -67,13 +80,24 @@ def _skinny_tile(
     x_rows = x_ptr + tl.cast(rows, tl.int64)[:, None] * stride_x
     w_cols = w_ptr + tl.cast(cols, tl.int64)[None, :] * stride_w
     acc = _zero_acc(BLOCK_M, BLOCK_N, MMA)
-    for start in range(0, K, BLOCK_K):
+    for start in range(k_begin, k_end, BLOCK_K):
         k = start + depth
         k_ok = k < K
         a = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
         acc = _mma(a, w, acc, MMA, DOT_PRECISION)
-    acc = _rows_first(acc, MMA)
+    return _rows_first(acc, MMA), rows, cols
+
+
+@triton.jit
+def _skinny_epilogue(
+    acc, rows, cols, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The sums of all K [rows, cols] (fp32) times the row and weight scales, plus the bias, rounded once
+    into out."""
+    rows_ok = rows < M
+    cols_ok = cols < N
     if SCALED:
         x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
         if COLUMN_SCALES:  # merged layers (layers/merged_linears.py): each column its own layer's scale
@@ -87,21 +111,70 @@ def _skinny_tile(
     tl.store(out, tl.cast(acc, out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
+@triton.jit
+def _skinny_tile(
+    pid_n, pid_m, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
+    stride_out,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Output columns pid_n * BLOCK_N.. of rows pid_m * BLOCK_M..: one program's work after its wait, in
+    a launch without split K or for either product of a paired one."""
+    acc, rows, cols = _skinny_sums(
+        pid_n, pid_m, x_ptr, w_ptr, M, N, K, 0, K, stride_x, stride_w, DOT_PRECISION, MMA, BLOCK_M, BLOCK_N,
+        BLOCK_K,
+    )  # fmt: skip
+    _skinny_epilogue(
+        acc, rows, cols, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out, SCALED, COLUMN_SCALES,
+        HAS_BIAS,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_x, stride_w,
+    stride_out,
     SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr, PREFETCH_STEP: tl.constexpr,
 ):  # fmt: skip
+    """Grid (column blocks, row blocks, SPLIT_K). SPLIT_K = 1: the product, scaled and rounded. Else slice
+    program_id(2) of K (`k_slice`): its unscaled fp32 sums into partial [SPLIT_K, M, N], for
+    `_skinny_split_sum_kernel` to add up in slice order and finish."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_columns_to_l2(w_ptr, cols, cols < N, K, stride_w, PREFETCH_LINE, PREFETCH_STEP)
+    k_begin, k_end = k_slice(K, SPLIT_K, BLOCK_K)
+    prefetch_columns_to_l2(
+        w_ptr + k_begin, cols, cols < N, k_end - k_begin, stride_w, PREFETCH_LINE, PREFETCH_STEP
+    )
     wait_for_previous_kernel(USE_PDL)
-    _skinny_tile(
-        tl.program_id(0), tl.program_id(1), x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N,
-        K, stride_x, stride_w, stride_out, SCALED, COLUMN_SCALES, HAS_BIAS, DOT_PRECISION, MMA, BLOCK_M,
-        BLOCK_N, BLOCK_K,
+    acc, rows, cols = _skinny_sums(
+        tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, M, N, K, k_begin, k_end, stride_x, stride_w,
+        DOT_PRECISION, MMA, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if SPLIT_K == 1:
+        _skinny_epilogue(
+            acc, rows, cols, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out, SCALED,
+            COLUMN_SCALES, HAS_BIAS,
+        )  # fmt: skip
+    else:
+        store_partial(partial_ptr, acc, rows, rows < M, cols, cols < N, M, N, 0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_split_sum_kernel(
+    partial_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_out,
+    SCALED: tl.constexpr, COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (M, column blocks of BLOCK_N): a row's SPLIT_K partial sums added in slice order, then the
+    epilogue of the launch without split K: the same bits in every batch and every run."""
+    wait_for_previous_kernel(USE_PDL)
+    rows, _, cols, cols_ok = split_sum_program(M, N, BLOCK_N)
+    acc = sum_slices(partial_ptr, rows, cols, cols_ok, M, N, SPLIT_K, BLOCK_N)
+    _skinny_epilogue(
+        acc, rows, cols, M, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out, SCALED, COLUMN_SCALES,
+        HAS_BIAS,
     )  # fmt: skip
 
 
@@ -195,18 +268,29 @@ def skinny_linear(
         return out
     tensors, strides, constants, blocks = _operands(product, out)
     rows, depth = x.shape
-    _skinny_linear_kernel[blocks](
-        *tensors, rows, weight.shape[0], depth, *strides, **constants, **launch_options(),
+    outputs, split = weight.shape[0], tiles.split_k
+    partial = split_partials(split, rows, outputs, out)
+    _skinny_linear_kernel[(*blocks, split)](
+        *tensors, partial, rows, outputs, depth, *strides, **constants, SPLIT_K=split, **launch_options(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+    if split > 1:
+        x_scale, _, weight_scale, bias, _ = tensors[1:]
+        _skinny_split_sum_kernel[(rows, triton.cdiv(outputs, SPLIT_SUM_BLOCK))](
+            partial, x_scale, weight_scale, bias, out, rows, outputs, out.stride(0),
+            SCALED=constants["SCALED"], COLUMN_SCALES=constants["COLUMN_SCALES"],
+            HAS_BIAS=constants["HAS_BIAS"], SPLIT_K=split, BLOCK_N=SPLIT_SUM_BLOCK, **launch_options(),
+            num_warps=2,
+        )  # fmt: skip
     return out
 
 
 def pairable(first: Tiles, second: Tiles) -> bool:
     """Whether two products can share a launch with each output the bits of its own: one warp count (a
-    GEMV tile's sums over K are laid out by it). The pipeline depth is the launch's too, but it only
-    decides how far ahead loads are issued, not the order of any sum: the first product's is taken."""
-    return first.num_warps == second.num_warps
+    GEMV tile's sums over K are laid out by it) and neither with split K (its slices and their sum kernel
+    are a launch of their own). The pipeline depth is the launch's too, but it only decides how far ahead
+    loads are issued, not the order of any sum: the first product's is taken."""
+    return first.num_warps == second.num_warps and first.split_k == second.split_k == 1
 
 
 def skinny_linear_pair(first: SkinnyProduct, second: SkinnyProduct) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ from morion.ops import (
     hyper_connection_triton,
     moe_decode_triton,
     moe_grouped_triton,
+    moe_split_k,
     qsa_prefill_triton,
     qsa_triton,
     router_triton,
@@ -49,10 +50,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def _skinny(
-    mma: str, element: str, block_n: int = 64, block_k: int = 128, column_scales: bool = False
+    mma: str,
+    element: str,
+    block_n: int = 64,
+    block_k: int = 128,
+    column_scales: bool = False,
+    split_k: int = 1,
+    paired: bool = False,
 ) -> tuple:
     """The skinny kernel for rows and weights of this Triton type ("fp8e4nv" or "bf16"): one type for
-    both, FP8 rows coming quantized; `column_scales`: a weight scale per column (merged FP8 layers)."""
+    both, FP8 rows coming quantized; `column_scales`: a weight scale per column (merged FP8 layers);
+    `split_k`: K over that many programs; `paired`: the constexprs of a product of the paired launch."""
     fp8 = element == "fp8e4nv"
     signature = {
         "x_ptr": f"*{element}",
@@ -61,6 +69,7 @@ def _skinny(
         "w_scale_ptr": "*fp32",
         "bias_ptr": "*bf16",
         "out_ptr": "*bf16",
+        "partial_ptr": "*fp32",
         "M": "i32",
         "N": "i32",
         "K": "i32",
@@ -80,14 +89,39 @@ def _skinny(
         "PREFETCH_LINE": 0,
         "PREFETCH_STEP": block_k,
     }
+    if not paired:
+        constexprs["SPLIT_K"] = split_k
     return skinny_linear_triton._skinny_linear_kernel, signature, constexprs
+
+
+def _skinny_split_sum(column_scales: bool) -> tuple:
+    """The skinny kernel's split-K sum (a row's fp32 partials in slice order, then the epilogue) for an
+    FP8 product's scales, one per column with `column_scales`."""
+    signature = {
+        "partial_ptr": "*fp32",
+        "x_scale_ptr": "*fp32",
+        "w_scale_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "stride_out": "i32",
+    }
+    constexprs = {
+        "SCALED": True,
+        "COLUMN_SCALES": column_scales,
+        "HAS_BIAS": True,
+        "SPLIT_K": 4,
+        "BLOCK_N": moe_split_k.SPLIT_SUM_BLOCK,
+    }
+    return skinny_linear_triton._skinny_split_sum_kernel, signature, constexprs
 
 
 def _skinny_pair() -> tuple:
     """The paired launch of an FP8 product (a tl.dot tile, a scale per column) and a bf16 one (a GEMV
     tile): Gated DeltaNet's in_proj_qkvz and in_proj_ba on the 80B preset."""
-    _, _, first = _skinny("dot", "fp8e4nv", 32, 256, column_scales=True)
-    _, _, second = _skinny("gemv", "bf16", 8, 512)
+    _, _, first = _skinny("dot", "fp8e4nv", 32, 256, column_scales=True, paired=True)
+    _, _, second = _skinny("gemv", "bf16", 8, 512, paired=True)
     pointers = ("x", "x_scale", "w", "w_scale", "bias", "out")
     fp8 = ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16")
     bf16 = ("*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16")
@@ -184,6 +218,9 @@ KERNELS = {
     "skinny_linear_triton._skinny_linear_kernel[dot, fp8e4nv, column scales]": _skinny(
         "dot", "fp8e4nv", column_scales=True
     ),
+    # K split over programs (a tuned tile's `split_k`), and the kernel that adds the slices up.
+    "skinny_linear_triton._skinny_linear_kernel[gemv, bf16, split K 4]": _skinny("gemv", "bf16", split_k=4),
+    "skinny_linear_triton._skinny_split_sum_kernel[fp8 column scales]": _skinny_split_sum(True),
     # The untuned model-dtype products' tile (router, gates, QSA indexer on every CUDA decode step).
     "skinny_linear_triton._skinny_linear_kernel[INVARIANT_GEMV, bf16]": _skinny(
         INVARIANT_GEMV.mma, "bf16", INVARIANT_GEMV.block_n, INVARIANT_GEMV.block_k

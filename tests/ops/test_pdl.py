@@ -20,10 +20,10 @@ from morion.ops import pdl
 
 OPS = Path(pdl.__file__).parent
 # Calls a kernel may make before its wait: the L2 prefetch of weights (pdl.py's helpers), and pure index
-# arithmetic.
+# arithmetic (moe_split_k's `k_slice`: a program's K slice, which the skinny kernel's prefetch reads).
 ALLOWED_BEFORE_WAIT = {
-    "prefetch_to_l2", "prefetch_columns_to_l2", "program_id", "arange", "cast", "where", "minimum", "range",
-    "cdiv",
+    "prefetch_to_l2", "prefetch_columns_to_l2", "k_slice", "program_id", "arange", "cast", "where",
+    "minimum", "range", "cdiv",
 }  # fmt: skip
 
 
@@ -74,14 +74,13 @@ def _invariant_error(kernel: ast.FunctionDef) -> str | None:
     return "no top-level wait_for_previous_kernel(USE_PDL)"
 
 
-def test_pdl_s_column_prefetch_makes_only_the_calls_a_kernel_may_make_before_its_wait():
-    """`prefetch_columns_to_l2` is allowed before the wait: its own body prefetches and indexes only."""
-    source = ast.parse(Path(pdl.__file__).read_text())
-    (helper,) = [
-        n for n in ast.walk(source) if isinstance(n, ast.FunctionDef) and n.name == "prefetch_columns_to_l2"
-    ]
+@pytest.mark.parametrize(("module", "name"), [("pdl", "prefetch_columns_to_l2"), ("moe_split_k", "k_slice")])
+def test_the_helpers_allowed_before_the_wait_make_only_such_calls(module, name):
+    """A helper allowed before the wait prefetches weights and indexes only, in its own body too."""
+    source = ast.parse((OPS / f"{module}.py").read_text())
+    (helper,) = [n for n in ast.walk(source) if isinstance(n, ast.FunctionDef) and n.name == name]
     calls = {_called_name(node) for node in ast.walk(helper) if isinstance(node, ast.Call)}
-    assert calls and calls <= ALLOWED_BEFORE_WAIT - {"prefetch_columns_to_l2"}, calls
+    assert calls and calls <= ALLOWED_BEFORE_WAIT - {name}, calls
 
 
 def test_every_kernel_waits_for_the_previous_one_before_it_touches_memory():

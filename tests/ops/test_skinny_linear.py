@@ -22,8 +22,11 @@ from morion.ops.moe_tiles import Tiles
 from morion.ops.skinny_linear_triton import MAX_ROWS, skinny_linear
 
 MODES = [Tiles(32, 32, 4, 2, "dot"), Tiles(16, 64, 4, 2, "gemv"), Tiles(64, 32, 4, 2, "swapped")]
+# K split over programs (a tuned file may choose it): at K = 100 in tiles of 32, two slices of two tiles,
+# or three of which the last is empty.
+SPLIT = [Tiles(32, 32, 4, 2, "dot", split_k=2), Tiles(16, 32, 4, 2, "gemv", split_k=3)]
 # What the untuned model-dtype products (router, gates, QSA indexer) run on CUDA at decode sizes.
-MODEL_DTYPE_TILES = [*MODES, skinny_tiles.INVARIANT_GEMV]
+MODEL_DTYPE_TILES = [*MODES, *SPLIT, skinny_tiles.INVARIANT_GEMV]
 
 
 def _operands(rows: int, outputs: int, depth: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +49,7 @@ def test_model_dtype_rows_match_f_linear_and_do_not_depend_on_the_batch(tiles, d
         assert torch.equal(skinny_linear(x[:rows], weight, tiles), out[:rows])
 
 
-@pytest.mark.parametrize("tiles", MODES[:2], ids=lambda t: t.mma)
+@pytest.mark.parametrize("tiles", [*MODES[:2], *SPLIT], ids=lambda t: f"{t.mma}-split{t.split_k}")
 def test_fp8_rows_take_both_scales_and_the_bias_before_one_rounding(tiles):
     x, weight = _operands(9, 48, 96, seed=2)
     q, row_scale = quantize_fp8(x, per_row=True)
@@ -99,6 +102,19 @@ def test_a_paired_launch_gives_each_product_the_bits_of_its_own_launch(rows, swa
         assert out.shape == alone.shape and torch.equal(out, alone)
 
 
+@pytest.mark.parametrize("tiles", SPLIT, ids=lambda t: t.mma)
+def test_split_k_adds_its_slices_fp32_sums_in_slice_order(tiles):
+    """Each slice's sums are those of a launch over its K columns alone, and the sum kernel adds them in
+    slice order: in fp32 (no rounding after the sum), the split result is exactly that sum."""
+    x, weight = _operands(5, 72, 100, seed=9)
+    span = 64  # two K tiles of 32 a slice
+    unsplit = Tiles(*tiles[:5])
+    slices = [skinny_linear(x[:, k : k + span], weight[:, k : k + span], unsplit) for k in (0, span)]
+    assert torch.equal(skinny_linear(x, weight, tiles), slices[0] + slices[1])
+    # The unsplit launch sums the four tiles in one chain: another fp32 order, other last bits.
+    assert not torch.equal(skinny_linear(x, weight, unsplit), slices[0] + slices[1])
+
+
 def test_a_pair_takes_one_warp_count_and_rows_of_one_shape():
     x, weight = _operands(3, 32, 64, seed=8)
     first = skinny_linear_triton.SkinnyProduct(x, weight, Tiles(16, 64, 4, 2, "gemv"))
@@ -107,6 +123,10 @@ def test_a_pair_takes_one_warp_count_and_rows_of_one_shape():
     with pytest.raises(ValueError, match="rows of one shape"):
         skinny_linear_triton.skinny_linear_pair(first, first._replace(x=x[:2]))
     assert skinny_linear_triton.pairable(Tiles(32, 256, 4, 4, "dot"), Tiles(8, 512, 4, 2, "gemv"))
+    # Split K is a launch of its own (the slices, then their sum kernel).
+    assert not skinny_linear_triton.pairable(
+        Tiles(32, 256, 4, 4, "dot"), Tiles(8, 512, 4, 2, "gemv", split_k=2)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -24,13 +24,15 @@ from morion.ops.skinny_tiles import INVARIANT_GEMV, LinearShape, product, produc
 pytestmark = pytest.mark.gpu
 
 TILES = [Tiles(64, 128, 4, 3, "gemv"), Tiles(64, 128, 4, 3, "dot")]
+# The same with K split over programs, as a tuned file may choose (K = 2,048: 16 tiles, 4 or 2 a slice).
+SPLIT_TILES = [tiles._replace(split_k=split) for tiles, split in zip(TILES, (4, 8), strict=True)]
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: t.mma)
+@pytest.mark.parametrize("tiles", TILES + SPLIT_TILES, ids=lambda t: f"{t.mma}-split{t.split_k}")
 def test_fp8_rows_match_the_cublas_path_and_do_not_depend_on_the_batch(tiles):
     shape = LinearShape(12288, 2048, "fp8")
     operands = skinny_tune.random_weight(shape, torch.device("cuda"), 0)
@@ -49,7 +51,7 @@ def test_fp8_rows_match_the_cublas_path_and_do_not_depend_on_the_batch(tiles):
         assert torch.equal(alone, out[:count]), f"{count} rows differ from the same rows among {MAX_ROWS}"
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: t.mma)
+@pytest.mark.parametrize("tiles", TILES + SPLIT_TILES, ids=lambda t: f"{t.mma}-split{t.split_k}")
 def test_fp8_linear_at_a_tuned_shape_runs_the_op_the_tuner_times(tiles, tmp_path, monkeypatch):
     """With a tuned file for its shape, `Fp8Linear.forward` quantizes its bf16 rows once (the row kernel)
     and runs the skinny kernel on the e4m3 rows and their scales: the bits of the tuner's op."""
@@ -108,11 +110,16 @@ def test_untuned_products_are_batch_invariant_and_match_f_linear(outputs, depth)
         assert torch.equal(product(x[:count], weight), out[:count]), f"{count} rows differ from {MAX_ROWS}"
 
 
+def _split_over_four(tiles: Tiles, depth: int, dtype: str) -> list[Tiles]:
+    return [tiles._replace(split_k=4)]
+
+
 def test_the_tuner_times_a_shape_against_cublas(monkeypatch):
     monkeypatch.setattr(skinny_tune, "CANDIDATES", TILES)
     monkeypatch.setattr(skinny_tune, "launch_variants", lambda tiles: [tiles])
+    monkeypatch.setattr(skinny_tune, "split_variants", _split_over_four)
     config = skinny_tune.tune_shape(LinearShape(2048, 4096, "fp8"), [1, 4], torch.device("cuda"))
-    assert Tiles(*config["tiles"]) in TILES
+    assert Tiles(*config["tiles"])._replace(split_k=1) in TILES and config["tiles"][-1] in (1, 4)
     assert set(config["us_per_call"]) == set(config["cublas_us_per_call"]) == {"1", "4"}
     assert all(us > 0 for us in [*config["us_per_call"].values(), *config["cublas_us_per_call"].values()])
     print(f"skinny 2048x4096 fp8: {config['us_per_call']} against cuBLAS {config['cublas_us_per_call']}")
