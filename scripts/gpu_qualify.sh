@@ -89,9 +89,10 @@ flash-next-12l)
     restore=(--restore-conversations 30 --restore-lengths 1024:32768 --restore-group 10)
     min_hits=30
     soak=(--soak-clients 4 --soak-minutes 2 --soak-turn-tokens 512 --soak-max-tokens 512)
-    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 1
+    # Two runs a point: with one, session 38's two machines read C1 7% apart the other way from its A/B.
+    perf=(--perf-concurrency 1,4 --perf-contexts 1024 --perf-output-tokens 128 --perf-repeats 2
         --perf-prefill-lengths 1024,8192)
-    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 1 --prefill-lengths 1024
+    offline=(--concurrency 1,4 --contexts 1024 --output-tokens 128 --repeats 2 --prefill-lengths 1024
         --logprobs 0)
     turn=(--turn-prefix 32768 --turn-new 1024)
     turn_target_ms=
