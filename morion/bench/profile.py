@@ -19,6 +19,13 @@ of its own (profile_trace.py reads the trace). Two passes:
 
 On a CPU the "kernels" are the outermost CPU ops and there is no device timeline: idle device time is
 CUDA only, and the report says so.
+
+A plain decode point on CUDA also sets the MoE expert kernels' device time (the by-module pass's "MoE
+experts" part: eager kernels, which start as they are launched, the host being far behind) against the
+expert weight bytes a step of its batch reads (`roofline.expert_kernel_bytes`: the distinct experts
+expected under independent routing, and a stacked shared expert): their bandwidth in TB/s (issues #23
+and #25 ask it of the expert kernels, FP8 and NVFP4's packed weights alike). The part also holds the
+rows' FP8 quantization where the expert stack does it itself, so the figure is a lower bound.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any, NamedTuple, TextIO
 
 import torch
 
+from morion.bench import roofline
 from morion.bench.agent_turn import check_prefix
 from morion.bench.offline import EngineTarget, generate
 from morion.bench.options import BenchOptions
@@ -40,6 +48,7 @@ from morion.bench.profile_trace import step_range, summarize
 from morion.bench.workloads import Workbench
 from morion.engine.engine import Engine
 from morion.engine.outputs import StepOutput
+from morion.runner.profile_ranges import MOE_EXPERTS
 
 PromptMaker = Callable[[str, int], Sequence[int]]  # (key, length) -> a fresh prompt's token ids
 DECODE_TOKENS = 16  # output tokens of a profiled decode run: enough steps for a mean, a trace that opens
@@ -119,8 +128,18 @@ class ProfileSession:
         if graphs:
             as_served, trace = _profiled_pass(engine, point, prompts, logprobs, by_module=False)
             self._keep(trace)
+        experts = None
+        if point.workload == "decode" and by_module is not None:
+            cost = roofline.from_model(engine.model, engine.pool.spec)
+            experts = expert_bandwidth(cost, point.concurrency, by_module)
         self.points.append(
-            {**point._asdict(), "cuda_graphs": graphs, "by_module": by_module, "as_served": as_served}
+            {
+                **point._asdict(),
+                "cuda_graphs": graphs,
+                "by_module": by_module,
+                "as_served": as_served,
+                "experts": experts,
+            }
         )
         bench.say(f"{bench.label} profile {point.name}: {_progress(by_module, as_served or by_module)}")
 
@@ -143,6 +162,22 @@ class ProfileSession:
             "trace": trace_path,
             "points": self.points,
         }
+
+
+def expert_bandwidth(
+    cost: roofline.ModelCost, concurrency: int, by_module: dict[str, Any]
+) -> dict[str, float] | None:
+    """The MoE expert kernels' bytes, device time and TB/s a decode step of `concurrency` requests, from a
+    by-module summary (module docstring); None without a device timeline or a "MoE experts" part."""
+    device_ms = next((p["device_ms"] for p in by_module["by_part"] if p["part"] == MOE_EXPERTS), None)
+    if not device_ms:  # None on a CPU, absent without MoE layers
+        return None
+    weight_bytes = roofline.expert_kernel_bytes(cost, concurrency)
+    return {
+        "weight_bytes_per_step": weight_bytes,
+        "device_ms_per_step": device_ms,
+        "tb_per_s": weight_bytes / (device_ms * 1e-3) / 1e12,
+    }
 
 
 def profile_engine_workloads(session: ProfileSession, bench: Workbench, target: EngineTarget) -> None:

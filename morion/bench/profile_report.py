@@ -53,6 +53,15 @@ def _point(point: dict[str, Any]) -> list[str]:
     for part in by_module["by_part"]:
         device = "—" if part["device_ms"] is None else f"{part['device_ms']:.3f}"
         lines.append(f"| {part['part']} | {part['host_ms']:.3f} | {device} | {part['ops']:.0f} |")
+    experts = point.get("experts")  # absent from a JSON written before it was measured (`--plot`)
+    if experts:
+        lines += [
+            "",
+            f"MoE experts: {experts['weight_bytes_per_step'] / 1e9:.3f} GB of expert weights a step (the "
+            f"distinct experts {point['concurrency']} independently routed tokens are expected to read, "
+            f"and a shared expert stacked with them) in {experts['device_ms_per_step']:.3f} ms of their "
+            f"eager kernels: **{experts['tb_per_s']:.2f} TB/s**.",
+        ]
     served = "the same run"
     if point["cuda_graphs"]:
         graphs = "CUDA graphs" if kind == "decode" else "piecewise prefill CUDA graphs"

@@ -54,6 +54,9 @@ class MoELayer(NamedTuple):
     top_k: int
     bytes_per_expert: int
     params_per_expert: int
+    # The shared expert rides the routed experts' kernels as one more expert of their stack (its bytes
+    # are in ModelCost.dense_bytes all the same): what those kernels read counts it (`expert_kernel_bytes`).
+    stacked_shared: bool = False
 
 
 class ModelCost(NamedTuple):
@@ -168,7 +171,9 @@ def from_model(model: nn.Module, spec: CacheSpec, fp8_weights: bool = False) -> 
             shared_params += params_per_expert
         top_k = getattr(block, "top_k", None) or getattr(config, "num_experts_per_tok", 0)
         routed = num_experts if shared_slot is None else shared_slot
-        moe_layers.append(MoELayer(routed, int(top_k), bytes_per_expert, params_per_expert))
+        moe_layers.append(
+            MoELayer(routed, int(top_k), bytes_per_expert, params_per_expert, shared_slot is not None)
+        )
 
     dense_bytes, dense_params = shared_bytes, shared_params
     for owner, tensor in _tensors(model):
@@ -244,6 +249,17 @@ def decode_bytes(cost: ModelCost, batch: int, context: float) -> float:
     )
     per_request = 2 * cost.state_bytes + cost.kv_bytes_per_token * context
     return cost.dense_bytes + experts + batch * per_request
+
+
+def expert_kernel_bytes(cost: ModelCost, batch: int) -> float:
+    """Expert weight bytes the MoE kernels of one decode step of `batch` tokens read: the distinct routed
+    experts expected (`distinct_experts`), and a shared expert stacked with them, in every MoE layer. A
+    shared expert in a stack of its own (the beside layout) runs in kernels of its own and is not counted."""
+    return sum(
+        (distinct_experts(batch, layer.num_experts, layer.top_k) + layer.stacked_shared)
+        * layer.bytes_per_expert
+        for layer in cost.moe_layers
+    )
 
 
 def decode_bound(cost: ModelCost, batch: int, context: float, bandwidth_gbs: float) -> DecodeBound:

@@ -25,12 +25,18 @@ SAMPLING = f"{PREFIX}sampling"
 DRAFT = f"{PREFIX}draft"  # speculative decoding: proposing, and launching the next step's drafts
 ACCEPTANCE = f"{PREFIX}acceptance"  # speculative decoding: which drafts a verify accepts
 
-# Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts (a
-# shared expert stacked with them, layers/moe.py, is timed inside it: a separate one, or one beside them
-# in a stack of its own, is its own part).
+# The MoE block's expert kernels (its `experts` stack: the routed experts, and a shared expert stacked
+# with them, layers/moe.py), timed apart from the block's other ops so that `morion bench --profile` can
+# set their device time against the bytes they read (bench/profile.py).
+MOE_EXPERTS = "MoE experts"
+
+# Kinds by the attribute a part has in its parent; `mlp` is the MoE block when it has routed experts (its
+# own part is then the router and what surrounds the experts; a separate shared expert, or one beside them
+# in a stack of its own, is a part of its own).
 _KIND_BY_NAME = {
     "self_attn": "full attention",
     "linear_attn": "Gated DeltaNet",
+    "experts": MOE_EXPERTS,
     "shared_expert": "shared expert",
     "shared_expert_gate": "shared expert",
     "shared_experts": "shared expert",
@@ -46,7 +52,7 @@ def module_kind(name: str, module: nn.Module) -> str | None:
     parent (norms, projections inside a layer, ...)."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "mlp":
-        return "MoE (router + routed experts)" if hasattr(module, "experts") else "dense MLP"
+        return "MoE block, other ops (router, route)" if hasattr(module, "experts") else "dense MLP"
     return _KIND_BY_NAME.get(leaf)
 
 

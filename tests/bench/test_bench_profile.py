@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from morion.bench import roofline
+from morion.bench.profile import expert_bandwidth
 from morion.bench.profile_report import profile_markdown
 from morion.bench.profile_trace import innermost_segments, step_range, summarize
 from morion.runner.profile_ranges import FORWARD, MODULE_PREFIX, SAMPLING
@@ -21,7 +23,8 @@ SWEEP = ["--device", "cpu", "--kv-cache-tokens", "2048", "--workloads", "decode,
 MODEL_PARTS = {
     "full attention",
     "Gated DeltaNet",
-    "MoE (router + routed experts)",
+    "MoE block, other ops (router, route)",
+    "MoE experts",
     "embedding",
 }
 
@@ -72,6 +75,7 @@ def test_the_profile_names_every_part_of_a_step_and_they_add_up_to_the_step(benc
         assert 0 < summary["host"]["outside_forward_ms"] < summary["step_ms"]
         assert summary["host"]["device_idle"] is None
     assert decode["by_module"]["steps"] == 3  # 4 tokens: the prefill's, then 3 decode steps
+    assert all(point["experts"] is None for point in section["points"])  # no device time on a CPU
 
 
 def test_profiling_leaves_the_measured_sections_as_they_were(benches):
@@ -169,6 +173,28 @@ def test_kernels_count_for_the_part_that_launched_them_and_idle_time_is_found_be
     assert "As served (CUDA graphs as the engine replays them, 0.10 ms per step): 4 CUDA kernels" in text
     assert "Device idle 0.070 ms per step (busy 0.030): 0.020 before its first kernel" in text
     assert "| `moe_fused` | 1.0 | 0.010 | 0.010 |" in text
+
+
+def test_the_expert_kernels_time_is_set_against_the_bytes_they_read():
+    """Two MoE layers of 8 experts, top-2, 1 MB an expert, the shared expert stacked: one token's step
+    reads 2 x 3 MB; in 0.004 ms of the "MoE experts" part that is 1.5 TB/s, which the report states."""
+    layer = roofline.MoELayer(8, 2, 10**6, 10**6, stacked_shared=True)
+    cost = roofline.ModelCost(0, 0, 0, (layer, layer), 0, 0, (), {}, "model")
+    parts = [{"part": "MoE experts", "host_ms": 0.1, "device_ms": 0.004, "ops": 2}]
+    experts = expert_bandwidth(cost, 1, {"by_part": parts})
+    assert experts == pytest.approx(
+        {"weight_bytes_per_step": 6e6, "device_ms_per_step": 0.004, "tb_per_s": 1.5}
+    )
+    assert expert_bandwidth(cost, 1, {"by_part": [{**parts[0], "device_ms": None}]}) is None
+    assert expert_bandwidth(cost, 1, {"by_part": []}) is None
+    summary = {"step_kind": "decode", "steps": 1, "step_ms": 0.1, "by_part": parts}
+    point = {"workload": "decode", "concurrency": 1, "prompt_tokens": 1024, "step_kind": "decode",
+             "cuda_graphs": False, "by_module": summary, "as_served": None, "experts": experts}  # fmt: skip
+    summary.update(ops_are="CUDA kernels and copies", ops_per_step=2, op_ms_per_step=0.004, top_ops=[],
+                   host={"outside_forward_ms": 0.01, "device_idle": None})  # fmt: skip
+    section = {"note": "note", "device": "cuda:0", "device_timeline": True, "trace": None, "points": [point]}
+    text = "\n".join(profile_markdown(section))
+    assert "0.006 GB of expert weights a step" in text and "**1.50 TB/s**" in text
 
 
 def test_a_kernel_that_starts_while_the_one_before_it_runs_owns_only_the_time_after_it():

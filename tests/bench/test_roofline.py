@@ -65,7 +65,7 @@ def test_tiny_model_bytes_match_a_hand_count():
     assert cost.dense_params == DENSE_LINEAR + DENSE_OTHER
     assert cost.dense_bytes == 2 * (DENSE_LINEAR + DENSE_OTHER)
     assert cost.lm_head_params == LM_HEAD
-    assert cost.moe_layers == (roofline.MoELayer(E, K, 2 * EXPERT, EXPERT),) * 4
+    assert cost.moe_layers == (roofline.MoELayer(E, K, 2 * EXPERT, EXPERT, stacked_shared=True),) * 4
     assert cost.state_bytes == STATE_BF16 == 9728
     assert cost.kv_bytes_per_token == KV_BF16 == 256
     assert cost.attention_query_dims == (64, 64)  # the MTP head's attention layer is not counted
@@ -85,6 +85,22 @@ def test_a_stacked_shared_expert_counts_as_dense():
         cost = roofline.from_config(TINY, torch.bfloat16, weights)
         assert all(layer.num_experts == E for layer in cost.moe_layers)
     assert tiny_cost().dense_params == DENSE_LINEAR + DENSE_OTHER
+
+
+def test_the_expert_kernels_read_the_distinct_experts_and_a_stacked_shared_expert():
+    """At one token the routed kernels read its k experts and, where the shared expert is stacked with
+    them (the tiny model), that one too, in every MoE layer; beside them in a stack of its own (nvfp4)
+    it runs in kernels of its own and is not counted. At B tokens: the distinct experts expected."""
+    stacked = tiny_cost()
+    assert roofline.expert_kernel_bytes(stacked, 1) == 4 * (K + 1) * 2 * EXPERT
+    assert roofline.expert_kernel_bytes(stacked, 3) == pytest.approx(
+        4 * (roofline.distinct_experts(3, E, K) + 1) * 2 * EXPERT
+    )
+    beside = roofline.from_config(TINY, torch.bfloat16, "nvfp4")
+    assert not any(layer.stacked_shared for layer in beside.moe_layers)
+    per_expert = beside.moe_layers[0].bytes_per_expert
+    assert per_expert < 2 * EXPERT  # packed codes and block scales, not bf16
+    assert roofline.expert_kernel_bytes(beside, 1) == 4 * K * per_expert
 
 
 def test_distinct_experts():
