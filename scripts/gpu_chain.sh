@@ -2,8 +2,9 @@
 # A session's GPU work as one chain of steps that runs in the background on the device machine, so that
 # it outlasts a device call (10 minutes at most) and the machine never idles between calls:
 #
-#   MORION_SOURCE_COMMIT=SHA bash scripts/gpu_chain.sh start STEPS_FILE
+#   MORION_SOURCE_COMMIT=SHA [CHAIN_REQUIRE_GPU=H200] bash scripts/gpu_chain.sh start STEPS_FILE
 #                                                   # first call: copies the tree, starts the steps, returns
+#                                                   # (exit 3 at once where the card's name lacks CHAIN_REQUIRE_GPU)
 #   bash scripts/gpu_chain.sh wait SECONDS [WORD]   # each later call, issued at once (the machine goes back
 #                                                   # after 30 s idle): progress until a status line holds
 #                                                   # WORD (default: done) or SECONDS pass, then packs
@@ -48,6 +49,15 @@ start)
         echo "gpu_chain.sh: no commit for the results' provenance: set MORION_SOURCE_COMMIT (no git here)" >&2
         exit 2
     }
+    # CHAIN_REQUIRE_GPU (e.g. H200): steps written for one card refuse another at once (a call for an H200
+    # may get an H100, where the full presets do not fit and each step would fail after loading).
+    if [ -n "${CHAIN_REQUIRE_GPU:-}" ]; then
+        card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
+        [[ "$card" == *"$CHAIN_REQUIRE_GPU"* ]] || {
+            echo "gpu_chain.sh: these steps need a card named like $CHAIN_REQUIRE_GPU; this machine has ${card:-no GPU}: not started" >&2
+            exit 3
+        }
+    fi
     rm -rf "$chain" && mkdir -p "$chain/tree" "$chain/logs" "$chain/out"
     # The tree with its carried wheels (.whl), without history or a local virtual environment.
     tar cf - --exclude=./.git --exclude=./.venv . | tar xf - -C "$chain/tree"

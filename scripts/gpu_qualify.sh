@@ -201,9 +201,16 @@ restore_part() {
     return "$status"
 }
 
+restore_run() {  # the restore part's JSON, the newest; else one line on stderr and status 1
+    local restored
+    restored=$(ls -t "$out"/*-validate-"$label"-restore.json 2> /dev/null | head -1)
+    [ -n "$restored" ] || { echo "gpu_qualify.sh: no restore run in $out (the restore part failed: see its serve.log)" >&2; return 1; }
+    echo "$restored"
+}
+
 disk_part() {
     local restored
-    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    restored=$(restore_run) || return 1
     server_up "$out/serve-restarted.log" || return 1
     python3 -m morion validate restore --url "$url" --restore-resume "$restored" --label "$label-disk" \
         --out "$out" 2>&1 | tee "$out/validate-disk.log"
@@ -241,7 +248,7 @@ offline_part() {
 report_part() {
     # restore + soak, then the disk step's run (its restore suite, the whole one, replaces the first), perf.
     local restored disk perf offline turned
-    restored=$(ls -t "$out"/*-validate-"$label"-restore.json | head -1)
+    restored=$(restore_run) || return 1
     disk=$(ls -t "$out"/*-validate-"$label"-disk.json 2> /dev/null | head -1)
     perf=$(ls -t "$out"/*-validate-"$label"-perf.json 2> /dev/null | head -1)
     offline=$(ls -t "$out"/*-"$label"-offline.json 2> /dev/null | head -1)

@@ -150,3 +150,28 @@ def test_a_committed_steps_file_is_one_the_chain_runs(steps):
         for bench in re.findall(r"morion bench ([^;&|]+)", command):
             _build_parser().parse_args(["bench", *shlex.split(bench.replace("$CHAIN_OUT", "/tmp/out"))])
     assert names and len(names) == len(set(names)), names
+
+
+def test_steps_for_another_card_do_not_start(tmp_path):
+    """CHAIN_REQUIRE_GPU: a call for an H200 that got an H100 refuses the H200's steps at once (exit 3),
+    where each would have failed after loading; the card that matches starts them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    steps = tmp_path / "steps"
+    steps.write_text("only 10 true\n")
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "CHAIN_DIR": str(tmp_path / "chain"),
+        "MORION_SOURCE_COMMIT": "c0ffee",
+        "CHAIN_REQUIRE_GPU": "H200",
+    }
+    refused = _chain("start", str(steps), env=env)
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "need a card named like H200; this machine has NVIDIA H100 80GB HBM3" in refused.stderr
+    assert not (tmp_path / "chain" / "status").exists()
+    started = _chain("start", str(steps), env={**env, "CHAIN_REQUIRE_GPU": "H100"})
+    assert started.returncode == 0 and "started 1 steps" in started.stdout, started.stderr
+    assert _chain("wait", "30", env=env).returncode == 0

@@ -64,3 +64,20 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
     assert turn["prefix_tokens"] == 64 and turn["new_tokens"] == 16 and turn["failures"] == []
     assert turn["turn_ttft_s"] > 0 and turn["target_ttft_s"] is None
     assert turn["offline_turn_ttft_s"] > 0  # the offline bench's, same flags: what the server adds to
+
+
+def test_a_report_without_a_restore_run_names_the_missing_part(tmp_path: Path) -> None:
+    """When the server never came up (a card the model does not fit), the disk and report parts say in one
+    line that the restore run is missing, instead of a Python traceback."""
+    env = {**os.environ, "QUALIFY_DIR": str(tmp_path / "empty"), "QUALIFY_DISK_DIR": str(tmp_path / "disk")}
+    env.pop("OUT", None)
+    run = subprocess.run(
+        ["bash", "scripts/gpu_qualify.sh", "cpu-smoke", "report"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert "no restore run in" in run.stderr and "Traceback" not in run.stderr, run.stderr
