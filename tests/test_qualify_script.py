@@ -21,6 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT_TIMEOUT_S = 900
 
 
+def _qualify(part: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """scripts/gpu_qualify.sh's CPU smoke profile, one part, with $OUT unset (the device tool's folder)."""
+    env = {name: value for name, value in env.items() if name != "OUT"}
+    return subprocess.run(
+        ["bash", "scripts/gpu_qualify.sh", "cpu-smoke", part],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the script waits for /health with curl")
 def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
     results = tmp_path / "qualify"
@@ -39,15 +52,7 @@ def test_the_cpu_smoke_qualification_passes(tmp_path: Path) -> None:
         # programmatic dependent launch is off without a Hopper GPU).
         "QUALIFY_ENGINE_FLAGS": "--pdl launch",
     }
-    env.pop("OUT", None)
-    run = subprocess.run(
-        ["bash", "scripts/gpu_qualify.sh", "cpu-smoke", "all"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SCRIPT_TIMEOUT_S,
-    )
+    run = _qualify("all", env=env, timeout=SCRIPT_TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     reports = [path for path in results.glob("*-cpu-qualify-smoke-short-flags.json")]
     assert len(reports) == 1, sorted(path.name for path in results.iterdir())
@@ -70,14 +75,6 @@ def test_a_report_without_a_restore_run_names_the_missing_part(tmp_path: Path) -
     """When the server never came up (a card the model does not fit), the disk and report parts say in one
     line that the restore run is missing, instead of a Python traceback."""
     env = {**os.environ, "QUALIFY_DIR": str(tmp_path / "empty"), "QUALIFY_DISK_DIR": str(tmp_path / "disk")}
-    env.pop("OUT", None)
-    run = subprocess.run(
-        ["bash", "scripts/gpu_qualify.sh", "cpu-smoke", "report"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _qualify("report", env=env, timeout=60)
     assert run.returncode == 1
     assert "no restore run in" in run.stderr and "Traceback" not in run.stderr, run.stderr
