@@ -59,11 +59,21 @@ TWO_PASS_DOWN_CANDIDATES = [
 ]
 
 
+# Narrow GEMV tiles for the down kernel at one token, where its grid is k pairs x H / BLOCK_N programs that
+# each stream a [I, BLOCK_N] slice: with a K of only I = 512 a program's slice is small, so more, narrower
+# programs, or one pass over all of I, put more bytes in flight. Session 40's profiles: on the 80B the down
+# kernel reads half of gate_up's bytes but ran at 1.3 TB/s against gate_up's 2.1 on the H200 (tuned; 0.6
+# against 1.9 on an H100, defaults): results/2026-12-05-session-40-notes.md.
+NARROW_GEMV_DOWN_CANDIDATES = [Tiles(16, k, 4, 3, "gemv") for k in (64, 128)]
+
+
 def down_candidates(intermediate: int) -> list[Tiles]:
     """The two-pass tiles, then one-pass ones: BLOCK_K = I rounded up to a power of two (the whole
-    [BLOCK_K, BLOCK_N] weight tile in flight at once; narrow ones measured slower on the H200)."""
+    [BLOCK_K, BLOCK_N] weight tile in flight at once; narrow MMA ones measured slower on the H200), as MMA
+    tiles and as GEMV tiles of 16 to 64 columns."""
     full = triton.next_power_of_2(intermediate)
-    return TWO_PASS_DOWN_CANDIDATES + [Tiles(64, full, w, 1) for w in (4, 8)]
+    one_pass = [Tiles(64, full, w, 1) for w in (4, 8)] + [Tiles(n, full, 4, 1, "gemv") for n in (16, 32, 64)]
+    return TWO_PASS_DOWN_CANDIDATES + NARROW_GEMV_DOWN_CANDIDATES + one_pass
 
 
 # "gemv_acc" tiles (FP8 and bf16 experts): a [BLOCK_K, BLOCK_N] fp32 accumulator a program, so at most

@@ -58,6 +58,7 @@ TILE_CASES = {
     "swapped-one-pass": (Tiles(64, 32, 4, 3, "swapped"), Tiles(64, 64, 4, 1, "swapped")),
     "gemv": (Tiles(32, 32, 4, 3, "gemv"), Tiles(32, 32, 4, 2, "gemv")),
     "gemv-one-pass": (Tiles(32, 32, 4, 3, "gemv"), Tiles(32, 64, 4, 1, "gemv")),
+    "gemv-one-pass-narrow": (Tiles(16, 32, 4, 3, "gemv"), Tiles(16, 64, 4, 1, "gemv")),
 }
 
 

@@ -5,7 +5,14 @@ import torch
 
 from morion.ops.moe_decode_triton import exact_mma
 from morion.ops.moe_tiles import ExpertShape, Tiles, config_path
-from morion.ops.moe_tune import GATE_UP_CANDIDATES, launch_variants, random_batch, split_variants, write_tuned
+from morion.ops.moe_tune import (
+    GATE_UP_CANDIDATES,
+    down_candidates,
+    launch_variants,
+    random_batch,
+    split_variants,
+    write_tuned,
+)
 from morion.ops.moe_tune_grouped import record_grouped, summary
 
 
@@ -26,6 +33,18 @@ def test_split_variants_split_only_the_k_tiles_there_are_and_leave_nvfp4_to_its_
     assert {v.split_k for v in split_variants(Tiles(64, 256, 4, 3, "gemv"), 512, "bfloat16")} == {2}
     assert split_variants(Tiles(64, 512, 4, 1, "gemv"), 512, "fp8") == []
     assert split_variants(Tiles(32, 128, 4, 3, "gemv"), 2048, "nvfp4") == []
+
+
+def test_the_down_sweep_tries_one_pass_and_narrow_gemv_tiles():
+    """The 80B's down (I = 512): one-pass tiles (BLOCK_K spans I) as MMA and as 16- to 64-column GEMV
+    tiles, and two-pass GEMV tiles down to 16 columns, each listed once, all of them FP8-exact."""
+    candidates = down_candidates(512)
+    assert len(candidates) == len(set(candidates))
+    one_pass = {(t.block_n, t.mma) for t in candidates if t.block_k == 512}
+    assert one_pass == {(64, "dot"), (16, "gemv"), (32, "gemv"), (64, "gemv")}
+    assert {t.block_n for t in candidates if t.mma == "gemv" and t.block_k < 512} == {16, 32, 64, 128}
+    assert all(exact_mma(t, fp8=True) for t in candidates if t.mma != "swapped")
+    assert {t.block_k for t in down_candidates(640) if t.num_stages == 1} == {1024}  # Flash-Next's I
 
 
 def test_fp8_sweeps_leave_out_swapped_operands_only():
