@@ -63,7 +63,10 @@ TWO_PASS_DOWN_CANDIDATES = [
 # each stream a [I, BLOCK_N] slice: with a K of only I = 512 a program's slice is small, so more, narrower
 # programs, or one pass over all of I, put more bytes in flight. Session 40's profiles: on the 80B the down
 # kernel reads half of gate_up's bytes but ran at 1.3 TB/s against gate_up's 2.1 on the H200 (tuned; 0.6
-# against 1.9 on an H100, defaults): results/2026-12-05-session-40-notes.md.
+# against 1.9 on an H100, defaults): results/2026-12-05-session-40-notes.md. Timed on an H100 with the
+# H200's gate_up tile (scripts/moe_down_ab.py), the best of them, 32 columns in one pass at 2 warps, took
+# 25.6 us a call at one token against 27.9 for the H200's shipped down tile and 26.4 for its tuned one, even
+# at four: the tile's shape is not what holds the down kernel back. They stay candidates.
 NARROW_GEMV_DOWN_CANDIDATES = [Tiles(16, k, 4, 3, "gemv") for k in (64, 128)]
 
 
