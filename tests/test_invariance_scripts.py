@@ -6,21 +6,14 @@ and scripts/decode_divergence_trace.py the first module whose row differs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
+from tests.scripts import load_script
 
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = load_script
 
 
 def test_cold_and_alone_agree_and_every_comparison_is_reported(tmp_path):

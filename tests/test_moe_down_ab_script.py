@@ -4,26 +4,15 @@ agree with the default tiles' output, or the sweep refuses it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from morion.ops import moe_tune
 from morion.ops.moe_tiles import ExpertShape, Tiles
-
-SCRIPT = Path(__file__).parents[1] / "scripts" / "moe_down_ab.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("moe_down_ab", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_every_down_tile_agrees_with_the_default_tiles(monkeypatch, capsys):
-    module = _script()
+    module = load_script("moe_down_ab")
     timed = []
     monkeypatch.setattr(moe_tune, "ROUTINGS", 1)
     monkeypatch.setattr(

@@ -3,20 +3,15 @@ cache component must come out the same), and its report of a component that diff
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "short_graph_divergence.py"
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("short_graph_divergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("short_graph_divergence")
 
 
 def test_two_eager_tails_leave_every_component_the_same(capsys):

@@ -10,15 +10,13 @@ identical tokens (`results/2026-12-02-h200-session-notes-e5d0a5d.md`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "decode_invariance.py"
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(
@@ -27,9 +25,7 @@ SCRIPT = Path(__file__).parents[2] / "scripts" / "decode_invariance.py"
     ids=["80b", "flash-next"],
 )
 def test_decode_alone_equals_decode_beside_others(tmp_path, model, prompt_tokens):
-    spec = importlib.util.spec_from_file_location("decode_invariance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("decode_invariance")
     argv = ["--model", model, "--device", "cuda", "--weight-dtype", "fp8", "--kv-cache-dtype", "fp8",
             "--prompts", "16", "--prompt-tokens", str(prompt_tokens), "--tokens", "48", "--batch", "8",
             "--out", str(tmp_path)]  # fmt: skip

@@ -1,0 +1,17 @@
+"""A module of scripts/ (not a package) loaded by file, for tests of a script's functions."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py, executed as a module named `name`."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
