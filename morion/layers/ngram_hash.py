@@ -98,21 +98,6 @@ class NGramHash:
             )
         self.constants[name] = value.detach().to("cpu", copy=True)
 
-    def contexts(self, history: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """history [n-1] (the sequence's last n-1 token ids, EOS before its start) and its new tokens [L]
-        -> contexts [L, n] (c_0 .. c_{n-1} per token, EOS where cut)."""
-        context_len = self.ngram_size - 1
-        window = torch.cat((history, tokens))
-        is_eos = window == self.eos_token_id
-        length = tokens.shape[0]
-        columns = [tokens]
-        cut = torch.zeros(length, dtype=torch.bool)
-        for shift in range(1, self.ngram_size):
-            source = window[context_len - shift : context_len - shift + length]
-            cut = cut | is_eos[context_len - shift : context_len - shift + length]
-            columns.append(torch.where(cut, self.eos_token_id, source))
-        return torch.stack(columns, dim=1)
-
     def rows(self, contexts: torch.Tensor) -> torch.Tensor:
         """contexts [T, n] int64 -> global table rows [T, heads] int64, heads ordered by n-gram order."""
         multipliers = self.constants["layer_multipliers"]

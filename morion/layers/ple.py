@@ -18,9 +18,9 @@ host/disk tiers carry it: `PLE_CONV`, the conv's last (K - 1) * dilation inputs 
 dtype; `NGRAM_HISTORY`, the last ngram_size - 1 token ids, stored as id + 1 so that a fresh (zeroed)
 slot reads as "EOS before the sequence start", which is how transformers pads.
 
-The table rows are fetched at the start of the forward (`fetch`: hash on the host, gather, asynchronous
-copy; models/qwen4_exp.py waits for them there, in the step's eager part: `HybridBackend.outside_graph`)
-and consumed here.
+The table rows are fetched at the start of the forward (layers/ple_static.py: hashed and gathered on the
+device, no host sync; models/qwen4_exp.py, in the step's eager part: `HybridBackend.outside_graph`) and
+consumed here.
 """
 
 from __future__ import annotations
@@ -49,21 +49,6 @@ class NGramEmbedding(nn.Module):
         super().__init__()
         self.hash = ngram_hash
         self.table = table
-
-    def rows_on_host(self, input_ids: torch.Tensor, ple_ordinal: int, backend: HybridBackend) -> torch.Tensor:
-        """Hashes this step's tokens of every sequence on the host (advancing their n-gram history state):
-        their table rows [T * heads] (int64, host), for `ple_static.fetch_prefill` to gather."""
-        tokens = input_ids.cpu()
-        stored = backend.read_state(NGRAM_HISTORY, ple_ordinal)
-        history = torch.where(stored == 0, self.hash.eos_token_id, stored - 1).cpu()
-        context_len = history.shape[1]
-        rows, new_history = [], []
-        for n, (start, length) in enumerate(backend.query_ranges):
-            new = tokens[start : start + length]
-            rows.append(self.hash.rows(self.hash.contexts(history[n], new)))
-            new_history.append(torch.cat((history[n], new))[-context_len:])
-        backend.write_state(NGRAM_HISTORY, ple_ordinal, (torch.stack(new_history) + 1).to(stored.device))
-        return torch.cat(rows).reshape(-1)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """The constants and the table's shards appear under their checkpoint names (host tensors), so

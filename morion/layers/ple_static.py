@@ -1,13 +1,12 @@
-"""PLE (layers/ple.py) for decode and speculative verify steps and prompt tails: static shapes, no host
-work, so the step can be captured in a CUDA graph; and per-position state for verify forwards.
+"""PLE's table rows (layers/ple.py) fetched by the device with no host sync, and per-position state for
+verify forwards.
 
-`fetch_prefill` hashes on the host (a sync per step, fine for prefill) and gathers the rows on the
-device where it can. In a step where every sequence has the same n new tokens (decode n = 1, verify
-n = 1 + drafts, and a short forward of prompt tails of one length, n <= SHORT_CHUNK_TOKENS:
-models/qwen4_exp._fetch_ple_rows), `fetch_static` instead:
+In a step where every sequence has the same n new tokens (decode n = 1, verify n = 1 + drafts, and a
+short forward of prompt tails of one length, n <= SHORT_CHUNK_TOKENS: models/qwen4_exp._fetch_ple_rows),
+`fetch_static` runs with static shapes and no host work, so the step can be captured in a CUDA graph:
 
-- hashes on the device: contexts from each sequence's n-gram history state and its n tokens (the same
-  EOS cut as `NGramHash.contexts`), rows by `NGramHash.rows` (int64 wrap-around and true modulo behave
+- hashes on the device: contexts from each sequence's n-gram history state and its n tokens
+  (`cut_contexts`: EOS past an EOS), rows by `NGramHash.rows` (int64 wrap-around and true modulo behave
   alike on every device);
 - advances the history state: after token t it is stored in the working slot (decode) or in slot
   `verify_slots[b, t]` (verify: whichever number of drafts is accepted, the state after the last
@@ -17,6 +16,9 @@ models/qwen4_exp._fetch_ple_rows), `fetch_static` instead:
   (`ops/host_gather_triton.py`). A table in memory-mapped files (`--ple-placement mmap`) is not
   page-locked: its rows are gathered on the host after a sync (not capturable; `device_gather_ok` says
   which).
+
+Other forwards (prefill chunks, tails of mixed lengths) take `fetch_prefill`: the same device hashing and
+gather, the sources' positions built on the host from the batch's layout (eager, still no sync).
 
 `forward_verify` runs the layer over a verify forward one token column at a time, so its conv window
 after token t lands in slot `verify_slots[b, t]` too.
@@ -80,6 +82,15 @@ def _shard_addresses(table: HostRowTable, device: torch.device) -> torch.Tensor 
     return cached[1]
 
 
+def cut_contexts(sources: torch.Tensor, eos: int) -> torch.Tensor:
+    """sources [..., n]: a token (column 0) and the n - 1 tokens before it, nearest first (EOS before its
+    sequence's start) -> its n-gram context for `NGramHash.rows`: past the first EOS before the token
+    every column reads EOS, as transformers cuts an n-gram at an EOS."""
+    before = sources[..., 1:]
+    cut = torch.cumsum((before == eos).to(torch.int32), dim=-1) > 0
+    return torch.cat((sources[..., :1], torch.where(cut, eos, before)), dim=-1)
+
+
 def hash_rows(
     ngram_hash: NGramHash, history: torch.Tensor, tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,19 +98,41 @@ def hash_rows(
     new tokens [B, n] -> (table rows [B, n, heads], window [B, c + n]: history then tokens, so the history
     after token t is window[:, t + 1 : t + 1 + c])."""
     context_len = ngram_hash.ngram_size - 1
-    eos = ngram_hash.eos_token_id
     window = torch.cat((history, tokens), dim=1)
-    is_eos = window == eos
     length = tokens.shape[1]
-    columns = [tokens]
-    cut = torch.zeros_like(tokens, dtype=torch.bool)
-    for shift in range(1, ngram_hash.ngram_size):
-        source = window[:, context_len - shift : context_len - shift + length]
-        cut = cut | is_eos[:, context_len - shift : context_len - shift + length]
-        columns.append(torch.where(cut, eos, source))
-    contexts = torch.stack(columns, dim=-1).view(-1, ngram_hash.ngram_size)
+    sources = torch.stack(
+        [window[:, context_len - shift : context_len - shift + length] for shift in range(context_len + 1)],
+        dim=-1,
+    )
+    contexts = cut_contexts(sources, ngram_hash.eos_token_id).view(-1, ngram_hash.ngram_size)
     rows = _device_hash(ngram_hash, tokens.device).rows(contexts)
     return rows.view(*tokens.shape, -1), window
+
+
+def ragged_window_indices(query_ranges: Sequence[tuple[int, int]], context_len: int) -> torch.Tensor:
+    """Where a forward of sequences with any numbers of new tokens finds, in `cat(history.flatten(),
+    tokens)` (history [B, c], tokens as laid out by `query_ranges`), each token's n-gram sources
+    ([T, c + 1], the token then the c before it, as `cut_contexts` takes them) followed by each sequence's
+    history after its last token ([B, c]): one flat int64 host tensor of T * (c + 1) + B * c positions,
+    built from the layout alone (no device value read)."""
+    num_seqs = len(query_ranges)
+    starts = torch.tensor([start for start, _ in query_ranges], dtype=torch.int64)
+    lengths = torch.tensor([length for _, length in query_ranges], dtype=torch.int64)
+    sequence = torch.repeat_interleave(torch.arange(num_seqs), lengths)
+    within = torch.cat([torch.arange(length) for _, length in query_ranges])
+
+    # Sequence b's window w = history[b] then its tokens: w[i] lies at b * c + i for i < c, else at token
+    # start_b + i - c, after the B * c history ids.
+    def window_at(seq: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+        in_history = place < context_len
+        return torch.where(
+            in_history, seq * context_len + place, num_seqs * context_len + starts[seq] + place - context_len
+        )
+
+    shifts = torch.arange(context_len + 1)
+    sources = window_at(sequence[:, None], context_len + within[:, None] - shifts[None, :])
+    after = window_at(torch.arange(num_seqs)[:, None], lengths[:, None] + torch.arange(context_len)[None, :])
+    return torch.cat((sources.reshape(-1), after.reshape(-1)))
 
 
 def gather_rows(table: HostRowTable, rows: torch.Tensor) -> torch.Tensor:
@@ -161,23 +194,37 @@ def fetch_static(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend)
 
 
 def fetch_prefill(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend) -> FetchedRows:
-    """The rows of a prefill step (any number of tokens a sequence), hashed on the host
-    (`NGramEmbedding.rows_on_host`, which advances the n-gram history state). On CUDA with the table in
-    page-locked RAM the device gathers them (the row ids copied over from pinned memory, then one launch
-    of the kernel decode steps use): the host's gather took the engine thread ~17 ms of a 1K prefill on
-    the H200 (16K rows over 128 shards, results/2026-12-04-h200-session-notes-8cbb9bd.md), while the device
-    reads the 2.6 MB in microseconds. Elsewhere (the CPU, a memory-mapped table) the host gathers and
-    copies them. The same table bytes either way."""
+    """The rows of a forward whose sequences have any numbers of new tokens (prefill chunks, prompt tails
+    of mixed lengths), advancing the n-gram history state, with no host sync: the positions of every
+    token's n-gram sources and of each sequence's new history come from the batch's layout
+    (`ragged_window_indices`, built on the host and copied over from pinned memory), and the device
+    gathers, hashes and gathers the table rows as `fetch_static` does. The host hashed them once, after
+    two syncs per forward that waited for the device to drain the forward before (8.8 ms of an 8K prefill
+    at 12 layers on an H100, results/2026-12-05-session-40-notes.md). The same integer hashing of the
+    same tokens, so the same rows and state. Not capturable (the positions are a host tensor): a piecewise
+    prefill graph runs it eagerly. A memory-mapped table's rows are gathered on the host (one sync)."""
     embedding = ple.ple_embedding
-    table = embedding.table
-    rows = embedding.rows_on_host(input_ids, ple.ple_ordinal, backend)
+    ngram_hash, table = embedding.hash, embedding.table
     device = input_ids.device
-    if device.type != "cuda" or not device_gather_ok(table, device):
-        return table.fetch(rows, device)
-    # Pinned, so the copy is asynchronous; the caching host allocator keeps the source until it is done.
-    on_device = rows.pin_memory().to(device, non_blocking=True)
+    pool = backend.state_pool(NGRAM_HISTORY, ple.ple_ordinal)
+    slots = backend.state_indices.long()
+    stored = pool[slots]
+    history = torch.where(stored == 0, ngram_hash.eos_token_id, stored - 1)  # stored as id + 1
+    num_seqs, context_len = history.shape
+    positions = ragged_window_indices(backend.query_ranges, context_len)
+    if device.type == "cuda":  # pinned, so the copy is asynchronous (the caching host allocator keeps it)
+        positions = positions.pin_memory()
+    positions = positions.to(device, non_blocking=True)
+    window = torch.cat((history.reshape(-1), input_ids.to(history.dtype)))[positions]
+    num_tokens = input_ids.shape[0]
+    sources = window[: num_tokens * (context_len + 1)].view(num_tokens, context_len + 1)
+    pool[slots] = window[num_tokens * (context_len + 1) :].view(num_seqs, context_len) + 1
+    contexts = cut_contexts(sources, ngram_hash.eos_token_id)
+    flat = _device_hash(ngram_hash, device).rows(contexts).reshape(-1)
+    if not device_gather_ok(table, device):
+        return table.fetch(flat.cpu(), device)  # memory-mapped table: a host gather (syncs)
     scale = table.scale if table.dtype == FP8_DTYPE else None
-    return FetchedRows(gather_rows(table, on_device), None, None, scale)
+    return FetchedRows(gather_rows(table, flat), None, None, scale)
 
 
 class _VerifyColumn:

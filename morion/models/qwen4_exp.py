@@ -101,14 +101,13 @@ def _ple_module(config: Qwen4ExpConfig, ple_ordinal: int) -> PLELayer:
 def _fetch_ple_rows(
     ple: PLELayer, dtype: torch.dtype, backend: TokenCacheBackend, input_ids: torch.Tensor
 ) -> torch.Tensor:
-    """The table rows of this step's tokens [T, E] in `dtype`, advancing the n-gram history state: hashed
-    and gathered on the device where every sequence has the same number of new tokens, at most
-    SHORT_CHUNK_TOKENS (decode and verify steps, and short forwards of prompt tails of one length:
-    layers/ple_static.py, no host work, capturable), hashed on the host otherwise (prefill; a sync) and
-    gathered by the device where the table is page-locked (`fetch_prefill`). Both give the same rows and
-    state (integer hashing of the same tokens, the same table bytes), so a tail answers alike either way.
-    It reads the batch's layout and the state: a piecewise prefill graph runs it eagerly
-    (`HybridBackend.outside_graph`)."""
+    """The table rows of this step's tokens [T, E] in `dtype`, advancing the n-gram history state, hashed
+    and gathered on the device with no host sync (layers/ple_static.py): with static shapes (capturable)
+    where every sequence has the same number of new tokens, at most SHORT_CHUNK_TOKENS (decode and verify
+    steps, and short forwards of prompt tails of one length), from positions the host builds from the
+    layout otherwise (`fetch_prefill`). Both give the same rows and state (integer hashing of the same
+    tokens, the same table bytes), so a tail answers alike either way. It reads the batch's layout and the
+    state: a piecewise prefill graph runs it eagerly (`HybridBackend.outside_graph`)."""
     lengths = {length for _, length in backend.query_ranges}
     uniform_short = len(lengths) == 1 and max(lengths) <= SHORT_CHUNK_TOKENS
     static = uniform_short or backend.verify_slots is not None

@@ -307,23 +307,25 @@ def test_decode_and_verify_steps_make_no_host_sync(qwen4_exp_tiny, monkeypatch):
         assert (torch.cat(logits[seq]) - whole).abs().max() < 1e-4, f"sequence {seq}"
 
 
-def test_prompt_tails_of_one_length_fetch_ple_rows_on_the_device(qwen4_exp_tiny, monkeypatch):
-    """A short forward whose sequences all have the same number of new tokens (prompt tails of one
-    length, the shape of a short-chunk CUDA graph) hashes and gathers PLE's rows on the device with no
-    host sync; tails of mixed lengths and prefill chunks hash on the host. Both give the logits of a
-    one-shot prefill of the same tokens: the same rows and n-gram state either way."""
-    devices: list[int] = []
+def test_every_forward_fetches_ple_rows_with_no_host_sync(qwen4_exp_tiny, monkeypatch):
+    """PLE's rows are hashed and gathered on the device with every syncing call refused in every forward:
+    prompt tails of one length (the shape of a short-chunk CUDA graph) take the static path; prefill
+    chunks and tails of mixed lengths the ragged one (positions from the batch's layout). Both give the
+    logits of a one-shot prefill of the same tokens (whose prefill parity with transformers is
+    test_qwen4_exp_parity's)."""
+    paths: list[tuple[str, int]] = []
 
-    def static_fetch(function):
+    def no_sync_fetch(function):
         @functools.wraps(function)
         def wrapper(ple, input_ids, backend):
-            devices.append(len(backend.query_ranges))
+            paths.append((function.__name__, len(backend.query_ranges)))
             with _no_host_sync():
                 return function(ple, input_ids, backend)
 
         return wrapper
 
-    monkeypatch.setattr(qwen4_exp, "fetch_static", static_fetch(qwen4_exp.fetch_static))
+    for name in ("fetch_static", "fetch_prefill"):
+        monkeypatch.setattr(qwen4_exp, name, no_sync_fetch(getattr(qwen4_exp, name)))
     model = qwen4_exp_tiny.model
     ple_layers = sum(layer.ple is not None for layer in model.model.layers)
     prompts = {
@@ -332,17 +334,18 @@ def test_prompt_tails_of_one_length_fetch_ple_rows_on_the_device(qwen4_exp_tiny,
     }
     runner = PagedRunner(model, 2, pages_per_sequence=16)
     logits = {seq: [rows] for seq, rows in runner.run(prompts).items()}
-    assert devices == []  # prefill: on the host
+    assert paths == [("fetch_prefill", 2)] * ple_layers
     steps = [
-        ({0: [11, EOS, 12, 13, 14], 1: [15, 16, 17, 18, 19]}, [2] * ple_layers),  # one length: the device
-        ({0: [20, 21], 1: [22, 23, 24]}, []),  # mixed lengths: the host
-        ({0: [25] * 16}, [1] * ple_layers),  # a whole page's tail alone: the device
+        ({0: [11, EOS, 12, 13, 14], 1: [15, 16, 17, 18, 19]}, ("fetch_static", 2)),  # one length
+        ({0: [20, 21], 1: [22, EOS, 24]}, ("fetch_prefill", 2)),  # mixed lengths
+        ({0: [25] * 16}, ("fetch_static", 1)),  # a whole page's tail alone
+        ({0: [EOS, 26, 27] * 7, 1: [28]}, ("fetch_prefill", 2)),  # a chunk beside a decode token
     ]
     for new_tokens, expected in steps:
-        devices.clear()
+        paths.clear()
         for seq, rows in runner.run(new_tokens).items():
             logits[seq].append(rows)
-        assert devices == expected
+        assert paths == [expected] * ple_layers
     for seq in prompts:
         whole = PagedRunner(model, pages_per_sequence=16).run({0: runner.tokens[seq]})[0]
         assert (torch.cat(logits[seq]) - whole).abs().max() < 1e-4, f"sequence {seq}"
