@@ -91,9 +91,19 @@ def _normed(x, rstd, w_norm, dtype):
 
 
 @triton.jit
-def _sigmoid(x):
+def sigmoid_rn(x):
     # 1 / (1 + e^-x) with an IEEE division, as torch's sigmoid (row_kernels_triton does the same).
     return tl.math.div_rn(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def stream_lanes(hidden, hc_count, HC_BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A program's n * BLOCK_C lanes over hidden column block program_id(0): lane i is column c of stream
+    s, W_up's row and the streams' column s * H + c. -> (stream, up_rows, lanes_ok)."""
+    lanes = tl.arange(0, HC_BLOCK * BLOCK_C)
+    stream = lanes // BLOCK_C
+    col = tl.program_id(0) * BLOCK_C + lanes % BLOCK_C
+    return stream, stream * hidden + col, (stream < hc_count) & (col < hidden)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -188,12 +198,7 @@ def _up_mix_kernel(
     dtype = mixed_ptr.dtype.element_ty
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tokens_ok = tokens < num_tokens
-    # Row i of this program's up rows is column c of stream s: W_up row s * H + c.
-    lanes = tl.arange(0, HC_BLOCK * BLOCK_C)
-    stream = lanes // BLOCK_C
-    col = tl.program_id(0) * BLOCK_C + lanes % BLOCK_C
-    lanes_ok = (stream < hc_count) & (col < hidden)
-    up_rows = stream * hidden + col
+    stream, up_rows, lanes_ok = stream_lanes(hidden, hc_count, HC_BLOCK, BLOCK_C)
     depth = tl.arange(0, BLOCK_R)
 
     # The normed streams that the gate multiplies come first: their loads do not depend on the loop, so
@@ -223,7 +228,7 @@ def _up_mix_kernel(
             other=0.0,
         )
         acc += act[:, None, :] * tl.cast(w, tl.float32)[None, :, :]
-    gate = rounded(_sigmoid(rounded(tl.sum(acc, axis=2), dtype)), dtype)
+    gate = rounded(sigmoid_rn(rounded(tl.sum(acc, axis=2), dtype)), dtype)
     products = tl.where(mask, rounded(gate * normed, dtype), 0.0)
     mixed = tl.sum(tl.reshape(products, (BLOCK_T, HC_BLOCK, BLOCK_C)), axis=1) * inv_count
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -244,7 +249,7 @@ def _up_mix_kernel(
             0,
         )
         scaled = rounded(rounded(logits, dtype) * inv_count, dtype)
-        weights = 2.0 * rounded(_sigmoid(scaled), dtype)
+        weights = 2.0 * rounded(sigmoid_rn(scaled), dtype)
         tl.store(
             inject_ptr + tokens[:, None] * hc_count + j[None, :],
             tl.cast(weights, dtype),
