@@ -33,6 +33,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -42,13 +44,25 @@ from morion.ops.pdl import launch_options, wait_for_previous_kernel
 from morion.ops.row_kernels_triton import rounded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Tiles: 64 token rows, 32 hidden columns of each of the n streams (128 rows of W_up, one N side of 128 for
-# n = 4), R in steps of 64 (Flash-Next's R = 320: five). A program's W_up slice (80 KiB at R = 320) stays
-# in L2 across the token blocks, which run after all column blocks of the one before them.
-BLOCK_T = 64
-BLOCK_C = 32
-BLOCK_R = 64
-WARPS = 4
+
+
+class UpMixTiles(NamedTuple):
+    """block_t token rows and block_c hidden columns of each of the n streams a program (n * block_c rows
+    of W_up, the tl.dot's N side), R in block_r steps, warps. A tile is fixed for every T, so a row's
+    bits never depend on its batch; another tile may sum R in another order or take other MMA
+    instructions, so its last bits may differ from this one's."""
+
+    block_t: int = 64
+    block_c: int = 32
+    block_r: int = 64
+    warps: int = 4
+
+
+# 64 token rows, 32 hidden columns of each of the n streams (N = 128 for n = 4), R in steps of 64 (five
+# at Flash-Next's R = 320). A program's W_up slice (80 KiB at R = 320) stays in L2 across the token
+# blocks, which run after all column blocks of the one before them. Untimed so far:
+# scripts/hc_prefill_ab.py times it and other tiles against the eager code on a GPU.
+DEFAULT_TILES = UpMixTiles()
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -108,7 +122,13 @@ def supports(down: torch.Tensor, up: torch.Tensor, normed: torch.Tensor, hc_coun
     )
 
 
-def up_mix(down: torch.Tensor, up: torch.Tensor, normed: torch.Tensor, hc_count: int) -> torch.Tensor:
+def up_mix(
+    down: torch.Tensor,
+    up: torch.Tensor,
+    normed: torch.Tensor,
+    hc_count: int,
+    tiles: UpMixTiles = DEFAULT_TILES,
+) -> torch.Tensor:
     """The block input [T, H] = mean over the streams of sigmoid(silu(down / n) W_up^T) * normed, for
     shapes `supports` takes."""
     num_tokens, width = normed.shape
@@ -116,11 +136,13 @@ def up_mix(down: torch.Tensor, up: torch.Tensor, normed: torch.Tensor, hc_count:
     mixed = torch.empty(num_tokens, hidden, dtype=normed.dtype, device=normed.device)
     if num_tokens == 0:
         return mixed
-    grid = (triton.cdiv(hidden, BLOCK_C), triton.cdiv(num_tokens, BLOCK_T))
+    grid = (triton.cdiv(hidden, tiles.block_c), triton.cdiv(num_tokens, tiles.block_t))
     _up_mix_tiles_kernel[grid](
         down, up, normed, mixed,
         num_tokens, hidden, lowrank, hc_count, down.stride(0), normed.stride(0), 1.0 / hc_count,
-        HC_BLOCK=triton.next_power_of_2(hc_count), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=BLOCK_R,
-        PRECISION="ieee" if normed.dtype == torch.float32 else "tf32", **launch_options(), num_warps=WARPS,
+        HC_BLOCK=triton.next_power_of_2(hc_count),
+        BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, BLOCK_R=tiles.block_r,
+        PRECISION="ieee" if normed.dtype == torch.float32 else "tf32", **launch_options(),
+        num_warps=tiles.warps,
     )  # fmt: skip
     return mixed
