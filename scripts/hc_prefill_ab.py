@@ -2,7 +2,7 @@
 half is one kernel of tl.dot tiles (ops/hyper_connection_prefill_triton.py), at the real shape in bf16.
 
 Issue #24: an 8K prompt prefills as two 4K pieces of 97 mixes each, and the eager mix moves ~0.6 GB a mix
-past its down GEMM. This times one mix (CUDA graph replays, `moe_tune.graph_microseconds`) of each path
+past its silu. This times one mix (CUDA graph replays, `moe_tune.graph_microseconds`) of each path
 at each token count, and the kernel's up half alone for the default tiles and a few others (each must
 agree with the eager mix within bf16's tolerance), then prints a table, the best tiles last:
 
@@ -65,9 +65,9 @@ def measure(tokens: list[int], device: torch.device, dtype: torch.dtype = torch.
             rows.append({"tokens": count, "path": path, "us": us, "agrees": agrees})
             print(f"T={count} {path}: {us:.1f} us", file=sys.stderr, flush=True)
         normed = module.hc_norm(streams)
-        down = module.input_mix_weight_down(normed)
+        act = torch.nn.functional.silu(module.input_mix_weight_down(normed) / STREAMS)
         for tiles in CANDIDATES:
-            step = functools.partial(tiled.up_mix, down, up, normed, STREAMS, tiles)
+            step = functools.partial(tiled.up_mix, act, up, normed, STREAMS, tiles)
             agrees = torch.allclose(step(), expected, rtol=TOLERANCE, atol=TOLERANCE)
             us = graph_microseconds(step, 1)
             rows.append({"tokens": count, "path": f"up half {tuple(tiles)}", "us": us, "agrees": agrees})

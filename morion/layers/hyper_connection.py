@@ -14,10 +14,10 @@ state that the LM head reads (there is no final RMSNorm).
 
 On CUDA, for at most `hyper_connection_triton.MAX_TOKENS` tokens (decode), the mix runs as two Triton
 kernels (ops/hyper_connection_triton.py: the eager code's rounding points, batch-invariant) instead of
-about fifteen eager ones; past them (prefill) everything after the down GEMM, silu through the mean over
-the streams, runs as one kernel of tl.dot tiles (ops/hyper_connection_prefill_triton.py: the same rounding
-points, so six passes over [T, n * H] tensors become one read of normed); elsewhere, and as the reference,
-the eager code below.
+about fifteen eager ones; past them (prefill) everything after silu, the `W_up` product through the mean
+over the streams, runs as one kernel of tl.dot tiles (ops/hyper_connection_prefill_triton.py: the same
+rounding points, so five passes over [T, n * H] tensors become one read of normed); elsewhere, and as the
+reference, the eager code below.
 """
 
 from __future__ import annotations
@@ -68,37 +68,37 @@ class HyperConnection(nn.Module):
 
     def mix_reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`mix` in eager torch at any size, on any device: the reference of the fused kernels."""
-        return self._mix_after_down(streams, self._up_mix_reference)
+        return self._mix_around_up(streams, self._up_mix_reference)
 
     def mix_tiled(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`mix` with its up half in one kernel of tl.dot tiles (ops/hyper_connection_prefill_triton.py)
         where that kernel takes the rows, else `mix_reference`."""
-        return self._mix_after_down(streams, self._up_mix_tiled)
+        return self._mix_around_up(streams, self._up_mix_tiled)
 
-    def _mix_after_down(
+    def _mix_around_up(
         self, streams: torch.Tensor, up_mix: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The norm, the down GEMM and the inject weights in eager torch around `up_mix(down, normed)`,
-        the block input from there."""
+        """The norm, act = silu(W_down(normed) / n) and the inject weights in eager torch around
+        `up_mix(act, normed)`, the block input from there."""
         normed = self.hc_norm(streams)
-        mixed = up_mix(self.input_mix_weight_down(normed), normed)
+        mixed = up_mix(F.silu(self.input_mix_weight_down(normed) / self.hc_count), normed)
         if self.block_inject_weight is None:
             return mixed, None
         return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
 
-    def _up_mix_reference(self, down: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        gate = torch.sigmoid(self.input_mix_weight_up(F.silu(down / self.hc_count)))
+    def _up_mix_reference(self, act: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.input_mix_weight_up(act))
         per_stream = (self.hc_count, self.hidden_size)
         return (gate.unflatten(-1, per_stream) * normed.unflatten(-1, per_stream)).mean(dim=-2)
 
-    def _up_mix_tiled(self, down: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+    def _up_mix_tiled(self, act: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         from morion.ops import hyper_connection_prefill_triton as tiled
 
         up = self.input_mix_weight_up.weight
-        if not tiled.supports(down, up, normed, self.hc_count):
-            return self._up_mix_reference(down, normed)
+        if not tiled.supports(act, up, normed, self.hc_count):
+            return self._up_mix_reference(act, normed)
         log_once(logger, "hyper-connection mix (prefill): its up half in one Triton kernel of tl.dot tiles")
-        return tiled.up_mix(down, up, normed, self.hc_count)
+        return tiled.up_mix(act, up, normed, self.hc_count)
 
 
 def inject(

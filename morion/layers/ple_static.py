@@ -119,7 +119,8 @@ def ragged_window_indices(query_ranges: Sequence[tuple[int, int]], context_len: 
     starts = torch.tensor([start for start, _ in query_ranges], dtype=torch.int64)
     lengths = torch.tensor([length for _, length in query_ranges], dtype=torch.int64)
     sequence = torch.repeat_interleave(torch.arange(num_seqs), lengths)
-    within = torch.cat([torch.arange(length) for _, length in query_ranges])
+    first = torch.cumsum(lengths, 0) - lengths  # each sequence's first row among the T
+    within = torch.arange(sum(length for _, length in query_ranges)) - first[sequence]
 
     # Sequence b's window w = history[b] then its tokens: w[i] lies at b * c + i for i < c, else at token
     # start_b + i - c, after the B * c history ids.

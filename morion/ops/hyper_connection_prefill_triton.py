@@ -1,25 +1,26 @@
 """The up half of Qwen3.8-Flash-Next's hyper-connection mix (layers/hyper_connection.py) for prefill-sized
 token counts (T > hyper_connection_triton.MAX_TOKENS), in one Triton kernel of `tl.dot` tiles.
 
-The eager mix is about fifteen kernels, and past its down GEMM six of them pass over [T, n * H] tensors:
-the up GEMM's output, sigmoid's input and output, the gate product's three operands, the mean's input. At
-Flash-Next's shape (n * H = 10,240) a 4K-token prefill piece moves ~0.6 GB a mix that way, 97 mixes a
-forward. `up_mix` takes the rows the eager code has before them, down = W_down(normed) [T, R] and
-normed [T, n * H], and returns the block input [T, H]:
+The eager mix is about fifteen kernels, and past its down GEMM and silu five of them pass over
+[T, n * H] tensors: the up GEMM's output, sigmoid's input and output, the gate product's three operands,
+the mean's input. At Flash-Next's shape (n * H = 10,240) a 4K-token prefill piece moves ~0.6 GB a mix
+that way, 97 mixes a forward. `up_mix` takes the rows the eager code has before them, act =
+silu(W_down(normed) / n) [T, R] and normed [T, n * H], and returns the block input [T, H]:
 
-    act   = silu(down / n)                              in the prologue of each R step, [BLOCK_T, BLOCK_R]
     gate  = sigmoid(act W_up^T)                         tl.dot over R, for the program's BLOCK_C hidden
                                                         columns of every stream at once (n * BLOCK_C rows
                                                         of W_up, row s * H + c for column c of stream s)
     mixed = mean over the streams of (gate * normed)    in the epilogue: normed read once, [T, H] written
 
-so past the down GEMM the mix reads normed once and writes its [T, H] result: ~105 MB a 4K piece.
+so past silu the mix reads normed once and writes its [T, H] result: ~105 MB a 4K piece. act stays the
+eager code's (two small kernels over [T, R]): computing it in the kernel's prologue would redo its exps
+and divisions once per column block, 80 times at Flash-Next's shape.
 
 Rounding points: the eager code's in the weights' dtype, as the decode kernels keep them
-(ops/hyper_connection_triton.py): down / n, silu, the up GEMM's fp32 sum, sigmoid and gate * normed
-each rounded to the dtype; the mean sums the n products in fp32, times the fp32 reciprocal of n, rounded
-once. Left different: the GEMM's summation order (cuBLAS's differs too between shapes), the exp of silu
-and sigmoid (an ulp), and the mean's order over n. fp32 tiles multiply in IEEE fp32, not TF32 (16-bit
+(ops/hyper_connection_triton.py): the up GEMM's fp32 sum, sigmoid and gate * normed each rounded to
+the dtype; the mean sums the n products in fp32, times the fp32 reciprocal of n, rounded
+once. Left different: the GEMM's summation order (cuBLAS's differs too between shapes), the exp of
+sigmoid (an ulp), and the mean's order over n. fp32 tiles multiply in IEEE fp32, not TF32 (16-bit
 ones ignore the precision setting).
 
 Invariants:
@@ -67,8 +68,8 @@ DEFAULT_TILES = UpMixTiles()
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _up_mix_tiles_kernel(
-    down_ptr, up_w_ptr, normed_ptr, mixed_ptr,
-    num_tokens, hidden, lowrank, hc_count, stride_down, stride_normed, inv_count,
+    act_ptr, up_w_ptr, normed_ptr, mixed_ptr,
+    num_tokens, hidden, lowrank, hc_count, stride_act, stride_normed, inv_count,
     HC_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -83,13 +84,8 @@ def _up_mix_tiles_kernel(
     for start in range(0, lowrank, BLOCK_R):
         r = start + depth
         r_ok = r < lowrank
-        down = tl.load(
-            down_ptr + tokens[:, None] * stride_down + r[None, :],
-            mask=tokens_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )
-        scaled = rounded(tl.cast(down, tl.float32) * inv_count, dtype)
-        act = tl.cast(tl.math.div_rn(scaled, 1.0 + tl.exp(-scaled)), dtype)  # silu as torch's (masked: 0)
+        act_mask = tokens_ok[:, None] & r_ok[None, :]
+        act = tl.load(act_ptr + tokens[:, None] * stride_act + r[None, :], mask=act_mask, other=0.0)
         w = tl.load(
             up_w_ptr + up_rows[None, :] * lowrank + r[:, None],
             mask=r_ok[:, None] & lanes_ok[None, :],
@@ -106,31 +102,31 @@ def _up_mix_tiles_kernel(
     tl.store(mixed_ptr + tokens[:, None] * hidden + cols[None, :], tl.cast(mixed, dtype), mask=out_mask)
 
 
-def supports(down: torch.Tensor, up: torch.Tensor, normed: torch.Tensor, hc_count: int) -> bool:
-    """Whether `up_mix` takes down [T, R] and normed [T, n * H] (unit stride on their last dimension) with
+def supports(act: torch.Tensor, up: torch.Tensor, normed: torch.Tensor, hc_count: int) -> bool:
+    """Whether `up_mix` takes act [T, R] and normed [T, n * H] (unit stride on their last dimension) with
     a contiguous W_up [n * H, R], all of one dtype of DTYPES."""
     width, lowrank = up.shape
     return (
         width % hc_count == 0
-        and down.dim() == normed.dim() == 2
-        and down.shape == (normed.shape[0], lowrank)
+        and act.dim() == normed.dim() == 2
+        and act.shape == (normed.shape[0], lowrank)
         and normed.shape[1] == width
-        and down.stride(1) == normed.stride(1) == 1
+        and act.stride(1) == normed.stride(1) == 1
         and up.is_contiguous()
-        and down.dtype == up.dtype == normed.dtype
+        and act.dtype == up.dtype == normed.dtype
         and up.dtype in DTYPES
     )
 
 
 def up_mix(
-    down: torch.Tensor,
+    act: torch.Tensor,
     up: torch.Tensor,
     normed: torch.Tensor,
     hc_count: int,
     tiles: UpMixTiles = DEFAULT_TILES,
 ) -> torch.Tensor:
-    """The block input [T, H] = mean over the streams of sigmoid(silu(down / n) W_up^T) * normed, for
-    shapes `supports` takes."""
+    """The block input [T, H] = mean over the streams of sigmoid(act W_up^T) * normed, for shapes
+    `supports` takes."""
     num_tokens, width = normed.shape
     hidden, lowrank = width // hc_count, up.shape[1]
     mixed = torch.empty(num_tokens, hidden, dtype=normed.dtype, device=normed.device)
@@ -138,8 +134,8 @@ def up_mix(
         return mixed
     grid = (triton.cdiv(hidden, tiles.block_c), triton.cdiv(num_tokens, tiles.block_t))
     _up_mix_tiles_kernel[grid](
-        down, up, normed, mixed,
-        num_tokens, hidden, lowrank, hc_count, down.stride(0), normed.stride(0), 1.0 / hc_count,
+        act, up, normed, mixed,
+        num_tokens, hidden, lowrank, hc_count, act.stride(0), normed.stride(0), 1.0 / hc_count,
         HC_BLOCK=triton.next_power_of_2(hc_count),
         BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, BLOCK_R=tiles.block_r,
         PRECISION="ieee" if normed.dtype == torch.float32 else "tf32", **launch_options(),

@@ -26,19 +26,19 @@ from tests.ops.test_hyper_connection_triton import (
 
 
 def up_mix_inputs(module: HyperConnection, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel takes: down = W_down(normed), normed."""
+    """What the kernel takes: act = silu(W_down(normed) / n), normed."""
     normed = module.hc_norm(streams)
-    return module.input_mix_weight_down(normed), normed
+    return torch.nn.functional.silu(module.input_mix_weight_down(normed) / module.hc_count), normed
 
 
 def assert_kernel_rows_invariant(module: HyperConnection, streams: torch.Tensor, prefixes) -> None:
     """The kernel gives every row of a prefix, and of the batch reversed, the bits it gives in the batch."""
-    down, normed = up_mix_inputs(module, streams)
+    act, normed = up_mix_inputs(module, streams)
     up = module.input_mix_weight_up.weight
-    whole = tiled.up_mix(down, up, normed, module.hc_count)
+    whole = tiled.up_mix(act, up, normed, module.hc_count)
     for rows in prefixes:
-        assert torch.equal(tiled.up_mix(down[:rows], up, normed[:rows], module.hc_count), whole[:rows]), rows
-    flipped = tiled.up_mix(down.flip(0), up, normed.flip(0), module.hc_count)
+        assert torch.equal(tiled.up_mix(act[:rows], up, normed[:rows], module.hc_count), whole[:rows]), rows
+    flipped = tiled.up_mix(act.flip(0), up, normed.flip(0), module.hc_count)
     assert torch.equal(flipped, whole.flip(0))
 
 
@@ -62,12 +62,12 @@ def test_no_tokens_and_what_falls_back():
     mixed, weights = module.mix_tiled(random_streams(module, 0, torch.float32))
     assert mixed.shape == (0, 64) and weights.shape == (0, 4)
     streams = random_streams(module, 3, torch.float32)
-    down, normed = up_mix_inputs(module, streams)
+    act, normed = up_mix_inputs(module, streams)
     up = module.input_mix_weight_up.weight
-    assert tiled.supports(down, up, normed, 4)
-    assert not tiled.supports(down.half(), up, normed, 4)  # operands of different dtypes
-    assert not tiled.supports(down, up, normed.t().contiguous().t(), 4)  # strided width
-    assert not tiled.supports(down[:, :-1], up, normed, 4)  # not W_up's R
+    assert tiled.supports(act, up, normed, 4)
+    assert not tiled.supports(act.half(), up, normed, 4)  # operands of different dtypes
+    assert not tiled.supports(act, up, normed.t().contiguous().t(), 4)  # strided width
+    assert not tiled.supports(act[:, :-1], up, normed, 4)  # not W_up's R
     # What the kernel refuses, the eager code computes (the same bits as mix_reference).
     module.input_mix_weight_up.weight.data = up.t().contiguous().t()
     for got, want in zip(module.mix_tiled(streams), module.mix_reference(streams), strict=True):
