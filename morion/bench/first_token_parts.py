@@ -23,6 +23,9 @@ from morion.engine.outputs import FirstTokenTimes
 PARTS = ("prepare_s", "to_engine_s", "queue_s", "prefill_s", "from_engine_s")
 # What an older morion server has instead of the two hand-over legs: their sum.
 LEGACY_PARTS = ("handoff_s",)
+# Not parts of the time: how the engine's stepping thread spent the prefill part (`FirstTokenTimes`), on a
+# CPU and runnable in a run queue; off a CPU the rest (`engine_thread`).
+THREAD_PARTS = ("prefill_on_cpu_s", "prefill_runqueue_s")
 
 
 class PartTotals(NamedTuple):
@@ -36,16 +39,23 @@ class EngineFirstTokens:
     """The offline target's running totals of the engine's parts, fed with each step's outputs."""
 
     def __init__(self) -> None:
-        self._seconds = {"queue_s": 0.0, "prefill_s": 0.0}
-        self._count = 0
+        self._seconds = dict.fromkeys(("queue_s", "prefill_s", *THREAD_PARTS), 0.0)
+        self._counts = dict.fromkeys(self._seconds, 0)
 
     def add(self, times: FirstTokenTimes) -> None:
-        self._seconds["queue_s"] += times.queued_s
-        self._seconds["prefill_s"] += times.prefill_s
-        self._count += 1
+        measured = {"queue_s": times.queued_s, "prefill_s": times.prefill_s}
+        if times.prefill_on_cpu_s is not None and times.prefill_runqueue_s is not None:
+            measured["prefill_on_cpu_s"] = times.prefill_on_cpu_s
+            measured["prefill_runqueue_s"] = times.prefill_runqueue_s
+        for part, seconds in measured.items():
+            self._seconds[part] += seconds
+            self._counts[part] += 1
 
     def totals(self) -> PartTotals:
-        return PartTotals(dict(self._seconds), {part: self._count for part in self._seconds})
+        counted = [part for part, count in self._counts.items() if count]
+        return PartTotals(
+            {part: self._seconds[part] for part in counted}, {part: self._counts[part] for part in counted}
+        )
 
 
 def mean_parts(before: PartTotals | None, after: PartTotals | None) -> dict[str, float] | None:
@@ -53,12 +63,27 @@ def mean_parts(before: PartTotals | None, after: PartTotals | None) -> dict[str,
     counted any); None without readings or without a request between them."""
     if before is None or after is None:
         return None
-    means = {}
-    for part in PARTS + LEGACY_PARTS:
-        count = after.counts.get(part, 0) - before.counts.get(part, 0)
-        if count > 0:
-            means[part] = (after.seconds[part] - before.seconds.get(part, 0.0)) / count
-    return means or None
+    means = {part: _mean(before, after, part) for part in PARTS + LEGACY_PARTS}
+    return {part: mean for part, mean in means.items() if mean is not None} or None
+
+
+def engine_thread(before: PartTotals | None, after: PartTotals | None) -> dict[str, float] | None:
+    """The engine's stepping thread during the prefill part, mean seconds per request between two
+    readings: on a CPU, runnable in a run queue, and off a CPU (the rest of the part: the GIL, a lock, a
+    wait for the GPU); None where the target does not tell."""
+    if before is None or after is None:
+        return None
+    prefill, on_cpu, runqueue = (_mean(before, after, part) for part in ("prefill_s", *THREAD_PARTS))
+    if prefill is None or on_cpu is None or runqueue is None:
+        return None
+    return {"on_cpu_s": on_cpu, "runqueue_s": runqueue, "off_cpu_s": max(0.0, prefill - on_cpu - runqueue)}
+
+
+def _mean(before: PartTotals, after: PartTotals, part: str) -> float | None:
+    count = after.counts.get(part, 0) - before.counts.get(part, 0)
+    if count <= 0:
+        return None
+    return (after.seconds[part] - before.seconds.get(part, 0.0)) / count
 
 
 def median_parts(runs: list[dict[str, float] | None]) -> dict[str, float] | None:

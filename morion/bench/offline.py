@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from morion.bench.first_token_parts import EngineFirstTokens, PartTotals
-from morion.bench.thread_times import ThreadTimes, read_thread_times
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.config import EngineConfig
 from morion.engine.engine import Engine
 from morion.engine.outputs import StepOutput
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
+from morion.engine.thread_times import ThreadTimes, read_thread_times
 
 
 def generate(

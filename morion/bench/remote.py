@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from morion.bench.endpoint import Endpoint
-from morion.bench.first_token_parts import LEGACY_PARTS, PARTS, PartTotals
+from morion.bench.first_token_parts import LEGACY_PARTS, PARTS, THREAD_PARTS, PartTotals
 from morion.bench.timing import GroupResult, RequestTiming
 from morion.engine.step_timing import StepTimes
 from morion.errors import MorionError
@@ -233,7 +233,7 @@ class RemoteTarget:
         samples = self.endpoint.metrics() or {}
         seconds, counts = {}, {}
         legs = "morion_request_to_engine_seconds_count" in samples  # else an older server's handoff sum
-        for part in PARTS if legs else PARTS + LEGACY_PARTS:
+        for part in (PARTS if legs else PARTS + LEGACY_PARTS) + THREAD_PARTS:
             name = f"morion_request_{part.removesuffix('_s')}_seconds"
             if f"{name}_sum" in samples and f"{name}_count" in samples:
                 seconds[part], counts[part] = samples[f"{name}_sum"], int(samples[f"{name}_count"])

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from morion.bench.first_token_parts import PartTotals
-from morion.bench.thread_times import ThreadTimes
 from morion.engine.step_timing import StepTimes
+from morion.engine.thread_times import ThreadTimes
 
 
 class RequestTiming(NamedTuple):
@@ -106,7 +106,7 @@ class Target(Protocol):
         ...
 
     def stepping_thread_times(self) -> ThreadTimes | None:
-        """The CPU times so far of the thread that steps the engine (bench/thread_times.py), where it is
+        """The CPU times so far of the thread that steps the engine (engine/thread_times.py), where it is
         this process's calling thread (the offline target); None elsewhere."""
         ...
 

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from morion.bench.first_token_parts import mean_parts, parts_text
+from morion.bench.first_token_parts import engine_thread, mean_parts, parts_text
 from morion.bench.prompts import PromptFactory
-from morion.bench.thread_times import split_wall
 from morion.bench.timing import GroupResult, Target, median_of
+from morion.engine.thread_times import split_wall
 
 WARMUP_MAX_TOKENS = 32  # output tokens of a warm-up run
 
@@ -113,8 +113,13 @@ class Workbench:
             # to the first token went (on a CPU, waiting for one, off CPU), where it is ours; and the TTFT's
             # parts (front end, engine queue and prefill, hand-over), where the target tells.
             forwards = _counted(before, self.target.forward_counts())
-            thread = split_wall(times_before, self.target.stepping_thread_times(), request.ttft_s)
-            parts = mean_parts(parts_before, self.target.first_token_parts())
+            parts_after = self.target.first_token_parts()
+            parts = mean_parts(parts_before, parts_after)
+            # The engine's own split of its prefill part (a morion server's too), else the bench's of the
+            # TTFT where the bench steps the engine in this thread.
+            thread = engine_thread(parts_before, parts_after) or split_wall(
+                times_before, self.target.stepping_thread_times(), request.ttft_s
+            )
             runs.append(
                 {
                     "prompt_tokens": request.prompt_tokens,

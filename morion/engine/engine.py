@@ -46,6 +46,7 @@ from morion.engine.sampling_params import SamplingParams
 from morion.engine.scheduler import ScheduledChunk
 from morion.engine.step_timing import StepTimes
 from morion.engine.stop import StopStringMatcher
+from morion.engine.thread_times import read_thread_times, split_wall
 from morion.errors import InvalidRequestError, MorionError
 from morion.loader import LoadedModel
 from morion.loader.load import check_tensor_parallel
@@ -593,10 +594,14 @@ class Engine:
         first_token_times = None
         if token_ids and not request.first_token_reported and request.admitted_at is not None:
             request.first_token_reported = True
+            prefill_s = time.perf_counter() - request.admitted_at
+            thread = split_wall(request.admitted_thread, read_thread_times(), prefill_s)
             first_token_times = FirstTokenTimes(
                 request.admitted_at - request.added_at,
-                time.perf_counter() - request.admitted_at,
+                prefill_s,
                 request.added_at,
+                None if thread is None else thread["on_cpu_s"],
+                None if thread is None else thread["runqueue_s"],
             )
         return StepOutput(
             request.request_id,

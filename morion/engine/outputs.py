@@ -38,11 +38,18 @@ class FirstTokenTimes(NamedTuple):
     pages or a disk prefetch), `prefill_s` from there to the step that sampled its first token (its
     prompt's forwards, with whatever else those steps ran). `added_at`: when `Engine.add_request` was
     called (perf_counter seconds: CLOCK_MONOTONIC on Linux, one clock for every process of the machine,
-    so the server's front end places the request's arrival in the engine on its own timeline)."""
+    so the server's front end places the request's arrival in the engine on its own timeline).
+
+    Of `prefill_s`, the thread that steps the engine spent `prefill_on_cpu_s` on a CPU and
+    `prefill_runqueue_s` runnable but waiting for one (engine/thread_times.py; None off Linux); the rest
+    it was off a CPU (the GIL, a lock, a wait for the GPU). On a GPU a host-bound prefill is on a CPU for
+    nearly all of it; another thread of the process holding the GIL shows as time off it."""
 
     queued_s: float
     prefill_s: float
     added_at: float
+    prefill_on_cpu_s: float | None = None
+    prefill_runqueue_s: float | None = None
 
 
 class StepOutput(NamedTuple):

@@ -12,6 +12,7 @@ from morion.engine.outputs import PromptLogprob
 from morion.engine.sampler import RequestSampler
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.stop import StopStringMatcher
+from morion.engine.thread_times import ThreadTimes
 from morion.multimodal.prompt_images import PromptImages
 from morion.text.detokenizer import IncrementalDetokenizer
 
@@ -42,6 +43,8 @@ class Request:
     arrival: int
     added_at: float = 0.0  # time.perf_counter() at Engine.add_request
     admitted_at: float | None = None  # at its first admission (scheduler), for FirstTokenTimes
+    # The stepping thread's scheduler times then (engine/thread_times.py; None off Linux), for the same.
+    admitted_thread: ThreadTimes | None = None
     first_token_reported: bool = False  # its FirstTokenTimes went out in a StepOutput
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None

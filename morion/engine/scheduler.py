@@ -46,6 +46,7 @@ from morion.cache.radix_cache import RadixCache
 from morion.cache.tier_stats import CacheStats
 from morion.cache.tiers import PREFETCHING, WAIT, CacheTiers, TierHit
 from morion.engine.request import Request, RequestStatus
+from morion.engine.thread_times import read_thread_times
 
 # A request starts disk prefetches at most this many times (objects can be evicted from host memory again
 # before it gets to them); then it takes what host memory holds.
@@ -274,6 +275,7 @@ class Scheduler:
             request.num_cached_tokens = computed
             request.admitted_once = True
             request.admitted_at = time.perf_counter()
+            request.admitted_thread = read_thread_times()
             self._count_hit(matched_tokens, hit)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -41,6 +41,10 @@ _FIRST_TOKEN_PARTS = {
     "pipe, the engine loop's wake and unpickling)",
     "from_engine": "The hand-over's second leg: from the engine's first token to its arrival in the front "
     "end (the rest of that step, the pipe, the front end's event loop)",
+    # Not parts that add up to the time to first token: how the engine thread spent the prefill part.
+    "prefill_on_cpu": "Of the engine's prefill part, the seconds its stepping thread was on a CPU (Linux)",
+    "prefill_runqueue": "Of the engine's prefill part, the seconds its stepping thread was runnable but "
+    "waiting for a CPU (Linux); the rest of the part it was off a CPU (the GIL, a lock, a wait for the GPU)",
 }
 
 # The *_created series (a timestamp per counter) only add noise to every scrape.
@@ -88,7 +92,8 @@ class ServerMetrics:
             registry=registry,
         )
         # The time to first token in parts, which add up to it for a request of one choice (`morion bench
-        # --url` reads their sums per run): morion_request_{part}_seconds.
+        # --url` reads their sums per run): morion_request_{part}_seconds; and the engine thread's split
+        # of the prefill part (prefill_on_cpu, prefill_runqueue), where the engine measured it.
         self.first_token_part = {
             part: Histogram(
                 f"morion_request_{part}_seconds", documentation, buckets=_PART_BUCKETS, registry=registry
@@ -107,6 +112,9 @@ class ServerMetrics:
         parts = self.first_token_part
         parts["queue"].observe(times.queued_s)
         parts["prefill"].observe(times.prefill_s)
+        if times.prefill_on_cpu_s is not None and times.prefill_runqueue_s is not None:
+            parts["prefill_on_cpu"].observe(times.prefill_on_cpu_s)
+            parts["prefill_runqueue"].observe(times.prefill_runqueue_s)
         handoff = max(0.0, arrived - submitted - times.queued_s - times.prefill_s)
         to_engine = min(handoff, max(0.0, times.added_at - submitted))
         parts["handoff"].observe(handoff)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from morion.bench.timing import median_of
 from morion.validate.restore_cause import by_cause
 
 
@@ -207,18 +208,38 @@ def _perf(suite: dict[str, Any]) -> list[str]:
         )
         for p in suite["decode"]
     ]
-    prefill = [
-        (f"{p['prompt_tokens']:,}", _ms(p["median"]["ttft_s"]), _num(p["median"]["prefill_tok_s"]))
-        for p in suite["prefill"]
-    ]
+    prefill = [_prefill_row(p) for p in suite["prefill"]]
     settings = suite["settings"]
     return [
         f"Decode, {settings['output_tokens']} tokens per request, median of {settings['repeats']} runs "
         "(definitions in the JSON, as docs/bench.md):",
         "",
         *_table(("C", "context", "per-request tok/s", "aggregate tok/s", "TTFT ms"), decode),
-        *_table(("cold prefill tokens", "TTFT ms", "prefill tok/s"), prefill),
+        *_table(PREFILL_COLUMNS, prefill),
     ]
+
+
+PREFILL_COLUMNS = (
+    "cold prefill tokens",
+    "TTFT ms",
+    "prefill tok/s",
+    "engine prefill ms",
+    "engine thread on / off CPU ms",
+)
+
+
+def _prefill_row(point: dict[str, Any]) -> tuple[str, ...]:
+    """A prefill point's row of PREFILL_COLUMNS: its medians, with the engine's prefill part and its
+    stepping thread's time on and off a CPU during it where the server tells (bench/first_token_parts.py;
+    "—" elsewhere)."""
+    runs, median = point["runs"], point["median"]
+    prefill = median_of([run.get("ttft_parts") or {} for run in runs], "prefill_s")
+    threads = [run["engine_thread"] for run in runs if run.get("engine_thread")]
+    thread = "—"
+    if threads:
+        thread = f"{_ms(median_of(threads, 'on_cpu_s'))} / {_ms(median_of(threads, 'off_cpu_s'))}"
+    tokens = f"{point['prompt_tokens']:,}"
+    return (tokens, _ms(median["ttft_s"]), _num(median["prefill_tok_s"]), _ms(prefill), thread)
 
 
 def _tools(suite: dict[str, Any]) -> list[str]:

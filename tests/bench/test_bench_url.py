@@ -64,6 +64,13 @@ def test_bench_against_a_server(tiny_server, tmp_path, capsys):
             assert run["engine_decode_step_ms"] > 0
             assert isinstance(run["engine_steps"]["loop_overhead_ms_per_step"], float)
     assert all(run["cached_tokens"] == 0 for p in [*result["prefill"], result["ttft"]] for run in p["runs"])
+    # The server's engine thread during each prefill (its own split, exported in /metrics): this Linux
+    # machine keeps the scheduler's statistics, so each run has it, within the engine's prefill part.
+    for run in result["prefill"][0]["runs"]:
+        thread, prefill = run["engine_thread"], run["ttft_parts"]["prefill_s"]
+        assert thread["on_cpu_s"] > 0 and thread["runqueue_s"] >= 0 and thread["off_cpu_s"] >= 0
+        busy = thread["on_cpu_s"] + thread["runqueue_s"]
+        assert sum(thread.values()) == pytest.approx(max(prefill, busy))
     # The roofline comes from the model's config (--model), in the dtype the server reports (CPU: fp32);
     # the server is on a CPU, whose peaks are unknown: no bound, and the files say why (never an H200's).
     assert result["roofline"]["model"]["source"] == "config"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from morion.bench.first_token_parts import EngineFirstTokens, PartTotals, mean_parts, median_parts, parts_text
+from morion.bench.first_token_parts import (
+    EngineFirstTokens,
+    PartTotals,
+    engine_thread,
+    mean_parts,
+    median_parts,
+    parts_text,
+)
 from morion.engine.outputs import FirstTokenTimes
 
 
@@ -42,3 +49,18 @@ def test_the_median_of_each_part_over_the_runs_that_have_parts():
     runs.append({"queue_s": 0.002, "prefill_s": 0.2})
     assert median_parts(runs) == {"queue_s": 0.002, "prefill_s": 0.2}
     assert median_parts([None, {}]) is None
+
+
+def test_the_engine_thread_during_the_prefill_where_the_engine_measured_it():
+    totals = EngineFirstTokens()
+    before = totals.totals()
+    totals.add(FirstTokenTimes(0.002, 0.1, 5.0))  # off Linux: no split
+    assert engine_thread(before, totals.totals()) is None
+    middle = totals.totals()
+    totals.add(FirstTokenTimes(0.002, 0.1, 6.0, 0.06, 0.01))
+    totals.add(FirstTokenTimes(0.002, 0.3, 7.0, 0.28, 0.03))  # on a CPU and queued for more than all of it
+    thread = engine_thread(middle, totals.totals())
+    assert thread == pytest.approx({"on_cpu_s": 0.17, "runqueue_s": 0.02, "off_cpu_s": 0.01})
+    # The split is no part of the time to the first token: the parts stay the engine's two.
+    assert list(mean_parts(middle, totals.totals())) == ["queue_s", "prefill_s"]
+    assert engine_thread(None, totals.totals()) is None

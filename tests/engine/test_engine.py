@@ -281,5 +281,10 @@ def test_the_first_output_with_a_token_says_where_its_time_went(tiny, engine_fac
         [(step, times[request_id])] = outputs  # once
         assert step == first_token_step[request_id]  # on its first token's output
         assert times[request_id].queued_s >= 0 and times[request_id].prefill_s > 0
+        # The stepping thread's split of the prefill (Linux keeps the statistics): on a CPU (its CPU clock)
+        # for some of it and never for more; runnable in a run queue for some time (a wait is counted when
+        # it ends, so one that began before the admission may count whole).
+        on_cpu, runqueue = times[request_id].prefill_on_cpu_s, times[request_id].prefill_runqueue_s
+        assert 0 < on_cpu <= times[request_id].prefill_s + 1e-3 and runqueue >= 0
     # One running request at a time: the second queued through the whole of the first one's run.
     assert times[second].queued_s > times[first].prefill_s > 0

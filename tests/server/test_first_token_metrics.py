@@ -32,3 +32,16 @@ def test_the_legs_stay_within_the_hand_over(added_at, to_engine):
     sums = _sums(metrics)
     assert sums["to_engine"] == pytest.approx(to_engine)
     assert sums["to_engine"] + sums["from_engine"] == pytest.approx(sums["handoff"]) == pytest.approx(0.008)
+
+
+def test_the_engine_thread_s_split_of_the_prefill_where_the_engine_measured_it():
+    metrics = ServerMetrics(lambda: (None, None), lambda: None)
+    registry = metrics.registry
+    metrics.first_token_parts(FirstTokenTimes(0.002, 0.050, 10.001), submitted=10.0, arrived=10.060)
+    assert registry.get_sample_value("morion_request_prefill_on_cpu_seconds_count") == 0  # not measured
+    metrics.first_token_parts(
+        FirstTokenTimes(0.002, 0.050, 10.001, 0.030, 0.004), submitted=10.0, arrived=10.060
+    )
+    assert registry.get_sample_value("morion_request_prefill_on_cpu_seconds_sum") == pytest.approx(0.030)
+    assert registry.get_sample_value("morion_request_prefill_runqueue_seconds_sum") == pytest.approx(0.004)
+    assert registry.get_sample_value("morion_request_prefill_seconds_count") == 2

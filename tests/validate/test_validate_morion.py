@@ -72,10 +72,17 @@ def test_every_suite_against_morion(morion_url, tmp_path, capsys):
     # The sweep's forwards as the server's engine ran them: on a CPU every one eagerly.
     forwards = perf["forwards"]
     assert forwards["decode/eager"] > 0 and sum(v for k, v in forwards.items() if k.endswith("/graph")) == 0
+    # Each cold prefill's engine part and the engine thread's split of it (the server's /metrics), in the
+    # report's prefill table.
+    [run] = perf["prefill"][0]["runs"]
+    assert run["engine_thread"]["on_cpu_s"] > 0 and run["ttft_parts"]["prefill_s"] > 0
 
     assert status == 0 and result["verdict"] == "pass"
     report = path.with_suffix(".md").read_text()
     assert "## restore: **pass**" in report and "| single-depth-50 | 300 | 300 |" in report
+    assert "| engine prefill ms | engine thread on / off CPU ms |" in report
+    [prefill_row] = [line for line in report.splitlines() if line.startswith("| 64 |")]
+    assert "—" not in prefill_row, prefill_row
 
 
 def test_restore_over_generated_token_id_conversations(morion_url, tmp_path, capsys):

@@ -7,10 +7,17 @@ ms with the host tier alone (session 19), and a CPU probe could not tell whether
 waits for a CPU (too many busy threads), for the GIL, or runs slower on its CPU (caches and memory
 bandwidth taken by the writers). The kernel's per-thread scheduler statistics tell the three apart:
 /proc/thread-self/schedstat holds the thread's time on a CPU and its time runnable in a run queue, in
-nanoseconds (Linux; elsewhere nothing is recorded)."""
+nanoseconds (Linux; elsewhere nothing is recorded); the time on a CPU is read from the thread's CPU clock,
+which is exact to the moment (`read_thread_times`).
+
+The engine reads them on the thread that steps it, at a request's first admission and at its first
+token (`FirstTokenTimes.prefill_on_cpu_s` / `prefill_runqueue_s`): a server's engine process exports the
+split in /metrics, which `morion bench --url` and `morion validate perf` read as the offline bench reads
+its own thread."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,12 +32,15 @@ class ThreadTimes(NamedTuple):
 
 
 def read_thread_times() -> ThreadTimes | None:
-    """The calling thread's times so far; None where the kernel does not keep them."""
+    """The calling thread's times so far; None where the kernel does not keep them. The time on a CPU is
+    the thread's CPU clock (`time.thread_time`), which counts the running slice to the moment it is read:
+    schedstat's first field is brought up to date only at a tick or a switch, so two readings a few
+    milliseconds apart on a busy thread could differ by nothing. The run-queue wait is schedstat's."""
     try:
         fields = _SCHEDSTAT.read_text().split()
     except OSError:
         return None
-    return ThreadTimes(int(fields[0]) / 1e9, int(fields[1]) / 1e9)
+    return ThreadTimes(time.thread_time(), int(fields[1]) / 1e9)
 
 
 def split_wall(

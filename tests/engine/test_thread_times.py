@@ -1,4 +1,5 @@
-"""The engine thread's scheduler times (bench/thread_times.py): read from the kernel, split of a wall time."""
+"""The engine thread's scheduler times (engine/thread_times.py): read from the kernel, split of a wall
+time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from morion.bench.thread_times import ThreadTimes, read_thread_times, split_wall
+from morion.engine.thread_times import ThreadTimes, read_thread_times, split_wall
 
 
 @pytest.mark.skipif(
