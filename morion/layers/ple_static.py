@@ -199,10 +199,10 @@ def fetch_prefill(ple: PLELayer, input_ids: torch.Tensor, backend: HybridBackend
     of mixed lengths), advancing the n-gram history state, with no host sync: the positions of every
     token's n-gram sources and of each sequence's new history come from the batch's layout
     (`ragged_window_indices`, built on the host and copied over from pinned memory), and the device picks
-    the sources, hashes them and gathers the table rows as `fetch_static` does. The host hashed them once, after
-    two syncs per forward that waited for the device to drain the forward before (8.8 ms of an 8K prefill
-    at 12 layers on an H100, results/2026-12-05-session-40-notes.md). The same integer hashing of the
-    same tokens, so the same rows and state. Not capturable (the positions are a host tensor): a piecewise
+    the sources, hashes them and gathers the table rows as `fetch_static` does. The host hashed them once,
+    after two syncs per forward that waited for the device to drain the forward before (8.8 ms of an 8K
+    prefill at 12 layers on an H100, results/2026-12-05-session-40-notes.md). The same integer hashing of
+    the same tokens, so the same rows and state. Not capturable (the positions are a host tensor): a piecewise
     prefill graph runs it eagerly. A memory-mapped table's rows are gathered on the host (one sync)."""
     embedding = ple.ple_embedding
     ngram_hash, table = embedding.hash, embedding.table
