@@ -115,9 +115,6 @@ class HFTarget:
     def forward_counts(self) -> None:
         return None  # nor forwards of the engine's kinds
 
-    def stepping_thread_times(self) -> None:
-        return None  # nor an engine thread
-
     def first_token_parts(self) -> None:
         return None  # nor parts of a time to first token
 

@@ -21,7 +21,6 @@ from morion.engine.engine import Engine
 from morion.engine.outputs import StepOutput
 from morion.engine.sampling_params import SamplingParams
 from morion.engine.step_timing import StepTimes
-from morion.engine.thread_times import ThreadTimes, read_thread_times
 
 
 def generate(
@@ -126,9 +125,6 @@ class EngineTarget:
 
     def forward_counts(self) -> dict[str, int]:
         return {f"{kind}/{path}": count for (kind, path), count in self.engine.forward_counts().items()}
-
-    def stepping_thread_times(self) -> ThreadTimes | None:
-        return read_thread_times()  # the bench steps the engine in its own thread
 
     def first_token_parts(self) -> PartTotals:
         return self._first_tokens.totals()

@@ -224,9 +224,6 @@ class RemoteTarget:
             busy_seconds=samples[names["busy_seconds"]],
         )
 
-    def stepping_thread_times(self) -> None:
-        return None  # the server's engine thread is in another process
-
     def first_token_parts(self) -> PartTotals | None:
         """The server's running sums and counts of each time-to-first-token part, from its /metrics
         histograms (a morion server; None for others)."""

@@ -272,8 +272,8 @@ def _prefill_table(points: list[dict[str, Any]]) -> list[str]:
 
 
 def _engine_thread_lines(points: list[dict[str, Any]]) -> list[str]:
-    """Where the engine thread's prefill went, per prompt length (median of its runs), where the engine or
-    the bench measured it (engine/thread_times.py)."""
+    """Where the engine thread's prefill went, per prompt length (median of its runs), where the engine
+    measured it (engine/thread_times.py)."""
     lines = []
     for p in points:
         runs = [run["engine_thread"] for run in p["runs"] if run.get("engine_thread")]

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple, Protocol
 
 from morion.bench.first_token_parts import PartTotals
 from morion.engine.step_timing import StepTimes
-from morion.engine.thread_times import ThreadTimes
 
 
 class RequestTiming(NamedTuple):
@@ -103,11 +102,6 @@ class Target(Protocol):
     def forward_counts(self) -> dict[str, int] | None:
         """The engine's forwards so far as "kind/path" -> count (runner/forward_counts.py: replayed from a
         CUDA graph or eager), where the target can see them; None elsewhere."""
-        ...
-
-    def stepping_thread_times(self) -> ThreadTimes | None:
-        """The CPU times so far of the thread that steps the engine (engine/thread_times.py), where it is
-        this process's calling thread (the offline target); None elsewhere."""
         ...
 
     def first_token_parts(self) -> PartTotals | None:

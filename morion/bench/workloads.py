@@ -15,7 +15,6 @@ from typing import Any, TextIO
 from morion.bench.first_token_parts import engine_thread, mean_parts, parts_text
 from morion.bench.prompts import PromptFactory
 from morion.bench.timing import GroupResult, Target, median_of
-from morion.engine.thread_times import split_wall
 
 WARMUP_MAX_TOKENS = 32  # output tokens of a warm-up run
 
@@ -104,22 +103,18 @@ class Workbench:
         label = self.label
         runs = []
         for r in range(repeats):
-            before, times_before = self.target.forward_counts(), self.target.stepping_thread_times()
+            before = self.target.forward_counts()
             parts_before = self.target.first_token_parts()
             group = self._group(f"{label}:{workload}:{length}:{r}", 1, length, 1)
             request = group.requests[0]
             # How the engine ran this prompt's forwards (a chunk up to its last page boundary, its tail):
-            # replayed from graphs or eager, where the target counts them; where the engine thread's time
-            # to the first token went (on a CPU, waiting for one, off CPU), where it is ours; and the TTFT's
-            # parts (front end, engine queue and prefill, hand-over), where the target tells.
+            # replayed from graphs or eager, where the target counts them; the TTFT's parts (front end,
+            # engine queue and prefill, hand-over) and where the engine thread's prefill went (on a CPU,
+            # waiting for one, off CPU: the engine's own split), where the target tells.
             forwards = _counted(before, self.target.forward_counts())
             parts_after = self.target.first_token_parts()
             parts = mean_parts(parts_before, parts_after)
-            # The engine's own split of its prefill part (a morion server's too), else the bench's of the
-            # TTFT where the bench steps the engine in this thread.
-            thread = engine_thread(parts_before, parts_after) or split_wall(
-                times_before, self.target.stepping_thread_times(), request.ttft_s
-            )
+            thread = engine_thread(parts_before, parts_after)
             runs.append(
                 {
                     "prompt_tokens": request.prompt_tokens,

@@ -12,8 +12,8 @@ which is exact to the moment (`read_thread_times`).
 
 The engine reads them on the thread that steps it, at a request's first admission and at its first
 token (`FirstTokenTimes.prefill_on_cpu_s` / `prefill_runqueue_s`): a server's engine process exports the
-split in /metrics, which `morion bench --url` and `morion validate perf` read as the offline bench reads
-its own thread."""
+split in /metrics, which `morion bench --url` and `morion validate perf` read; the offline bench reads
+the engine's outputs."""
 
 from __future__ import annotations
 
